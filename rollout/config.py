@@ -1,0 +1,98 @@
+"""User-facing configuration of the engine and of one generation request.
+
+Both are frozen dataclasses validated on construction: a bad value raises one `ValueError`
+naming the field and what to do, before any model or memory is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch",)  # "triton" arrives with the speculative-decoding issue
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    """Local directory with a Hugging Face `config.json` and `*.safetensors` files."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_tokens: int | None = None
+    """Size of the paged KV pool in tokens. None: `kv_memory_fraction` of free device memory."""
+    kv_memory_fraction: float = 0.2
+    page_size: int = 1
+    """Tokens per KV page. The radix cache shares whole pages, so 1 shares the most."""
+    max_running_requests: int = 256
+    """Most sequences decoding at once (each sample of a request counts)."""
+    max_prefill_tokens: int = 4096
+    """Chunked-prefill budget: most prompt tokens computed in one engine step."""
+    max_model_len: int | None = None
+    """Longest prompt + completion. None: the model's `max_position_embeddings`."""
+    enable_prefix_cache: bool = True
+    """Radix-tree KV reuse across and within requests. Off: every sample prefills its prompt."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """None: read from config.json / generation_config.json."""
+    attention_backend: str = "torch"
+    seed: int = 0
+    """Seeds the generators of requests that give no seed of their own."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model_path, str) and self.model_path != "",
+                 "EngineConfig.model_path: give the local directory holding config.json and *.safetensors")
+        _require(self.dtype in DTYPES, f"EngineConfig.dtype={self.dtype!r}: choose one of {DTYPES}")
+        _require(self.kv_cache_tokens is None or (isinstance(self.kv_cache_tokens, int) and self.kv_cache_tokens > 0),
+                 f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens!r}: must be a positive int or None")
+        _require(0.0 < self.kv_memory_fraction <= 0.95,
+                 f"EngineConfig.kv_memory_fraction={self.kv_memory_fraction!r}: must be in (0, 0.95]")
+        _require(isinstance(self.page_size, int) and self.page_size >= 1,
+                 f"EngineConfig.page_size={self.page_size!r}: must be an int >= 1")
+        _require(isinstance(self.max_running_requests, int) and self.max_running_requests >= 1,
+                 f"EngineConfig.max_running_requests={self.max_running_requests!r}: must be an int >= 1")
+        _require(isinstance(self.max_prefill_tokens, int) and self.max_prefill_tokens >= 1,
+                 f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r}: must be an int >= 1")
+        _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+                 f"EngineConfig.max_model_len={self.max_model_len!r}: must be an int >= 2 or None")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"EngineConfig.attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt. They share the prompt's KV: it is prefilled once."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] | tuple[int, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    """Sample j of the request draws from its own torch.Generator seeded with `seed + j`."""
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.n, int) and self.n >= 1, f"SamplingParams.n={self.n!r}: must be an int >= 1")
+        _require(self.temperature >= 0.0, f"SamplingParams.temperature={self.temperature!r}: must be >= 0 (0 = greedy)")
+        _require(0.0 < self.top_p <= 1.0, f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
+        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
+                 f"SamplingParams.top_k={self.top_k!r}: must be -1 (off) or an int >= 0")
+        _require(0.0 <= self.min_p < 1.0, f"SamplingParams.min_p={self.min_p!r}: must be in [0, 1)")
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+                 f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: must be non-negative token ids")
+        _require(self.seed is None or isinstance(self.seed, int), f"SamplingParams.seed={self.seed!r}: must be an int or None")
+        # Stored as a tuple so the params stay hashable and immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,228 @@
+"""The engine: model + paged KV pool + radix cache + continuous-batching scheduler.
+
+Usable on its own as a generation library (`Engine.generate`), and driven by the RL controller
+through its lifecycle calls: `update_weights` after every training step, `release_memory` /
+`resume_memory` around the training phase when trainer and engine share a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+from collections.abc import Iterable, Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from rollout.attention import TorchAttention
+from rollout.config import EngineConfig, SamplingParams
+from rollout.kv_pool import KVPool
+from rollout.model import CausalLM
+from rollout.model_config import ModelConfig
+from rollout.model_runner import ModelRunner
+from rollout.rope import RotaryEmbedding
+from rollout.scheduler import Scheduler
+from rollout.sequence import Request, RequestOutput, SampleOutput
+from rollout.weights import iter_safetensors, load_weights
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model_path)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"EngineConfig.model_path={config.model_path!r} is not a directory; "
+                                    "give a local Hugging Face model directory")
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={self.model_config.max_position_embeddings}; lower it")
+        eos = config.eos_token_ids if config.eos_token_ids is not None else self.model_config.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+
+        self.model = self._build_model()
+        load_weights(self.model, iter_safetensors(model_dir),
+                     tied_embeddings=self.model_config.tie_word_embeddings, require_all=True)
+        self.weight_version = 0
+        self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._weights_loaded_since_release: set[str] | None = None  # None: weights are resident
+
+        self.pool = KVPool(num_layers=self.model_config.num_layers, num_pages=self._num_pages(),
+                           page_size=config.page_size, num_kv_heads=self.model_config.num_kv_heads,
+                           head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device)
+        self.scheduler = Scheduler(pool=self.pool, max_running_requests=config.max_running_requests,
+                                   max_prefill_tokens=config.max_prefill_tokens, max_model_len=self.max_model_len,
+                                   enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids)
+        self.runner = ModelRunner(self.model, TorchAttention(self.pool), self.scheduler.slot_table)
+        self._next_request_id = 0
+        self._seed_rng = random.Random(config.seed)
+        self._abort_lock = threading.Lock()
+        self._pending_aborts: set[int] = set()
+
+    # -- construction --------------------------------------------------------------------------
+    def _build_model(self) -> CausalLM:
+        # Built on the meta device (no init cost), then given real, uninitialised storage that the
+        # checkpoint fills. The rotary tables are recomputed in float32 on the real device.
+        with torch.device("meta"):
+            model = CausalLM(self.model_config, self.max_model_len)
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model.tie_weights()
+        model.rotary = RotaryEmbedding(self.model_config.rope, self.model_config.head_dim, self.max_model_len).to(self.device)
+        return model.eval().requires_grad_(False)
+
+    def _num_pages(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        else:
+            per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+            else:
+                import psutil
+                free = psutil.virtual_memory().available
+            # No point holding more than every running sequence at full length.
+            tokens = min(int(cfg.kv_memory_fraction * free) // per_token, cfg.max_running_requests * self.max_model_len)
+        return max(1, -(-tokens // cfg.page_size))
+
+    # -- requests ------------------------------------------------------------------------------
+    def _check_ready(self) -> None:
+        if not self.pool.allocated:
+            raise RuntimeError("engine memory is released; call resume_memory() before generating")
+        if self._weights_loaded_since_release is not None:
+            raise RuntimeError("engine weights were released; call update_weights() with every weight "
+                               "before generating")
+
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> int:
+        """Queue one prompt; returns its request id. Outputs come from `step()`."""
+        self._check_ready()
+        prompt = [int(t) for t in prompt_token_ids]
+        vocab = self.model_config.vocab_size
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty; give at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                             f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_new_tokens")
+        pages = -(-total // self.config.page_size)
+        if pages > self.pool.num_pages:
+            raise ValueError(f"one sequence of {total} tokens needs {pages * self.config.page_size} KV slots but "
+                             f"kv_cache_tokens holds {self.pool.num_slots}; raise kv_cache_tokens")
+        if params.n > self.config.max_running_requests:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds max_running_requests="
+                             f"{self.config.max_running_requests}; raise max_running_requests")
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
+        self.scheduler.add(Request(request_id, prompt, params, base_seed))
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request (safe from another thread); its unfinished samples end with
+        finish_reason "abort" and the tokens they had."""
+        with self._abort_lock:
+            self._pending_aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step and forward pass; returns the requests that finished."""
+        with self._abort_lock:
+            aborts, self._pending_aborts = self._pending_aborts, set()
+        for request_id in aborts:
+            self.scheduler.abort(request_id)
+        batch = self.scheduler.schedule()
+        if not batch.empty:
+            logits = self.runner.run(batch)
+            self.scheduler.finish_step(batch, logits)
+        elif self.scheduler.waiting:
+            raise RuntimeError("scheduler made no progress with requests waiting (engine bug)")
+        return self.scheduler.pop_finished()
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[list[SampleOutput]]:
+        """Generate for every prompt; result[i][j] is sample j of prompt i."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        wanted = set(ids)
+        results: dict[int, list[SampleOutput]] = {}
+        while wanted - results.keys():
+            for out in self.step():
+                if out.request_id in wanted:
+                    results[out.request_id] = out.samples
+        return [results[i] for i in ids]
+
+    # -- RL lifecycle --------------------------------------------------------------------------
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(f"{what} while requests are in flight; finish or abort them first")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (hf_name, tensor) pairs into the model in place (addresses unchanged), flush the
+        prefix cache (its K/V came from the old weights) and bump `weight_version`. A partial set
+        is allowed (bucketed updates); after `release_memory(weights=True)` generation waits
+        until every weight has arrived again."""
+        self._require_idle("update_weights")
+        loaded = load_weights(self.model, named_tensors, tied_embeddings=self.model_config.tie_word_embeddings,
+                              require_all=False)
+        if self._weights_loaded_since_release is not None:
+            self._weights_loaded_since_release |= loaded
+            if self._weights_loaded_since_release >= self._param_shapes.keys():
+                self._weights_loaded_since_release = None
+        if self.scheduler.cache is not None and self.pool.allocated:
+            self.scheduler.cache.reset()
+        self.weight_version += 1
+
+    def release_memory(self, weights: bool = False) -> int:
+        """Free the KV pool (and, with `weights`, the parameters' storage) so the trainer can use
+        the device. Returns the bytes released."""
+        self._require_idle("release_memory")
+        released = 0
+        if self.pool.allocated:
+            if self.scheduler.cache is not None:
+                self.scheduler.cache.reset()
+            released += 2 * self.pool.k.numel() * self.pool.k.element_size()
+            self.pool.free_memory()
+        if weights and self._weights_loaded_since_release is None:
+            for p in self.model.parameters():
+                released += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._weights_loaded_since_release = set()
+        return released
+
+    def resume_memory(self) -> None:
+        """Re-create what `release_memory` freed (parameters come back uninitialised: the next
+        `update_weights` fills them)."""
+        if not self.pool.allocated:
+            self.pool.allocate()
+        for name, p in self.model.named_parameters():
+            if p.numel() == 0 and len(self._param_shapes[name]):
+                p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict[str, int | float]:
+        s = dataclasses.asdict(self.scheduler.stats)
+        cache = self.scheduler.cache
+        s.update(
+            weight_version=self.weight_version,
+            kv_pool_tokens=self.pool.num_slots,
+            kv_free_tokens=self.pool.num_free_pages * self.pool.page_size,
+            prefix_cache_tokens=(cache.cached_pages * self.pool.page_size) if cache is not None else 0,
+            running_sequences=len(self.scheduler.running),
+            waiting_sequences=len(self.scheduler.waiting),
+        )
+        return s
+
+    def check_integrity(self) -> None:
+        """Assert the KV bookkeeping invariants (free + cached + in use == total, locks, rows)."""
+        if self.pool.allocated:
+            self.scheduler.check_integrity()

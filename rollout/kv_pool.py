@@ -1,0 +1,78 @@
+"""The paged KV pool: one K and one V tensor for all layers, carved into pages of `page_size` slots.
+
+A *slot* holds the K/V of one token in every layer; slot `s` lies in page `s // page_size`.
+Pages are the unit of allocation and sharing; slots are what attention indexes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self._free_pages: list[int] = []
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def allocated(self) -> bool:
+        return self.k is not None
+
+    def allocate(self) -> None:
+        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Popped from the end: low page ids are handed out first, which keeps small runs compact.
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+
+    def free_memory(self) -> None:
+        """Drop the K/V tensors (the caller has already released every page)."""
+        self.k = self.v = None
+        self._free_pages = []
+
+    # -- pages -------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def free_page_ids(self) -> list[int]:
+        return list(self._free_pages)
+
+    def alloc_pages(self, count: int) -> list[int] | None:
+        """`count` free pages, or None (and nothing taken) if there are not that many."""
+        if count > len(self._free_pages):
+            return None
+        if count == 0:
+            return []
+        taken = self._free_pages[-count:]
+        del self._free_pages[-count:]
+        return taken[::-1]
+
+    def free_pages(self, pages: list[int]) -> None:
+        self._free_pages.extend(pages)
+
+    def copy_page_prefix(self, src_page: int, dst_page: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` slots of a page (all layers): used when samples fork
+        from a prompt whose last page is only partly filled."""
+        src = src_page * self.page_size
+        dst = dst_page * self.page_size
+        self.k[:, dst:dst + num_tokens] = self.k[:, src:src + num_tokens]
+        self.v[:, dst:dst + num_tokens] = self.v[:, src:src + num_tokens]

@@ -1,0 +1,126 @@
+"""One decoder implementation for the Llama / Qwen2 / Qwen3 family.
+
+Parameter names are exactly the Hugging Face names (`model.layers.3.self_attn.q_proj.weight`),
+so loading a checkpoint from disk and receiving a weight update from the trainer are the same
+call (`rollout.weights.load_weights`). The forward pass works on a flat batch of tokens from
+many sequences (no padding); attention reads and writes the paged KV pool through a backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.attention import AttentionMetadata, TorchAttention
+from rollout.model_config import ModelConfig
+from rollout.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype, as the HF reference does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: TorchAttention, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        out = attn.forward(self.layer_idx, q, k, v, meta)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, attn, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`model.*` + `lm_head`, as in HF's *ForCausalLM. With tied embeddings `lm_head.weight`
+    *is* `model.embed_tokens.weight` (one Parameter, listed once under the embedding's name)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+
+    def tie_weights(self) -> None:
+        """Re-establish tying; needed again after conversions that rebuild parameters."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: TorchAttention,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat batch, before the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rotary, attn, meta)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits for the selected rows only (the norm is per token, so selecting rows
+        first gives the same values as HF computing every row)."""
+        return self.lm_head(self.model.norm(hidden)).float()

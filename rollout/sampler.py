@@ -1,0 +1,85 @@
+"""Token sampling with per-sequence parameters and generators.
+
+The logprob returned for a token is `log_softmax(logits / T)[token]` over the *full* vocabulary,
+before top-k / top-p / min-p truncation (T = 1 for greedy). That is the quantity the trainer
+recomputes from the same logits, so the two can be compared token for token; truncation only
+decides which tokens may be drawn.
+
+Batch invariance: a row's draw depends only on its own logits, parameters and generator. Every
+row uses the same procedure (mask in vocabulary order, inverse CDF with one uniform from its own
+generator), so a seeded sequence samples the same tokens alone or inside any batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from rollout.sequence import Sequence
+
+
+class SamplingBatch(NamedTuple):
+    temperature: torch.Tensor    # [R] float, 0 = greedy
+    top_p: torch.Tensor          # [R] float in (0, 1]
+    top_k: torch.Tensor          # [R] int, <= 0 = off
+    min_p: torch.Tensor          # [R] float in [0, 1)
+    uniforms: torch.Tensor       # [R] float64 in [0, 1), one draw from each row's generator
+
+    @classmethod
+    def of(cls, seqs: list["Sequence"]) -> "SamplingBatch":
+        params = [s.request.params for s in seqs]
+        # Greedy rows draw too, so a generator's stream advances one draw per token whatever
+        # the temperature (keeps seeded streams simple to reason about).
+        uniforms = [torch.rand((), generator=s.generator, dtype=torch.float64).item() for s in seqs]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            uniforms=torch.tensor(uniforms, dtype=torch.float64),
+        )
+
+
+def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool, True = token may be drawn. Top-k keeps the k most likely; top-p the smallest
+    set of most likely tokens whose mass reaches p; min-p the tokens with prob >= min_p * max.
+    The most likely token is always kept."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+    k = torch.where(top_k > 0, top_k, probs.shape[-1]).unsqueeze(-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = (rank < k) & (mass_before < top_p.unsqueeze(-1))
+    keep_sorted &= sorted_probs >= min_p.unsqueeze(-1) * sorted_probs[:, :1]
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] float32 -> (tokens [R] int64, logprobs [R] float32)."""
+    device = logits.device
+    temperature = batch.temperature.to(device)
+    greedy = temperature == 0
+    logprobs_all = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1), dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled = (~greedy).nonzero().squeeze(-1)
+    if sampled.numel():
+        probs = logprobs_all[sampled].exp()
+        top_k, top_p, min_p = (t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p))
+        truncating = ((top_k > 0) & (top_k < probs.shape[-1])) | (top_p < 1) | (min_p > 0)
+        if truncating.any():
+            rows = truncating.nonzero().squeeze(-1)
+            keep = truncation_mask(probs[rows], top_k[rows], top_p[rows], min_p[rows])
+            probs[rows] = probs[rows] * keep
+        # Inverse CDF in vocabulary order, in float64 so the last bucket is not lost to rounding.
+        cdf = probs.double().cumsum(dim=-1)
+        threshold = batch.uniforms.to(device)[sampled] * cdf[:, -1]
+        choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
+        # right=True returns the first index whose cdf exceeds the threshold: a token of
+        # positive probability. If rounding made threshold == total, take the last such token.
+        last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+        tokens[sampled] = torch.minimum(choice, last_positive)
+    logprobs = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, logprobs

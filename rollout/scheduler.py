@@ -1,0 +1,359 @@
+"""Continuous batching over the paged KV pool and the radix prefix cache.
+
+Each step:
+1. every running sequence gets pages for the tokens it computes this step, oldest first
+   (decoding ones: one token; a partly prefilled one: its next chunk). When pages run out the
+   scheduler evicts unlocked cache leaves (LRU), then preempts the newest running sequence
+   (its pages are freed and it is requeued to be recomputed; its tokens, logprobs and generator
+   are kept, so preemption does not change what it samples);
+2. waiting sequences are admitted in arrival order while the chunked-prefill token budget,
+   the running-request limit and the pages (with one step of decode headroom) allow; each first
+   reuses the longest cached prefix of its tokens (never the last token, whose logits are needed);
+3. after the forward pass (`finish_step`), sequences that completed their prompt are inserted into
+   the cache and fork into their `n` samples, which share the prompt's pages; every sequence
+   with fresh logits samples one token; finished sequences leave at once, and their KV is
+   offered to the cache.
+
+The slot table maps (row, position) -> KV slot for every admitted sequence: the model runner
+reads attention indices from it, so per-step metadata is a few tensor gathers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from rollout.config import SamplingParams
+from rollout.kv_pool import KVPool
+from rollout.radix_cache import RadixCache
+from rollout.sampler import SamplingBatch, sample
+from rollout.sequence import Request, RequestOutput, SampleOutput, Sequence, Status
+
+
+class ScheduledBatch(NamedTuple):
+    decode: list[Sequence]                  # each computes its one pending token
+    prefill: list[tuple[Sequence, int]]     # (sequence, tokens computed this step)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+@dataclass
+class SchedulerStats:
+    prefill_tokens_computed: int = 0
+    prefix_cache_hit_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+    evicted_tokens: int = 0
+
+
+@dataclass
+class Scheduler:
+    pool: KVPool
+    max_running_requests: int
+    max_prefill_tokens: int
+    max_model_len: int
+    enable_prefix_cache: bool
+    eos_token_ids: frozenset[int]
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        self.page_size = self.pool.page_size
+        self.cache = RadixCache(self.page_size, self.pool.free_pages) if self.enable_prefix_cache else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []       # admitted, in admission order
+        self.requests: dict[int, Request] = {}  # unfinished requests
+        self.slot_table = torch.zeros((self.max_running_requests, self.max_model_len), dtype=torch.int64,
+                                      device=self.pool.device)
+        self._free_rows = list(range(self.max_running_requests - 1, -1, -1))
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request. With the prefix cache its samples share one prefill (fork); without
+        it each sample is its own sequence and prefills the prompt itself."""
+        self.requests[request.request_id] = request
+        n = request.params.n
+        if self.cache is not None:
+            self.waiting.append(Sequence(request, 0, num_forks=n))
+        else:
+            self.waiting.extend(Sequence(request, j) for j in range(n))
+
+    def abort(self, request_id: int) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.aborted = True
+        for seq in [s for s in self.waiting if s.request is request]:
+            self.waiting.remove(seq)
+            self._record(seq, "abort")
+        for seq in [s for s in self.running if s.request is request]:
+            self._release(seq, cache_kv=False)
+            self._record(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def pop_finished(self) -> list[RequestOutput]:
+        done = [r for r in self.requests.values() if r.done]
+        for r in done:
+            del self.requests[r.request_id]
+        return [RequestOutput(r.request_id, r.prompt, list(r.samples)) for r in done]
+
+    # -- pages ---------------------------------------------------------------------------------
+    def _available_pages(self) -> int:
+        evictable = self.cache.evictable_pages if self.cache is not None else 0
+        return self.pool.num_free_pages + evictable
+
+    def _alloc(self, count: int) -> list[int] | None:
+        pages = self.pool.alloc_pages(count)
+        if pages is None and self.cache is not None:
+            freed = self.cache.evict(count - self.pool.num_free_pages)
+            self.stats.evicted_tokens += freed * self.page_size
+            pages = self.pool.alloc_pages(count)
+        return pages
+
+    def _pages_for(self, seq: Sequence, num_new: int) -> int:
+        """New pages `seq` needs to hold K/V for `num_new` more tokens."""
+        needed = -(-(seq.num_computed + num_new) // self.page_size)
+        return max(0, needed - len(seq.pages))
+
+    def _write_slots(self, seq: Sequence, start: int, end: int) -> None:
+        """slot_table[row, start:end] <- the slots of positions start..end-1 in seq's pages."""
+        if start >= end:
+            return
+        p = self.page_size
+        first, last = start // p, (end - 1) // p
+        pages = torch.tensor(seq.pages[first:last + 1], dtype=torch.int64)
+        slots = (pages[:, None] * p + torch.arange(p)).flatten()[start - first * p:end - first * p]
+        self.slot_table[seq.row, start:end] = slots.to(self.slot_table.device)
+
+    def _reserve(self, seq: Sequence, num_new: int) -> bool:
+        """Give `seq` pages for `num_new` more tokens, evicting and then preempting the newest
+        running sequences as needed. False if `seq` itself had to be preempted."""
+        count = self._pages_for(seq, num_new)
+        while (pages := self._alloc(count)) is None:
+            victim = max(self.running, key=lambda s: s.order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.pages.extend(pages)
+        self._write_slots(seq, seq.num_computed, seq.num_computed + num_new)
+        return True
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        decode: list[Sequence] = []
+        prefill: list[tuple[Sequence, int]] = []
+        budget = self.max_prefill_tokens
+        # Oldest first: a victim (the newest) is then never one already scheduled this step.
+        for seq in sorted(self.running, key=lambda s: s.order):
+            if seq.status is not Status.RUNNING:  # preempted by an older sequence this step
+                continue
+            pending = len(seq.token_ids) - seq.num_computed
+            num_new = 1 if pending == 1 else min(pending, budget)
+            if num_new == 0 or not self._reserve(seq, num_new):
+                continue
+            if pending == 1:
+                decode.append(seq)
+            else:
+                prefill.append((seq, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                break
+            self.waiting.popleft()
+            pending = len(seq.token_ids) - seq.num_computed
+            num_new = min(pending, budget)
+            reserved = self._reserve(seq, num_new)
+            assert reserved, "admission checked that the pages are available"
+            if pending == 1:
+                decode.append(seq)
+            else:
+                prefill.append((seq, num_new))
+            budget -= num_new
+        return ScheduledBatch(decode, prefill)
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Take rows, the cached prefix and check pages for `seq`; False (and nothing taken)
+        if it does not fit this step."""
+        if len(self._free_rows) < seq.num_forks:
+            return False
+        match = None
+        if self.cache is not None:
+            match = self.cache.match_prefix(seq.token_ids[:-1])
+            self.cache.lock(match.node)  # before counting: the matched pages are no longer evictable
+        cached = match.num_tokens if match else 0
+        num_new = min(len(seq.token_ids) - cached, budget)
+        need = -(-(cached + num_new) // self.page_size) - (len(match.pages) if match else 0)
+        # Headroom: one page for every sequence that decodes next step (forks included). With
+        # nothing running there is nothing to protect, and admitting guarantees progress.
+        headroom = len(self.running) + seq.num_forks if self.running else 0
+        if self._available_pages() < need + headroom:
+            if match is not None:
+                self.cache.unlock(match.node)
+            return False
+        if match is not None:
+            seq.node, seq.pages, seq.num_tree_pages = match.node, list(match.pages), len(match.pages)
+            seq.num_computed = cached
+            self.stats.prefix_cache_hit_tokens += cached
+        seq.row = self._free_rows.pop()
+        seq.extra_rows = [self._free_rows.pop() for _ in range(seq.num_forks - 1)]
+        seq.status = Status.RUNNING
+        self._write_slots(seq, 0, seq.num_computed)
+        self.running.append(seq)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq, cache_kv=False)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        # Victims are taken newest first, so pushing each to the front keeps arrival order.
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _release(self, seq: Sequence, cache_kv: bool) -> None:
+        """Return seq's pages, lock and rows. With `cache_kv`, its computed K/V is offered to the
+        prefix cache first (only whole pages are kept)."""
+        if cache_kv and self.cache is not None:
+            self._insert_into_cache(seq)
+        if self.cache is not None and seq.node is not None:
+            self.cache.unlock(seq.node)
+        self.pool.free_pages(seq.private_pages)
+        seq.pages, seq.num_tree_pages, seq.node = [], 0, None
+        self._free_rows.append(seq.row)
+        self._free_rows.extend(seq.extra_rows)
+        seq.row, seq.extra_rows = None, []
+        self.running.remove(seq)
+
+    def _insert_into_cache(self, seq: Sequence) -> None:
+        """Insert the whole pages of seq's computed tokens; afterwards seq's page table points at
+        the tree's pages for them (its duplicates freed) and it locks the new deepest node."""
+        num_full = seq.num_computed // self.page_size
+        tokens = seq.token_ids[:num_full * self.page_size]
+        already = self.cache.insert(tokens, seq.pages[:num_full]) // self.page_size
+        duplicates = seq.pages[seq.num_tree_pages:already]
+        self.pool.free_pages(duplicates)
+        match = self.cache.match_prefix(tokens)
+        self.cache.lock(match.node)
+        if seq.node is not None:
+            self.cache.unlock(seq.node)
+        seq.pages = match.pages + seq.pages[num_full:]
+        seq.num_tree_pages, seq.node = num_full, match.node
+        if duplicates:
+            self._write_slots(seq, 0, seq.num_computed)
+
+    # -- after the forward pass ----------------------------------------------------------------
+    def finish_step(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Advance the batch's sequences; `logits` has one row per sequence that completed its
+        pending tokens (all of `decode`, then the prefills that reached their last token)."""
+        self.stats.decode_steps += 1 if batch.decode else 0
+        to_sample: list[Sequence] = []
+        logit_rows: list[int] = []
+        for seq in batch.decode:
+            if seq.num_computed < seq.prompt_len:
+                self.stats.prefill_tokens_computed += 1
+            seq.num_computed += 1
+        for seq, num_new in batch.prefill:
+            seq.num_computed += num_new
+            self.stats.prefill_tokens_computed += num_new
+        completed = batch.decode + [s for s, _ in batch.prefill if s.num_computed == len(s.token_ids)]
+        assert len(completed) == logits.shape[0]
+        for i, seq in enumerate(completed):
+            if seq.num_generated == 0 and self.cache is not None:
+                self._insert_into_cache(seq)  # prompt done: share it (with forks, other requests)
+            for s in self._fork(seq):
+                to_sample.append(s)
+                logit_rows.append(i)
+        if not to_sample:
+            return
+        rows = torch.tensor(logit_rows, device=logits.device)
+        tokens, logprobs = sample(logits[rows], SamplingBatch.of(to_sample))
+        for seq, token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            self.stats.generated_tokens += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                if seq.status is Status.RUNNING:
+                    self._release(seq, cache_kv=True)
+                else:  # a fork that found no page: it never held KV
+                    self.waiting.remove(seq)
+                self._record(seq, reason)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The samples that draw from `seq`'s fresh logits: itself, plus its forks the first time
+        its prompt completes. Forks lock the shared prompt pages and copy the partly filled last
+        page, if any; a fork that finds no free page waits to recompute its tail instead."""
+        if seq.num_forks == 1:
+            return [seq]
+        forks = [seq]
+        tail = seq.num_computed % self.page_size
+        for j in range(1, seq.num_forks):
+            child = Sequence(seq.request, j, token_ids=list(seq.token_ids))
+            forks.append(child)
+            self.stats.prefix_cache_hit_tokens += seq.num_computed
+            page = self._alloc(1) if tail else []
+            if page is None:
+                self.waiting.appendleft(child)
+                self._free_rows.append(seq.extra_rows.pop())
+                continue
+            child.pages = seq.pages[:seq.num_tree_pages] + page
+            child.num_tree_pages, child.node = seq.num_tree_pages, seq.node
+            self.cache.lock(seq.node)
+            if tail:
+                self.pool.copy_page_prefix(seq.pages[-1], page[0], tail)
+            child.num_computed = seq.num_computed
+            child.row = seq.extra_rows.pop()
+            child.status = Status.RUNNING
+            self._write_slots(child, 0, child.num_computed)
+            self.running.append(child)
+        seq.num_forks = 1
+        return forks
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params: SamplingParams = seq.request.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if seq.num_generated >= params.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _record(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        out = SampleOutput(seq.token_ids[seq.prompt_len:], list(seq.logprobs), reason)
+        for j in range(seq.sample_index, seq.sample_index + seq.num_forks):
+            seq.request.samples[j] = out if j == seq.sample_index else SampleOutput([], [], reason)
+
+    # -- invariants ----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """free + cached + in use == total pages, each page in exactly one place; rows likewise."""
+        free = self.pool.free_page_ids()
+        direct_locks: dict[int, int] = {}
+        for seq in self.running:
+            if seq.node is not None:
+                direct_locks[id(seq.node)] = direct_locks.get(id(seq.node), 0) + 1
+        cached = self.cache.check_integrity(direct_locks) if self.cache is not None else []
+        private = [p for s in self.running for p in s.private_pages]
+        everything = free + cached + private
+        assert len(everything) == self.pool.num_pages, (
+            f"pages: free {len(free)} + cached {len(cached)} + in use {len(private)} != total {self.pool.num_pages}")
+        assert len(set(everything)) == self.pool.num_pages, "a page is in two places"
+        for seq in self.running:
+            assert seq.status is Status.RUNNING and seq.row is not None
+            assert len(seq.pages) * self.page_size >= seq.num_computed, "computed tokens without pages"
+            if self.cache is not None and seq.node is not None:
+                path, node = [], seq.node
+                while node is not self.cache.root:
+                    path[:0] = node.pages
+                    node = node.parent
+                assert path == seq.pages[:seq.num_tree_pages], "tree pages differ from the locked path"
+        for seq in self.waiting:
+            assert seq.status is Status.WAITING and not seq.pages and seq.row is None
+        rows = self._free_rows + [r for s in self.running for r in [s.row, *s.extra_rows]]
+        assert sorted(rows) == list(range(self.max_running_requests)), "slot-table rows leaked"

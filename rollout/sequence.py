@@ -1,0 +1,99 @@
+"""Requests, the sequences (samples) they fan out into, and what the engine returns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from rollout.config import SamplingParams
+from rollout.radix_cache import TreeNode
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float]   # log_softmax(logits / T)[token], before top-p/top-k truncation
+    finish_reason: str      # "stop" | "length" | "abort"
+
+
+class RequestOutput(NamedTuple):
+    request_id: int
+    prompt_token_ids: list[int]
+    samples: list[SampleOutput]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"     # not holding KV (new, or preempted for recompute)
+    RUNNING = "running"     # admitted: holds a table row and pages
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    base_seed: int            # sample j draws from torch.Generator seeded with base_seed + j
+    samples: list[SampleOutput | None] = field(init=False)
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.samples = [None] * self.params.n
+
+    @property
+    def done(self) -> bool:
+        return all(s is not None for s in self.samples)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: prompt + generated tokens and the KV it holds.
+
+    KV is valid for `token_ids[:num_computed]`. A decoding sequence has exactly one token
+    pending (`num_computed == len(token_ids) - 1`): the one sampled last step. Before its first
+    sample, a sequence may stand for `num_forks` samples that share its prompt: when the prompt's
+    prefill completes, it forks into that many sequences, each drawing from its own generator.
+    """
+
+    request: Request
+    sample_index: int
+    num_forks: int = 1
+    token_ids: list[int] = None  # type: ignore[assignment]  # default: a copy of the prompt
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)   # page table; the first `num_tree_pages` belong to the tree
+    num_tree_pages: int = 0
+    node: TreeNode | None = None        # locked radix node covering the tree pages
+    row: int | None = None              # row in the slot table while running
+    extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.token_ids is None:
+            self.token_ids = list(self.request.prompt)
+        # Seeded on CPU whatever the device, so draws do not depend on where the model runs.
+        self.generator = torch.Generator().manual_seed(self.request.base_seed + self.sample_index)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Arrival order; the largest is the newest (preempted first)."""
+        return (self.request.request_id, self.sample_index)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def private_pages(self) -> list[int]:
+        return self.pages[self.num_tree_pages:]
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed == len(self.token_ids) - 1 and self.num_generated > 0

@@ -1,0 +1,67 @@
+"""Weights in, by Hugging Face name: from `*.safetensors` on disk or from the trainer in memory.
+
+`load_weights` is the single path for both. It copies into the existing parameters in place, so
+tensor addresses never change (CUDA graphs and IPC consumers stay valid), and it validates every
+name and shape before touching anything that could leave the model half-updated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Buffers some older checkpoints carry; they are recomputed from the config, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_path={str(model_dir)!r}: no *.safetensors files there")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _resolve(params: dict[str, nn.Parameter], name: str, tied: bool) -> str:
+    if name in params:
+        return name
+    if tied and name == "lm_head.weight":  # tied: lm_head shares the embedding's Parameter
+        return "model.embed_tokens.weight"
+    raise KeyError(name)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                 tied_embeddings: bool, require_all: bool) -> set[str]:
+    """Copy (hf_name, tensor) pairs into `model`'s parameters in place; returns the names set.
+
+    `require_all`: every parameter must be given (a full checkpoint load); weight updates may be
+    partial (bucketed). Unknown names and wrong shapes raise before the offending copy.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in named_tensors:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        try:
+            target_name = _resolve(params, name, tied_embeddings)
+        except KeyError:
+            raise ValueError(f"weight {name!r} has no parameter in this model; expected Hugging Face "
+                             f"names such as {next(iter(params))!r}") from None
+        param = params[target_name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(param.shape)}; is the checkpoint from the same config.json?")
+        param.copy_(tensor)
+        loaded.add(target_name)
+    if require_all:
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+    return loaded
