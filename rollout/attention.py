@@ -1,16 +1,27 @@
 """Paged attention over the KV pool.
 
 One engine step runs a *mixed* batch: first the decode tokens (one per running sequence), then
-the prefill chunks. `AttentionMetadata` describes where each token's K/V goes and which slots
-each query may read; it is built once per step and shared by all layers.
+the prefill chunks. `AttentionMetadata` says where each new token's K/V goes and which slots each
+query reads; it is built once per step and shared by all layers.
 
-The backend is the seam for GPU kernels: `TorchAttention` is the reference implementation on any
-device (plain torch, `scaled_dot_product_attention`); a Triton backend computing the same function
-plugs in behind the same `forward`.
+Decode attention is *shared-prefix (cascade) attention*. Sequences that fork from one prompt lock
+the same radix node, and their contexts start with the same cached pages. Decode queries are
+grouped by that node: each group's prefix K/V is read once and multiplied with the queries of all
+its members, and only each sequence's private suffix is read per sequence. The two parts are
+combined in one exact softmax over prefix + suffix. For GRPO (n samples per prompt) this divides
+the prompt's share of the attention memory traffic by n, on any device. A sequence with no shared
+prefix is a group of its own whose prefix is empty.
+
+The pool is head-major ([Hkv, slots, D] per layer) so gathered K/V are already laid out as
+[Hkv, batch, length, D] for batched matmuls: no transposed copies on the hot path.
+
+`TorchAttention` is the reference implementation on any device (plain torch); a Triton backend
+computing the same function plugs in behind the same `forward`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,23 +32,43 @@ from rollout.kv_pool import KVPool
 
 @dataclass(frozen=True)
 class PrefillSegment:
-    token_start: int          # first row of this chunk in the flat batch
-    num_new: int              # tokens computed in this chunk
-    context_slots: torch.Tensor  # [C] slots of the whole visible context (cached prefix + chunk)
-    mask: torch.Tensor        # [num_new, C] bool, True = may attend (causal, offset by the prefix)
+    token_start: int              # first row of this chunk in the flat batch
+    num_new: int                  # tokens computed in this chunk
+    context_slots: torch.Tensor   # [C] slots of the whole visible context (cached prefix + chunk)
+    mask: torch.Tensor            # [num_new, C] bool, True = may attend (causal, offset by the prefix)
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Decode sequences grouped by shared prefix; G groups of at most M members, D sequences.
+
+    Contexts are read a page at a time (a page is `page_size` consecutive slots): group prefixes
+    are whole pages, and each suffix starts on a page boundary."""
+    prefix_pages: torch.Tensor    # [G, Np] pages of each group's shared prefix (padded with page 0)
+    prefix_bias: torch.Tensor     # [G, Np * page_size] float, 0 = real token, -inf = padding
+    member_index: torch.Tensor    # [D] position of each sequence in the flattened [G, M] grid
+    group_size: int               # M
+    suffix_pages: torch.Tensor    # [D, Ns] each sequence's own pages after its group prefix
+    suffix_bias: torch.Tensor     # [D, Ns * page_size] float, 0 = real token, -inf = padding
+
+    @property
+    def num_seqs(self) -> int:
+        return self.member_index.shape[0]
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     out_slots: torch.Tensor       # [T] where each token's K/V is written
-    num_decode: int               # the first `num_decode` tokens are decode tokens
-    decode_slots: torch.Tensor    # [D, S] context slots per decode sequence, padded with slot 0
-    decode_mask: torch.Tensor     # [D, 1, 1, S] bool, True = real slot
+    decode: DecodeMetadata | None  # the first decode.num_seqs tokens are decode tokens
     prefill: tuple[PrefillSegment, ...]
+
+    @property
+    def num_decode(self) -> int:
+        return self.decode.num_seqs if self.decode is not None else 0
 
 
 class TorchAttention:
-    """Reference paged attention: store the new K/V, gather each query's context, SDPA."""
+    """Reference paged attention in plain torch: store new K/V, then attend."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
@@ -45,24 +76,73 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        k_cache.index_copy_(0, meta.out_slots, k)
-        v_cache.index_copy_(0, meta.out_slots, v)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]    # [Hkv, slots, D]
+        k_cache.index_copy_(1, meta.out_slots, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
         out = torch.empty_like(q)
-        num_decode = meta.num_decode
-        if num_decode:
-            # [D, S, Hkv, D] -> [D, Hkv, S, D]
-            keys = k_cache[meta.decode_slots].transpose(1, 2)
-            values = v_cache[meta.decode_slots].transpose(1, 2)
-            out[:num_decode] = F.scaled_dot_product_attention(
-                q[:num_decode].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
-            ).squeeze(2)
+        if meta.decode is not None:
+            out[:meta.num_decode] = cascade_decode_attention(q[:meta.num_decode], k_cache, v_cache, meta.decode,
+                                                             self.pool.page_size)
         for seg in meta.prefill:
             rows = slice(seg.token_start, seg.token_start + seg.num_new)
-            keys = k_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)      # [1, Hkv, C, D]
-            values = v_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
-            queries = q[rows].transpose(0, 1).unsqueeze(0)                      # [1, H, n, D]
+            keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)      # [1, Hkv, C, D]
+            values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
+            queries = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, n, D]
             out[rows] = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=seg.mask, enable_gqa=True
             ).squeeze(0).transpose(0, 1)
         return out
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """cache [Hkv, slots, D], pages [B, N] -> float32 [Hkv, B, N * page_size, D] (contiguous).
+    Whole pages are copied: contiguous runs make the gather close to memcpy speed."""
+    num_kv_heads, _, head_dim = cache.shape
+    paged = cache.view(num_kv_heads, -1, page_size * head_dim)
+    gathered = paged.index_select(1, pages.reshape(-1))
+    return gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).float()
+
+
+def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: DecodeMetadata, page_size: int) -> torch.Tensor:
+    """Exact softmax attention of each decode query over (group prefix ++ own suffix).
+
+    q: [D, H, Dh] -> [D, H, Dh]. Heads are grouped GQA-style: query head h reads KV head
+    h // (H / Hkv)."""
+    num_seqs, num_heads, head_dim = q.shape
+    out_dtype = q.dtype
+    q = q.float()  # scores and softmax in float32 whatever the model dtype (no-op for float32)
+    num_kv_heads = k_cache.shape[0]
+    per_kv = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim)
+    q = (q * scale).view(num_seqs, num_kv_heads, per_kv, head_dim).transpose(0, 1)   # [Hkv, D, g, Dh]
+
+    # Own suffix: [Hkv, D, g, Ls]
+    suffix_k = _gather(k_cache, meta.suffix_pages, page_size)
+    suffix_scores = q @ suffix_k.transpose(-1, -2) + meta.suffix_bias[None, :, None, :]
+    row_max = suffix_scores.amax(-1, keepdim=True)   # finite: the current token is always in the suffix
+
+    has_prefix = meta.prefix_pages.shape[1] > 0
+    if has_prefix:
+        groups, members = meta.prefix_pages.shape[0], meta.group_size
+        # Queries into the [G, M] grid (empty cells stay zero and are never read back).
+        grid_q = q.new_zeros(num_kv_heads, groups * members, per_kv, head_dim)
+        grid_q.index_copy_(1, meta.member_index, q)
+        grid_q = grid_q.view(num_kv_heads, groups, members * per_kv, head_dim)
+        prefix_k = _gather(k_cache, meta.prefix_pages, page_size)                     # [Hkv, G, Lp, Dh]
+        grid_scores = grid_q @ prefix_k.transpose(-1, -2) + meta.prefix_bias[None, :, None, :]
+        prefix_scores = grid_scores.view(num_kv_heads, groups * members, per_kv, -1).index_select(1, meta.member_index)
+        row_max = torch.maximum(row_max, prefix_scores.amax(-1, keepdim=True))
+
+    suffix_p = torch.exp(suffix_scores - row_max)
+    denom = suffix_p.sum(-1, keepdim=True)
+    out = suffix_p @ _gather(v_cache, meta.suffix_pages, page_size)                      # [Hkv, D, g, Dh]
+    if has_prefix:
+        prefix_p = torch.exp(prefix_scores - row_max)
+        denom = denom + prefix_p.sum(-1, keepdim=True)
+        grid_p = prefix_p.new_zeros(num_kv_heads, groups * members, per_kv, prefix_p.shape[-1])
+        grid_p.index_copy_(1, meta.member_index, prefix_p)
+        grid_out = grid_p.view(num_kv_heads, groups, members * per_kv, -1) @ _gather(v_cache, meta.prefix_pages, page_size)
+        out = out + grid_out.view(num_kv_heads, groups * members, per_kv, head_dim).index_select(1, meta.member_index)
+    out = out / denom
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(out_dtype)

@@ -26,8 +26,10 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     """Size of the paged KV pool in tokens. None: `kv_memory_fraction` of free device memory."""
     kv_memory_fraction: float = 0.2
-    page_size: int = 1
-    """Tokens per KV page. The radix cache shares whole pages, so 1 shares the most."""
+    page_size: int = 16
+    """Tokens per KV page: the unit of allocation, of prefix sharing across requests (the radix
+    cache matches whole pages) and of attention reads (whole pages gather at near-memcpy speed).
+    Samples of one prompt share it entirely whatever the page size (a partial last page is copied)."""
     max_running_requests: int = 256
     """Most sequences decoding at once (each sample of a request counts)."""
     max_prefill_tokens: int = 4096

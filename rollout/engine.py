@@ -57,7 +57,7 @@ class Engine:
         self.scheduler = Scheduler(pool=self.pool, max_running_requests=config.max_running_requests,
                                    max_prefill_tokens=config.max_prefill_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids)
-        self.runner = ModelRunner(self.model, TorchAttention(self.pool), self.scheduler.slot_table)
+        self.runner = ModelRunner(self.model, TorchAttention(self.pool), self.scheduler.slot_table, config.page_size)
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()

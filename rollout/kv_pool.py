@@ -1,7 +1,9 @@
 """The paged KV pool: one K and one V tensor for all layers, carved into pages of `page_size` slots.
 
 A *slot* holds the K/V of one token in every layer; slot `s` lies in page `s // page_size`.
-Pages are the unit of allocation and sharing; slots are what attention indexes.
+Pages are the unit of allocation and sharing; slots are what attention indexes. Layout is
+[layer, kv_head, slot, head_dim] (head-major), so a gather of slots yields K/V already shaped
+for batched matmuls per KV head.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ class KVPool:
         return self.k is not None
 
     def allocate(self) -> None:
-        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        shape = (self.num_layers, self.num_kv_heads, self.num_slots, self.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Zeros, not empty: padded attention reads slot 0 with weight 0, and 0 * NaN would be NaN.
         # Popped from the end: low page ids are handed out first, which keeps small runs compact.
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
 
@@ -74,5 +77,5 @@ class KVPool:
         from a prompt whose last page is only partly filled."""
         src = src_page * self.page_size
         dst = dst_page * self.page_size
-        self.k[:, dst:dst + num_tokens] = self.k[:, src:src + num_tokens]
-        self.v[:, dst:dst + num_tokens] = self.v[:, src:src + num_tokens]
+        self.k[:, :, dst:dst + num_tokens] = self.k[:, :, src:src + num_tokens]
+        self.v[:, :, dst:dst + num_tokens] = self.v[:, :, src:src + num_tokens]

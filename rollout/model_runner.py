@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from rollout.attention import AttentionMetadata, PrefillSegment, TorchAttention
+from rollout.attention import AttentionMetadata, DecodeMetadata, PrefillSegment, TorchAttention
 from rollout.model import CausalLM
 from rollout.scheduler import ScheduledBatch
+from rollout.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, attention: TorchAttention, slot_table: torch.Tensor):
+    def __init__(self, model: CausalLM, attention: TorchAttention, slot_table: torch.Tensor, page_size: int):
         self.model = model
+        self.page_size = page_size
         self.attention = attention
         self.slot_table = slot_table   # owned by the scheduler: (row, position) -> KV slot
         self.device = slot_table.device
@@ -28,20 +30,11 @@ class ModelRunner:
         num_decode = len(batch.decode)
         logits_rows = list(range(num_decode))
 
-        if num_decode:
-            rows = torch.tensor([s.row for s in batch.decode], device=device)
-            pos = torch.tensor(positions, device=device)
-            width = int(max(positions)) + 1
-            decode_slots = self.slot_table[rows, :width]
-            decode_mask = (torch.arange(width, device=device) <= pos.unsqueeze(-1)).view(num_decode, 1, 1, width)
-            decode_out = self.slot_table[rows, pos]
-        else:
-            decode_slots = torch.zeros((0, 1), dtype=torch.int64, device=device)
-            decode_mask = torch.zeros((0, 1, 1, 1), dtype=torch.bool, device=device)
-            decode_out = torch.zeros(0, dtype=torch.int64, device=device)
+        decode_meta = self._decode_metadata(batch.decode) if num_decode else None
+        out_slots = [self.slot_table[torch.tensor([s.row for s in batch.decode], dtype=torch.int64, device=device),
+                                     torch.tensor(positions, dtype=torch.int64, device=device)]]
 
         segments: list[PrefillSegment] = []
-        out_slots = [decode_out]
         for seq, num_new in batch.prefill:
             start, end = seq.num_computed, seq.num_computed + num_new
             ids.extend(seq.token_ids[start:end])
@@ -55,17 +48,49 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 logits_rows.append(len(ids) - 1)
 
-        meta = AttentionMetadata(
-            out_slots=torch.cat(out_slots),
-            num_decode=num_decode,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            prefill=tuple(segments),
-        )
+        meta = AttentionMetadata(out_slots=torch.cat(out_slots), decode=decode_meta, prefill=tuple(segments))
         return (torch.tensor(ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device),
                 meta,
                 torch.tensor(logits_rows, dtype=torch.int64, device=device))
+
+    def _decode_metadata(self, seqs: list[Sequence]) -> DecodeMetadata:
+        """Group decode sequences by the radix node whose pages start their context (forks of
+        one prompt share it); a sequence without cached pages is a group of its own."""
+        device, page_size = self.device, self.page_size
+        groups: dict[object, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            key = id(seq.node) if seq.num_tree_pages else ("alone", i)
+            groups.setdefault(key, []).append(i)
+        group_size = max(len(members) for members in groups.values())
+        member_index = [0] * len(seqs)
+        prefix_rows, prefix_lens = [], []
+        for g, members in enumerate(groups.values()):
+            for m, i in enumerate(members):
+                member_index[i] = g * group_size + m
+            prefix_rows.append(seqs[members[0]].row)
+            prefix_lens.append(seqs[members[0]].num_tree_pages * page_size)
+
+        def paged(rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor):
+            """Pages holding positions [start, start + length) of each row (starts are page
+            aligned), and the additive mask over their tokens."""
+            num_pages = -(-int(lengths.max()) // page_size)
+            cols = (starts.unsqueeze(-1) + torch.arange(num_pages, device=device) * page_size)
+            cols.clamp_(max=self.slot_table.shape[1] - 1)
+            pages = self.slot_table[rows.unsqueeze(-1), cols] // page_size
+            offsets = torch.arange(num_pages * page_size, device=device)
+            bias = torch.zeros(len(rows), num_pages * page_size, device=device, dtype=torch.float32)
+            bias.masked_fill_(offsets >= lengths.unsqueeze(-1), float("-inf"))
+            return pages, bias
+
+        prefix_lens_t = torch.tensor(prefix_lens, device=device)
+        prefix_pages, prefix_bias = paged(torch.tensor(prefix_rows, device=device),
+                                          torch.zeros_like(prefix_lens_t), prefix_lens_t)
+        seq_prefix = torch.tensor([s.num_tree_pages * page_size for s in seqs], device=device)
+        suffix_lens = torch.tensor([s.num_computed + 1 for s in seqs], device=device) - seq_prefix
+        suffix_pages, suffix_bias = paged(torch.tensor([s.row for s in seqs], device=device), seq_prefix, suffix_lens)
+        return DecodeMetadata(prefix_pages, prefix_bias, torch.tensor(member_index, device=device), group_size,
+                              suffix_pages, suffix_bias)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits, one row per sequence that completed its pending tokens."""

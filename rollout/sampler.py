@@ -63,23 +63,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     temperature = batch.temperature.to(device)
     greedy = temperature == 0
     logprobs_all = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1), dim=-1)
-    tokens = logits.argmax(dim=-1)
     sampled = (~greedy).nonzero().squeeze(-1)
+    if sampled.numel() < len(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(len(greedy), dtype=torch.int64, device=device)
     if sampled.numel():
-        probs = logprobs_all[sampled].exp()
+        probs = logprobs_all[sampled].exp_()
         top_k, top_p, min_p = (t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p))
         truncating = ((top_k > 0) & (top_k < probs.shape[-1])) | (top_p < 1) | (min_p > 0)
         if truncating.any():
             rows = truncating.nonzero().squeeze(-1)
             keep = truncation_mask(probs[rows], top_k[rows], top_p[rows], min_p[rows])
             probs[rows] = probs[rows] * keep
-        # Inverse CDF in vocabulary order, in float64 so the last bucket is not lost to rounding.
-        cdf = probs.double().cumsum(dim=-1)
-        threshold = batch.uniforms.to(device)[sampled] * cdf[:, -1]
+        # Inverse CDF in vocabulary order: the first token whose cumulative mass exceeds u * total
+        # (right=True skips zero-probability tokens, whose cdf equals their predecessor's).
+        cdf = probs.cumsum_(dim=-1)
+        threshold = batch.uniforms.to(device=device, dtype=cdf.dtype)[sampled] * cdf[:, -1]
         choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
-        # right=True returns the first index whose cdf exceeds the threshold: a token of
-        # positive probability. If rounding made threshold == total, take the last such token.
-        last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+        # Rounding can put the threshold at the total; then take the last token of positive mass.
+        last_positive = (cdf < cdf[:, -1:]).sum(dim=-1)
         tokens[sampled] = torch.minimum(choice, last_positive)
     logprobs = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs

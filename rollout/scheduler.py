@@ -122,14 +122,15 @@ class Scheduler:
         needed = -(-(seq.num_computed + num_new) // self.page_size)
         return max(0, needed - len(seq.pages))
 
-    def _write_slots(self, seq: Sequence, start: int, end: int) -> None:
-        """slot_table[row, start:end] <- the slots of positions start..end-1 in seq's pages."""
+    def _write_pages(self, seq: Sequence, first_page: int = 0) -> None:
+        """slot_table[row, positions of pages[first_page:]] <- their slots. A page's slots are
+        written once, when the page joins the sequence, so most decode steps write nothing."""
+        p = self.page_size
+        start, end = first_page * p, min(len(seq.pages) * p, self.max_model_len)
         if start >= end:
             return
-        p = self.page_size
-        first, last = start // p, (end - 1) // p
-        pages = torch.tensor(seq.pages[first:last + 1], dtype=torch.int64)
-        slots = (pages[:, None] * p + torch.arange(p)).flatten()[start - first * p:end - first * p]
+        pages = torch.tensor(seq.pages[first_page:], dtype=torch.int64)
+        slots = (pages[:, None] * p + torch.arange(p)).flatten()[:end - start]
         self.slot_table[seq.row, start:end] = slots.to(self.slot_table.device)
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
@@ -142,7 +143,7 @@ class Scheduler:
             if victim is seq:
                 return False
         seq.pages.extend(pages)
-        self._write_slots(seq, seq.num_computed, seq.num_computed + num_new)
+        self._write_pages(seq, len(seq.pages) - len(pages))
         return True
 
     # -- scheduling ----------------------------------------------------------------------------
@@ -205,7 +206,7 @@ class Scheduler:
         seq.row = self._free_rows.pop()
         seq.extra_rows = [self._free_rows.pop() for _ in range(seq.num_forks - 1)]
         seq.status = Status.RUNNING
-        self._write_slots(seq, 0, seq.num_computed)
+        self._write_pages(seq)
         self.running.append(seq)
         return True
 
@@ -246,7 +247,7 @@ class Scheduler:
         seq.pages = match.pages + seq.pages[num_full:]
         seq.num_tree_pages, seq.node = num_full, match.node
         if duplicates:
-            self._write_slots(seq, 0, seq.num_computed)
+            self._write_pages(seq)
 
     # -- after the forward pass ----------------------------------------------------------------
     def finish_step(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
@@ -311,7 +312,7 @@ class Scheduler:
             child.num_computed = seq.num_computed
             child.row = seq.extra_rows.pop()
             child.status = Status.RUNNING
-            self._write_slots(child, 0, child.num_computed)
+            self._write_pages(child)
             self.running.append(child)
         seq.num_forks = 1
         return forks
