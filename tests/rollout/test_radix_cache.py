@@ -1,0 +1,98 @@
+"""Radix prefix cache: matching, insertion, splitting, locking and LRU eviction, with the
+expected pages worked out by hand for each case."""
+
+import pytest
+
+from rollout.radix_cache import RadixCache
+
+
+class PageLedger:
+    """Stands in for the KV pool's free list: records the pages the cache hands back."""
+
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def __call__(self, pages):
+        self.freed.extend(pages)
+
+
+def make(page_size=1):
+    ledger = PageLedger()
+    return RadixCache(page_size, ledger), ledger
+
+
+def test_match_on_empty_tree_is_empty():
+    cache, _ = make()
+    m = cache.match_prefix([1, 2, 3])
+    assert m.node is cache.root and m.pages == [] and m.num_tokens == 0
+
+
+def test_insert_then_match_longest_prefix_and_split():
+    cache, _ = make()
+    assert cache.insert([1, 2, 3, 4], [10, 11, 12, 13]) == 0
+    m = cache.match_prefix([1, 2, 3, 4, 5])
+    assert m.pages == [10, 11, 12, 13] and m.num_tokens == 4
+    # A diverging prefix splits the edge after the common part.
+    m = cache.match_prefix([1, 2, 9])
+    assert m.pages == [10, 11] and m.num_tokens == 2
+    assert cache.insert([1, 2, 9], [10, 11, 20]) == 2     # first two already cached
+    assert cache.match_prefix([1, 2, 9, 9]).pages == [10, 11, 20]
+    assert sorted(cache.check_integrity()) == [10, 11, 12, 13, 20]
+
+
+def test_pages_are_matched_whole():
+    cache, _ = make(page_size=4)
+    cache.insert(list(range(8)), [5, 6])
+    assert cache.match_prefix(list(range(7))).pages == [5]            # 7 tokens: one whole page
+    assert cache.match_prefix([0, 1, 2, 3, 4, 5, 9, 9]).pages == [5]  # mismatch inside page 2
+    assert cache.match_prefix(list(range(8)) + [1]).pages == [5, 6]
+    with pytest.raises(AssertionError):
+        cache.insert([1, 2, 3], [7])                                   # not whole pages
+
+
+def test_locked_prefix_survives_eviction_and_lru_order():
+    cache, ledger = make()
+    cache.insert([1, 2, 3], [1, 2, 3])   # older
+    cache.insert([7, 8], [7, 8])         # newer
+    cache.match_prefix([1, 2, 3])        # touch: [1,2,3] is now the most recent
+    assert cache.evict(1) == 2 and ledger.freed == [7, 8]    # whole LRU leaf
+    node = cache.match_prefix([1, 2, 3]).node
+    cache.lock(node)
+    assert cache.evictable_pages == 0 and cache.locked_pages == 3
+    assert cache.evict(10) == 0
+    with pytest.raises(RuntimeError):
+        cache.reset()
+    cache.unlock(node)
+    assert cache.evictable_pages == 3
+    assert cache.evict(10) == 3 and sorted(ledger.freed) == [1, 2, 3, 7, 8]
+    assert cache.cached_pages == 0 and cache.check_integrity() == []
+
+
+def test_lock_protects_ancestors_after_split():
+    cache, _ = make()
+    cache.insert([1, 2, 3, 4], [1, 2, 3, 4])
+    leaf = cache.match_prefix([1, 2, 3, 4]).node
+    cache.lock(leaf)
+    cache.insert([1, 2, 5], [1, 2, 5])           # splits the locked edge at 2
+    cache.check_integrity(direct_locks={id(leaf): 1})
+    assert cache.evictable_pages == 1            # only the new [5] leaf
+    assert cache.evict(5) == 1
+    cache.unlock(leaf)
+    assert cache.evictable_pages == 4
+
+
+def test_evicting_a_leaf_exposes_its_parent():
+    cache, ledger = make()
+    cache.insert([1, 2], [1, 2])
+    cache.insert([1, 2, 3], [1, 2, 3])
+    cache.insert([1, 2, 4], [1, 2, 4])
+    assert cache.evict(3) == 4                   # both leaves, then the now-childless parent
+    assert sorted(ledger.freed) == [1, 2, 3, 4]
+
+
+def test_reset_frees_everything_once():
+    cache, ledger = make(page_size=2)
+    cache.insert([1, 2, 3, 4], [8, 9])
+    cache.insert([1, 2, 5, 6], [8, 7])
+    assert cache.reset() == 3 and sorted(ledger.freed) == [7, 8, 9]
+    assert cache.match_prefix([1, 2]).num_tokens == 0
