@@ -28,7 +28,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as model_dir:
         write_random_checkpoint(model_dir, TINY_QWEN2, seed=0, std=0.15)
-        engine = Engine(EngineConfig(model_path=model_dir))
+        pool = args.prompts * args.n * (args.prompt_len + args.max_new_tokens)
+        engine = Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=pool))
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(1, TINY_QWEN2["vocab_size"], (args.prompts, args.prompt_len), generator=g).tolist()
         params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
