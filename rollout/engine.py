@@ -50,6 +50,7 @@ class Engine:
         self.weight_version = 0
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self._weights_loaded_since_release: set[str] | None = None  # None: weights are resident
+        self._uncommitted_update = False
 
         self.pool = KVPool(num_layers=self.model_config.num_layers, num_pages=self._num_pages(),
                            page_size=config.page_size, num_kv_heads=self.model_config.num_kv_heads,
@@ -94,8 +95,10 @@ class Engine:
         if not self.pool.allocated:
             raise RuntimeError("engine memory is released; call resume_memory() before generating")
         if self._weights_loaded_since_release is not None:
-            raise RuntimeError("engine weights were released; call update_weights() with every weight "
-                               "before generating")
+            raise RuntimeError("engine weights are incomplete (released, or an update failed midway); "
+                               "call update_weights() with every weight before generating")
+        if self._uncommitted_update:
+            raise RuntimeError("a weight update was loaded but not committed; call commit_weights()")
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> int:
         """Queue one prompt; returns its request id. Outputs come from `step()`."""
@@ -169,18 +172,34 @@ class Engine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (hf_name, tensor) pairs into the model in place (addresses unchanged), flush the
         prefix cache (its K/V came from the old weights) and bump `weight_version`. A partial set
-        is allowed (bucketed updates); after `release_memory(weights=True)` generation waits
-        until every weight has arrived again."""
-        self._require_idle("update_weights")
-        loaded = load_weights(self.model, named_tensors, tied_embeddings=self.model_config.tie_word_embeddings,
-                              require_all=False)
+        is allowed; after `release_memory(weights=True)` generation waits until every weight has
+        arrived again. Same as `load_weights` followed by `commit_weights`."""
+        self.load_weights(named_tensors)
+        self.commit_weights()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The first half of a (possibly bucketed) update: copy in place, commit later. Generation
+        refuses until `commit_weights`. If loading fails midway the model is a mix of old and new
+        weights, so generation then waits for a complete set."""
+        self._require_idle("load_weights")
+        self._uncommitted_update = True
+        try:
+            loaded = load_weights(self.model, named_tensors, tied_embeddings=self.model_config.tie_word_embeddings,
+                                  require_all=False)
+        except BaseException:
+            self._weights_loaded_since_release = set()
+            raise
         if self._weights_loaded_since_release is not None:
             self._weights_loaded_since_release |= loaded
             if self._weights_loaded_since_release >= self._param_shapes.keys():
                 self._weights_loaded_since_release = None
+
+    def commit_weights(self) -> None:
+        """Finish an update: flush the prefix cache and bump `weight_version`."""
         if self.scheduler.cache is not None and self.pool.allocated:
             self.scheduler.cache.reset()
         self.weight_version += 1
+        self._uncommitted_update = False
 
     def release_memory(self, weights: bool = False) -> int:
         """Free the KV pool (and, with `weights`, the parameters' storage) so the trainer can use

@@ -1,0 +1,16 @@
+"""weight_sync: the trainer's HF-named tensors into the engines' parameters, in memory.
+
+Tensors are packed into same-dtype buckets with a manifest (names, shapes, offsets, checksums),
+moved either through shared buffers (colocated: shared memory on CPU, CUDA IPC on GPU) or by
+broadcast over a process group (disaggregated), verified on arrival, and loaded in place.
+"""
+
+from weight_sync.buckets import BucketPacker, Manifest, TensorEntry, unpack
+from weight_sync.collective import BroadcastReceiver, BroadcastSender, ReceiveReport
+from weight_sync.colocated import (DEFAULT_BUCKET_BYTES, BucketReceiver, ColocatedSender, Done, LoadAck, SyncReport,
+                                   WeightSyncError)
+
+__all__ = [
+    "BucketPacker", "Manifest", "TensorEntry", "unpack", "BroadcastReceiver", "BroadcastSender", "ReceiveReport",
+    "DEFAULT_BUCKET_BYTES", "BucketReceiver", "ColocatedSender", "Done", "LoadAck", "SyncReport", "WeightSyncError",
+]

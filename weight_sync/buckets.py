@@ -1,0 +1,108 @@
+"""Buckets: many HF-named tensors of one dtype flattened into one buffer, plus a manifest.
+
+A bucket is the unit of transfer and of verification. Its manifest lists each tensor's name,
+shape, offset and checksum, so a receiver can rebuild views without copying and name exactly
+which tensors arrived corrupted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import torch
+
+from weight_sync.checksum import algorithm_for, checksum
+
+
+class TensorEntry(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    offset: int      # in elements of the bucket's dtype
+    numel: int
+    checksum: int
+
+
+class Manifest(NamedTuple):
+    dtype: torch.dtype
+    numel: int                   # elements used in the buffer
+    entries: tuple[TensorEntry, ...]
+    checksum_algorithm: str      # see weight_sync.checksum
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def unpack(buffer: torch.Tensor, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) pairs over `buffer` (no copies)."""
+    for e in manifest.entries:
+        yield e.name, buffer[e.offset:e.offset + e.numel].view(e.shape)
+
+
+def corrupted_tensors(buffer: torch.Tensor, manifest: Manifest) -> list[str]:
+    """Names of the tensors whose checksum in `buffer` differs from the manifest's."""
+    return [e.name for e in manifest.entries
+            if checksum(buffer[e.offset:e.offset + e.numel], manifest.checksum_algorithm) != e.checksum]
+
+
+class BucketPacker:
+    """Packs a stream of tensors into reusable buffers of `bucket_bytes`, one dtype per bucket.
+
+    Only `num_buffers` buffers per dtype exist; `pack` yields (buffer, manifest) and the caller
+    must be done with a buffer (the receiver has acknowledged it) before the packer cycles back to
+    it. With two buffers that is double buffering: fill one while the other is in flight, so a
+    producer holds at most two buckets of extra memory (per dtype in use).
+    """
+
+    def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu", num_buffers: int = 2,
+                 allocator=None, verify: bool = True):
+        self.verify = verify
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
+        self.bucket_bytes = bucket_bytes
+        self.device = torch.device(device)
+        self.num_buffers = num_buffers
+        # allocator(numel, dtype) -> 1-D tensor; transports pass one that allocates shared memory.
+        self._allocate = allocator or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.device))
+        self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._next: dict[torch.dtype, int] = {}
+
+    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The next buffer of `dtype` in the cycle, grown if a single tensor needs more room."""
+        buffers = self._buffers.setdefault(dtype, [])
+        index = self._next.get(dtype, 0)
+        self._next[dtype] = (index + 1) % self.num_buffers
+        if index == len(buffers):
+            buffers.append(self._allocate(numel, dtype))
+        elif buffers[index].numel() < numel:
+            buffers[index] = self._allocate(numel, dtype)
+        return buffers[index]
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, Manifest]]:
+        pending: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        pending_bytes: dict[torch.dtype, int] = {}
+        for name, tensor in named_tensors:
+            dtype = tensor.dtype
+            if pending.get(dtype) and pending_bytes[dtype] + tensor.nbytes > self.bucket_bytes:
+                yield self._fill(dtype, pending.pop(dtype))
+                pending_bytes[dtype] = 0
+            pending.setdefault(dtype, []).append((name, tensor))
+            pending_bytes[dtype] = pending_bytes.get(dtype, 0) + tensor.nbytes
+        for dtype, items in pending.items():
+            if items:
+                yield self._fill(dtype, items)
+
+    def _fill(self, dtype: torch.dtype, items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Manifest]:
+        element = torch.empty((), dtype=dtype).element_size()
+        total = sum(t.numel() for _, t in items)
+        buffer = self._buffer(dtype, max(total, self.bucket_bytes // element))
+        algorithm = algorithm_for(buffer)
+        entries, offset = [], 0
+        for name, tensor in items:
+            region = buffer[offset:offset + tensor.numel()]
+            region.copy_(tensor.reshape(-1))
+            entries.append(TensorEntry(name, tuple(tensor.shape), offset, tensor.numel(),
+                                       checksum(region, algorithm) if self.verify else 0))
+            offset += tensor.numel()
+        return buffer, Manifest(dtype, offset, tuple(entries), algorithm if self.verify else "none")

@@ -1,0 +1,155 @@
+"""Colocated weight sync: trainer and engine share a host (and, on GPU, a device).
+
+The sender packs the trainer's exported (hf_name, tensor) stream into two shared buffers
+(double buffering) and hands each bucket to the receiver as a handle + manifest; only those are
+pickled. The receiver verifies the bucket's checksums, copies its tensors into the engine's
+parameters in place, and acknowledges; only then may the sender refill that buffer. While the
+receiver loads bucket k the sender packs bucket k+1.
+
+`deliver(handle, manifest)` is the one seam between the two: it must start the receiver's
+`load` (in another process, an actor call, or directly) and return something with `.result()`
+that yields the receiver's `LoadAck`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple, Protocol
+
+import torch
+
+from weight_sync.buckets import BucketPacker, Manifest, corrupted_tensors, unpack
+from weight_sync.shared_buffers import BufferHandle, BufferOpener, SharedBufferAllocator
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+class LoadAck(NamedTuple):
+    num_tensors: int
+    nbytes: int
+    verify_s: float
+    load_s: float
+
+
+class SyncReport(NamedTuple):
+    num_buckets: int
+    num_tensors: int
+    nbytes: int
+    export_s: float      # pulling tensors from the trainer's exporter (TP gather + HF conversion)
+    pack_s: float        # copying into buckets + sender checksums
+    transfer_s: float    # waiting on the receivers, less their verify and load time
+    verify_s: float      # receiver-side checksums
+    load_s: float        # receiver-side copies into the engine's parameters
+    total_s: float
+
+
+class Future(Protocol):
+    def result(self) -> LoadAck: ...
+
+
+class Done:
+    """An already-completed delivery (in-process receivers)."""
+
+    def __init__(self, ack: LoadAck):
+        self._ack = ack
+
+    def result(self) -> LoadAck:
+        return self._ack
+
+
+class WeightReceiver(Protocol):
+    """What the receiver needs from an engine: partial in-place loads, then one commit."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def commit_weights(self) -> None: ...
+
+
+def _timed(iterator: Iterator, clock: list[float]) -> Iterator:
+    """Yield from `iterator`, adding the time spent inside it to clock[0]."""
+    while True:
+        start = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            clock[0] += time.perf_counter() - start
+            return
+        clock[0] += time.perf_counter() - start
+        yield item
+
+
+class ColocatedSender:
+    def __init__(self, deliver: Callable[[BufferHandle, Manifest], Future], *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu", verify: bool = True):
+        self.allocator = SharedBufferAllocator(device)
+        self.packer = BucketPacker(bucket_bytes, device, num_buffers=2, allocator=self.allocator, verify=verify)
+        self.deliver = deliver
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        start = time.perf_counter()
+        export_clock = [0.0]
+        in_flight: deque[tuple[torch.dtype, Future]] = deque()
+        acks: list[LoadAck] = []
+        buckets = 0
+        pack_s = wait_s = 0.0
+        stream = _timed(iter(named_tensors), export_clock)
+        packed = self.packer.pack(stream)
+        while True:
+            # The packer is about to reuse the buffer of the bucket sent two deliveries ago
+            # (same dtype): its ack must be in first. Waiting on the oldest suffices.
+            if len(in_flight) >= 2:
+                t = time.perf_counter()
+                acks.append(in_flight.popleft()[1].result())
+                wait_s += time.perf_counter() - t
+            t0, e0 = time.perf_counter(), export_clock[0]
+            item = next(packed, None)
+            pack_s += (time.perf_counter() - t0) - (export_clock[0] - e0)
+            if item is None:
+                break
+            buffer, manifest = item
+            in_flight.append((manifest.dtype, self.deliver(self.allocator.handle(buffer), manifest)))
+            buckets += 1
+        t = time.perf_counter()
+        acks.extend(f.result() for _, f in in_flight)
+        wait_s += time.perf_counter() - t
+        verify_s = sum(a.verify_s for a in acks)
+        load_s = sum(a.load_s for a in acks)
+        return SyncReport(buckets, sum(a.num_tensors for a in acks), sum(a.nbytes for a in acks),
+                          export_clock[0], pack_s, max(0.0, wait_s - verify_s - load_s), verify_s, load_s,
+                          time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.packer = None  # drop buffer views before unlinking
+        self.allocator.close()
+
+
+class BucketReceiver:
+    """Engine side of both transports: verify a bucket, load it in place, acknowledge."""
+
+    def __init__(self, engine: WeightReceiver, verify: bool = True):
+        self.engine = engine
+        self.verify = verify
+        self.opener = BufferOpener()
+
+    def load_buffer(self, buffer: torch.Tensor, manifest: Manifest) -> LoadAck:
+        t0 = time.perf_counter()
+        if self.verify and manifest.checksum_algorithm != "none":
+            bad = corrupted_tensors(buffer, manifest)
+            if bad:
+                raise WeightSyncError(f"weight sync checksum mismatch in {len(bad)} tensor(s): {bad[:8]}; "
+                                      "the bucket was not loaded")
+        t1 = time.perf_counter()
+        self.engine.load_weights(unpack(buffer, manifest))
+        t2 = time.perf_counter()
+        return LoadAck(len(manifest.entries), manifest.nbytes, t1 - t0, t2 - t1)
+
+    def load(self, handle: BufferHandle, manifest: Manifest) -> LoadAck:
+        return self.load_buffer(self.opener.open(handle), manifest)
+
+    def commit(self) -> None:
+        self.engine.commit_weights()
