@@ -3,7 +3,8 @@
 Two algorithms, chosen by where the bytes live and recorded in the manifest so both sides
 compute the same one:
 
-* ``crc32`` (CPU tensors): zlib's CRC-32 of the raw bytes, ~2.5 GB/s per core, GIL released.
+* ``xxh3`` (CPU tensors): XXH3-64 of the raw bytes, ~9 GB/s per core here (twice a memcpy;
+  zlib's CRC-32 ran at 2.5 GB/s and made verification cost more than the transfer).
 * ``wsum64`` (GPU tensors): sum(w_i * (i mod 65521 + 1)) + sum(w_i) over the 16-bit words w_i,
   in int64 arithmetic that wraps identically everywhere; position sensitive, so swapped or
   shifted words change it, and it runs at device bandwidth without a copy to the host.
@@ -13,25 +14,24 @@ Neither is cryptographic: they catch torn, stale or misplaced buffers, not adver
 
 from __future__ import annotations
 
-import zlib
-
 import torch
+import xxhash
 
 _CHUNK = 1 << 24        # words per step: bounds the int64 temporaries
 _PRIME = 65521
 
 
 def algorithm_for(tensor: torch.Tensor) -> str:
-    return "crc32" if tensor.device.type == "cpu" else "wsum64"
+    return "xxh3" if tensor.device.type == "cpu" else "wsum64"
 
 
 def checksum(tensor: torch.Tensor, algorithm: str | None = None) -> int:
     algorithm = algorithm or algorithm_for(tensor)
     flat = tensor.detach().reshape(-1)
-    if algorithm == "crc32":
+    if algorithm == "xxh3":
         if flat.device.type != "cpu":
             flat = flat.cpu()
-        return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+        return xxhash.xxh3_64_intdigest(memoryview(flat.view(torch.uint8).numpy()))
     if algorithm == "wsum64":
         return _weighted_word_sum(flat)
     raise ValueError(f"unknown checksum algorithm {algorithm!r}")

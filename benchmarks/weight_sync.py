@@ -1,0 +1,166 @@
+"""Weight-sync benchmark: a >= 100M-parameter random model pushed into an engine in another process.
+
+Measures, in one run:
+* `copy`: a plain in-process torch copy of the same bytes into preallocated tensors (the floor);
+* `colocated`: ColocatedSender -> shared memory -> BucketReceiver -> the engine's parameters;
+* `broadcast`: BroadcastSender -> gloo broadcast -> BroadcastReceiver -> the engine's parameters;
+each with checksums on (the default) and, for colocated, off, to report verification's cost.
+Prints one JSON object. Goal (issue): colocated <= 3x the copy time on CPU.
+
+    python benchmarks/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--bucket-mb 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout import Engine, EngineConfig  # noqa: E402
+from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
+from rollout.weights import iter_safetensors  # noqa: E402
+from weight_sync import BroadcastReceiver, BroadcastSender, BucketReceiver, ColocatedSender  # noqa: E402
+
+
+def _config(args) -> dict:
+    return {**TINY_QWEN2, "hidden_size": args.hidden, "intermediate_size": args.hidden * 11 // 4,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 64,
+            "num_key_value_heads": max(1, args.hidden // 256), "vocab_size": args.vocab}
+
+
+def _trainer_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    """What a trainer would export: same names and shapes, different values."""
+    return {n: t + 0.001 for n, t in iter_safetensors(model_dir)}
+
+
+def _engine(model_dir: str) -> Engine:
+    return Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=64, max_model_len=64))
+
+
+class _PipeFuture:
+    def __init__(self, conn):
+        self.conn = conn
+
+    def result(self):
+        return self.conn.recv()
+
+
+def _colocated_engine(model_dir: str, conn, verify: bool) -> None:
+    engine = _engine(model_dir)
+    receiver = BucketReceiver(engine, verify=verify)
+    conn.send("ready")
+    while (msg := conn.recv()) != "exit":
+        if msg == "commit":
+            receiver.commit()
+            conn.send(engine.weight_version)
+        else:
+            conn.send(receiver.load(*msg))
+
+
+def run_colocated(model_dir: str, weights: dict, bucket_bytes: int, verify: bool, syncs: int = 3) -> dict:
+    """Several syncs in a row, as in training; the first also pays for mapping fresh shared
+    memory. Returns the first and the best later report."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_colocated_engine, args=(model_dir, child, verify))
+    proc.start()
+    assert parent.recv() == "ready"
+
+    def deliver(handle, manifest):
+        parent.send((handle, manifest))
+        return _PipeFuture(parent)
+
+    sender = ColocatedSender(deliver, bucket_bytes=bucket_bytes, verify=verify)
+    reports = []
+    for version in range(1, syncs + 1):
+        start = time.perf_counter()
+        report = sender.send(weights.items())
+        parent.send("commit")
+        assert parent.recv() == version
+        reports.append(report._replace(total_s=time.perf_counter() - start))
+    parent.send("exit")
+    proc.join()
+    sender.close()
+    steady = min(reports[1:], key=lambda r: r.total_s)
+    return {**steady._asdict(), "first_sync_total_s": reports[0].total_s}
+
+
+def _broadcast_rank(rank: int, port: int, model_dir: str, bucket_bytes: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == 0:
+        weights = _trainer_weights(model_dir)
+        dist.barrier()
+        report = BroadcastSender(None, [0], bucket_bytes=bucket_bytes).send(weights.items())
+        queue.put(("sender", report._asdict()))
+    else:
+        engine = _engine(model_dir)
+        dist.barrier()
+        report = BroadcastReceiver(engine, None, [0]).receive()
+        queue.put(("receiver", report._asdict()))
+    dist.destroy_process_group()
+
+
+def run_broadcast(model_dir: str, bucket_bytes: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, model_dir, bucket_bytes, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return {"sender": results["sender"], "receiver": results["receiver"],
+            "total_s": max(results["sender"]["total_s"], results["receiver"]["total_s"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    args = parser.parse_args()
+    bucket_bytes = args.bucket_mb << 20
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_random_checkpoint(model_dir, _config(args))
+        weights = _trainer_weights(model_dir)
+        nbytes = sum(t.nbytes for t in weights.values())
+        params = sum(t.numel() for t in weights.values())
+        targets = {n: torch.empty_like(t) for n, t in weights.items()}
+        best_copy = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for n, t in weights.items():
+                targets[n].copy_(t)
+            best_copy = min(best_copy, time.perf_counter() - start)
+        colocated = run_colocated(model_dir, weights, bucket_bytes, verify=True)
+        colocated_noverify = run_colocated(model_dir, weights, bucket_bytes, verify=False)
+        broadcast = run_broadcast(model_dir, bucket_bytes)
+    gb = nbytes / 1e9
+    print(json.dumps({
+        "params": params, "bytes": nbytes, "bucket_bytes": bucket_bytes, "torch_num_threads": torch.get_num_threads(),
+        "copy_s": best_copy, "copy_GBps": gb / best_copy,
+        "colocated": {**colocated, "GBps": gb / colocated["total_s"], "x_copy": colocated["total_s"] / best_copy},
+        "colocated_no_checksum": {**colocated_noverify, "GBps": gb / colocated_noverify["total_s"],
+                                  "x_copy": colocated_noverify["total_s"] / best_copy},
+        "broadcast": {**broadcast, "GBps": gb / broadcast["total_s"], "x_copy": broadcast["total_s"] / best_copy},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
