@@ -40,20 +40,24 @@ class PrefillSegment:
 
 @dataclass(frozen=True)
 class DecodeMetadata:
-    """Decode sequences grouped by shared prefix; G groups of at most M members, D sequences.
+    """Decode sequences grouped by shared prefix; G groups of at most M members, D sequences,
+    each with 1 to Q query tokens (its pending token, plus drafted tokens when speculating).
 
     Contexts are read a page at a time (a page is `page_size` consecutive slots): group prefixes
-    are whole pages, and each suffix starts on a page boundary."""
+    are whole pages, and each suffix starts on a page boundary. Query tokens sit in a padded
+    [D, Q] grid; a padding cell repeats a real query of its sequence and is never read back."""
     prefix_pages: torch.Tensor    # [G, Np] pages of each group's shared prefix (padded with page 0)
     prefix_bias: torch.Tensor     # [G, Np * page_size] float, 0 = real token, -inf = padding
     member_index: torch.Tensor    # [D] position of each sequence in the flattened [G, M] grid
     group_size: int               # M
     suffix_pages: torch.Tensor    # [D, Ns] each sequence's own pages after its group prefix
-    suffix_bias: torch.Tensor     # [D, Ns * page_size] float, 0 = real token, -inf = padding
+    suffix_bias: torch.Tensor     # [D, Q, Ns * page_size] float: 0 = visible to that query (causal)
+    query_index: torch.Tensor     # [D * Q] batch row of the query in each grid cell
+    token_cell: torch.Tensor      # [num_tokens] grid cell of each decode token, in batch order
 
     @property
-    def num_seqs(self) -> int:
-        return self.member_index.shape[0]
+    def num_tokens(self) -> int:
+        return self.token_cell.shape[0]
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ class AttentionMetadata:
 
     @property
     def num_decode(self) -> int:
-        return self.decode.num_seqs if self.decode is not None else 0
+        """Decode tokens (one per sequence, more when speculating) lead the batch."""
+        return self.decode.num_tokens if self.decode is not None else 0
 
 
 class TorchAttention:
@@ -107,42 +112,46 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              meta: DecodeMetadata, page_size: int) -> torch.Tensor:
     """Exact softmax attention of each decode query over (group prefix ++ own suffix).
 
-    q: [D, H, Dh] -> [D, H, Dh]. Heads are grouped GQA-style: query head h reads KV head
-    h // (H / Hkv)."""
-    num_seqs, num_heads, head_dim = q.shape
+    q: [T, H, Dh] decode tokens in batch order -> [T, H, Dh]. Heads are grouped GQA-style:
+    query head h reads KV head h // (H / Hkv)."""
+    num_heads, head_dim = q.shape[1:]
     out_dtype = q.dtype
-    q = q.float()  # scores and softmax in float32 whatever the model dtype (no-op for float32)
+    num_seqs, num_queries = meta.suffix_bias.shape[:2]
     num_kv_heads = k_cache.shape[0]
     per_kv = num_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim)
-    q = (q * scale).view(num_seqs, num_kv_heads, per_kv, head_dim).transpose(0, 1)   # [Hkv, D, g, Dh]
+    rows = num_queries * per_kv     # score rows per sequence, ordered (query, head in KV group)
+    # float32 scores and softmax whatever the model dtype (a no-op for float32)
+    q = (q.float() * (1.0 / math.sqrt(head_dim))).index_select(0, meta.query_index)
+    q = q.view(num_seqs, num_queries, num_kv_heads, per_kv, head_dim).permute(2, 0, 1, 3, 4)
+    q = q.reshape(num_kv_heads, num_seqs, rows, head_dim)                               # [Hkv, D, Q*g, Dh]
 
-    # Own suffix: [Hkv, D, g, Ls]
-    suffix_k = _gather(k_cache, meta.suffix_pages, page_size)
-    suffix_scores = q @ suffix_k.transpose(-1, -2) + meta.suffix_bias[None, :, None, :]
-    row_max = suffix_scores.amax(-1, keepdim=True)   # finite: the current token is always in the suffix
+    # Own suffix, causal among this step's queries: [Hkv, D, Q*g, Ls]
+    suffix_bias = meta.suffix_bias.unsqueeze(2).expand(-1, -1, per_kv, -1).reshape(1, num_seqs, rows, -1)
+    suffix_scores = q @ _gather(k_cache, meta.suffix_pages, page_size).transpose(-1, -2) + suffix_bias
+    row_max = suffix_scores.amax(-1, keepdim=True)   # finite: a query always sees its own token
 
     has_prefix = meta.prefix_pages.shape[1] > 0
     if has_prefix:
         groups, members = meta.prefix_pages.shape[0], meta.group_size
         # Queries into the [G, M] grid (empty cells stay zero and are never read back).
-        grid_q = q.new_zeros(num_kv_heads, groups * members, per_kv, head_dim)
+        grid_q = q.new_zeros(num_kv_heads, groups * members, rows, head_dim)
         grid_q.index_copy_(1, meta.member_index, q)
-        grid_q = grid_q.view(num_kv_heads, groups, members * per_kv, head_dim)
+        grid_q = grid_q.view(num_kv_heads, groups, members * rows, head_dim)
         prefix_k = _gather(k_cache, meta.prefix_pages, page_size)                     # [Hkv, G, Lp, Dh]
         grid_scores = grid_q @ prefix_k.transpose(-1, -2) + meta.prefix_bias[None, :, None, :]
-        prefix_scores = grid_scores.view(num_kv_heads, groups * members, per_kv, -1).index_select(1, meta.member_index)
+        prefix_scores = grid_scores.view(num_kv_heads, groups * members, rows, -1).index_select(1, meta.member_index)
         row_max = torch.maximum(row_max, prefix_scores.amax(-1, keepdim=True))
 
     suffix_p = torch.exp(suffix_scores - row_max)
     denom = suffix_p.sum(-1, keepdim=True)
-    out = suffix_p @ _gather(v_cache, meta.suffix_pages, page_size)                      # [Hkv, D, g, Dh]
+    out = suffix_p @ _gather(v_cache, meta.suffix_pages, page_size)                      # [Hkv, D, Q*g, Dh]
     if has_prefix:
         prefix_p = torch.exp(prefix_scores - row_max)
         denom = denom + prefix_p.sum(-1, keepdim=True)
-        grid_p = prefix_p.new_zeros(num_kv_heads, groups * members, per_kv, prefix_p.shape[-1])
+        grid_p = prefix_p.new_zeros(num_kv_heads, groups * members, rows, prefix_p.shape[-1])
         grid_p.index_copy_(1, meta.member_index, prefix_p)
-        grid_out = grid_p.view(num_kv_heads, groups, members * per_kv, -1) @ _gather(v_cache, meta.prefix_pages, page_size)
-        out = out + grid_out.view(num_kv_heads, groups * members, per_kv, head_dim).index_select(1, meta.member_index)
-    out = out / denom
-    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(out_dtype)
+        grid_out = grid_p.view(num_kv_heads, groups, members * rows, -1) @ _gather(v_cache, meta.prefix_pages, page_size)
+        out = out + grid_out.view(num_kv_heads, groups * members, rows, head_dim).index_select(1, meta.member_index)
+    out = (out / denom).view(num_kv_heads, num_seqs, num_queries, per_kv, head_dim).permute(1, 2, 0, 3, 4)
+    out = out.reshape(num_seqs * num_queries, num_heads, head_dim).index_select(0, meta.token_cell)
+    return out.to(out_dtype)

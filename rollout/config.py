@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch",)  # "triton" arrives with the speculative-decoding issue
+ATTENTION_BACKENDS = ("torch",)  # "triton" arrives with the GPU kernels
+SPECULATIVE_METHODS = (None, "ngram", "group")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -41,6 +42,13 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
     """None: read from config.json / generation_config.json."""
     attention_backend: str = "torch"
+    speculative_method: str | None = None
+    """None (off), "ngram" (prompt lookup in the sequence itself) or "group" (also the other
+    samples and earlier completions of the same prompt). Exact: outputs keep the target's
+    distribution, and greedy output is unchanged."""
+    num_speculative_tokens: int = 4
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
     seed: int = 0
     """Seeds the generators of requests that give no seed of their own."""
 
@@ -60,6 +68,12 @@ class EngineConfig:
                  f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r}: must be an int >= 1")
         _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
                  f"EngineConfig.max_model_len={self.max_model_len!r}: must be an int >= 2 or None")
+        _require(self.speculative_method in SPECULATIVE_METHODS,
+                 f"EngineConfig.speculative_method={self.speculative_method!r}: choose one of {SPECULATIVE_METHODS}")
+        _require(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+                 f"EngineConfig.num_speculative_tokens={self.num_speculative_tokens!r}: must be an int >= 1")
+        _require(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
+                 "EngineConfig.speculative_ngram_min/max: need 1 <= min <= max")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"EngineConfig.attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
 

@@ -24,6 +24,7 @@ from rollout.model_runner import ModelRunner
 from rollout.rope import RotaryEmbedding
 from rollout.scheduler import Scheduler
 from rollout.sequence import Request, RequestOutput, SampleOutput
+from rollout.speculative import Proposer
 from rollout.weights import iter_safetensors, load_weights
 
 
@@ -57,7 +58,11 @@ class Engine:
                            head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device)
         self.scheduler = Scheduler(pool=self.pool, max_running_requests=config.max_running_requests,
                                    max_prefill_tokens=config.max_prefill_tokens, max_model_len=self.max_model_len,
-                                   enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids)
+                                   enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids,
+                                   proposer=(Proposer(config.speculative_method, config.speculative_ngram_min,
+                                                      config.speculative_ngram_max)
+                                             if config.speculative_method else None),
+                                   num_speculative_tokens=config.num_speculative_tokens)
         self.runner = ModelRunner(self.model, TorchAttention(self.pool), self.scheduler.slot_table, config.page_size)
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)

@@ -21,17 +21,21 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids [T], positions [T], attention metadata, logits row indices [R]).
 
-        Token order: one token per decode sequence, then each prefill chunk. Logits rows: every
+        Token order: each decode sequence's pending token and drafts, then each prefill chunk. Logits rows: every
         decode token, then the last token of each chunk that completes its sequence's pending
         tokens (matches `Scheduler.finish_step`)."""
         device = self.device
-        ids: list[int] = [s.token_ids[s.num_computed] for s in batch.decode]
-        positions: list[int] = [s.num_computed for s in batch.decode]
-        num_decode = len(batch.decode)
-        logits_rows = list(range(num_decode))
-
-        decode_meta = self._decode_metadata(batch.decode) if num_decode else None
-        out_slots = [self.slot_table[torch.tensor([s.row for s in batch.decode], dtype=torch.int64, device=device),
+        ids: list[int] = []
+        positions: list[int] = []
+        decode_rows: list[int] = []
+        for seq in batch.decode:   # the pending token, then any drafted tokens to verify
+            tokens = [seq.token_ids[seq.num_computed], *seq.draft]
+            ids.extend(tokens)
+            positions.extend(range(seq.num_computed, seq.num_computed + len(tokens)))
+            decode_rows.extend([seq.row] * len(tokens))
+        logits_rows = list(range(len(ids)))
+        decode_meta = self._decode_metadata(batch.decode) if batch.decode else None
+        out_slots = [self.slot_table[torch.tensor(decode_rows, dtype=torch.int64, device=device),
                                      torch.tensor(positions, dtype=torch.int64, device=device)]]
 
         segments: list[PrefillSegment] = []
@@ -71,29 +75,41 @@ class ModelRunner:
             prefix_rows.append(seqs[members[0]].row)
             prefix_lens.append(seqs[members[0]].num_tree_pages * page_size)
 
-        def paged(rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor):
-            """Pages holding positions [start, start + length) of each row (starts are page
-            aligned), and the additive mask over their tokens."""
-            num_pages = -(-int(lengths.max()) // page_size)
-            cols = (starts.unsqueeze(-1) + torch.arange(num_pages, device=device) * page_size)
+        def pages_of(rows: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
+            """Pages holding positions [start, start + length) of each row (starts are page aligned)."""
+            num_pages = -(-max(lengths) // page_size)
+            cols = torch.tensor(starts, device=device).unsqueeze(-1) + torch.arange(num_pages, device=device) * page_size
             cols.clamp_(max=self.slot_table.shape[1] - 1)
-            pages = self.slot_table[rows.unsqueeze(-1), cols] // page_size
-            offsets = torch.arange(num_pages * page_size, device=device)
-            bias = torch.zeros(len(rows), num_pages * page_size, device=device, dtype=torch.float32)
-            bias.masked_fill_(offsets >= lengths.unsqueeze(-1), float("-inf"))
-            return pages, bias
+            return self.slot_table[torch.tensor(rows, device=device).unsqueeze(-1), cols] // page_size
 
-        prefix_lens_t = torch.tensor(prefix_lens, device=device)
-        prefix_pages, prefix_bias = paged(torch.tensor(prefix_rows, device=device),
-                                          torch.zeros_like(prefix_lens_t), prefix_lens_t)
-        seq_prefix = torch.tensor([s.num_tree_pages * page_size for s in seqs], device=device)
-        suffix_lens = torch.tensor([s.num_computed + 1 for s in seqs], device=device) - seq_prefix
-        suffix_pages, suffix_bias = paged(torch.tensor([s.row for s in seqs], device=device), seq_prefix, suffix_lens)
+        def visible(limits: torch.Tensor, width: int) -> torch.Tensor:
+            """Additive mask: 0 for token offsets below `limits` [..., 1], -inf from there on."""
+            bias = torch.zeros(*limits.shape[:-1], width, device=device, dtype=torch.float32)
+            return bias.masked_fill_(torch.arange(width, device=device) >= limits, float("-inf"))
+
+        prefix_pages = pages_of(prefix_rows, [0] * len(prefix_rows), prefix_lens)
+        prefix_bias = visible(torch.tensor(prefix_lens, device=device).unsqueeze(-1), prefix_pages.shape[1] * page_size)
+
+        # Suffix: each sequence's tokens after its group prefix, this step's queries included.
+        num_queries = [1 + len(s.draft) for s in seqs]
+        width_q = max(num_queries)
+        seq_prefix = [s.num_tree_pages * page_size for s in seqs]
+        computed = [s.num_computed - p for s, p in zip(seqs, seq_prefix)]     # suffix tokens already in the pool
+        suffix_pages = pages_of([s.row for s in seqs], seq_prefix, [c + q for c, q in zip(computed, num_queries)])
+        # Query j of a sequence sees its suffix up to and including itself; padding cells
+        # repeat the sequence's last query.
+        j = torch.minimum(torch.arange(width_q, device=device), torch.tensor(num_queries, device=device).unsqueeze(-1) - 1)
+        limits = torch.tensor(computed, device=device).unsqueeze(-1) + j + 1                   # [D, Q]
+        suffix_bias = visible(limits.unsqueeze(-1), suffix_pages.shape[1] * page_size)         # [D, Q, Ls]
+        starts = torch.tensor([0, *num_queries[:-1]], device=device).cumsum(0)
+        query_index = (starts.unsqueeze(-1) + j).reshape(-1)
+        token_cell = torch.cat([i * width_q + torch.arange(q, device=device) for i, q in enumerate(num_queries)])
         return DecodeMetadata(prefix_pages, prefix_bias, torch.tensor(member_index, device=device), group_size,
-                              suffix_pages, suffix_bias)
+                              suffix_pages, suffix_bias, query_index, token_cell)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """float32 logits, one row per sequence that completed its pending tokens."""
+        """float32 logits: one row per decode token (pending + drafts), then one per prefill that
+        completed its sequence's pending tokens."""
         input_ids, positions, meta, logits_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.attention, meta)
         return self.model.compute_logits(hidden[logits_rows])

@@ -31,6 +31,7 @@ from rollout.kv_pool import KVPool
 from rollout.radix_cache import RadixCache
 from rollout.sampler import SamplingBatch, sample
 from rollout.sequence import Request, RequestOutput, SampleOutput, Sequence, Status
+from rollout.speculative import Proposer, verify
 
 
 class ScheduledBatch(NamedTuple):
@@ -50,6 +51,9 @@ class SchedulerStats:
     decode_steps: int = 0
     preemptions: int = 0
     evicted_tokens: int = 0
+    spec_verify_steps: int = 0      # sequence-steps that verified a non-empty draft
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -60,6 +64,8 @@ class Scheduler:
     max_model_len: int
     enable_prefix_cache: bool
     eos_token_ids: frozenset[int]
+    proposer: Proposer | None = None        # speculative decoding when set
+    num_speculative_tokens: int = 0
     stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
@@ -156,7 +162,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted by an older sequence this step
                 continue
             pending = len(seq.token_ids) - seq.num_computed
-            num_new = 1 if pending == 1 else min(pending, budget)
+            seq.draft = self._draft(seq) if pending == 1 else []
+            num_new = 1 + len(seq.draft) if pending == 1 else min(pending, budget)
             if num_new == 0 or not self._reserve(seq, num_new):
                 continue
             if pending == 1:
@@ -179,6 +186,13 @@ class Scheduler:
                 prefill.append((seq, num_new))
             budget -= num_new
         return ScheduledBatch(decode, prefill)
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Speculated continuation of a decoding sequence, never past its token limits."""
+        if self.proposer is None or seq.num_generated == 0:  # first token: drawn at the fork
+            return []
+        room = min(seq.request.params.max_new_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids)) - 1
+        return self.proposer.propose(seq, min(self.num_speculative_tokens, room))
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take rows, the cached prefix and check pages for `seq`; False (and nothing taken)
@@ -212,6 +226,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq, cache_kv=False)
+        seq.draft = []
         seq.status = Status.WAITING
         seq.num_computed = 0
         # Victims are taken newest first, so pushing each to the front keeps arrival order.
@@ -251,41 +266,74 @@ class Scheduler:
 
     # -- after the forward pass ----------------------------------------------------------------
     def finish_step(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
-        """Advance the batch's sequences; `logits` has one row per sequence that completed its
-        pending tokens (all of `decode`, then the prefills that reached their last token)."""
+        """Advance the batch's sequences. `logits` rows: one per decode token (pending token then
+        drafts, per sequence), then one per prefill that reached its sequence's last token."""
         self.stats.decode_steps += 1 if batch.decode else 0
         to_sample: list[Sequence] = []
         logit_rows: list[int] = []
+        emitted: list[tuple[Sequence, list[int], list[float]]] = []
+        row = 0
+        speculated: list[tuple[Sequence, int]] = []   # (sequence, its first logits row)
         for seq in batch.decode:
             if seq.num_computed < seq.prompt_len:
                 self.stats.prefill_tokens_computed += 1
+            if seq.draft:
+                speculated.append((seq, row))
+                row += 1 + len(seq.draft)
+                continue
             seq.num_computed += 1
+            if seq.num_generated == 0 and self.cache is not None:
+                self._insert_into_cache(seq)  # a prompt whose last token ran as a decode
+            for s in self._fork(seq):
+                to_sample.append(s)
+                logit_rows.append(row)
+            row += 1
+        if speculated:
+            rows = torch.cat([torch.arange(r, r + 1 + len(s.draft)) for s, r in speculated]).to(logits.device)
+            seqs = [s for s, _ in speculated]
+            for seq, result in zip(seqs, verify(logits[rows], seqs)):
+                # KV is now valid for the pending token and the accepted drafts.
+                self.stats.spec_verify_steps += 1
+                self.stats.spec_draft_tokens += len(seq.draft)
+                self.stats.spec_accepted_tokens += result.num_accepted
+                seq.num_computed += 1 + result.num_accepted
+                seq.draft = []
+                emitted.append((seq, result.tokens, result.logprobs))
         for seq, num_new in batch.prefill:
             seq.num_computed += num_new
             self.stats.prefill_tokens_computed += num_new
-        completed = batch.decode + [s for s, _ in batch.prefill if s.num_computed == len(s.token_ids)]
-        assert len(completed) == logits.shape[0]
-        for i, seq in enumerate(completed):
-            if seq.num_generated == 0 and self.cache is not None:
-                self._insert_into_cache(seq)  # prompt done: share it (with forks, other requests)
-            for s in self._fork(seq):
-                to_sample.append(s)
-                logit_rows.append(i)
-        if not to_sample:
-            return
-        rows = torch.tensor(logit_rows, device=logits.device)
-        tokens, logprobs = sample(logits[rows], SamplingBatch.of(to_sample))
-        for seq, token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
+            if seq.num_computed == len(seq.token_ids):
+                if seq.num_generated == 0 and self.cache is not None:
+                    self._insert_into_cache(seq)  # prompt done: share it (with forks, other requests)
+                for s in self._fork(seq):
+                    to_sample.append(s)
+                    logit_rows.append(row)
+                row += 1
+        assert row == logits.shape[0], "logits rows do not match the batch"
+        if to_sample:
+            rows = torch.tensor(logit_rows, device=logits.device)
+            tokens, logprobs = sample(logits[rows], SamplingBatch.of(to_sample))
+            emitted.extend((s, [t], [lp]) for s, t, lp in zip(to_sample, tokens.tolist(), logprobs.tolist()))
+        for seq, tokens, logprobs in emitted:
+            self._append(seq, tokens, logprobs)
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
+        """Append sampled tokens, stopping at the first that finishes the sequence."""
+        for token, logprob in zip(tokens, logprobs):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             self.stats.generated_tokens += 1
             reason = self._finish_reason(seq, token)
-            if reason is not None:
-                if seq.status is Status.RUNNING:
-                    self._release(seq, cache_kv=True)
-                else:  # a fork that found no page: it never held KV
-                    self.waiting.remove(seq)
-                self._record(seq, reason)
+            if reason is None:
+                continue
+            if seq.status is Status.RUNNING:
+                self._release(seq, cache_kv=True)
+            else:  # a fork that found no page: it never held KV
+                self.waiting.remove(seq)
+            if self.proposer is not None:
+                self.proposer.forget(seq)
+            self._record(seq, reason)
+            return
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """The samples that draw from `seq`'s fresh logits: itself, plus its forks the first time

@@ -69,6 +69,7 @@ class Sequence:
     node: TreeNode | None = None        # locked radix node covering the tree pages
     row: int | None = None              # row in the slot table while running
     extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
+    draft: list[int] = field(default_factory=list)       # speculated tokens verified this step
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:

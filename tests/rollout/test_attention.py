@@ -35,29 +35,40 @@ def test_cascade_matches_naive(page_size):
     perm = torch.randperm(num_pages, generator=g).tolist()
     take = lambda n: [perm.pop() for _ in range(n)]
     # Three groups: 3 members sharing 2 prefix pages, 1 member with 1 prefix page, and a
-    # sequence with no shared prefix at all; suffixes of different lengths.
+    # sequence with no shared prefix at all; suffixes of different lengths; some sequences
+    # verify several query tokens at once (speculation), causal among themselves.
     prefixes = [take(2), take(1), []]
     members = [[0, 1, 2], [3], [4]]
-    suffix_lens = [1, 2 * page_size + 1, page_size, 3, 2 * page_size]
+    suffix_lens = [1, 2 * page_size + 1, page_size, 3, 2 * page_size + 4]   # after this step's queries
+    queries = [1, 3, 1, 2, 4]
     suffix_pages = [take(-(-n // page_size)) for n in suffix_lens]
-    group_size = 3
+    group_size, width_q = 3, max(queries)
     member_index = [0] * 5
     for gi, ms in enumerate(members):
         for m, i in enumerate(ms):
             member_index[i] = gi * group_size + m
 
-    def pad(rows, lens):
+    def pad(rows):
         width = max(len(r) for r in rows)
-        pages = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        bias = torch.zeros(len(rows), width * page_size)
-        for i, n in enumerate(lens):
-            bias[i, n:] = float("-inf")
-        return pages, bias
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows])
 
-    prefix_pages, prefix_bias = pad(prefixes, [len(p) * page_size for p in prefixes])
-    suf_pages, suf_bias = pad(suffix_pages, suffix_lens)
-    meta = DecodeMetadata(prefix_pages, prefix_bias, torch.tensor(member_index), group_size, suf_pages, suf_bias)
-    q = torch.randn(5, num_heads, head_dim, generator=g)
+    def bias(limits, width):
+        b = torch.zeros(*limits.shape, width)
+        return b.masked_fill_(torch.arange(width) >= limits.unsqueeze(-1), float("-inf"))
+
+    prefix_pages = pad(prefixes)
+    prefix_bias = bias(torch.tensor([len(p) * page_size for p in prefixes]), prefix_pages.shape[1] * page_size)
+    suf_pages = pad(suffix_pages)
+    starts = [sum(queries[:i]) for i in range(5)]
+    cells, limits, query_index = [], [], []
+    for i, (n, q) in enumerate(zip(suffix_lens, queries)):
+        limits.append([n - q + min(j, q - 1) + 1 for j in range(width_q)])
+        query_index += [starts[i] + min(j, q - 1) for j in range(width_q)]
+        cells += [i * width_q + j for j in range(q)]
+    meta = DecodeMetadata(prefix_pages, prefix_bias, torch.tensor(member_index), group_size, suf_pages,
+                          bias(torch.tensor(limits), suf_pages.shape[1] * page_size),
+                          torch.tensor(query_index), torch.tensor(cells))
+    q = torch.randn(sum(queries), num_heads, head_dim, generator=g)
     got = cascade_decode_attention(q, k_cache, v_cache, meta, page_size)
     for gi, ms in enumerate(members):
         for i in ms:
@@ -65,7 +76,11 @@ def test_cascade_matches_naive(page_size):
                               context_of(k_cache, suffix_pages[i], suffix_lens[i], page_size)])
             values = torch.cat([context_of(v_cache, prefixes[gi], len(prefixes[gi]) * page_size, page_size),
                                 context_of(v_cache, suffix_pages[i], suffix_lens[i], page_size)])
-            torch.testing.assert_close(got[i], naive_attention(q[i], keys, values), atol=1e-5, rtol=1e-5)
+            for j in range(queries[i]):
+                visible = len(keys) - queries[i] + j + 1
+                row = starts[i] + j
+                torch.testing.assert_close(got[row], naive_attention(q[row], keys[:visible], values[:visible]),
+                                           atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_segment_is_causal_over_cached_prefix():

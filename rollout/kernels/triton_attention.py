@@ -1,0 +1,53 @@
+"""`TritonAttention`: the attention backend of `rollout.attention`, with Triton kernels on the
+hot paths.
+
+Same interface and same function as `TorchAttention`: new K/V are stored by the KV-store kernel,
+decode tokens attend through the split-K cascade kernel, prefill chunks through SDPA (as in the
+reference; prefill is compute-bound and SDPA's flash kernels serve it well). Runs on CUDA, or on
+CPU when TRITON_INTERPRET=1 was set before `rollout.kernels` was imported (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rollout.attention import AttentionMetadata, DecodeMetadata
+from rollout.kernels.decode_attention import DecodeQueries, Phase, cascade_plan, split_k_decode_attention
+from rollout.kernels.kv_store import triton_store_kv
+from rollout.kv_pool import KVPool
+
+
+class TritonAttention:
+    def __init__(self, pool: KVPool, *, block_n: int | None = None, chunk_tokens: int | None = None):
+        self.pool = pool
+        self.block_n = block_n
+        self.chunk_tokens = chunk_tokens
+        # The decode plan depends on the step's metadata only, which every layer shares: build it
+        # at the first layer and reuse it. The metadata object is held and compared by identity,
+        # so a later step's metadata can never be mistaken for it.
+        self._plan_for: DecodeMetadata | None = None
+        self._plan: tuple[list[Phase], DecodeQueries] | None = None
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]    # [Hkv, slots, D]
+        triton_store_kv(k, v, k_cache, v_cache, meta.out_slots)
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            if self._plan_for is not meta.decode:
+                self._plan, self._plan_for = cascade_plan(meta.decode), meta.decode
+            phases, queries = self._plan
+            out[:meta.num_decode] = split_k_decode_attention(
+                q[:meta.num_decode], k_cache, v_cache, self.pool.page_size, phases, queries,
+                block_n=self.block_n, chunk_tokens=self.chunk_tokens)
+        for seg in meta.prefill:
+            rows = slice(seg.token_start, seg.token_start + seg.num_new)
+            keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)      # [1, Hkv, C, D]
+            values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
+            queries = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, n, D]
+            out[rows] = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=seg.mask, enable_gqa=True
+            ).squeeze(0).transpose(0, 1)
+        return out
