@@ -88,15 +88,21 @@ class TorchAttention:
         if meta.decode is not None:
             out[:meta.num_decode] = cascade_decode_attention(q[:meta.num_decode], k_cache, v_cache, meta.decode,
                                                              self.pool.page_size)
-        for seg in meta.prefill:
-            rows = slice(seg.token_start, seg.token_start + seg.num_new)
-            keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)      # [1, Hkv, C, D]
-            values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
-            queries = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, n, D]
-            out[rows] = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=seg.mask, enable_gqa=True
-            ).squeeze(0).transpose(0, 1)
+        prefill_attention(q, k_cache, v_cache, meta.prefill, out)
         return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      segments: tuple[PrefillSegment, ...], out: torch.Tensor) -> None:
+    """Each chunk attends causally over its cached prefix and itself; writes rows of `out`."""
+    for seg in segments:
+        rows = slice(seg.token_start, seg.token_start + seg.num_new)
+        keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)      # [1, Hkv, C, D]
+        values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
+        queries = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, n, D]
+        out[rows] = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=seg.mask, enable_gqa=True
+        ).squeeze(0).transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch",)  # "triton" arrives with the GPU kernels
+ATTENTION_BACKENDS = ("torch", "triton")  # triton: GPU kernels for KV store and decode (rollout/kernels)
 SPECULATIVE_METHODS = (None, "ngram", "group")
 
 
@@ -76,6 +76,9 @@ class EngineConfig:
                  "EngineConfig.speculative_ngram_min/max: need 1 <= min <= max")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"EngineConfig.attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
+        _require(self.attention_backend != "triton" or self.device.startswith("cuda"),
+                 f"EngineConfig.attention_backend='triton' needs a CUDA device (device={self.device!r}); "
+                 "use 'torch' on CPU")
 
 
 @dataclass(frozen=True)

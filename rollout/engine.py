@@ -63,7 +63,12 @@ class Engine:
                                                       config.speculative_ngram_max)
                                              if config.speculative_method else None),
                                    num_speculative_tokens=config.num_speculative_tokens)
-        self.runner = ModelRunner(self.model, TorchAttention(self.pool), self.scheduler.slot_table, config.page_size)
+        if config.attention_backend == "triton":
+            from rollout.kernels import TritonAttention   # lazy: triton decides interpret vs compile at import
+            attention = TritonAttention(self.pool)
+        else:
+            attention = TorchAttention(self.pool)
+        self.runner = ModelRunner(self.model, attention, self.scheduler.slot_table, config.page_size)
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()

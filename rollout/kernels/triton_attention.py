@@ -10,9 +10,8 @@ CPU when TRITON_INTERPRET=1 was set before `rollout.kernels` was imported (tests
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from rollout.attention import AttentionMetadata, DecodeMetadata
+from rollout.attention import AttentionMetadata, DecodeMetadata, prefill_attention
 from rollout.kernels.decode_attention import DecodeQueries, Phase, cascade_plan, split_k_decode_attention
 from rollout.kernels.kv_store import triton_store_kv
 from rollout.kv_pool import KVPool
@@ -42,12 +41,5 @@ class TritonAttention:
             out[:meta.num_decode] = split_k_decode_attention(
                 q[:meta.num_decode], k_cache, v_cache, self.pool.page_size, phases, queries,
                 block_n=self.block_n, chunk_tokens=self.chunk_tokens)
-        for seg in meta.prefill:
-            rows = slice(seg.token_start, seg.token_start + seg.num_new)
-            keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)      # [1, Hkv, C, D]
-            values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
-            queries = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, n, D]
-            out[rows] = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=seg.mask, enable_gqa=True
-            ).squeeze(0).transpose(0, 1)
+        prefill_attention(q, k_cache, v_cache, meta.prefill, out)
         return out
