@@ -15,6 +15,7 @@ reports the per-token entropy of the model's samples so the regime is explicit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -30,9 +31,11 @@ from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noq
 
 
 def run(model_dir: str, prompts, params: SamplingParams, method: str | None, k: int) -> dict:
+    """Two rollouts of the same prompts, as in consecutive RL epochs; the second is measured
+    (for `group`, earlier completions of each prompt are then available as drafts)."""
     engine = Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=len(prompts) * params.n * 512,
-                                 speculative_method=method, num_speculative_tokens=k))
-    engine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=8, ignore_eos=True))   # warm-up
+                                 speculative_method=method, num_speculative_tokens=k, speculative_ngram_min=2))
+    engine.generate(prompts, dataclasses.replace(params, seed=1))
     before = engine.stats()
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -54,7 +57,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--weight-std", type=float, nargs="+", default=[0.02, 0.5])
+    parser.add_argument("--weight-std", type=float, nargs="+", default=[0.02, 1.0])
     parser.add_argument("--k", type=int, default=4)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
