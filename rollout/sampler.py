@@ -44,14 +44,17 @@ class SamplingBatch(NamedTuple):
 
 def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor) -> torch.Tensor:
-    """[R, V] bool, True = token may be drawn. Top-k keeps the k most likely; top-p the smallest
-    set of most likely tokens whose mass reaches p; min-p the tokens with prob >= min_p * max.
-    The most likely token is always kept."""
+    """[R, V] bool, True = token may be drawn. Applied in Hugging Face's order: top-k keeps the k
+    most likely; top-p then keeps the smallest set of the most likely whose mass *within the top-k
+    distribution* reaches p; min-p keeps tokens with prob >= min_p * max (a ratio, so unaffected
+    by renormalisation). The most likely token is always kept."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
     k = torch.where(top_k > 0, top_k, probs.shape[-1]).unsqueeze(-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted = (rank < k) & (mass_before < top_p.unsqueeze(-1))
+    in_top_k = rank < k
+    top_k_mass = (sorted_probs * in_top_k).sum(dim=-1, keepdim=True)
+    mass_before = (sorted_probs.cumsum(dim=-1) - sorted_probs) / top_k_mass
+    keep_sorted = in_top_k & (mass_before < top_p.unsqueeze(-1))
     keep_sorted &= sorted_probs >= min_p.unsqueeze(-1) * sorted_probs[:, :1]
     keep_sorted[:, 0] = True
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
