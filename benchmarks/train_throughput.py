@@ -1,0 +1,142 @@
+"""Training throughput: megatron backend vs DeepSpeed backend on the same tiny model and batch.
+
+One process, world size 1, fp32 on CPU (or GPU when present). A random-init Qwen2-architecture
+model is built with HF transformers and saved to a temporary directory; both backends load it,
+then run PPO train steps (old log-prob recompute + forward/backward + AdamW) on the same fixed
+batch of B samples (prompt P + response R tokens, packed into micro-batches of at most
+`--micro-batch-tokens` tokens).
+
+    .venv/bin/python benchmarks/train_throughput.py            # default workload
+    .venv/bin/python benchmarks/train_throughput.py --quick    # seconds; used by a smoke test
+
+Prints one JSON object: per backend, steps timed, median and min seconds per step, and training
+tokens/s (batch tokens per step / median seconds per step), plus the megatron / deepspeed ratio.
+Steps of the two backends alternate, so background load on a shared machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def build_model(directory: Path, args) -> None:
+    import transformers
+
+    config = transformers.Qwen2Config(
+        hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
+        vocab_size=args.vocab, max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def make_batch(args):
+    from trainer.config import RLBatch
+
+    g = torch.Generator().manual_seed(0)
+    n = args.prompt + args.response
+    tokens = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for _ in range(args.batch)]
+    advantages = [torch.randn(args.response, generator=g) for _ in range(args.batch)]
+    return RLBatch(tokens=tokens, prompt_lens=[args.prompt] * args.batch, advantages=advantages)
+
+
+def measure(trainers: dict, batch, steps: int) -> dict:
+    """Alternate one step of each backend, `steps` rounds after a warm-up round, and report the
+    median step time: on a shared machine, interleaving exposes both backends to the same
+    background load."""
+    import statistics
+
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for round_ in range(steps + 1):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.train_step(batch)
+            if round_:  # round 0 warms up: allocations, Adam state, lazy kernels
+                times[name].append(time.perf_counter() - start)
+    tokens = sum(len(t) for t in batch.tokens)
+    out = {}
+    for name, ts in times.items():
+        per_step = statistics.median(ts)
+        out[name] = {"steps": steps, "s_per_step_median": per_step,
+                     "s_per_step_min": min(ts), "tokens_per_step": tokens,
+                     "train_tokens_per_s": tokens / per_step}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--response", type=int, default=192)
+    p.add_argument("--micro-batch-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.heads, args.vocab = 64, 2, 4, 256
+        args.batch, args.prompt, args.response, args.steps = 4, 8, 24, 2
+        args.micro_batch_tokens = 64
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    # Keep stdout pure JSON: DeepSpeed and megatron log to stdout while loading.
+    with contextlib.redirect_stdout(sys.stderr):
+        results = run(args)
+    print(json.dumps(report(args, results), indent=2))
+
+
+def run(args) -> dict:
+    from trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from trainer.deepspeed_trainer import DeepSpeedTrainer
+    from trainer.megatron_trainer import MegatronTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(Path(tmp), args)
+        batch = make_batch(args)
+        trainers = {}
+        for backend, cls in (("megatron", MegatronTrainer), ("deepspeed", DeepSpeedTrainer)):
+            cfg = TrainerConfig(model_path=tmp, backend=backend,
+                                max_tokens_per_micro_batch=args.micro_batch_tokens,
+                                optim=OptimConfig(lr=1e-5), loss=LossConfig(policy_loss="ppo"))
+            trainers[backend] = cls(cfg)
+        return measure(trainers, batch, args.steps)
+
+
+def report(args, results: dict) -> dict:
+    return {
+        "benchmark": "train_throughput",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "model": {"family": "qwen2", "hidden": args.hidden, "layers": args.layers,
+                  "heads": args.heads, "vocab": args.vocab, "dtype": "float32"},
+        "workload": {"batch": args.batch, "prompt": args.prompt, "response": args.response,
+                     "max_tokens_per_micro_batch": args.micro_batch_tokens,
+                     "loss": "ppo (old-logprob recompute + fwd/bwd + AdamW)"},
+        **results,
+        "megatron_over_deepspeed": (results["megatron"]["train_tokens_per_s"]
+                                    / results["deepspeed"]["train_tokens_per_s"]),
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Hugging Face names <-> megatron-core GPTModel parameters, under any TP x PP split.
+
+Why our own mapping and not mbridge 0.15.1 (evaluated first, as the issue asked): mbridge
+builds models with Transformer Engine layer specs unconditionally and needs CUDA when loading,
+so it cannot run on the CPU path this project requires; it reads `rope_theta` the
+transformers-4 way (top level), which transformers 5 moved into `rope_parameters`; and it turns
+on sequence parallelism whenever TP > 1, which changes activation layouts our log-prob code
+relies on. The mapping itself is small, so we own it here.
+
+Layout rules (megatron side, per TP rank r of T, PP stage holding layers [off, off + n)):
+
+* `embedding.word_embeddings.weight`, `output_layer.weight`: vocab rows padded with zeros to
+  `padded_vocab_size` (divisible by T), split by rows; rank r holds rows [r V/T, (r+1) V/T).
+* `linear_qkv`: per query group g the rows are [q heads of g; k_g; v_g] (each head `head_dim`
+  rows), groups in order, then split by rows over T (groups never straddle ranks because
+  `num_key_value_heads % T == 0`). Bias, when present, follows the same interleave.
+* `linear_fc1`: rank r holds [gate rows of r; up rows of r] (megatron chunks fc1's output in 2).
+* `linear_proj`, `linear_fc2`: row-parallel, split by input columns.
+* norms and q/k-norm weights: replicated.
+* decoder layer i on a stage is HF layer off + i.
+
+Export is a generator: each megatron parameter is all-gathered over TP on its own, converted
+to HF tensors, and yielded, so peak extra memory is one full tensor. Under PP each stage yields
+the layers it holds (with global HF indices); with tied embeddings only the first stage yields
+`model.embed_tokens.weight` (the last stage's output layer is a synchronized copy).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
+
+from trainer.hf_config import HFArch
+from trainer.megatron_model import ModelLayout
+
+_LAYER_PREFIX = "decoder.layers."
+
+
+class _Slot(NamedTuple):
+    """One megatron parameter and the HF tensor(s) it is made of."""
+    kind: str                 # replicated | vocab | qkv | fc1 | row | column
+    hf_names: tuple[str, ...]
+
+
+def _layer_slot(arch: HFArch, local_name: str, hf_layer: int) -> _Slot | None:
+    p = f"model.layers.{hf_layer}."
+    attn = p + "self_attn."
+    table = {
+        "input_layernorm.weight": _Slot("replicated", (p + "input_layernorm.weight",)),
+        # Transformer Engine specs fuse the input norm into linear_qkv.
+        "self_attention.linear_qkv.layer_norm_weight":
+            _Slot("replicated", (p + "input_layernorm.weight",)),
+        "self_attention.linear_qkv.weight":
+            _Slot("qkv", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")),
+        "self_attention.linear_qkv.bias":
+            _Slot("qkv", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")),
+        "self_attention.q_layernorm.weight": _Slot("replicated", (attn + "q_norm.weight",)),
+        "self_attention.k_layernorm.weight": _Slot("replicated", (attn + "k_norm.weight",)),
+        "self_attention.linear_proj.weight": _Slot("row", (attn + "o_proj.weight",)),
+        "pre_mlp_layernorm.weight": _Slot("replicated", (p + "post_attention_layernorm.weight",)),
+        "mlp.linear_fc1.layer_norm_weight":
+            _Slot("replicated", (p + "post_attention_layernorm.weight",)),
+        "mlp.linear_fc1.weight":
+            _Slot("fc1", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+        "mlp.linear_fc2.weight": _Slot("row", (p + "mlp.down_proj.weight",)),
+    }
+    return table.get(local_name)
+
+
+def slot_for(arch: HFArch, layout: ModelLayout, megatron_name: str) -> _Slot:
+    """The HF tensors behind one megatron parameter name of this rank's model."""
+    if megatron_name.startswith(_LAYER_PREFIX):
+        index, rest = megatron_name[len(_LAYER_PREFIX):].split(".", 1)
+        slot = _layer_slot(arch, rest, layout.layer_offset + int(index))
+    else:
+        slot = {
+            "embedding.word_embeddings.weight": _Slot("vocab", ("model.embed_tokens.weight",)),
+            "decoder.final_layernorm.weight": _Slot("replicated", ("model.norm.weight",)),
+            "output_layer.weight": _Slot(
+                "vocab", ("model.embed_tokens.weight" if arch.tie_word_embeddings
+                          else "lm_head.weight",)),
+        }.get(megatron_name)
+    if slot is None:
+        raise KeyError(f"no Hugging Face mapping for megatron parameter {megatron_name!r}")
+    return slot
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
+        model = model.module
+    return model
+
+
+def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    # named_parameters() dedups shared tensors; with tied embeddings on one stage
+    # output_layer.weight is None and the embedding serves both.
+    yield from _unwrap(model).named_parameters()
+
+
+# ---------------------------------------------------------------------------------------------
+# HF -> megatron
+
+
+def _qkv_full(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q/k/v (rows = heads x head_dim) -> megatron's per-group interleave (rows first)."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    per = arch.num_heads // g
+    tail = q.shape[1:]
+    q = q.reshape(g, per * d, *tail)
+    k = k.reshape(g, d, *tail)
+    v = v.reshape(g, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, *tail)
+
+
+def _shard(arch: HFArch, layout: ModelLayout, slot: _Slot, hf: list[torch.Tensor],
+           tp: int, rank: int) -> torch.Tensor:
+    if slot.kind == "replicated":
+        return hf[0]
+    if slot.kind == "vocab":
+        w = hf[0]
+        padded = w.new_zeros((layout.padded_vocab_size,) + tuple(w.shape[1:]))
+        padded[: w.shape[0]] = w
+        return padded.chunk(tp, dim=0)[rank]
+    if slot.kind == "qkv":
+        return _qkv_full(arch, *hf).chunk(tp, dim=0)[rank]
+    if slot.kind == "fc1":
+        gate, up = hf
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    if slot.kind == "row":
+        return hf[0].chunk(tp, dim=1)[rank]
+    raise AssertionError(slot.kind)
+
+
+class HFCheckpoint:
+    """Lazy reader of a HF safetensors checkpoint directory (single file or sharded)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.directory / "model.safetensors").exists():
+            with safe_open(self.directory / "model.safetensors", framework="pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {self.directory}; "
+                "point model_path at a Hugging Face checkpoint directory")
+        self.weight_map: dict[str, str] = weight_map
+
+    def config(self) -> dict:
+        path = self.directory / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no config.json in {self.directory}")
+        return json.loads(path.read_text())
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} missing from the checkpoint in {self.directory}")
+        with safe_open(self.directory / self.weight_map[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def load_hf_weights(model: torch.nn.Module, arch: HFArch, layout: ModelLayout,
+                    source: HFCheckpoint | dict[str, torch.Tensor],
+                    skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Copy HF weights into this rank's shard; every local parameter must be covered, except
+    those under `skip_prefixes` (e.g. a critic's value head, which HF checkpoints lack)."""
+    get = source.get if isinstance(source, HFCheckpoint) else source.__getitem__
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in _local_params(model):
+            if name.startswith(skip_prefixes):
+                continue
+            slot = slot_for(arch, layout, name)
+            value = _shard(arch, layout, slot, [get(n) for n in slot.hf_names], tp, rank)
+            if value.shape != param.shape:
+                raise ValueError(f"{name}: HF tensors {slot.hf_names} give shape "
+                                 f"{tuple(value.shape)}, megatron expects {tuple(param.shape)}")
+            param.copy_(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron -> HF
+
+
+def _gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
+
+
+def _to_hf(arch: HFArch, slot: _Slot, local: torch.Tensor) -> list[torch.Tensor]:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if slot.kind == "replicated":
+        return [local]
+    if slot.kind == "vocab":
+        return [_gather_tp(local, 0)[: arch.vocab_size]]
+    if slot.kind == "row":
+        return [_gather_tp(local, 1)]
+    if slot.kind == "fc1":
+        parts = [p.chunk(2, dim=0) for p in _gather_tp(local, 0).chunk(tp, dim=0)]
+        return [torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])]
+    if slot.kind == "qkv":
+        g, d = arch.num_kv_heads, arch.head_dim
+        per = arch.num_heads // g
+        full = _gather_tp(local, 0)
+        tail = full.shape[1:]
+        grouped = full.reshape(g, (per + 2) * d, *tail)
+        q, k, v = grouped.split([per * d, d, d], dim=1)
+        return [q.reshape(g * per * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)]
+    raise AssertionError(slot.kind)
+
+
+def export_hf_weights(model: torch.nn.Module, arch: HFArch,
+                      layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for the parameters this PP stage holds, one at a time.
+
+    Every TP rank of the stage must iterate it (each tensor is an all-gather); all ranks get the
+    same tensors. Fused layouts (TE) yield a shared norm only once."""
+    seen: set[str] = set()
+    for name, param in _local_params(model):
+        slot = slot_for(arch, layout, name)
+        if name == "output_layer.weight" and arch.tie_word_embeddings:
+            continue  # synchronized copy of the first stage's embedding
+        tensors = _to_hf(arch, slot, param.detach())
+        for hf_name, t in zip(slot.hf_names, tensors):
+            if hf_name not in seen:
+                seen.add(hf_name)
+                yield hf_name, t
+
+
+def gather_hf_state_dict(model: torch.nn.Module, arch: HFArch,
+                         layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """The full HF state dict on every rank (collects PP stages). For tests and checkpoints;
+    the weight-sync path streams `export_hf_weights` instead."""
+    local = {k: v.cpu().clone() for k, v in export_hf_weights(model, arch, layout)}
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return local
+    stages: list = [None] * pp
+    dist.all_gather_object(stages, local, group=parallel_state.get_pipeline_model_parallel_group())
+    merged: dict[str, torch.Tensor] = {}
+    for part in stages:
+        merged.update(part)
+    return merged

@@ -1,0 +1,80 @@
+"""The PPO critic on the megatron backend: the policy's backbone family with a value head.
+
+The backbone is loaded from a HF checkpoint (usually the policy's); the LM head is replaced by a
+zero-initialized linear value head (`megatron_runner._ValueHead`). Values are read at the same
+packed positions as the response log-probs: the value of response token t is the head's output
+at the position whose logits predict t, i.e. V(prompt + response[:t]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from trainer import losses, objective
+from trainer.config import RLBatch, TrainerConfig
+from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
+from trainer.packing import MicroBatch
+from trainer.parallel import ParallelConfig, init_parallel
+
+CRITIC_METRIC_KEYS = ("value_loss", "value_mean", "value_clipfrac")
+
+
+class MegatronCritic:
+    def __init__(self, cfg: TrainerConfig, *, value_clip: float | None = 0.2):
+        init_parallel(ParallelConfig(cfg.tensor_model_parallel_size,
+                                     cfg.pipeline_model_parallel_size))
+        self.cfg = cfg
+        self.value_clip = value_clip
+        self.model = MegatronModel(cfg, trainable=True, value_head=True)
+
+    @staticmethod
+    def _token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        return output[0, :, 0][mb.response_mask.to(output.device)]
+
+    def compute_values(self, batch: RLBatch) -> list[torch.Tensor]:
+        """Per-sample values of the response tokens, for the whole batch, on every rank."""
+        return self.model.per_sample(batch, lambda out, mb: {"v": self._token_values(out, mb)})["v"]
+
+    def train_step(self, batch: RLBatch) -> dict[str, float]:
+        """One optimizer step of the clipped value loss toward `batch.returns`."""
+        if batch.returns is None:
+            raise ValueError("critic training needs batch.returns")
+        if batch.old_values is None:
+            batch = dataclasses.replace(batch, old_values=self.compute_values(batch))
+        norm = objective.normalizers(batch)
+        local = batch.subset(dp_share(len(batch.tokens)))
+        dev = device()
+
+        def packed(values: list[torch.Tensor], mb: MicroBatch) -> torch.Tensor:
+            return torch.cat([values[i].reshape(-1).float() for i in mb.sample_indices]).to(dev)
+
+        def loss_fn(mb, output):
+            values = self._token_values(output, mb)
+            data = objective.token_data(local, mb, dev)
+            returns, old = packed(local.returns, mb), packed(local.old_values, mb)
+            per_token = losses.value_loss(values, old, returns, clip=self.value_clip)
+            loss = losses.aggregate(per_token, data.mask, data.seq_ids, self.cfg.loss.agg_mode,
+                                    total_tokens=norm.tokens, total_seqs=norm.seqs)
+            if self.value_clip is None:
+                clipped = torch.zeros_like(values)
+            else:
+                clipped = ((values - old).abs() > self.value_clip).float()
+            scale = 1.0 / max(norm.tokens, 1.0)
+            return loss, torch.tensor(1), {
+                "value_loss": loss.detach(),
+                "value_mean": (values.detach() * data.mask).sum() * scale,
+                "value_clipfrac": (clipped * data.mask).sum() * scale}
+
+        stored = self.model.train_micro_batches(local, loss_fn)
+        metrics = reduce_metrics(stored, CRITIC_METRIC_KEYS)
+        grad_norm, lr = self.model.optimizer_step()
+        metrics.update(grad_norm=grad_norm, lr=lr)
+        return metrics
+
+    def offload(self) -> int:
+        return self.model.offload()
+
+    def onload(self) -> int:
+        return self.model.onload()

@@ -1,0 +1,260 @@
+"""The DeepSpeed backend (`trainer.backend: deepspeed`) for plain HF transformers models.
+
+Same interface and losses as `MegatronTrainer` (compute_logprobs, train_step, export,
+offload / onload); data parallel only, with ZeRO stage 1, 2 or 3 sharding optimizer state
+(1), gradients (2) and parameters (3). On CPU it runs with `"torch_adam": true` (DeepSpeed's
+fused Adam is a CUDA op).
+
+Micro-batches come from the same token-budget planner as the megatron backend. HF's SDPA
+attention has no packed-sequence path, so each micro-batch is run as a right-padded batch
+(padding is causal-invisible to real tokens) and the logits are gathered back into packed order.
+
+Loss scaling: every micro-batch contributes its share of the global loss (`objective`), the
+accumulation boundary is set by hand (one `engine.step()` per train_step), and because
+DeepSpeed *averages* gradients over data-parallel ranks each share is multiplied by the DP size
+so the result is the gradient of the whole batch's loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from trainer import objective
+from trainer.config import RLBatch, TrainerConfig
+from trainer.logprobs import full_vocab_logprobs
+from trainer.offload import tensors_bytes
+from trainer.optim import lr_at
+from trainer.packing import MicroBatch, pack_all
+from trainer.parallel import init_distributed
+
+
+def _device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
+class DeepSpeedTrainer:
+    def __init__(self, cfg: TrainerConfig):
+        import deepspeed
+        import transformers
+
+        if cfg.backend != "deepspeed":
+            raise ValueError(f"DeepSpeedTrainer got trainer.backend={cfg.backend!r}")
+        if cfg.tensor_model_parallel_size != 1 or cfg.pipeline_model_parallel_size != 1:
+            raise ValueError("trainer.backend: deepspeed is data parallel only; set "
+                             "tensor_model_parallel_size and pipeline_model_parallel_size to 1")
+        if cfg.zero_stage not in (1, 2, 3):
+            raise ValueError(f"trainer.zero_stage={cfg.zero_stage}: the deepspeed backend "
+                             "supports ZeRO stage 1, 2 or 3")
+        self.cfg = cfg
+        init_distributed()
+        if "LOCAL_RANK" not in os.environ and dist.get_world_size() == 1:
+            os.environ["LOCAL_RANK"] = "0"  # DeepSpeed asserts it is set, even for one process
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            cfg.model_path, dtype=cfg.torch_dtype, attn_implementation="sdpa")
+        self.vocab_size = model.config.vocab_size
+        o = cfg.optim
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,  # boundaries are set by hand per train_step
+            "zero_optimization": {"stage": cfg.zero_stage},
+            "optimizer": {"type": "AdamW", "params": {
+                "lr": lr_at(0, o), "betas": list(o.betas), "eps": o.eps,
+                "weight_decay": o.weight_decay, "torch_adam": True}},
+            "gradient_clipping": o.grad_clip or 0.0,
+            "bf16": {"enabled": cfg.dtype == "bfloat16"},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [  # as in the megatron backend: no weight decay on norms and biases
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        self.reference = None
+        if cfg.use_reference:  # frozen copy for KL; a plain module, outside DeepSpeed
+            self.reference = transformers.AutoModelForCausalLM.from_pretrained(
+                cfg.model_path, dtype=cfg.torch_dtype, attn_implementation="sdpa").eval()
+            self.reference.requires_grad_(False)
+            self.reference.to("cpu" if cfg.reference_on_cpu else _device())
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=groups, config=ds_config,
+            dist_init_required=False)  # init_distributed() above owns the process group
+        self.step_count = 0
+
+    # ----------------------------------------------------------------------------- forward
+
+    def _forward(self, mb: MicroBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-token (logprobs, entropy) of one micro-batch, in packed order."""
+        device = _device()
+        bounds = mb.cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        longest = max(lengths)
+        ids = torch.zeros(len(lengths), longest, dtype=torch.long)
+        attn = torch.zeros(len(lengths), longest, dtype=torch.long)
+        flat = mb.input_ids[0]
+        for row, (a, n) in enumerate(zip(bounds[:-1], lengths)):
+            ids[row, :n] = flat[a:a + n]
+            attn[row, :n] = 1
+        model = self.engine if model is None else model
+        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
+        packed = logits[attn.to(device).bool()]  # [t, V] in packed order (row-major)
+        out = full_vocab_logprobs(packed, mb.targets.to(device),
+                                  temperature=self.cfg.loss.temperature)
+        resp = mb.response_mask.to(device)
+        return out.logprobs[resp], out.entropy[resp]
+
+    def _dp_share(self, n: int) -> list[int]:
+        dp, rank = dist.get_world_size(), dist.get_rank()
+        if n < dp:
+            raise ValueError(f"batch has {n} samples but data-parallel size is {dp}; "
+                             "give every DP rank at least one sample")
+        return list(range(rank, n, dp))
+
+    def _lockstep(self, mbs: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+        """(micro-batch, is_real) with the same length on every DP rank. ZeRO reduces grads in
+        every backward (and ZeRO-3 gathers parameters in every forward), so ranks must run the
+        same number of passes: a rank with fewer repeats its first micro-batch, marked unreal."""
+        count = torch.tensor(len(mbs))
+        if dist.get_world_size() > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return [(mbs[j], True) if j < len(mbs) else (mbs[0], False) for j in range(int(count))]
+
+    def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False, model=None):
+        """Per-sample response-token log-probs (and entropy) for the whole batch, every rank."""
+        mine = self._dp_share(len(batch.tokens))
+        mbs = pack_all([batch.tokens[i] for i in mine], [batch.prompt_lens[i] for i in mine],
+                       self.cfg.max_tokens_per_micro_batch)
+        local = {}
+        self.engine.eval()
+        passes = self._lockstep(mbs) if model is None and self.cfg.zero_stage == 3 else \
+            [(mb, True) for mb in mbs]
+        with torch.no_grad():
+            for mb, real in passes:
+                lp, ent = self._forward(mb, model)
+                if not real:
+                    continue
+                lengths = [batch.response_len(mine[i]) for i in mb.sample_indices]
+                for i, a, b in zip(mb.sample_indices, lp.split(lengths), ent.split(lengths)):
+                    local[mine[i]] = (a.cpu(), b.cpu())
+        self.engine.train()
+        if dist.get_world_size() > 1:
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, local)
+            local = {k: v for p in parts for k, v in p.items()}
+        lps = [local[i][0] for i in range(len(batch.tokens))]
+        return (lps, [local[i][1] for i in range(len(batch.tokens))]) if with_entropy else lps
+
+    def compute_ref_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
+        if self.reference is None:
+            raise ValueError("no reference model: set trainer.use_reference: true")
+        if self.cfg.reference_on_cpu:
+            self.reference.to(_device())
+        try:
+            return self.compute_logprobs(batch, model=self.reference)
+        finally:
+            if self.cfg.reference_on_cpu:
+                self.reference.to("cpu")
+
+    # ----------------------------------------------------------------------------- training
+
+    def train_step(self, batch: RLBatch) -> dict[str, float]:
+        cfg = self.cfg
+        if cfg.loss.policy_loss != "sft" and batch.old_logprobs is None:
+            batch = dataclasses.replace(batch, old_logprobs=self.compute_logprobs(batch))
+        if cfg.loss.kl_coef > 0 and batch.ref_logprobs is None:
+            batch = dataclasses.replace(batch, ref_logprobs=self.compute_ref_logprobs(batch))
+        norm = objective.normalizers(batch)
+        diff_metrics = objective.logprob_diff_metrics(batch)
+        mine = self._dp_share(len(batch.tokens))
+        local = batch.subset(mine)
+        mbs = pack_all(local.tokens, local.prompt_lens, cfg.max_tokens_per_micro_batch)
+        device = _device()
+        dp = dist.get_world_size()
+        lr = lr_at(self.step_count, cfg.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        passes = self._lockstep(mbs)  # extra passes carry weight 0
+        self.engine.train()
+        sums = {k: 0.0 for k in objective.METRIC_KEYS}
+        for j, (mb, real) in enumerate(passes):
+            self.engine.set_gradient_accumulation_boundary(j == len(passes) - 1)
+            lp, ent = self._forward(mb)
+            data = objective.token_data(local, mb, device)
+            loss, metrics = objective.micro_batch_objective(lp, ent, data, cfg.loss, norm)
+            # DeepSpeed averages over DP while our shares are meant to be summed: scale by dp.
+            self.engine.backward(loss * (dp if real else 0.0))
+            if real:
+                for k, v in metrics.items():
+                    sums[k] = max(sums[k], float(v)) if k == "ratio_max" else sums[k] + float(v)
+        self.engine.step()
+        self.step_count += 1
+
+        totals = torch.tensor([sums[k] for k in objective.METRIC_KEYS], dtype=torch.float64)
+        j_max = objective.METRIC_KEYS.index("ratio_max")
+        if dp > 1:
+            maxes = totals[j_max].clone()
+            totals[j_max] = 0.0
+            dist.all_reduce(totals)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            totals[j_max] = maxes
+        result = {k: float(totals[i]) for i, k in enumerate(objective.METRIC_KEYS)}
+        norm_value = self.engine.get_global_grad_norm()
+        result.update(grad_norm=float(norm_value) if norm_value is not None else float("nan"),
+                      lr=lr, **diff_metrics)
+        return result
+
+    # ----------------------------------------------------------------------------- weights
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) pairs, one at a time. ZeRO 1/2 keep full parameters on every
+        rank; under ZeRO-3 each parameter is gathered (a collective: every rank iterates) and
+        a copy is yielded. Tied embeddings appear once, as model.embed_tokens.weight."""
+        import deepspeed
+
+        for name, param in self.engine.module.named_parameters():
+            if self.cfg.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([param]):
+                    yield name, param.detach().clone()
+            else:
+                yield name, param.detach()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.cpu().clone() for k, v in self.export_hf_weights()}
+
+    # ----------------------------------------------------------------------------- memory
+
+    def _state_bytes(self) -> int:
+        """Bytes of the ZeRO optimizer's buffers: fp32 master partitions, the flat model
+        weights, Adam moments (what `offload_states` moves)."""
+        opt = self.optimizer
+        tensors = []
+        for attr in ("single_partition_of_fp32_groups", "bit16_groups_flat",  # ZeRO 1/2
+                     "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"):  # ZeRO 3
+            tensors += [t for t in getattr(opt, attr, None) or [] if torch.is_tensor(t)]
+        inner = getattr(opt, "optimizer", opt)
+        for state in inner.state.values():
+            tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        return tensors_bytes(tensors)
+
+    def offload(self) -> int:
+        """Move params, master weights, grads and optimizer state to host memory with
+        DeepSpeed's own `offload_states` (it re-links the model's views); returns the bytes of
+        state moved (on a CPU device nothing moves and the same count is reported)."""
+        if self.cfg.zero_stage == 3:
+            # DeepSpeed 0.19's ZeRO-3 offload_states requires its fused (CUDA) Adam; we run
+            # torch's Adam ("torch_adam": true) so that one code path serves CPU and GPU.
+            raise NotImplementedError("offload with trainer.zero_stage: 3 is not supported; "
+                                      "use zero_stage 1 or 2, or the megatron backend")
+        moved = self._state_bytes()
+        self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        return moved
+
+    def onload(self) -> int:
+        self.engine.reload_states()
+        return self._state_bytes()

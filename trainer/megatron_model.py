@@ -1,0 +1,185 @@
+"""Build a megatron-core `GPTModel` (this rank's TP shard and PP stage) from an `HFArch`.
+
+The layer spec is megatron's local one (`get_gpt_layer_local_spec`: ColumnParallelLinear /
+RowParallelLinear, RMSNorm) with the core attention swapped for `SDPACoreAttention`, because
+megatron's local core attention cannot take packed sequences. On GPUs with Transformer Engine
+installed, `use_te=True` selects megatron's TE spec instead (its attention packs natively).
+
+RoPE: megatron's `RotaryEmbedding` knows the default formula and llama3 scaling with fixed
+low/high-frequency factors and an 8192 original context; HF configs carry their own values.
+We therefore compute the inverse frequencies with HF's formula (`RopeSpec.inv_freq`) and install
+them in megatron's rotary module before the first forward, which covers default / linear /
+llama3 exactly; other rope types are rejected in `hf_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from trainer import cpu_compat
+from trainer.hf_config import HFArch
+from trainer.sdpa_attention import SDPACoreAttention
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """How this rank's model relates to the full HF model."""
+    padded_vocab_size: int      # vocab rows in megatron (HF vocab padded to a TP-divisible size)
+    layer_offset: int           # global index of this PP stage's first layer
+    num_local_layers: int
+    pre_process: bool           # this stage holds the embedding
+    post_process: bool          # this stage holds the final norm and output layer
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int) -> int:
+    step = multiple * tp
+    return ((vocab_size + step - 1) // step) * step
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
+    """(offset, count) of the decoder layers on one pipeline stage.
+
+    Every stage gets num_layers // pp layers and the first stage also takes the remainder
+    (megatron's `num_layers_in_first_pipeline_stage`), e.g. 3 layers on 2 stages -> 2 + 1."""
+    if num_layers < pp:
+        raise ValueError(f"num_hidden_layers={num_layers} is smaller than "
+                         f"pipeline_model_parallel_size={pp}; use at most {num_layers} stages")
+    per = num_layers // pp
+    first = num_layers - (pp - 1) * per
+    if pp_rank == 0:
+        return 0, first
+    return first + (pp_rank - 1) * per, per
+
+
+def transformer_config(arch: HFArch, *, params_dtype: torch.dtype = torch.float32
+                       ) -> TransformerConfig:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if arch.num_heads % tp or arch.num_kv_heads % tp:
+        raise ValueError(f"num_attention_heads={arch.num_heads} and num_key_value_heads="
+                         f"{arch.num_kv_heads} must both be divisible by tensor_model_parallel_size"
+                         f"={tp}; choose a smaller TP size")
+    if arch.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={arch.intermediate_size} is not divisible by "
+                         f"tensor_model_parallel_size={tp}")
+    first_stage_layers = stage_layers(arch.num_layers, pp, 0)[1]
+    uneven = pp > 1 and arch.num_layers % pp != 0
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        layernorm_epsilon=arch.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Fusions need CUDA kernels; the unfused paths compute the same function.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        num_layers_in_first_pipeline_stage=first_stage_layers if uneven else None,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        variable_seq_lengths=True,  # packed micro-batches differ in length (PP exchanges shapes)
+        moe_token_dispatcher_type="alltoall",  # no MoE; the default one rejects the line above
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the HF checkpoint
+    )
+
+
+def layer_spec(arch: HFArch, use_te: bool = False):
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def _mark_tensor_parallel_shards(model: torch.nn.Module) -> None:
+    """Set megatron's `tensor_model_parallel` / `partition_dim` attributes on sharded weights.
+
+    megatron-core 0.16.1 sets them only inside its weight initializers, which
+    `perform_initialization=False` skips (we load HF weights instead). Without them every
+    sharded weight looks like a TP duplicate, and the gradient norm (and anything else that
+    asks `param_is_not_tensor_parallel_duplicate`) silently counts only TP rank 0's shard."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+def build_gpt_model(arch: HFArch, *, params_dtype: torch.dtype = torch.float32,
+                    vocab_multiple: int = 128, use_te: bool = False
+                    ) -> tuple[GPTModel, ModelLayout]:
+    """This rank's GPTModel (random weights until `bridge.load_hf_weights`) and its layout.
+
+    Requires megatron parallel state (`trainer.parallel.init_parallel`)."""
+    cpu_compat.apply()
+    if use_te and not torch.cuda.is_available():
+        raise ValueError("trainer.use_transformer_engine needs CUDA; set it to false on CPU")
+    config = transformer_config(arch, params_dtype=params_dtype)
+    tp = config.tensor_model_parallel_size
+    pp = config.pipeline_model_parallel_size
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    offset, count = stage_layers(arch.num_layers, pp, pp_rank)
+    layout = ModelLayout(
+        padded_vocab_size=padded_vocab_size(arch.vocab_size, tp, vocab_multiple),
+        layer_offset=offset, num_local_layers=count,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, use_te),
+        vocab_size=layout.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=layout.pre_process,
+        post_process=layout.post_process,
+        parallel_output=True,  # logits stay vocab-sharded; logprobs reduce across TP
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope.theta),
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    _mark_tensor_parallel_shards(model)
+    model.to(device)
+    # HF's inverse frequencies replace megatron's (see module docstring). The rotary module's
+    # forward is lru-cached per length; it has not run yet, so nothing stale is cached.
+    model.rotary_pos_emb.inv_freq = arch.rope.inv_freq(arch.head_dim).to(device)
+    return model, layout

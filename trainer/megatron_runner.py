@@ -1,0 +1,271 @@
+"""One megatron-core model shard (policy, reference or critic) and how to run batches through it.
+
+`MegatronModel` owns a GPTModel built from a HF checkpoint, loaded under this rank's TP x PP
+slot, and - when trainable - megatron DDP around it plus the optimizer. Micro-batches are packed
+sequences run through megatron's own pipeline schedules (`get_forward_backward_func`, which
+also covers PP = 1). Gradients accumulate over micro-batches in DDP's grad buffers and are
+all-reduced over DP once per step.
+
+Loss scaling: each micro-batch returns its share of the *global* loss (see `objective`), the
+schedule is told not to rescale (`calculate_per_token_loss=True`, token count 1) and DDP then
+sums rather than averages over DP. So the gradient is that of the whole batch's loss for any
+TP / PP / DP / micro-batch split.
+
+Optimizer: torch's AdamW with our model-parallel grad norm (`optim`), on CPU and GPU alike
+(megatron's optimizer and `clip_grads` allocate on "cuda"). With `dtype: bfloat16` the model
+computes in bf16 while AdamW updates fp32 master copies of the weights from DDP's fp32 grad
+buffers (`grad_reduce_in_fp32`), then writes them back rounded to bf16 - the standard mixed
+precision recipe, done here instead of by megatron's Float16 optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from trainer.bridge import HFCheckpoint, load_hf_weights
+from trainer.config import RLBatch, TrainerConfig
+from trainer.hf_config import arch_from_hf_config
+from trainer.megatron_model import build_gpt_model
+from trainer.offload import move_optimizer_state, move_params, synchronize
+from trainer.optim import clip_grads_, grad_norm, lr_at
+from trainer.packing import MicroBatch, pack_all
+
+
+def device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
+def dp_share(n: int) -> list[int]:
+    """Indices of the samples this data-parallel rank trains on (strided, so every rank gets
+    a similar mix of lengths)."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    if n < dp:
+        raise ValueError(f"batch has {n} samples but data-parallel size is {dp}; "
+                         "give every DP rank at least one sample")
+    return list(range(rank, n, dp))
+
+
+def _packed_params(mb: MicroBatch, dev) -> PackedSeqParams:
+    cu = mb.cu_seqlens.to(dev)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+
+
+def _finalize_grads(models, num_tokens=None, **_):
+    # Our losses are already globally normalized: skip megatron's per-token rescaling.
+    finalize_model_grads(models, num_tokens=None)
+
+
+def all_gather_dicts(local: dict, group) -> dict:
+    if dist.get_world_size(group) == 1:
+        return local
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def from_last_stage(obj):
+    """The last PP stage's `obj` on every stage of this pipeline."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return obj
+    parts: list = [None] * pp
+    dist.all_gather_object(parts, obj, group=parallel_state.get_pipeline_model_parallel_group())
+    return parts[-1]
+
+
+def reduce_metrics(stored: list[dict], keys: Sequence[str], max_keys: Sequence[str] = ()
+                   ) -> dict[str, float]:
+    """Sum metric shares over micro-batches and DP ranks (max for `max_keys`); every rank of
+    the pipeline gets the last stage's result."""
+    sums = torch.zeros(len(keys), dtype=torch.float64)
+    maxes = torch.zeros(len(keys), dtype=torch.float64)
+    for m in stored:
+        for j, k in enumerate(keys):
+            if k in max_keys:
+                maxes[j] = max(maxes[j], float(m[k]))
+            else:
+                sums[j] += float(m[k])
+    dp_group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
+    merged = from_last_stage(torch.where(
+        torch.tensor([k in max_keys for k in keys]), maxes, sums))
+    return {k: float(merged[j]) for j, k in enumerate(keys)}
+
+
+class _ValueHead(torch.nn.Module):
+    """Stands in for GPTModel.output_layer in a critic: hidden [s, b, h] -> value [s, b, 1].
+
+    Replicated on every TP rank (its input, after the final norm, is replicated), so its
+    gradient is the same everywhere and it counts once in the grad norm."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.value = torch.nn.Linear(hidden, 1, bias=False, dtype=dtype)
+        torch.nn.init.zeros_(self.value.weight)  # value 0 everywhere until trained
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return self.value(hidden), None
+
+
+def _fp32_master(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    master = torch.nn.Parameter(param.detach().float().clone())
+    # the grad norm needs to know which weights are TP shards / shared duplicates
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):
+        if hasattr(param, attr):
+            setattr(master, attr, getattr(param, attr))
+    return master
+
+
+class MegatronModel:
+    def __init__(self, cfg: TrainerConfig, *, trainable: bool, value_head: bool = False):
+        self.cfg = cfg
+        ckpt = HFCheckpoint(cfg.model_path)
+        self.arch = arch_from_hf_config(ckpt.config())
+        arch = self.arch
+        if value_head:  # a critic never ties its (replaced) output layer to the embedding
+            import dataclasses
+            arch = dataclasses.replace(arch, tie_word_embeddings=False)
+        model, self.layout = build_gpt_model(arch, params_dtype=cfg.torch_dtype,
+                                             vocab_multiple=cfg.vocab_pad_multiple,
+                                             use_te=cfg.use_transformer_engine)
+        if value_head and self.layout.post_process:
+            model.output_layer = _ValueHead(arch.hidden_size, cfg.torch_dtype).to(device())
+        load_hf_weights(model, arch, self.layout, ckpt,
+                        skip_prefixes=("output_layer.",) if value_head else ())
+        self.raw = model
+        self.config = model.config
+        self.step_count = 0
+        if not trainable:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            self.module = model
+            return
+        self.config.calculate_per_token_loss = True
+        self.module = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=False),
+            model)
+        self.config.no_sync_func = self.module.no_sync
+        self.config.finalize_model_grads_func = _finalize_grads
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        # fp32 params are their own master weights; bf16 params get fp32 master copies.
+        self.master = self.params if cfg.dtype == "float32" else \
+            [_fp32_master(p) for p in self.params]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in self.master if p.ndim >= 2], "weight_decay": o.weight_decay},
+             # norms and biases: no weight decay
+             {"params": [p for p in self.master if p.ndim < 2], "weight_decay": 0.0}],
+            lr=lr_at(0, o), betas=o.betas, eps=o.eps)
+
+    # ----------------------------------------------------------------------------- running
+
+    def run(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable,
+            forward_only: bool) -> list:
+        """Run the schedule; on the last PP stage returns loss_fn's metric dicts, else []."""
+        dev = device()
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model):
+            mb = next(data_iterator)
+            out = model(mb.input_ids.to(dev), mb.position_ids.to(dev), None,
+                        packed_seq_params=_packed_params(mb, dev))
+            return out, functools.partial(loss_fn, mb)
+
+        schedule = get_forward_backward_func()
+        return schedule(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                        model=[self.module], num_microbatches=len(micro_batches),
+                        seq_length=max(mb.num_tokens for mb in micro_batches),
+                        micro_batch_size=1, forward_only=forward_only)
+
+    def per_sample(self, batch: RLBatch, fn: Callable[[torch.Tensor, MicroBatch],
+                                                      dict[str, torch.Tensor]]) -> dict:
+        """Forward-only over the whole batch. `fn(output, mb)` returns per-response-token
+        tensors (packed order); the result maps each name to a list with one tensor per sample
+        of the batch, on every rank."""
+        mine = dp_share(len(batch.tokens))
+        mbs = pack_all([batch.tokens[i] for i in mine], [batch.prompt_lens[i] for i in mine],
+                       self.cfg.max_tokens_per_micro_batch)
+
+        def loss_fn(mb, output):
+            values = fn(output, mb)
+            lengths = [batch.response_len(mine[i]) for i in mb.sample_indices]
+            split = {k: [t.cpu() for t in v.detach().split(lengths)] for k, v in values.items()}
+            out = {mine[i]: {k: split[k][j] for k in split}
+                   for j, i in enumerate(mb.sample_indices)}
+            return torch.zeros((), device=output.device), torch.tensor(1), out
+
+        was_training = self.module.training
+        self.module.eval()
+        with torch.no_grad():
+            stored = self.run(mbs, loss_fn, forward_only=True)
+        self.module.train(was_training)
+        local = {k: v for out in stored for k, v in out.items()}
+        merged = from_last_stage(all_gather_dicts(local, parallel_state.get_data_parallel_group()))
+        names = next(iter(merged.values())).keys()
+        return {k: [merged[i][k] for i in range(len(batch.tokens))] for k in names}
+
+    def train_micro_batches(self, local: RLBatch, loss_fn: Callable) -> list[dict]:
+        """Forward + backward over this DP rank's share `local`; grads left in DDP buffers."""
+        mbs = pack_all(local.tokens, local.prompt_lens, self.cfg.max_tokens_per_micro_batch)
+        self.module.train()
+        self.module.zero_grad_buffer()
+        return self.run(mbs, loss_fn, forward_only=False)
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip by the global grad norm, set the scheduled LR, step. Returns (grad_norm, lr)."""
+        for p, m in zip(self.params, self.master):
+            m.grad = p.main_grad  # DDP accumulated (and DP-reduced) fp32 grads
+        norm = grad_norm(self.master)
+        clip_grads_(self.master, self.cfg.optim.grad_clip, norm)
+        lr = lr_at(self.step_count, self.cfg.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                if p is not m:
+                    p.copy_(m)  # round the fp32 master to the model's dtype
+                m.grad = None
+        self.step_count += 1
+        return norm, lr
+
+    # ----------------------------------------------------------------------------- memory
+
+    def offload(self) -> int:
+        """Free the grad buffers and move params and optimizer state to host memory; returns
+        the bytes moved (on a CPU device nothing moves and the same count is reported)."""
+        self.module.offload_grad_buffers(synchronize=False, empty_cache=False)
+        moved = move_params(self.params, torch.device("cpu"))
+        if self.master is not self.params:
+            moved += move_params(self.master, torch.device("cpu"))
+        moved += move_optimizer_state(self.optimizer, torch.device("cpu"))
+        synchronize(device())
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return moved
+
+    def onload(self) -> int:
+        """Inverse of `offload` (grad buffers come back zeroed); returns the bytes moved."""
+        dev = device()
+        self.module.restore_grad_buffers(synchronize=False)
+        moved = move_params(self.params, dev)
+        if self.master is not self.params:
+            moved += move_params(self.master, dev)
+        moved += move_optimizer_state(self.optimizer, dev)
+        synchronize(dev)
+        return moved

@@ -1,0 +1,126 @@
+"""The megatron-core policy trainer: policy (+ optional frozen reference) under TP x PP x DP.
+
+One `MegatronTrainer` per trainer process; every process of the torch.distributed world
+constructs it and calls each method together (there are collectives inside). The mechanics
+(packing, schedules, DDP, optimizer, offload) live in `megatron_runner`; this file is the RL
+policy step: recompute old / reference log-probs, the objective, one optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from trainer import objective
+from trainer.bridge import export_hf_weights, gather_hf_state_dict
+from trainer.config import RLBatch, TrainerConfig
+from trainer.logprobs import vocab_parallel_logprobs
+from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
+from trainer.offload import move_params
+from trainer.packing import MicroBatch
+from trainer.parallel import ParallelConfig, init_parallel
+
+
+class MegatronTrainer:
+    def __init__(self, cfg: TrainerConfig):
+        if cfg.backend != "megatron":
+            raise ValueError(f"MegatronTrainer got trainer.backend={cfg.backend!r}")
+        self.cfg = cfg
+        init_parallel(ParallelConfig(cfg.tensor_model_parallel_size,
+                                     cfg.pipeline_model_parallel_size))
+        self.policy = MegatronModel(cfg, trainable=True)
+        self.reference = MegatronModel(cfg, trainable=False) if cfg.use_reference else None
+        if self.reference is not None and cfg.reference_on_cpu:
+            move_params(self.reference.raw.parameters(), torch.device("cpu"))
+
+    @property
+    def arch(self):
+        return self.policy.arch
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.policy.params
+
+    # ----------------------------------------------------------------------------- log-probs
+
+    def _token_logprobs(self, model: MegatronModel, logits: torch.Tensor, mb: MicroBatch):
+        out = vocab_parallel_logprobs(logits[0], mb.targets.to(logits.device),
+                                      vocab_size=model.arch.vocab_size,
+                                      temperature=self.cfg.loss.temperature)
+        resp = mb.response_mask.to(logits.device)
+        return out.logprobs[resp], out.entropy[resp]
+
+    def _logprobs_of(self, model: MegatronModel, batch: RLBatch, with_entropy: bool):
+        def fn(logits, mb):
+            lp, ent = self._token_logprobs(model, logits, mb)
+            return {"lp": lp, "ent": ent}
+        out = model.per_sample(batch, fn)
+        return (out["lp"], out["ent"]) if with_entropy else out["lp"]
+
+    def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False):
+        """Per-sample response-token log-probs (and entropy) under logits / temperature, for
+        the whole batch, on every rank."""
+        return self._logprobs_of(self.policy, batch, with_entropy)
+
+    def compute_ref_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
+        if self.reference is None:
+            raise ValueError("no reference model: set trainer.use_reference: true")
+        if self.cfg.reference_on_cpu:
+            move_params(self.reference.raw.parameters(), device())
+        try:
+            return self._logprobs_of(self.reference, batch, False)
+        finally:
+            if self.cfg.reference_on_cpu:
+                move_params(self.reference.raw.parameters(), torch.device("cpu"))
+
+    # ----------------------------------------------------------------------------- training
+
+    def train_step(self, batch: RLBatch) -> dict[str, float]:
+        """One optimizer step on the whole batch (gradient accumulation over micro-batches).
+
+        Missing old log-probs are recomputed with the current weights (so on the first step of
+        a rollout the ratio is exactly 1); missing reference log-probs come from the reference."""
+        cfg = self.cfg
+        if cfg.loss.policy_loss != "sft" and batch.old_logprobs is None:
+            batch = dataclasses.replace(batch, old_logprobs=self.compute_logprobs(batch))
+        if cfg.loss.kl_coef > 0 and batch.ref_logprobs is None:
+            batch = dataclasses.replace(batch, ref_logprobs=self.compute_ref_logprobs(batch))
+        norm = objective.normalizers(batch)
+        diff_metrics = objective.logprob_diff_metrics(batch)
+        local = batch.subset(dp_share(len(batch.tokens)))
+        dev = device()
+
+        def loss_fn(mb, logits):
+            lp, ent = self._token_logprobs(self.policy, logits, mb)
+            data = objective.token_data(local, mb, dev)
+            loss, metrics = objective.micro_batch_objective(lp, ent, data, cfg.loss, norm)
+            return loss, torch.tensor(1), metrics
+
+        stored = self.policy.train_micro_batches(local, loss_fn)
+        metrics = reduce_metrics(stored, objective.METRIC_KEYS, max_keys=("ratio_max",))
+        grad_norm, lr = self.policy.optimizer_step()
+        metrics.update(grad_norm=grad_norm, lr=lr, **diff_metrics)
+        return metrics
+
+    # ----------------------------------------------------------------------------- weights
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) for this PP stage's parameters, TP-gathered one at a time."""
+        return export_hf_weights(self.policy.raw, self.arch, self.policy.layout)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return gather_hf_state_dict(self.policy.raw, self.arch, self.policy.layout)
+
+    # ----------------------------------------------------------------------------- memory
+
+    def offload(self) -> int:
+        return self.policy.offload()
+
+    def onload(self) -> int:
+        return self.policy.onload()

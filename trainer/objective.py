@@ -1,0 +1,144 @@
+"""The training objective of one micro-batch, shared by the megatron and DeepSpeed backends.
+
+Given the response tokens' log-probs and entropy under the current policy, and the batch's
+per-token data (advantages, old / reference / engine log-probs, masks) in the same packed
+order, compute this micro-batch's *share* of the global loss: every aggregate is normalized by
+the whole batch's token / sequence counts, so summing the shares over micro-batches and
+data-parallel ranks gives exactly the batch loss, and its gradient.
+
+Metrics are returned the same way (sums of shares), except `ratio_max` (a max).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from trainer import losses
+from trainer.config import LossConfig, RLBatch
+from trainer.packing import MicroBatch
+
+
+class Normalizers(NamedTuple):
+    tokens: float   # loss-masked response tokens in the whole batch
+    seqs: float     # sequences in the whole batch
+
+
+class TokenData(NamedTuple):
+    """Per response token of one micro-batch, in packed order (sample by sample)."""
+    seq_ids: torch.Tensor            # [n] long, 0-based within the micro-batch
+    mask: torch.Tensor               # [n] float
+    advantages: torch.Tensor | None
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    rollout_logprobs: torch.Tensor | None
+
+
+# Metric names every backend reports; all are token means over the batch except loss / pg_loss
+# (the aggregated objective terms), ratio_max (a max), and grad_norm / lr (set by the step).
+METRIC_KEYS = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_max")
+
+
+def normalizers(batch: RLBatch) -> Normalizers:
+    if batch.loss_masks is None:
+        tokens = sum(batch.response_len(i) for i in range(len(batch.tokens)))
+    else:
+        tokens = float(sum(m.float().sum() for m in batch.loss_masks))
+    return Normalizers(float(tokens), float(len(batch.tokens)))
+
+
+def logprob_diff_metrics(batch: RLBatch) -> dict[str, float]:
+    """|engine log-prob - trainer log-prob| over loss-masked response tokens, before the update
+    (DESIGN's train/logprob_diff_max / _mean). Empty when the batch lacks either side."""
+    if batch.rollout_logprobs is None or batch.old_logprobs is None:
+        return {}
+    diffs, masks = [], []
+    for i in range(len(batch.tokens)):
+        diffs.append((batch.old_logprobs[i].double() - batch.rollout_logprobs[i].double()).abs())
+        masks.append(torch.ones_like(diffs[-1]) if batch.loss_masks is None
+                     else batch.loss_masks[i].double())
+    diff, mask = torch.cat(diffs), torch.cat(masks)
+    if not bool((mask > 0).any()):
+        return {}
+    return {"logprob_diff_max": float(diff[mask > 0].max()),
+            "logprob_diff_mean": float((diff * mask).sum() / mask.sum())}
+
+
+def token_data(batch: RLBatch, mb: MicroBatch, device: torch.device) -> TokenData:
+    idx = mb.sample_indices
+
+    def cat(values):
+        if values is None:
+            return None
+        return torch.cat([values[i].reshape(-1).float() for i in idx]).to(device)
+
+    lengths = torch.tensor([batch.response_len(i) for i in idx])
+    seq_ids = torch.repeat_interleave(torch.arange(len(idx)), lengths).to(device)
+    mask = cat(batch.loss_masks)
+    if mask is None:
+        mask = torch.ones(int(lengths.sum()), device=device)
+    return TokenData(seq_ids, mask, cat(batch.advantages), cat(batch.old_logprobs),
+                     cat(batch.ref_logprobs), cat(batch.rollout_logprobs))
+
+
+def micro_batch_objective(logprobs: torch.Tensor, entropy: torch.Tensor, data: TokenData,
+                          cfg: LossConfig, norm: Normalizers
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss share with grad, metric shares detached) for one micro-batch's response tokens."""
+    def agg(values):
+        return losses.aggregate(values, data.mask, data.seq_ids, cfg.agg_mode,
+                                total_tokens=norm.tokens, total_seqs=norm.seqs)
+
+    def token_mean(values):
+        return (values.detach() * data.mask).sum() / max(norm.tokens, 1.0)
+
+    if cfg.policy_loss == "sft":
+        per_token = losses.sft_loss(logprobs)
+        ratio = torch.ones_like(logprobs)
+        clipped = torch.zeros_like(logprobs)
+    else:
+        if data.advantages is None or data.old_logprobs is None:
+            raise ValueError(f"policy_loss={cfg.policy_loss!r} needs batch.advantages and "
+                             "old log-probs")
+        if cfg.policy_loss == "ppo":
+            out = losses.ppo_policy_loss(logprobs, data.old_logprobs, data.advantages,
+                                         clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                         dual_clip=cfg.dual_clip)
+        else:
+            out = losses.gspo_policy_loss(logprobs, data.old_logprobs, data.advantages, data.mask,
+                                          data.seq_ids, clip_low=cfg.clip_low,
+                                          clip_high=cfg.clip_high)
+        per_token, ratio, clipped = out
+        if cfg.is_correction is not None:
+            if data.rollout_logprobs is None:
+                raise ValueError(f"trainer.loss.is_correction={cfg.is_correction!r} needs "
+                                 "batch.rollout_logprobs (the engine's log-probs)")
+            per_token = per_token * losses.importance_weights(
+                data.old_logprobs, data.rollout_logprobs, mode=cfg.is_correction,
+                cap=cfg.is_cap, floor=cfg.is_floor)
+
+    pg_loss = agg(per_token)
+    loss = pg_loss
+    kl = torch.zeros((), device=logprobs.device)
+    if cfg.kl_coef > 0:
+        if data.ref_logprobs is None:
+            raise ValueError("trainer.loss.kl_coef > 0 needs reference log-probs")
+        kl_tok = losses.kl_divergence(logprobs, data.ref_logprobs, cfg.kl_kind)
+        loss = loss + cfg.kl_coef * agg(kl_tok)
+        kl = token_mean(kl_tok)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * agg(entropy)
+
+    in_mask = data.mask > 0
+    metrics = {
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "kl": kl,
+        "entropy": token_mean(entropy),
+        "clipfrac": token_mean(clipped),
+        "ratio_mean": token_mean(ratio),
+        "ratio_max": (ratio[in_mask].max() if bool(in_mask.any())
+                      else torch.zeros((), device=logprobs.device)).detach(),
+    }
+    return loss, metrics

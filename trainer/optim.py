@@ -1,0 +1,55 @@
+"""Learning-rate schedule and model-parallel-aware gradient norm / clipping.
+
+megatron-core's `clip_grads` allocates on "cuda", so the CPU path computes the same quantity
+here: the L2 norm of the full model's gradient, where TP-sharded parameters contribute every
+shard, TP-replicated parameters (norms, biases of row-parallel layers) count once, and the tied
+embedding's duplicate on the last PP stage is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from trainer.config import OptimConfig
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup from lr / warmup_steps to lr over
+    `warmup_steps` steps, then constant or cosine down to min_lr at `total_steps`."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def grad_norm(params: list[torch.nn.Parameter], *, model_parallel: bool = True) -> float:
+    """Global L2 norm of `.grad` over the whole (TP x PP sharded) model."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        if model_parallel and not (param_is_not_shared(p)
+                                   and param_is_not_tensor_parallel_duplicate(p)):
+            continue
+        sq = sq + p.grad.detach().double().square().sum().cpu()
+    if model_parallel and parallel_state.get_model_parallel_group().size() > 1:
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    return float(sq.sqrt())
+
+
+def clip_grads_(params: list[torch.nn.Parameter], max_norm: float | None, norm: float) -> None:
+    if max_norm is None or norm <= max_norm:
+        return
+    scale = max_norm / (norm + 1e-6)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)

@@ -1,0 +1,77 @@
+"""torch.distributed + megatron parallel state (TP x PP x DP) for one trainer process.
+
+On CPU the backend is gloo, on GPU nccl. A single process (tests, laptops) still gets a
+world of size 1, because megatron-core's parallel layers always ask for their groups.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from trainer import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """torch.distributed from torchrun's environment, or a 1-process world when launched plainly.
+
+    The 1-process world is set up without touching os.environ, so subprocesses (torchrun,
+    benchmarks) do not inherit a RANK / MASTER_PORT that belongs to this process."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                 rank=0, world_size=1)
+
+
+def init_parallel(config: ParallelConfig = ParallelConfig()) -> None:
+    """Initialize torch.distributed and megatron's model-parallel groups.
+    DP size is world_size / (TP * PP)."""
+    cpu_compat.apply()
+    init_distributed()
+    world = dist.get_world_size()
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size * "
+                         f"pipeline_model_parallel_size = {tp} * {pp}")
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size() == tp
+                and parallel_state.get_pipeline_model_parallel_world_size() == pp):
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        create_gloo_process_groups=not torch.cuda.is_available())
+    # Seeds megatron's CUDA RNG tracker on GPU; on CPU the tracker is unused (no dropout).
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(1234)
+
+
+def destroy_parallel() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
