@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout import Engine, EngineConfig  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.weights import iter_safetensors  # noqa: E402
-from weight_sync import BroadcastReceiver, BroadcastSender, BucketReceiver, ColocatedSender  # noqa: E402
+from weight_sync import BroadcastReceiver, BroadcastSender, BucketReceiver, ColocatedSender, SyncGroup  # noqa: E402
 
 
 def _config(args) -> dict:
@@ -102,12 +102,12 @@ def _broadcast_rank(rank: int, port: int, model_dir: str, bucket_bytes: int, que
     if rank == 0:
         weights = _trainer_weights(model_dir)
         dist.barrier()
-        report = BroadcastSender(None, [0], bucket_bytes=bucket_bytes).send(weights.items())
+        report = BroadcastSender(SyncGroup.default(), [0], bucket_bytes=bucket_bytes).send(weights.items())
         queue.put(("sender", report._asdict()))
     else:
         engine = _engine(model_dir)
         dist.barrier()
-        report = BroadcastReceiver(engine, None, [0]).receive()
+        report = BroadcastReceiver(engine, SyncGroup.default(), [0]).receive()
         queue.put(("receiver", report._asdict()))
     dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """Collective weight sync: trainer source ranks broadcast buckets to engine ranks over a
-torch.distributed group (NCCL on GPU, gloo on CPU). For disaggregated placement, where trainer
-and engines do not share memory.
+`SyncGroup` (NCCL on GPU, gloo on CPU). For disaggregated placement, where trainer and engines
+do not share memory.
 
 Protocol, per source in `sources` order (one source per pipeline stage, each holding its stage's
 layers): the source broadcasts a manifest, then the bucket's bytes; a `None` manifest ends that
@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from weight_sync.buckets import BucketPacker, Manifest
 from weight_sync.colocated import DEFAULT_BUCKET_BYTES, BucketReceiver, SyncReport, WeightReceiver, _timed
+from weight_sync.group import SyncGroup
 
 
 class ReceiveReport(NamedTuple):
@@ -30,22 +30,20 @@ class ReceiveReport(NamedTuple):
     total_s: float
 
 
-def _broadcast_manifest(manifest: Manifest | None, src: int, group) -> Manifest | None:
-    box = [manifest]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+def _broadcast_manifest(manifest: Manifest | None, src: int, group: SyncGroup) -> Manifest | None:
+    return group.broadcast_object(manifest, src)
 
 
 class BroadcastSender:
-    def __init__(self, group, sources: list[int], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 device: torch.device | str = "cpu", verify: bool = True):
+    def __init__(self, group: SyncGroup, sources: list[int], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 verify: bool = True):
         self.group, self.sources = group, list(sources)
-        self.rank = dist.get_rank()
+        self.rank = group.rank
         if self.rank not in self.sources:
-            raise ValueError(f"rank {self.rank} is not among the sources {self.sources}")
-        self.packer = BucketPacker(bucket_bytes, device, num_buffers=2, verify=verify)
+            raise ValueError(f"sync-group rank {self.rank} is not among the sources {self.sources}")
+        self.device = group.device
+        self.packer = BucketPacker(bucket_bytes, self.device, num_buffers=2, verify=verify)
         self._receive_buffers: dict[torch.dtype, torch.Tensor] = {}
-        self.device = torch.device(device)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         """Broadcast this source's tensors; other sources' streams pass through (and are dropped)."""
@@ -69,7 +67,7 @@ class BroadcastSender:
                     break
                 buffer, manifest = item
                 _broadcast_manifest(manifest, src, self.group)
-                dist.broadcast(buffer[:manifest.numel], src=src, group=self.group)
+                self.group.broadcast(buffer[:manifest.numel], src)
                 transfer_s += time.perf_counter() - t
                 buckets += 1
                 tensors += len(manifest.entries)
@@ -78,13 +76,13 @@ class BroadcastSender:
                           time.perf_counter() - start)
 
 
-def _receive_into(buffers: dict[torch.dtype, torch.Tensor], manifest: Manifest, src: int, group,
+def _receive_into(buffers: dict[torch.dtype, torch.Tensor], manifest: Manifest, src: int, group: SyncGroup,
                   device: torch.device) -> torch.Tensor:
     buffer = buffers.get(manifest.dtype)
     if buffer is None or buffer.numel() < manifest.numel:
         buffer = buffers[manifest.dtype] = torch.empty(manifest.numel, dtype=manifest.dtype, device=device)
     region = buffer[:manifest.numel]
-    dist.broadcast(region, src=src, group=group)
+    group.broadcast(region, src)
     return region
 
 
@@ -96,10 +94,9 @@ def _drain(src: int, group, buffers, device) -> None:
 class BroadcastReceiver:
     """Engine rank: receive every source's buckets, verify, load in place, then commit once."""
 
-    def __init__(self, engine: WeightReceiver, group, sources: list[int], *,
-                 device: torch.device | str = "cpu", verify: bool = True):
+    def __init__(self, engine: WeightReceiver, group: SyncGroup, sources: list[int], *, verify: bool = True):
         self.group, self.sources = group, list(sources)
-        self.device = torch.device(device)
+        self.device = group.device
         self.receiver = BucketReceiver(engine, verify=verify)
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
 

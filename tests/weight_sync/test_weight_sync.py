@@ -18,7 +18,7 @@ from tiny_hf import make_hf_model, save_hf_model
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.weights import iter_safetensors
 from weight_sync import (BroadcastReceiver, BroadcastSender, BucketPacker, BucketReceiver, ColocatedSender, Done,
-                         WeightSyncError, unpack)
+                         SyncGroup, WeightSyncError, unpack)
 from weight_sync.checksum import checksum
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
@@ -183,11 +183,11 @@ def _broadcast_process(rank, world, port, old, new, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         if rank == 0:   # trainer source
-            report = BroadcastSender(None, sources=[0], bucket_bytes=16 << 10).send(iter_safetensors(new))
+            report = BroadcastSender(SyncGroup.default(), sources=[0], bucket_bytes=16 << 10).send(iter_safetensors(new))
             queue.put(("sender", report.num_buckets))
         else:           # engine
             engine = _engine(old)
-            report = BroadcastReceiver(engine, None, sources=[0]).receive()
+            report = BroadcastReceiver(engine, SyncGroup.default(), sources=[0]).receive()
             queue.put(("engine", rank, engine.generate(PROMPTS, GREEDY),
                        {n: p.numpy().copy() for n, p in engine.model.named_parameters()}, report.num_buckets))
     finally:
