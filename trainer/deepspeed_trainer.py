@@ -17,7 +17,6 @@ so the result is the gradient of the whole batch's loss.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -164,10 +163,7 @@ class DeepSpeedTrainer:
 
     def train_step(self, batch: RLBatch) -> dict[str, float]:
         cfg = self.cfg
-        if cfg.loss.policy_loss != "sft" and batch.old_logprobs is None:
-            batch = dataclasses.replace(batch, old_logprobs=self.compute_logprobs(batch))
-        if cfg.loss.kl_coef > 0 and batch.ref_logprobs is None:
-            batch = dataclasses.replace(batch, ref_logprobs=self.compute_ref_logprobs(batch))
+        batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
         norm = objective.normalizers(batch)
         diff_metrics = objective.logprob_diff_metrics(batch)
         mine = self._dp_share(len(batch.tokens))

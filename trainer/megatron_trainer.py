@@ -8,7 +8,6 @@ policy step: recompute old / reference log-probs, the objective, one optimizer s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -87,10 +86,7 @@ class MegatronTrainer:
         Missing old log-probs are recomputed with the current weights (so on the first step of
         a rollout the ratio is exactly 1); missing reference log-probs come from the reference."""
         cfg = self.cfg
-        if cfg.loss.policy_loss != "sft" and batch.old_logprobs is None:
-            batch = dataclasses.replace(batch, old_logprobs=self.compute_logprobs(batch))
-        if cfg.loss.kl_coef > 0 and batch.ref_logprobs is None:
-            batch = dataclasses.replace(batch, ref_logprobs=self.compute_ref_logprobs(batch))
+        batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
         norm = objective.normalizers(batch)
         diff_metrics = objective.logprob_diff_metrics(batch)
         local = batch.subset(dp_share(len(batch.tokens)))

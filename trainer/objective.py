@@ -11,6 +11,8 @@ Metrics are returned the same way (sums of shares), except `ratio_max` (a max).
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import NamedTuple
 
 import torch
@@ -38,6 +40,17 @@ class TokenData(NamedTuple):
 # Metric names every backend reports; all are token means over the batch except loss / pg_loss
 # (the aggregated objective terms), ratio_max (a max), and grad_norm / lr (set by the step).
 METRIC_KEYS = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_max")
+
+
+def complete_batch(batch: RLBatch, loss: LossConfig, compute_logprobs, compute_ref_logprobs) -> RLBatch:
+    """Fill in what the step needs and the caller did not give: old log-probs from the current
+    weights (so on a rollout's first step the ratio is exactly 1) and, with a KL term, the
+    reference's log-probs. Both backends call this before their step."""
+    if loss.policy_loss != "sft" and batch.old_logprobs is None:
+        batch = dataclasses.replace(batch, old_logprobs=compute_logprobs(batch))
+    if loss.kl_coef > 0 and batch.ref_logprobs is None:
+        batch = dataclasses.replace(batch, ref_logprobs=compute_ref_logprobs(batch))
+    return batch
 
 
 def normalizers(batch: RLBatch) -> Normalizers:

@@ -115,6 +115,6 @@ def test_both_transports_between_ray_actors(ray_local, tmp_path):
         params, outputs, version = ray.get(engine.snapshot.remote())
         assert version == (1 if transport == "colocated" else 2)
         for name, tensor in iter_safetensors(model_dir):
-            assert torch.equal(torch.from_numpy(params[name]), tensor), f"{transport}: {name}"
+            assert torch.equal(torch.tensor(params[name]), tensor), f"{transport}: {name}"
         fresh = Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=256)).generate(PROMPTS, GREEDY)
         assert outputs == [[s.token_ids for s in per] for per in fresh]
