@@ -1,0 +1,40 @@
+"""Smoke test of `benchmarks/rollout_throughput.py --quick`: it runs end to end in a subprocess
+and prints one JSON object with the documented keys. Speed is not asserted here (the full run
+is the benchmark); the token counts are, since they follow from the workload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "rollout_throughput.py"
+
+
+def test_quick_benchmark_prints_json():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+
+    w = out["workload"]
+    assert (w["prompts"], w["prompt_len"], w["n"], w["new_tokens"], w["quick"]) == (4, 32, 4, 16, True)
+    expected_tokens = 4 * 4 * 16
+    assert out["hf_generated_tokens"] == expected_tokens
+    for key in ("engine", "engine_no_radix"):
+        assert out[f"{key}_generated_tokens"] == expected_tokens
+        assert out[f"{key}_all_samples_full_length"] is True
+        assert out[f"{key}_tokens_per_s"] > 0 and out[f"{key}_seconds"] > 0
+        assert out[f"ratio_{key}_vs_hf"] > 0
+        stats = out[f"{key}_stats"]
+        for stat in ("prefill_tokens_computed", "prefix_cache_hit_tokens", "preemptions"):
+            assert isinstance(stats[stat], int), (key, stat, stats)
+        assert stats["preemptions"] == 0
+    assert out["hf_tokens_per_s"] > 0 and out["threads"] >= 1
+    assert out["model"]["hidden_size"] == 256 and out["model"]["vocab_size"] == 4096
+    # Radix on prefills each prompt once; off, every sample prefills it (n times).
+    assert out["engine_stats"]["prefill_tokens_computed"] <= 1.1 * 4 * 32
+    assert out["engine_no_radix_stats"]["prefill_tokens_computed"] >= 0.9 * 4 * 4 * 32
+    assert out["engine_no_radix_stats"]["prefix_cache_hit_tokens"] == 0
