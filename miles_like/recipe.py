@@ -1,0 +1,354 @@
+"""The recipe: everything a run needs, as typed, documented, frozen dataclasses with defaults.
+
+    recipe = load_recipe("recipes/tiny_arith_grpo.yaml", ["rollout.n=4", "trainer.lr=1e-5"])
+
+A recipe YAML has the top-level keys `steps`, `seed` and one mapping per section below (`model`
+and `data` are required). Every field is type- and range-checked when its section is built
+(`schema.Section`); building the `Recipe` then checks that the trainer / engine configs it maps
+onto accept it (their own validation, reported under the recipe's field names:
+`build_configs.py`) and applies the cross-section rules. So a `Recipe` built in code is as
+checked as a loaded one. `load_recipe` adds reading the file, the overrides and (unless
+`check_paths_exist=False`) the filesystem checks. Every failure is one `RecipeError` line naming
+the dotted field and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from miles_like.builtin_models import BUILTIN_MODELS
+from miles_like.schema import RecipeError, Section, from_dict, setting, to_plain
+from miles_like.tasks.arith import ArithSpec
+
+__all__ = ["Recipe", "RecipeError", "load_recipe", "parse_overrides", "apply_overrides",
+           "recipe_to_yaml", "check_paths"]
+
+SYNTHETIC_TASKS = ("arith",)
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class ModelSection(Section):
+    PATH = "model"
+    path: str | None = setting(None, "local Hugging Face model directory (config.json, "
+                               "*.safetensors, tokenizer files); set this or builtin")
+    builtin: str | None = setting(None, f"built-in tiny model with the character tokenizer: "
+                                  f"{' | '.join(BUILTIN_MODELS)}; set this or path")
+    dtype: Literal["float32", "bfloat16"] = setting("float32",
+                                                    "compute dtype of trainer and engine")
+
+    def check(self) -> None:
+        if (self.path is None) == (self.builtin is None):
+            raise RecipeError("model: set exactly one of model.path (a local Hugging Face "
+                              f"directory) or model.builtin ({' | '.join(BUILTIN_MODELS)})")
+        if self.builtin is not None and self.builtin not in BUILTIN_MODELS:
+            raise RecipeError(f"model.builtin={self.builtin!r} is not a built-in model; use one "
+                              f"of {' | '.join(BUILTIN_MODELS)}")
+
+
+@dataclass(frozen=True)
+class DataSection(Section):
+    PATH = "data"
+    path: str | None = setting(None, "local .jsonl / .json / .parquet file read with HF "
+                               "datasets; set this or synthetic")
+    synthetic: str | None = setting(None, "task generated on the fly: arith; set this or path")
+    prompt_key: str = setting("prompt", "column holding the prompt text")
+    answer_key: str = setting("answer", "column holding the reference answer given to the reward")
+    chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template")
+    shuffle_seed: int | None = setting(0, "seed of the epoch shuffle; null keeps file order")
+    arith_digits: int = setting(2, "synthetic arith: operands have up to this many digits", ge=1,
+                                le=9)
+    arith_ops: str = setting("+-", "synthetic arith: operators to draw from (subset of +-*)")
+
+    def check(self) -> None:
+        if (self.path is None) == (self.synthetic is None):
+            raise RecipeError("data: set exactly one of data.path (a local .jsonl / .parquet "
+                              f"file) or data.synthetic ({' | '.join(SYNTHETIC_TASKS)})")
+        if self.synthetic is not None and self.synthetic not in SYNTHETIC_TASKS:
+            raise RecipeError(f"data.synthetic={self.synthetic!r} is not a synthetic task; use "
+                              f"one of {' | '.join(SYNTHETIC_TASKS)}")
+        if self.path is not None and not self.path.endswith(DATA_SUFFIXES):
+            raise RecipeError(f"data.path={self.path!r}: use a {' / '.join(DATA_SUFFIXES)} file")
+        try:
+            ArithSpec(self.arith_digits, self.arith_ops)
+        except ValueError as e:  # "ops='/': use ..." names the task's field
+            raise RecipeError(f"data.arith_{e}") from None
+
+
+@dataclass(frozen=True)
+class RolloutSection(Section):
+    PATH = "rollout"
+    ALIASES = {"group_size": "n", "n_samples_per_prompt": "n", "batch_size": "prompts_per_step",
+               "rollout_batch_size": "prompts_per_step", "max_tokens": "max_new_tokens",
+               "max_response_length": "max_new_tokens"}
+    prompts_per_step: int = setting(32, "prompts drawn per RL step", ge=1)
+    n: int = setting(8, "samples per prompt (the group size)", ge=1)
+    temperature: float = setting(1.0, "sampling temperature (> 0: RL samples)", gt=0.0)
+    top_p: float = setting(1.0, "nucleus sampling mass, in (0, 1]")
+    top_k: int = setting(-1, "top-k sampling; -1 disables it")
+    max_new_tokens: int = setting(64, "longest response in tokens")
+    kv_cache_tokens: int | None = setting(None, "engine KV pool size in tokens; null: a fraction "
+                                          "of free device memory")
+    page_size: int = setting(16, "engine KV page size in tokens (prefix-sharing unit)")
+    max_running_requests: int = setting(256, "most sequences the engine decodes at once")
+    speculative_method: Literal["ngram", "group"] | None = setting(
+        None, "exact speculative decoding: ngram | group | null (off)")
+
+
+@dataclass(frozen=True)
+class AlgorithmSection(Section):
+    PATH = "algorithm"
+    ALIASES = {"advantage_estimator": "advantage", "eps_clip": "clip_low",
+               "eps_clip_high": "clip_high", "kl_loss_coef": "kl_coef", "kl_loss_type": "kl_type",
+               "loss_agg_mode": "loss_agg"}
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = setting(
+        "grpo", "advantage estimator (gae trains a critic: PPO)")
+    clip_low: float = setting(0.2, "PPO ratio clip below: 1 - clip_low", ge=0.0)
+    clip_high: float = setting(0.2, "PPO ratio clip above: 1 + clip_high (> clip_low: DAPO's "
+                               "clip-higher)", ge=0.0)
+    dual_clip: float | None = setting(None, "dual-clip constant c > 1 for negative advantages; "
+                                      "null disables it", gt=1.0)
+    gspo: bool = setting(False, "sequence-level ratios (GSPO); use a far smaller clip range, "
+                         "e.g. 3e-4 / 4e-4")
+    loss_agg: str = setting("token-mean", "loss aggregation: token-mean | seq-mean | "
+                            "seq-mean-token-sum")
+    kl_coef: float = setting(0.0, "KL-to-reference loss coefficient (> 0 keeps a reference "
+                             "model)", ge=0.0)
+    kl_type: str = setting("low-var-kl", "KL estimator: k1 | k2 | k3 | low-var-kl")
+    kl_reward_coef: float = setting(0.0, "per-token KL penalty folded into the reward "
+                                    "(reinforce_pp, gae); > 0 keeps a reference model", ge=0.0)
+    entropy_coef: float = setting(0.0, "entropy bonus coefficient", ge=0.0)
+    gamma: float = setting(1.0, "discount (reinforce_pp, gae)", ge=0.0, le=1.0)
+    gae_lambda: float = setting(1.0, "GAE lambda (gae)", ge=0.0, le=1.0)
+    value_clip: float | None = setting(0.2, "critic value clip (gae); null disables it", gt=0.0)
+    dynamic_sampling: bool = setting(False, "drop groups whose rewards are all equal and "
+                                     "oversample prompts to refill the batch (DAPO)")
+    dynamic_sampling_max_rounds: int = setting(4, "most extra generation rounds to refill a "
+                                               "batch before training on what there is", ge=1)
+    overlong_buffer: int = setting(0, "DAPO soft overlong penalty: responses longer than "
+                                   "max_new_tokens - buffer lose reward linearly; 0 disables it",
+                                   ge=0)
+    overlong_penalty: float = setting(1.0, "reward lost at max_new_tokens (the penalty factor)",
+                                      ge=0.0)
+    is_correction: Literal["tis", "mis"] | None = setting(
+        None, "engine-vs-trainer importance correction: tis | mis | null")
+    is_cap: float = setting(2.0, "tis / mis: cap of the importance weight", gt=0.0)
+
+
+@dataclass(frozen=True)
+class TrainerSection(Section):
+    PATH = "trainer"
+    ALIASES = {"learning_rate": "lr", "tensor_model_parallel_size": "tp",
+               "pipeline_model_parallel_size": "pp", "micro_batch_tokens":
+               "max_tokens_per_micro_batch"}
+    backend: str = setting("megatron", "megatron | deepspeed")
+    tp: int = setting(1, "tensor-parallel size", ge=1)
+    pp: int = setting(1, "pipeline-parallel size", ge=1)
+    lr: float = setting(1e-6, "peak learning rate", gt=0.0)
+    min_lr: float = setting(0.0, "cosine schedule: final learning rate", ge=0.0)
+    lr_schedule: str = setting("constant", "constant | cosine (decays over steps x "
+                               "updates_per_rollout optimizer steps)")
+    warmup_steps: int = setting(0, "linear warmup, in optimizer steps")
+    weight_decay: float = setting(0.0, "AdamW weight decay (not on 1-D params)", ge=0.0)
+    grad_clip: float | None = setting(1.0, "max global grad norm; null disables clipping", gt=0.0)
+    max_tokens_per_micro_batch: int = setting(4096, "packed tokens per micro-batch")
+    updates_per_rollout: int = setting(1, "optimizer steps per rollout batch (mini-batches)", ge=1)
+    zero_stage: int = setting(2, "deepspeed backend: ZeRO stage", ge=1, le=3)
+    critic_lr: float = setting(1e-5, "gae: critic learning rate", gt=0.0)
+
+
+@dataclass(frozen=True)
+class ClusterSection(Section):
+    PATH = "cluster"
+    devices: int = setting(1, "devices (GPUs; CPU slots without CUDA) in the placement group",
+                           ge=1)
+    accelerator: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when available")
+    colocate: bool = setting(True, "trainer rank i and engine i share device i; phases alternate")
+    rollout_devices: int | None = setting(None, "disaggregated only: devices for engines (the "
+                                          "rest train); null: half", ge=1)
+    off_policy_steps: Literal[0, 1] = setting(0, "1: rollout k+1 overlaps training k "
+                                              "(disaggregated only)")
+    address: str | None = setting(None, "Ray cluster address (e.g. auto, ray://host:10001); "
+                                  "null starts a local Ray")
+
+    def check(self) -> None:
+        if self.off_policy_steps == 1 and self.colocate:
+            raise RecipeError("cluster.off_policy_steps=1 needs disaggregated placement; set "
+                              "cluster.colocate: false or cluster.off_policy_steps: 0")
+        if self.colocate and self.rollout_devices is not None:
+            raise RecipeError("cluster.rollout_devices applies to disaggregated placement; "
+                              "remove it or set cluster.colocate: false")
+        if not self.colocate:
+            if self.devices < 2:
+                raise RecipeError(f"cluster.devices={self.devices}: disaggregated placement "
+                                  "needs >= 2 devices; raise it or set cluster.colocate: true")
+            if self.rollout_devices is not None and self.rollout_devices >= self.devices:
+                raise RecipeError(f"cluster.rollout_devices={self.rollout_devices} leaves no "
+                                  f"trainer device; use a value in [1, {self.devices - 1}]")
+
+
+@dataclass(frozen=True)
+class RewardSection(Section):
+    PATH = "reward"
+    function: str = setting("arith", "built-in (math | exact_match | arith) or module:function "
+                            "with signature fn(prompt: str, response: str, answer: str) -> float")
+    max_workers: int = setting(8, "threads computing rewards concurrently", ge=1)
+
+    def check(self) -> None:
+        from miles_like.rewards import check_spec  # rewards imports nothing from here
+        check_spec(self.function)
+
+
+@dataclass(frozen=True)
+class TrackingSection(Section):
+    PATH = "tracking"
+    output_dir: str = setting("outputs/run", "metrics.jsonl, reward_curve.png, checkpoints")
+    wandb_project: str | None = setting(None, "wandb project; null: no wandb")
+    wandb_mode: Literal["offline", "online", "disabled"] = setting(
+        "offline", "offline writes a local run directory (sync it later)")
+
+
+@dataclass(frozen=True)
+class CheckpointSection(Section):
+    PATH = "checkpoint"
+    every_steps: int = setting(0, "save every this many steps; 0 disables checkpoints", ge=0)
+    keep_last: int = setting(2, "checkpoints kept on disk", ge=1)
+    resume: bool = setting(False, "resume from the latest checkpoint in tracking.output_dir")
+
+
+@dataclass(frozen=True)
+class Recipe(Section):
+    model: ModelSection = setting(doc="the policy model")
+    data: DataSection = setting(doc="the prompts")
+    steps: int = setting(100, "RL steps", ge=1)
+    seed: int = setting(0, "seed of sampling, initialization and synthetic data")
+    rollout: RolloutSection = setting(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = setting(default_factory=AlgorithmSection)
+    trainer: TrainerSection = setting(default_factory=TrainerSection)
+    cluster: ClusterSection = setting(default_factory=ClusterSection)
+    reward: RewardSection = setting(default_factory=RewardSection)
+    tracking: TrackingSection = setting(default_factory=TrackingSection)
+    checkpoint: CheckpointSection = setting(default_factory=CheckpointSection)
+
+    def check(self) -> None:
+        """Rules that span sections, after the trainer / engine configs the recipe maps onto have
+        accepted it (their errors name the recipe's fields)."""
+        from miles_like.build_configs import check_configs  # it imports this module
+        check_configs(self)
+        alg, rollout = self.algorithm, self.rollout
+        if alg.advantage in ("grpo", "dr_grpo", "rloo") and rollout.n < 2:
+            raise RecipeError(f"rollout.n={rollout.n}: algorithm.advantage={alg.advantage} "
+                              "compares samples of a prompt; use rollout.n >= 2")
+        if alg.dynamic_sampling and rollout.n < 2:
+            raise RecipeError("algorithm.dynamic_sampling needs groups; set rollout.n >= 2 or "
+                              "algorithm.dynamic_sampling: false")
+        if alg.overlong_buffer >= rollout.max_new_tokens:
+            raise RecipeError(f"algorithm.overlong_buffer={alg.overlong_buffer} must be below "
+                              f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it")
+        if alg.kl_reward_coef > 0 and alg.advantage not in ("reinforce_pp", "gae"):
+            raise RecipeError(f"algorithm.kl_reward_coef applies to reinforce_pp and gae, not "
+                              f"{alg.advantage}; use algorithm.kl_coef (KL as a loss term)")
+        if self.cluster.colocate and self.cluster.devices % (self.trainer.tp * self.trainer.pp):
+            raise RecipeError(f"cluster.devices={self.cluster.devices} is not a multiple of "
+                              f"trainer.tp x trainer.pp = {self.trainer.tp * self.trainer.pp}; "
+                              "change one of them")
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """`["rollout.n=4"]` -> `[("rollout.n", 4)]`; values are parsed as YAML scalars."""
+    parsed = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise RecipeError(f"override {item!r}: write dotted.key=value, e.g. rollout.n=4")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise RecipeError(f"override {item!r}: the value is not valid YAML; quote it") from None
+        parsed.append((key, value))
+    return parsed
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[tuple[str, Any]]
+                    ) -> dict[str, Any]:
+    """A copy of the recipe mapping with each dotted key set (sections created as needed)."""
+    out = copy.deepcopy(dict(data))
+    for key, value in overrides:
+        node = out
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[:depth + 1])
+                raise RecipeError(f"override {key}: {where} is a value, not a section; "
+                                  f"override {where}=... instead")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def check_paths(recipe: Recipe) -> None:
+    """Local files the recipe names exist (and a user reward's module imports)."""
+    if recipe.model.path is not None:
+        p = Path(recipe.model.path).expanduser()
+        if not p.is_dir():
+            raise RecipeError(f"model.path={recipe.model.path!r}: no such directory; give a local "
+                              "Hugging Face model directory (or --no-path-check for a dry run)")
+        if not (p / "config.json").is_file():
+            raise RecipeError(f"model.path={recipe.model.path!r} has no config.json; point it at "
+                              "a Hugging Face model directory")
+    if recipe.data.path is not None and not Path(recipe.data.path).expanduser().is_file():
+        raise RecipeError(f"data.path={recipe.data.path!r}: no such file; give a local .jsonl / "
+                          ".parquet file (or --no-path-check for a dry run)")
+    from miles_like.rewards import resolve_reward
+    resolve_reward(recipe.reward.function)
+
+
+def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
+    return from_dict(Recipe, data)
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = (), *,
+                check_paths_exist: bool = True) -> Recipe:
+    """Read a recipe YAML, apply dotted `key=value` overrides, validate. One RecipeError line on
+    any problem. `check_paths_exist=False` skips the filesystem (model / data paths, user reward
+    modules): for checking a recipe on a machine that lacks them."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RecipeError(f"recipe {str(path)!r}: no such file; give the path of a recipe "
+                          "YAML, e.g. recipes/tiny_arith_grpo.yaml") from None
+    except OSError as e:
+        raise RecipeError(f"recipe {str(path)!r}: cannot read it ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise RecipeError(f"recipe {str(path)!r}: invalid YAML{where}: {problem}; fix the "
+                          "syntax") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {str(path)!r}: the top level must be a mapping of sections "
+                          "(model:, data:, rollout:, ...)")
+    recipe = recipe_from_dict(apply_overrides(data, parse_overrides(overrides)))
+    if check_paths_exist:
+        check_paths(recipe)
+    return recipe
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe as YAML; loading it again gives an equal recipe."""
+    return yaml.safe_dump(to_plain(recipe), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,14 @@
+"""Entry point: `python -m miles_like.train RECIPE.yaml [key=value ...] [--dry-run]`.
+
+See `cli.py` for the command line and `recipe.py` for the recipe. The RL loop plugs in here as
+the `run` argument of `cli.main`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from miles_like.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The command line: --help from the dataclasses, --dry-run, one-line errors with exit code 2,
+and the explicit not-implemented exit of a real run."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from miles_like.cli import EXIT_USER_ERROR, main
+from miles_like.recipe import Recipe, load_recipe
+from miles_like.schema import describe
+
+REPO = Path(__file__).resolve().parents[2]
+MINIMAL = "model:\n  builtin: tiny-qwen2\ndata:\n  synthetic: arith\n"
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(MINIMAL)
+    return path
+
+
+def test_dry_run_prints_the_resolved_recipe(recipe_file, capsys, tmp_path):
+    assert main([str(recipe_file), "rollout.n=4", "trainer.lr=1e-5", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    data = yaml.safe_load(out)
+    assert data["rollout"]["n"] == 4 and data["trainer"]["lr"] == 1e-5
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(out)
+    assert load_recipe(resolved) == load_recipe(recipe_file, ["rollout.n=4", "trainer.lr=1e-5"])
+
+
+def test_error_is_one_line_on_stderr_with_exit_2(recipe_file, capsys):
+    assert main([str(recipe_file), "rollout.temprature=0.5", "--dry-run"]) == EXIT_USER_ERROR
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "rollout.temprature" in lines[0] and "rollout.temperature" in lines[0]
+
+
+def test_missing_recipe_file(tmp_path, capsys):
+    assert main([str(tmp_path / "none.yaml"), "--dry-run"]) == EXIT_USER_ERROR
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_real_run_says_the_loop_is_not_implemented(recipe_file, capsys):
+    assert main([str(recipe_file)]) == EXIT_USER_ERROR
+    assert "not implemented" in capsys.readouterr().err
+
+
+def test_run_hook_receives_the_recipe(recipe_file):
+    seen = []
+    assert main([str(recipe_file), "steps=3"], run=lambda r: seen.append(r) or 0) == 0
+    assert isinstance(seen[0], Recipe) and seen[0].steps == 3
+
+
+def test_no_path_check(tmp_path, capsys):
+    path = tmp_path / "r.yaml"
+    path.write_text(MINIMAL.replace("builtin: tiny-qwen2", "path: /not/here"))
+    assert main([str(path), "--dry-run"]) == EXIT_USER_ERROR
+    assert "model.path" in capsys.readouterr().err
+    assert main([str(path), "--dry-run", "--no-path-check"]) == 0
+
+
+def test_help_lists_every_field_with_default_and_doc(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    rows = describe(Recipe)
+    assert len(rows) > 60
+    for name, type_text, default, doc in rows:
+        assert f"  {name}  ({type_text}; default {default})" in out
+    assert "samples per prompt (the group size)" in out
+    assert "grpo | dr_grpo | rloo | reinforce_pp | gae" in out
+    # every section of the recipe is there
+    for f in dataclasses.fields(Recipe):
+        assert any(name == f.name or name.startswith(f.name + ".") for name, *_ in rows)
+
+
+def test_module_entry_point_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MINIMAL + "rollout:\n  n: many\n")
+    proc = subprocess.run([sys.executable, "-m", "miles_like.train", str(bad), "--dry-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "rollout.n" in proc.stderr
+    assert "Traceback" not in proc.stderr

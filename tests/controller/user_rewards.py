@@ -1,0 +1,13 @@
+"""User reward functions for the reward tests (imported as `user_rewards:NAME`)."""
+
+NOT_CALLABLE = 3
+
+
+def length_score(prompt: str, response: str, answer: str) -> float:
+    return float(len(response))
+
+
+class Scorers:
+    @staticmethod
+    def first_char_match(prompt: str, response: str, answer: str) -> float:
+        return float(response[:1] == answer[:1])
