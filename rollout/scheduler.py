@@ -326,6 +326,8 @@ class Scheduler:
             reason = self._finish_reason(seq, token)
             if reason is None:
                 continue
+            # Stopping inside an accepted draft: K/V past the last kept token is not the sequence's.
+            seq.num_computed = min(seq.num_computed, len(seq.token_ids))
             if seq.status is Status.RUNNING:
                 self._release(seq, cache_kv=True)
             else:  # a fork that found no page: it never held KV
