@@ -50,7 +50,9 @@ class Engine:
                      tied_embeddings=self.model_config.tie_word_embeddings, require_all=True)
         self.weight_version = 0
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
-        self._weights_loaded_since_release: set[str] | None = None  # None: weights are resident
+        # None: every weight is valid. A set: weights became invalid (released, or an update
+        # failed midway) and these are the names loaded since; generation waits for all of them.
+        self._weights_reloaded: set[str] | None = None
         self._uncommitted_update = False
 
         self.pool = KVPool(num_layers=self.model_config.num_layers, num_pages=self._num_pages(),
@@ -104,7 +106,7 @@ class Engine:
     def _check_ready(self) -> None:
         if not self.pool.allocated:
             raise RuntimeError("engine memory is released; call resume_memory() before generating")
-        if self._weights_loaded_since_release is not None:
+        if self._weights_reloaded is not None:
             raise RuntimeError("engine weights are incomplete (released, or an update failed midway); "
                                "call update_weights() with every weight before generating")
         if self._uncommitted_update:
@@ -197,12 +199,12 @@ class Engine:
             loaded = load_weights(self.model, named_tensors, tied_embeddings=self.model_config.tie_word_embeddings,
                                   require_all=False)
         except BaseException:
-            self._weights_loaded_since_release = set()
+            self._weights_reloaded = set()
             raise
-        if self._weights_loaded_since_release is not None:
-            self._weights_loaded_since_release |= loaded
-            if self._weights_loaded_since_release >= self._param_shapes.keys():
-                self._weights_loaded_since_release = None
+        if self._weights_reloaded is not None:
+            self._weights_reloaded |= loaded
+            if self._weights_reloaded >= self._param_shapes.keys():
+                self._weights_reloaded = None
 
     def commit_weights(self) -> None:
         """Finish an update: flush the prefix cache and bump `weight_version`."""
@@ -221,11 +223,11 @@ class Engine:
                 self.scheduler.cache.reset()
             released += 2 * self.pool.k.numel() * self.pool.k.element_size()
             self.pool.free_memory()
-        if weights and self._weights_loaded_since_release is None:
+        if weights and self._weights_reloaded is None:
             for p in self.model.parameters():
                 released += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._weights_loaded_since_release = set()
+            self._weights_reloaded = set()
         return released
 
     def resume_memory(self) -> None:

@@ -282,9 +282,7 @@ class Scheduler:
                 row += 1 + len(seq.draft)
                 continue
             seq.num_computed += 1
-            if seq.num_generated == 0 and self.cache is not None:
-                self._insert_into_cache(seq)  # a prompt whose last token ran as a decode
-            for s in self._fork(seq):
+            for s in self._ready_to_sample(seq):
                 to_sample.append(s)
                 logit_rows.append(row)
             row += 1
@@ -303,9 +301,7 @@ class Scheduler:
             seq.num_computed += num_new
             self.stats.prefill_tokens_computed += num_new
             if seq.num_computed == len(seq.token_ids):
-                if seq.num_generated == 0 and self.cache is not None:
-                    self._insert_into_cache(seq)  # prompt done: share it (with forks, other requests)
-                for s in self._fork(seq):
+                for s in self._ready_to_sample(seq):
                     to_sample.append(s)
                     logit_rows.append(row)
                 row += 1
@@ -336,6 +332,13 @@ class Scheduler:
                 self.proposer.forget(seq)
             self._record(seq, reason)
             return
+
+    def _ready_to_sample(self, seq: Sequence) -> list[Sequence]:
+        """`seq` has computed all its tokens. A completed prompt (via a prefill chunk or, fully
+        cached but its last token, a decode) is first shared through the cache, then forks."""
+        if seq.num_generated == 0 and self.cache is not None:
+            self._insert_into_cache(seq)
+        return self._fork(seq)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """The samples that draw from `seq`'s fresh logits: itself, plus its forks the first time

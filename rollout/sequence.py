@@ -94,7 +94,3 @@ class Sequence:
     @property
     def private_pages(self) -> list[int]:
         return self.pages[self.num_tree_pages:]
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_computed == len(self.token_ids) - 1 and self.num_generated > 0

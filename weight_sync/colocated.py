@@ -93,7 +93,7 @@ class ColocatedSender:
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         start = time.perf_counter()
         export_clock = [0.0]
-        in_flight: deque[tuple[torch.dtype, Future]] = deque()
+        in_flight: deque[Future] = deque()
         acks: list[LoadAck] = []
         buckets = 0
         pack_s = wait_s = 0.0
@@ -104,7 +104,7 @@ class ColocatedSender:
             # (same dtype): its ack must be in first. Waiting on the oldest suffices.
             if len(in_flight) >= 2:
                 t = time.perf_counter()
-                acks.append(in_flight.popleft()[1].result())
+                acks.append(in_flight.popleft().result())
                 wait_s += time.perf_counter() - t
             t0, e0 = time.perf_counter(), export_clock[0]
             item = next(packed, None)
@@ -112,10 +112,10 @@ class ColocatedSender:
             if item is None:
                 break
             buffer, manifest = item
-            in_flight.append((manifest.dtype, self.deliver(self.allocator.handle(buffer), manifest)))
+            in_flight.append(self.deliver(self.allocator.handle(buffer), manifest))
             buckets += 1
         t = time.perf_counter()
-        acks.extend(f.result() for _, f in in_flight)
+        acks.extend(f.result() for f in in_flight)
         wait_s += time.perf_counter() - t
         verify_s = sum(a.verify_s for a in acks)
         load_s = sum(a.load_s for a in acks)
