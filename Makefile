@@ -7,10 +7,9 @@ PY := .venv/bin/python
 env:
 	@bash scripts/setup_env.sh
 
-# Until the controller lands (issue: miles_like/ controller), `train` runs the engine's
-# generation demo; it will run `python -m miles_like.train recipes/tiny_arith_grpo.yaml`.
+# The default recipe: SFT warm start + GRPO on synthetic arithmetic, a tiny model, on CPU.
 train: env
-	$(PY) -m rollout.demo
+	$(PY) -m miles_like.train recipes/tiny_arith_grpo.yaml
 
 test: env
 	$(PY) -m pytest -q

@@ -38,6 +38,15 @@ def fields_help(width: int = 100) -> str:
     return "\n".join(lines)
 
 
+def fields_markdown() -> str:
+    """Every recipe field as a Markdown table (the README embeds it; a test keeps them equal)."""
+    lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for name, type_text, default, doc in describe(Recipe):
+        cell = doc.replace("|", "\\|")
+        lines.append(f"| `{name}` | {type_text.replace('|', '/')} | `{default}` | {cell} |")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None,
          run: Callable[[Recipe], int] | None = None) -> int:
     """Parse, load, validate; then print (dry run) or hand the recipe to `run`. Returns the exit
-    code. `run` is the RL loop; until it exists, a non-dry run says so and exits 2."""
+    code. `run` is the RL loop (`loop.run` unless a caller passes another)."""
     args = build_parser().parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides,
@@ -70,7 +79,9 @@ def main(argv: Sequence[str] | None = None,
         sys.stdout.write(recipe_to_yaml(recipe))
         return 0
     if run is None:
-        print(f"error: the RL loop is not implemented yet; {args.recipe} is valid (see "
-              "--dry-run for the resolved recipe)", file=sys.stderr)
+        from miles_like.loop import run  # imports Ray and torch: not needed for --help / --dry-run
+    try:
+        return run(recipe)
+    except RecipeError as e:  # found while starting the run (data columns, tokenizer, sizes)
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    return run(recipe)

@@ -164,6 +164,17 @@ class TrainerSection(Section):
 
 
 @dataclass(frozen=True)
+class SFTSection(Section):
+    PATH = "sft"
+    steps: int = setting(0, "supervised warm start: optimizer steps on (prompt, answer) pairs of "
+                         "the data before RL; 0 skips it", ge=0)
+    batch_size: int = setting(64, "pairs per warm-start step", ge=1)
+    lr: float = setting(1e-3, "warm-start learning rate (constant)", gt=0.0)
+    cache: bool = setting(True, "reuse a finished warm start with the same model, data, settings "
+                          "and seed from $MILES_LIKE_CACHE (default ~/.cache/miles_like)")
+
+
+@dataclass(frozen=True)
 class ClusterSection(Section):
     PATH = "cluster"
     devices: int = setting(1, "devices (GPUs; CPU slots without CUDA) in the placement group",
@@ -228,6 +239,7 @@ class Recipe(Section):
     data: DataSection = setting(doc="the prompts")
     steps: int = setting(100, "RL steps", ge=1)
     seed: int = setting(0, "seed of sampling, initialization and synthetic data")
+    sft: SFTSection = setting(default_factory=SFTSection)
     rollout: RolloutSection = setting(default_factory=RolloutSection)
     algorithm: AlgorithmSection = setting(default_factory=AlgorithmSection)
     trainer: TrainerSection = setting(default_factory=TrainerSection)
@@ -258,6 +270,25 @@ class Recipe(Section):
             raise RecipeError(f"cluster.devices={self.cluster.devices} is not a multiple of "
                               f"trainer.tp x trainer.pp = {self.trainer.tp * self.trainer.pp}; "
                               "change one of them")
+        trainer_devices = (self.cluster.devices if self.cluster.colocate else
+                           self.cluster.devices - (self.cluster.rollout_devices
+                                                   or self.cluster.devices // 2))
+        if not self.cluster.colocate and trainer_devices % (self.trainer.tp * self.trainer.pp):
+            raise RecipeError(f"cluster: {trainer_devices} trainer devices (cluster.devices - "
+                              "cluster.rollout_devices) is not a multiple of trainer.tp x "
+                              f"trainer.pp = {self.trainer.tp * self.trainer.pp}; change one")
+        samples = rollout.prompts_per_step * rollout.n
+        if self.trainer.updates_per_rollout > samples:
+            raise RecipeError(f"trainer.updates_per_rollout={self.trainer.updates_per_rollout} "
+                              f"exceeds the {samples} samples per step (rollout.prompts_per_step "
+                              "x rollout.n); lower it")
+        if alg.advantage == "gae" and self.trainer.backend != "megatron":
+            raise RecipeError("algorithm.advantage=gae trains a critic, which the megatron "
+                              "backend provides; set trainer.backend: megatron")
+        if rollout.max_new_tokens >= self.trainer.max_tokens_per_micro_batch:
+            raise RecipeError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for "
+                              "a prompt in trainer.max_tokens_per_micro_batch="
+                              f"{self.trainer.max_tokens_per_micro_batch}; raise the latter")
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:

@@ -45,6 +45,10 @@ class CharTokenizer:
     unk_token_id = property(lambda self: self._special_ids["<unk>"])
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        return [self.eos_token_id]
+
+    @property
     def vocab_size(self) -> int:
         return len(self._id_to_text)
 
@@ -76,6 +80,10 @@ class CharTokenizer:
     def encode_prompt(self, prompt: str, chat_template: bool) -> list[int]:
         return self.encode(self.render_prompt(prompt, chat_template), add_bos=True)
 
+    def encode_response(self, text: str) -> list[int]:
+        """A target completion as the model should produce it: the text, then `<eos>`."""
+        return self.encode(text) + [self.eos_token_id]
+
     def hf_config_fields(self) -> dict[str, Any]:
         """The `config.json` entries a model built for this tokenizer needs."""
         return {"vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
@@ -94,6 +102,51 @@ class CharTokenizer:
         if data.get("type") != "char":
             raise ValueError(f"{directory}/{TOKENIZER_FILE}: not a character tokenizer file")
         return cls(data["charset"], tuple(data["special_tokens"]))
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer (transformers `AutoTokenizer`, no download) behind the same
+    three calls the loop uses: `encode_prompt`, `decode`, `eos_token_ids`."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer  # only real-model runs need transformers
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"model.path={str(directory)!r}: cannot load its tokenizer "
+                             f"({type(e).__name__}: {e}); the directory needs the tokenizer "
+                             "files of the model") from None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return [] if self.tok.eos_token_id is None else [int(self.tok.eos_token_id)]
+
+    def encode_prompt(self, prompt: str, chat_template: bool) -> list[int]:
+        if chat_template:
+            if self.tok.chat_template is None:
+                raise ValueError("data.chat_template=true but the tokenizer has no chat "
+                                 "template; set data.chat_template: false")
+            # Rendered to text, then encoded without adding specials (the template has them):
+            # the return type of tokenize=True differs across transformers versions.
+            text = self.tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=False)
+            return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(prompt, add_special_tokens=True)
+
+    def encode_response(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False) + self.eos_token_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(directory: str | Path) -> CharTokenizer | HFTokenizer:
+    """The character tokenizer when the directory holds one (built-in models), else the
+    directory's Hugging Face tokenizer."""
+    if (Path(directory) / TOKENIZER_FILE).is_file():
+        return CharTokenizer.load(directory)
+    return HFTokenizer(directory)
 
 
 assert set(string.digits + "+-*=") <= set(CHARSET)  # the arithmetic task's alphabet

@@ -1,7 +1,6 @@
 """Entry point: `python -m miles_like.train RECIPE.yaml [key=value ...] [--dry-run]`.
 
-See `cli.py` for the command line and `recipe.py` for the recipe. The RL loop plugs in here as
-the `run` argument of `cli.main`.
+See `cli.py` for the command line, `recipe.py` for the recipe and `loop.py` for the RL loop.
 """
 
 from __future__ import annotations

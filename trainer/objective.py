@@ -39,7 +39,10 @@ class TokenData(NamedTuple):
 
 # Metric names every backend reports; all are token means over the batch except loss / pg_loss
 # (the aggregated objective terms), ratio_max (a max), and grad_norm / lr (set by the step).
-METRIC_KEYS = ("loss", "pg_loss", "kl", "entropy", "clipfrac", "ratio_mean", "ratio_max")
+# `ppo_kl` is the k1 estimate of KL(old || current) over the response tokens: exactly 0 on the
+# first update of a rollout, whose old log-probs are recomputed with the current weights.
+METRIC_KEYS = ("loss", "pg_loss", "kl", "ppo_kl", "entropy", "clipfrac", "ratio_mean",
+               "ratio_max")
 
 
 def complete_batch(batch: RLBatch, loss: LossConfig, compute_logprobs, compute_ref_logprobs) -> RLBatch:
@@ -110,6 +113,7 @@ def micro_batch_objective(logprobs: torch.Tensor, entropy: torch.Tensor, data: T
         per_token = losses.sft_loss(logprobs)
         ratio = torch.ones_like(logprobs)
         clipped = torch.zeros_like(logprobs)
+        ppo_kl = torch.zeros((), device=logprobs.device)
     else:
         if data.advantages is None or data.old_logprobs is None:
             raise ValueError(f"policy_loss={cfg.policy_loss!r} needs batch.advantages and "
@@ -123,6 +127,7 @@ def micro_batch_objective(logprobs: torch.Tensor, entropy: torch.Tensor, data: T
                                           data.seq_ids, clip_low=cfg.clip_low,
                                           clip_high=cfg.clip_high)
         per_token, ratio, clipped = out
+        ppo_kl = token_mean(data.old_logprobs - logprobs)
         if cfg.is_correction is not None:
             if data.rollout_logprobs is None:
                 raise ValueError(f"trainer.loss.is_correction={cfg.is_correction!r} needs "
@@ -148,6 +153,7 @@ def micro_batch_objective(logprobs: torch.Tensor, entropy: torch.Tensor, data: T
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
         "kl": kl,
+        "ppo_kl": ppo_kl,
         "entropy": token_mean(entropy),
         "clipfrac": token_mean(clipped),
         "ratio_mean": token_mean(ratio),

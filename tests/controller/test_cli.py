@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from miles_like.cli import EXIT_USER_ERROR, main
-from miles_like.recipe import Recipe, load_recipe
+from miles_like.recipe import RecipeError, Recipe, load_recipe
 from miles_like.schema import describe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,9 +49,12 @@ def test_missing_recipe_file(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_real_run_says_the_loop_is_not_implemented(recipe_file, capsys):
-    assert main([str(recipe_file)]) == EXIT_USER_ERROR
-    assert "not implemented" in capsys.readouterr().err
+def test_an_error_found_while_starting_the_run_is_one_line(recipe_file, capsys):
+    def run(recipe):
+        raise RecipeError("data.prompt_key='q': the file has no such column; its columns are a, b")
+    assert main([str(recipe_file)], run=run) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: data.prompt_key='q'")
 
 
 def test_run_hook_receives_the_recipe(recipe_file):
@@ -92,3 +95,12 @@ def test_module_entry_point_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "rollout.n" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_readme_lists_every_recipe_field_as_generated():
+    from miles_like.cli import fields_markdown
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("<!-- recipe-fields:start")
+    body = readme[readme.index("\n", start) + 1:readme.index("<!-- recipe-fields:end -->")]
+    assert body.strip() == fields_markdown().strip(), \
+        "README's field table is stale: paste miles_like.cli.fields_markdown() into it"

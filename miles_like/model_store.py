@@ -1,0 +1,82 @@
+"""Model directories the run starts from: the user's local Hugging Face directory, or a built-in
+tiny model materialized on disk (config.json + model.safetensors + char_tokenizer.json), so that
+trainer and engines load it through the same path as a real checkpoint.
+
+Built-in models and warm starts are cached under `$MILES_LIKE_CACHE` (default
+`~/.cache/miles_like`), keyed by a hash of everything that determines their contents. A cache
+entry is written to a temporary directory and renamed into place, so a directory that exists is
+complete (a run killed while writing leaves only a `.tmp-*` directory behind).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles_like.builtin_models import hf_config
+from miles_like.tokenizer import TOKENIZER_FILE, CharTokenizer
+from rollout.random_checkpoint import write_random_checkpoint
+
+INIT_STD = 0.02  # HF's initializer_range for Qwen2 / Llama
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MILES_LIKE_CACHE", Path.home() / ".cache" / "miles_like"))
+
+
+def content_key(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cached_dir(name: str, build: Callable[[Path], None]) -> Path:
+    """`cache_root()/name`, built by `build(tmp_dir)` unless it already exists."""
+    final = cache_root() / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(final)
+        except OSError:  # another run finished the same entry first; theirs is equal
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def base_model_dir(model_section, seed: int) -> Path:
+    """The directory the run's policy starts from (before any warm start)."""
+    if model_section.path is not None:
+        return Path(model_section.path).expanduser()
+    tokenizer = CharTokenizer()
+    config = hf_config(model_section.builtin, tokenizer)
+
+    def build(tmp: Path) -> None:
+        write_random_checkpoint(tmp, config, seed=seed, std=INIT_STD)
+        tokenizer.save(tmp)
+
+    key = content_key(config, seed, INIT_STD, tokenizer.charset, tokenizer.special_tokens)
+    return cached_dir(f"builtin-{model_section.builtin}-{key}", build)
+
+
+def copy_model_files(src: Path, dst: Path) -> None:
+    """Everything of a model directory except its weights (config, tokenizer files)."""
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth")) \
+                and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+
+
+def has_char_tokenizer(directory: Path) -> bool:
+    return (directory / TOKENIZER_FILE).is_file()

@@ -1,0 +1,108 @@
+"""Ray placement: one placement group, one bundle per device, and the actors placed on it.
+
+Colocated (default): trainer rank i and engine replica i share bundle i (each takes half of its
+resources) and the controller alternates their phases. Disaggregated: the first
+`devices - rollout_devices` bundles hold trainer ranks, the rest engines; both sides can run at
+once. On a machine without CUDA a "device" is a CPU slot (a bundle of 1 CPU) and the workers run
+torch on `cpu_count // devices` threads each; the code path is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import NamedTuple
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles_like.workers import EngineWorker, TrainerWorker
+
+
+class Layout(NamedTuple):
+    accelerator: str            # "cpu" | "cuda"
+    devices: int
+    trainer_bundles: list[int]  # bundle of each trainer rank
+    engine_bundles: list[int]   # bundle of each engine replica
+    colocated: bool
+    threads: int                # torch threads per worker on CPU
+
+
+def plan(cluster) -> Layout:
+    """Where every actor goes, from the recipe's cluster section."""
+    accelerator = cluster.accelerator
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    d = cluster.devices
+    threads = max(1, (os.cpu_count() or 1) // d)
+    if cluster.colocate:
+        return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads)
+    r = cluster.rollout_devices if cluster.rollout_devices is not None else d // 2
+    return Layout(accelerator, d, list(range(d - r)), list(range(d - r, d)), False, threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ray(cluster, layout: Layout) -> None:
+    """Connect to `cluster.address`, or start a local Ray sized for the layout (dashboard off:
+    nothing listens beyond loopback)."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
+        p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}}
+    if cluster.address is not None:
+        ray.init(address=cluster.address, runtime_env=env, log_to_driver=True)
+        return
+    ray.init(num_cpus=max(layout.devices, os.cpu_count() or 1),
+             num_gpus=layout.devices if layout.accelerator == "cuda" else 0,
+             include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env,
+             log_to_driver=True, configure_logging=False)
+
+
+def _options(layout: Layout, pg, bundle: int):
+    share = 0.5 if layout.colocated else 1.0
+    return dict(num_cpus=share, num_gpus=share if layout.accelerator == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle))
+
+
+def reserve(layout: Layout, timeout_s: float = 300.0):
+    """The placement group: one bundle per device."""
+    bundle = {"CPU": 1.0}
+    if layout.accelerator == "cuda":
+        bundle["GPU"] = 1.0
+    pg = placement_group([dict(bundle) for _ in range(layout.devices)], strategy="PACK")
+    if not pg.wait(timeout_seconds=timeout_s):
+        raise RuntimeError(f"Ray could not reserve {layout.devices} x {bundle} within "
+                           f"{timeout_s:.0f} s; lower cluster.devices or add resources")
+    return pg
+
+
+def create_trainers(layout: Layout, pg, timeout_s: float = 300.0) -> list:
+    """One TrainerWorker per trainer rank, joined into one torch.distributed world (built later:
+    `TrainerWorker.build`)."""
+    port = free_port()
+    world = len(layout.trainer_bundles)
+    trainers = [TrainerWorker.options(**_options(layout, pg, b)).remote(
+        rank, world, port, layout.threads) for rank, b in enumerate(layout.trainer_bundles)]
+    ray.get([a.ready.remote() for a in trainers], timeout=timeout_s)
+    return trainers
+
+
+def create_engines(layout: Layout, pg, engine_cfg, timeout_s: float = 300.0) -> list:
+    engines = [EngineWorker.options(**_options(layout, pg, b)).remote(engine_cfg, layout.threads)
+               for b in layout.engine_bundles]
+    ray.get([a.ready.remote() for a in engines], timeout=timeout_s)
+    return engines
+
+
+def release(pg, actors: list) -> None:
+    for a in actors:
+        ray.kill(a)
+    remove_placement_group(pg)

@@ -1,0 +1,82 @@
+"""The supervised warm start: a few SFT steps on the data's (prompt, answer) pairs before RL, so
+that a randomly initialized tiny model answers in the task's format and RL has a signal to work
+with. It runs on the trainer workers (the same TP / PP layout as RL), writes a Hugging Face
+directory into the cache, and the RL run starts from that directory. With `sft.cache` a finished
+warm start with the same inputs is reused instead of recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import ray
+
+from miles_like.build_configs import trainer_config
+from miles_like.data import PromptSource
+from miles_like.model_store import cached_dir, content_key, copy_model_files
+from trainer import RLBatch
+from trainer.config import LossConfig, OptimConfig
+
+SFT_DATA_SEED_OFFSET = 7919  # warm-start problems come from a stream other than RL's
+
+
+def sft_batch(problems, tokenizer) -> RLBatch:
+    tokens, prompt_lens = [], []
+    for p in problems:
+        tokens.append(list(p.prompt_ids) + tokenizer.encode_response(p.answer))
+        prompt_lens.append(len(p.prompt_ids))
+    return RLBatch(tokens=tokens, prompt_lens=prompt_lens)
+
+
+def _identity(recipe, base_dir: Path) -> list:
+    """What the warm start's result depends on."""
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                     for f in base_dir.glob("*.safetensors"))
+    return [str(base_dir.resolve()), weights, dataclasses.asdict(recipe.sft),
+            dataclasses.asdict(recipe.data), recipe.seed, recipe.model.dtype,
+            recipe.trainer.backend, recipe.trainer.tp, recipe.trainer.pp,
+            recipe.trainer.max_tokens_per_micro_batch, recipe.rollout.max_new_tokens]
+
+
+def warm_start(recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tokens: int,
+               log=print) -> Path:
+    """The directory RL starts from: `base_dir` itself when `sft.steps == 0`, else the cached
+    (or freshly trained) warm start of it."""
+    sft = recipe.sft
+    if sft.steps == 0:
+        return base_dir
+
+    def build(out: Path) -> None:
+        cfg = trainer_config(recipe, str(base_dir))
+        cfg = dataclasses.replace(
+            cfg, use_reference=False,
+            loss=LossConfig(policy_loss="sft", agg_mode="token-mean"),
+            optim=OptimConfig(lr=sft.lr, grad_clip=cfg.optim.grad_clip, total_steps=sft.steps))
+        ray.get([t.build.remote(cfg) for t in trainers])
+        source = PromptSource(recipe.data, tokenizer, seed=recipe.seed + SFT_DATA_SEED_OFFSET,
+                              max_prompt_tokens=max_prompt_tokens)
+        start, losses = time.perf_counter(), []
+        for step in range(sft.steps):
+            batch = ray.put(sft_batch(source.next_batch(sft.batch_size), tokenizer))
+            metrics = ray.get([t.train.remote(batch, 1) for t in trainers])[0]
+            losses.append(metrics["loss"])
+            if step % max(1, sft.steps // 10) == 0 or step == sft.steps - 1:
+                log(f"warm start: step {step + 1}/{sft.steps}  loss {metrics['loss']:.4f}")
+        ray.get([t.save_hf.remote(str(out)) for t in trainers])
+        copy_model_files(base_dir, out)
+        (out / "warm_start.json").write_text(json.dumps(
+            {"steps": sft.steps, "losses": losses, "seconds": time.perf_counter() - start,
+             "base": str(base_dir)}, indent=2))
+
+    if not sft.cache:  # recomputed every run, kept with the run's outputs
+        out = Path(recipe.tracking.output_dir) / "warm_start"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        build(out)
+        return out
+    name = f"warm_start/{content_key(_identity(recipe, base_dir))}"
+    return cached_dir(name, build)

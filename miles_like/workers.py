@@ -1,0 +1,246 @@
+"""The two Ray actors the controller drives: a trainer rank and an engine replica.
+
+`TrainerWorker` is one rank of the trainer's torch.distributed world (gloo on CPU, NCCL on GPU):
+every rank gets every call, because the trainer's methods contain collectives. It holds the
+policy (and, for PPO, the critic) and pushes weights to the engines. `EngineWorker` holds one
+rollout `Engine` and receives weights. Both are thin: the logic lives in `trainer/`, `rollout/`
+and `weight_sync/`; here is only what must run inside the actor processes.
+
+Weight sync sources: the TP-rank-0 / DP-rank-0 process of every pipeline stage streams its
+stage's `export_hf_weights()`; the other ranks drain the same generator (its TP all-gathers need
+them). Colocated, each bucket goes to every engine through shared memory (handles + manifests
+travel as Ray calls; the returned ObjectRefs are the acknowledgements that free the buffer).
+Disaggregated, sources and engines form a standalone process group and the sources broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Sequence
+
+import ray
+import torch
+
+
+def _set_threads(threads: int) -> None:
+    torch.set_num_threads(max(1, threads))
+
+
+class _AllAcked:
+    """A bucket delivered to several engines is free once every engine has acknowledged it."""
+
+    def __init__(self, refs):
+        self.refs = refs
+
+    def result(self):
+        return ray.get(self.refs)[0]
+
+
+@ray.remote
+class TrainerWorker:
+    def __init__(self, rank: int, world_size: int, master_port: int, threads: int):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+        if torch.cuda.is_available():
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's device: it is device 0 here.
+            torch.cuda.set_device(0)
+        _set_threads(threads)
+        # megatron-core warns at import that Transformer Engine / Apex are absent; we use its
+        # local specs on purpose (docs/trainer.md), so those lines are noise in every run.
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        self.rank = rank
+        self.policy = None
+        self.critic = None
+
+    def build(self, policy_cfg, critic_cfg=None, value_clip: float | None = None) -> int:
+        """Load the policy (and critic) from `policy_cfg.model_path`. Returns the vocab size."""
+        from trainer import make_trainer
+        self.policy = make_trainer(policy_cfg)
+        if critic_cfg is not None:
+            from trainer.critic import MegatronCritic
+            self.critic = MegatronCritic(critic_cfg, value_clip=value_clip)
+        return self.policy.vocab_size
+
+    def ready(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------------------- training
+    def train(self, batch, updates: int) -> dict[str, float]:
+        """The policy's part of one RL step: old log-probs with the current weights (the first
+        update's ratio is exactly 1), the reference's when a KL term needs them, then `updates`
+        optimizer steps on consecutive mini-batches. Metrics are averaged over the updates;
+        `logprob_diff_*` compare the engine's log-probs with the trainer's before any update."""
+        from trainer import objective
+        p = self.policy
+        batch = objective.complete_batch(batch, p.cfg.loss, p.compute_logprobs,
+                                         getattr(p, "compute_ref_logprobs", None))
+        metrics = objective.logprob_diff_metrics(batch)
+        per_update: list[dict[str, float]] = []
+        for idx in _mini_batches(len(batch.tokens), updates):
+            per_update.append(p.train_step(batch.subset(idx)))
+        for key in per_update[0]:
+            if key.startswith("logprob_diff"):
+                continue
+            values = [m[key] for m in per_update]
+            metrics[key] = max(values) if key == "ratio_max" else sum(values) / len(values)
+        return metrics
+
+    def ref_logprobs(self, batch) -> list[torch.Tensor]:
+        return [t.cpu() for t in self.policy.compute_ref_logprobs(batch)]
+
+    def values(self, batch) -> list[torch.Tensor]:
+        return [t.cpu() for t in self.critic.compute_values(batch)]
+
+    def train_critic(self, batch, updates: int) -> dict[str, float]:
+        batch = dataclasses.replace(batch, old_values=self.critic.compute_values(batch))
+        per_update = [self.critic.train_step(batch.subset(idx))
+                      for idx in _mini_batches(len(batch.tokens), updates)]
+        return {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
+
+    def offload(self) -> int:
+        return self.policy.offload() + (self.critic.offload() if self.critic else 0)
+
+    def onload(self) -> int:
+        return self.policy.onload() + (self.critic.onload() if self.critic else 0)
+
+    # ----------------------------------------------------------------------------- weight sync
+    def sync_role(self) -> tuple[bool, int]:
+        """(is this rank a sync source, its pipeline stage)."""
+        from megatron.core import parallel_state as ps
+        if self.policy.cfg.backend == "megatron":
+            source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+            return source, ps.get_pipeline_model_parallel_rank()
+        return self.rank == 0, 0  # deepspeed: every rank can export the whole model
+
+    def push_colocated(self, engines: Sequence, bucket_bytes: int) -> dict[str, float]:
+        """Stream this rank's export into every engine through shared memory. Returns the
+        sender's report (zero bytes on ranks that only take part in the gathers). The sender,
+        and so its two shared buffers, lives across steps: mapping fresh shared memory every
+        step would cost more than the copy."""
+        from weight_sync import ColocatedSender
+        source, _ = self.sync_role()
+        if not source:
+            for _ in self.policy.export_hf_weights():
+                pass
+            return {"bytes": 0.0}
+        if getattr(self, "_sender", None) is None:
+            self._sender = ColocatedSender(
+                lambda handle, manifest: _AllAcked([e.load_bucket.remote(handle, manifest)
+                                                    for e in engines]),
+                bucket_bytes=bucket_bytes, device=_device())
+        report = self._sender.send(self.policy.export_hf_weights())
+        return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets)}
+
+    def join_sync_group(self, port: int, num_engines: int, num_stages: int) -> bool:
+        """Disaggregated: sources join the standalone sync group with the engines (engines are
+        ranks 0..E-1, the source of stage s is rank E+s), once. Returns whether this rank did."""
+        from weight_sync import SyncGroup
+        source, stage = self.sync_role()
+        if source:
+            self.sync_group = SyncGroup.create("127.0.0.1", port, rank=num_engines + stage,
+                                               size=num_engines + num_stages, backend=_backend())
+            self.sync_sources = list(range(num_engines, num_engines + num_stages))
+        return source
+
+    def push_broadcast(self, bucket_bytes: int) -> dict[str, float]:
+        """Broadcast this stage's export over the sync group (see `join_sync_group`)."""
+        from weight_sync import BroadcastSender
+        source, _ = self.sync_role()
+        if not source:
+            for _ in self.policy.export_hf_weights():
+                pass
+            return {"bytes": 0.0}
+        report = BroadcastSender(self.sync_group, self.sync_sources,
+                                 bucket_bytes=bucket_bytes).send(self.policy.export_hf_weights())
+        return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets)}
+
+    def save_hf(self, directory: str) -> None:
+        """Write the policy as a Hugging Face checkpoint (rank 0 writes; all ranks gather)."""
+        from safetensors.torch import save_file
+        state = self.policy.hf_state_dict()
+        if self.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
+                      os.path.join(directory, "model.safetensors"))
+
+    def shutdown(self) -> None:
+        if getattr(self, "_sender", None) is not None:
+            self._sender.close()
+        from trainer.parallel import destroy_parallel
+        destroy_parallel()
+
+
+def _mini_batches(n: int, updates: int) -> list[list[int]]:
+    """`updates` consecutive, near-equal slices of range(n) (the first ones one larger)."""
+    if not 1 <= updates <= n:
+        raise ValueError(f"trainer.updates_per_rollout={updates} needs at least that many "
+                         f"samples per step; the batch has {n}")
+    size, extra = divmod(n, updates)
+    out, start = [], 0
+    for u in range(updates):
+        end = start + size + (u < extra)
+        out.append(list(range(start, end)))
+        start = end
+    return out
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@ray.remote
+class EngineWorker:
+    def __init__(self, engine_cfg, threads: int):
+        from rollout import Engine
+        from weight_sync import BucketReceiver
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        _set_threads(threads)
+        self.engine = Engine(engine_cfg)
+        self.receiver = BucketReceiver(self.engine)
+        self.on_gpu = engine_cfg.device.startswith("cuda")
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, prompts: list[list[int]], params: list) -> tuple[list, float]:
+        """Samples for every prompt, and the seconds the engine spent."""
+        start = time.perf_counter()
+        outs = self.engine.generate(prompts, params)
+        return outs, time.perf_counter() - start
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def release(self) -> int:
+        """Give the device to the trainer: the KV pool always; on GPU the weights too (the next
+        sync refills every one of them)."""
+        return self.engine.release_memory(weights=self.on_gpu)
+
+    def resume(self) -> None:
+        self.engine.resume_memory()
+
+    def load_bucket(self, handle, manifest):
+        return self.receiver.load(handle, manifest)
+
+    def commit(self) -> int:
+        self.receiver.commit()
+        return self.engine.weight_version
+
+    def join_sync_group(self, port: int, rank: int, num_engines: int, num_stages: int) -> None:
+        from weight_sync import BroadcastReceiver, SyncGroup
+        group = SyncGroup.create("127.0.0.1", port, rank=rank, size=num_engines + num_stages,
+                                 backend=_backend())
+        self.broadcast_receiver = BroadcastReceiver(
+            self.engine, group, sources=list(range(num_engines, num_engines + num_stages)))
+
+    def receive_broadcast(self) -> int:
+        self.broadcast_receiver.receive()
+        return self.engine.weight_version

@@ -1,0 +1,82 @@
+"""Scored groups -> RLBatch with advantages: layout, and each estimator against closed forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles_like.batch import samples_batch, with_advantages
+from miles_like.data import Problem
+from miles_like.recipe import AlgorithmSection
+from miles_like.rollout_manager import Group
+from miles_like.workers import _mini_batches
+from rollout import SampleOutput
+
+
+def group(prompt_ids, responses, rewards):
+    samples = [SampleOutput(list(r), [-0.5] * len(r), "stop") for r in responses]
+    return Group(Problem("p", list(prompt_ids), "a"), samples, list(rewards), list(rewards))
+
+
+GROUPS = [group([5, 6], [[1, 2, 3], [4]], [1.0, 0.0]),
+          group([7], [[8, 9], [1, 1, 1, 1]], [0.0, 0.0])]
+
+
+def test_batch_is_group_major_prompt_plus_response():
+    b = samples_batch(GROUPS)
+    assert b.tokens == [[5, 6, 1, 2, 3], [5, 6, 4], [7, 8, 9], [7, 1, 1, 1, 1]]
+    assert b.prompt_lens == [2, 2, 1, 1]
+    assert [lp.tolist() for lp in b.rollout_logprobs] == [[-0.5] * 3, [-0.5], [-0.5] * 2,
+                                                           [-0.5] * 4]
+
+
+def test_grpo_advantages_are_per_token_constants():
+    b, metrics = with_advantages(samples_batch(GROUPS), GROUPS, AlgorithmSection(advantage="grpo"))
+    # group 0: rewards [1, 0]: mean 0.5, unbiased std sqrt(0.5); group 1 all equal: 0
+    s = 0.5 / (math.sqrt(0.5) + 1e-6)
+    expected = [[s] * 3, [-s], [0.0] * 2, [0.0] * 4]
+    for got, want in zip(b.advantages, expected):
+        torch.testing.assert_close(got, torch.tensor(want), atol=1e-6, rtol=0)
+    assert b.returns is None
+    assert metrics["advantage_abs_mean"] == pytest.approx(4 * s / 10, abs=1e-6)
+
+
+def test_reinforce_pp_whitens_over_all_tokens():
+    b, _ = with_advantages(samples_batch(GROUPS), GROUPS,
+                           AlgorithmSection(advantage="reinforce_pp", gamma=1.0))
+    flat = torch.cat(b.advantages)
+    assert flat.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert flat.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    # gamma = 1: every token of a sample has the same return; sample 0 (reward 1) is highest
+    assert torch.all(b.advantages[0] == b.advantages[0][0])
+    assert b.advantages[0][0] > b.advantages[1][0]
+
+
+def test_gae_returns_and_whitened_advantages():
+    values = [torch.full((len(s.token_ids),), 0.25) for g in GROUPS for s in g.samples]
+    b, _ = with_advantages(samples_batch(GROUPS), GROUPS,
+                           AlgorithmSection(advantage="gae", gamma=1.0, gae_lambda=1.0),
+                           values=values)
+    # gamma = lam = 1, terminal V = 0: return at every token = the sample's reward
+    for ret, r in zip(b.returns, [1.0, 0.0, 0.0, 0.0]):
+        torch.testing.assert_close(ret, torch.full_like(ret, r))
+    flat = torch.cat(b.advantages)
+    assert flat.mean().item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_kl_in_reward_uses_reference_logprobs():
+    ref = [torch.full((len(s.token_ids),), -0.5) for g in GROUPS for s in g.samples]
+    alg = AlgorithmSection(advantage="reinforce_pp", kl_reward_coef=0.1)
+    _, metrics = with_advantages(samples_batch(GROUPS), GROUPS, alg, ref_logprobs=ref)
+    assert metrics["kl_in_reward"] == 0.0   # the sampling policy equals the reference
+    with pytest.raises(ValueError, match="reference"):
+        with_advantages(samples_batch(GROUPS), GROUPS, alg)
+
+
+@pytest.mark.parametrize("n,updates", [(8, 1), (8, 3), (5, 5), (10, 4)])
+def test_mini_batches_partition_in_order(n, updates):
+    parts = _mini_batches(n, updates)
+    assert len(parts) == updates and sum(parts, []) == list(range(n))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
