@@ -69,8 +69,10 @@ class MegatronCritic:
 
         stored = self.model.train_micro_batches(local, loss_fn)
         metrics = reduce_metrics(stored, CRITIC_METRIC_KEYS)
+        skipped_before = self.model.skipped_steps
         grad_norm, lr = self.model.optimizer_step()
-        metrics.update(grad_norm=grad_norm, lr=lr)
+        metrics.update(grad_norm=grad_norm, lr=lr,
+                       update_skipped=float(self.model.skipped_steps > skipped_before))
         return metrics
 
     def offload(self) -> int:

@@ -21,6 +21,8 @@ precision recipe, done here instead of by megatron's Float16 optimizer.
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -149,6 +151,7 @@ class MegatronModel:
         self.raw = model
         self.config = model.config
         self.step_count = 0
+        self.skipped_steps = 0        # updates skipped for a non-finite gradient norm
         if not trainable:
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -227,12 +230,24 @@ class MegatronModel:
         return self.run(mbs, loss_fn, forward_only=False)
 
     def optimizer_step(self) -> tuple[float, float]:
-        """Clip by the global grad norm, set the scheduled LR, step. Returns (grad_norm, lr)."""
+        """Clip by the global grad norm, set the scheduled LR, step. Returns (grad_norm, lr).
+
+        A non-finite grad norm (a NaN / inf loss or gradient anywhere in the model) skips the
+        update: the weights, the optimizer state and the LR schedule stay as they were, and
+        `skipped_steps` counts it. The norm is reduced over the model-parallel group, so every
+        rank makes the same decision."""
         for p, m in zip(self.params, self.master):
             m.grad = p.main_grad  # DDP accumulated (and DP-reduced) fp32 grads
         norm = grad_norm(self.master)
-        clip_grads_(self.master, self.cfg.optim.grad_clip, norm)
         lr = lr_at(self.step_count, self.cfg.optim)
+        if not math.isfinite(norm):
+            for m in self.master:
+                m.grad = None
+            self.skipped_steps += 1
+            warnings.warn(f"non-finite gradient norm ({norm}); this update is skipped and the "
+                          "weights are unchanged", RuntimeWarning, stacklevel=2)
+            return norm, lr
+        clip_grads_(self.master, self.cfg.optim.grad_clip, norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

@@ -100,8 +100,10 @@ class MegatronTrainer:
 
         stored = self.policy.train_micro_batches(local, loss_fn)
         metrics = reduce_metrics(stored, objective.METRIC_KEYS, max_keys=("ratio_max",))
+        skipped_before = self.policy.skipped_steps
         grad_norm, lr = self.policy.optimizer_step()
-        metrics.update(grad_norm=grad_norm, lr=lr, **diff_metrics)
+        metrics.update(grad_norm=grad_norm, lr=lr, **diff_metrics,
+                       update_skipped=float(self.policy.skipped_steps > skipped_before))
         return metrics
 
     # ----------------------------------------------------------------------------- weights

@@ -4,6 +4,7 @@ and the first step of a rollout has ratio exactly 1 and KL exactly 0."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -76,6 +77,26 @@ def test_first_step_ratio_one_and_kl_zero(tiny_hf_checkpoints):
     # After the update the policy moved away from the reference: KL becomes positive.
     second = trainer.train_step(dataclasses.replace(batch))
     assert second["kl"] > 0
+
+
+def test_non_finite_loss_skips_the_update_and_keeps_the_weights(tiny_hf_checkpoints):
+    from trainer.megatron_trainer import MegatronTrainer
+
+    hf_model, directory = tiny_hf_checkpoints("qwen2")
+    trainer = MegatronTrainer(scenarios.trainer_config(directory))
+    batch = scenarios.fixed_batch(hf_model.config.vocab_size)
+    before = trainer.hf_state_dict()
+    poisoned = [a.clone() for a in batch.advantages]
+    poisoned[2][1] = float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        metrics = trainer.train_step(dataclasses.replace(batch, advantages=poisoned))
+    assert metrics["update_skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+    after = trainer.hf_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # the next, healthy batch trains as if the bad one never happened (same LR step, moves)
+    healthy = trainer.train_step(batch)
+    assert healthy["update_skipped"] == 0.0 and healthy["lr"] == metrics["lr"]
+    assert any(not torch.equal(before[k], v) for k, v in trainer.hf_state_dict().items())
 
 
 def test_sft_steps_lower_the_loss(tiny_hf_checkpoints):
