@@ -106,6 +106,43 @@ def test_corrupted_bucket_is_caught_and_not_loaded(two_checkpoints):
         engine.generate(PROMPTS, GREEDY)
 
 
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+def test_corrupted_tensor_anywhere_leaves_its_whole_bucket_unloaded(two_checkpoints, which):
+    """One flipped bit in any tensor of a bucket (first, middle or last byte of it): the error
+    names that tensor, every tensor of the bucket keeps its old value, the earlier buckets are in."""
+    old, new = two_checkpoints
+    weights = list(iter_safetensors(new))
+    engine = _engine(old)
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    receiver = BucketReceiver(engine)
+    loaded, corrupted = [], []                   # manifests delivered intact / the corrupted one
+
+    def corrupting_deliver(handle, manifest):
+        if loaded and not corrupted and len(manifest.entries) >= 3:   # a later bucket of several tensors
+            entry = {"first": manifest.entries[0], "middle": manifest.entries[len(manifest.entries) // 2],
+                     "last": manifest.entries[-1]}[which]
+            element = {"first": 0, "middle": entry.numel // 2, "last": entry.numel - 1}[which]
+            buffer = receiver.opener.open(handle)
+            buffer[entry.offset + element:entry.offset + element + 1].view(torch.uint8)[0] ^= 0x01
+            corrupted.append((manifest, entry.name))
+        else:
+            loaded.append(manifest)
+        return Done(receiver.load(handle, manifest))
+
+    sender = ColocatedSender(corrupting_deliver, bucket_bytes=16 << 10)
+    with pytest.raises(WeightSyncError, match="checksum mismatch") as err:
+        sender.send(weights)
+    sender.close()
+    (bucket, victim), = corrupted
+    assert victim in str(err.value)
+    params, new_values = dict(engine.model.named_parameters()), dict(weights)
+    assert any(not torch.equal(before[e.name], new_values[e.name]) for e in bucket.entries)   # not vacuous
+    for e in bucket.entries:                     # nothing of the corrupted bucket was loaded
+        assert torch.equal(params[e.name], before[e.name]), e.name
+    for e in (e for m in loaded for e in m.entries):   # the buckets before it were
+        assert torch.equal(params[e.name], new_values[e.name]), e.name
+
+
 def test_sender_holds_at_most_two_buckets(two_checkpoints):
     _, new = two_checkpoints
     weights = list(iter_safetensors(new))
