@@ -16,7 +16,9 @@ The pool is head-major ([Hkv, slots, D] per layer) so gathered K/V are already l
 [Hkv, batch, length, D] for batched matmuls: no transposed copies on the hot path.
 
 `TorchAttention` is the reference implementation on any device (plain torch); a Triton backend
-computing the same function plugs in behind the same `forward`.
+computing the same function plugs in behind the same `forward`. With `SuffixLanes`
+(`rollout/suffix_lanes.py`) the torch backend reads decode suffixes from persistent per-sequence
+buffers instead of gathering them from the pool every step; the function computed is the same.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.kv_pool import KVPool
+from rollout.suffix_lanes import SuffixLanes
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,10 @@ class DecodeMetadata:
     suffix_bias: torch.Tensor     # [D, Q, Ns * page_size] float: 0 = visible to that query (causal)
     query_index: torch.Tensor     # [D * Q] batch row of the query in each grid cell
     token_cell: torch.Tensor      # [num_tokens] grid cell of each decode token, in batch order
+    # Set when the grid order is the lane order of `SuffixLanes`: where each decode token's K/V
+    # is mirrored (flat lane * capacity + offset, batch order); the suffix is then read from the
+    # lanes instead of `suffix_pages`.
+    lane_write: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,10 +80,13 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """Reference paged attention in plain torch: store new K/V, then attend."""
+    """Reference paged attention in plain torch: store new K/V, then attend. With `suffix_lanes`,
+    decode suffixes are read from persistent lanes (see `rollout.suffix_lanes`) when the
+    metadata says so."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, suffix_lanes: SuffixLanes | None = None):
         self.pool = pool
+        self.suffix_lanes = suffix_lanes
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -86,8 +96,13 @@ class TorchAttention:
         v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
         out = torch.empty_like(q)
         if meta.decode is not None:
-            out[:meta.num_decode] = cascade_decode_attention(q[:meta.num_decode], k_cache, v_cache, meta.decode,
-                                                             self.pool.page_size)
+            num_decode, suffix = meta.num_decode, None
+            if meta.decode.lane_write is not None:
+                lanes = self.suffix_lanes
+                lanes.mirror(layer, meta.decode.lane_write, k[:num_decode], v[:num_decode])
+                suffix = lanes.views(layer, meta.decode.suffix_bias.shape[0], meta.decode.suffix_bias.shape[-1])
+            out[:num_decode] = cascade_decode_attention(q[:num_decode], k_cache, v_cache, meta.decode,
+                                                        self.pool.page_size, suffix)
         prefill_attention(q, k_cache, v_cache, meta.prefill, out)
         return out
 
@@ -114,12 +129,23 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.T
     return gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).float()
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [Hkv, B, m, k] @ b [Hkv, B, k, n] -> [Hkv, B, m, n], one `bmm` per KV head. Unlike
+    `matmul`, this reads `b` in place when it is a strided view (suffix lanes), without a copy."""
+    out = a.new_empty(*a.shape[:-1], b.shape[-1])
+    for h in range(a.shape[0]):
+        torch.bmm(a[h], b[h], out=out[h])
+    return out
+
+
 def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             meta: DecodeMetadata, page_size: int) -> torch.Tensor:
+                             meta: DecodeMetadata, page_size: int,
+                             suffix_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Exact softmax attention of each decode query over (group prefix ++ own suffix).
 
     q: [T, H, Dh] decode tokens in batch order -> [T, H, Dh]. Heads are grouped GQA-style:
-    query head h reads KV head h // (H / Hkv)."""
+    query head h reads KV head h // (H / Hkv). `suffix_kv`: the suffix K, V already laid out as
+    float32 [Hkv, D, Ls, Dh] in grid order (suffix lanes); None gathers them from the pool."""
     num_heads, head_dim = q.shape[1:]
     out_dtype = q.dtype
     num_seqs, num_queries = meta.suffix_bias.shape[:2]
@@ -133,7 +159,10 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
     # Own suffix, causal among this step's queries: [Hkv, D, Q*g, Ls]
     suffix_bias = meta.suffix_bias.unsqueeze(2).expand(-1, -1, per_kv, -1).reshape(1, num_seqs, rows, -1)
-    suffix_scores = q @ _gather(k_cache, meta.suffix_pages, page_size).transpose(-1, -2) + suffix_bias
+    if suffix_kv is None:
+        suffix_kv = _gather(k_cache, meta.suffix_pages, page_size), _gather(v_cache, meta.suffix_pages, page_size)
+    suffix_k, suffix_v = suffix_kv
+    suffix_scores = _bmm(q, suffix_k.transpose(-1, -2)) + suffix_bias
     row_max = suffix_scores.amax(-1, keepdim=True)   # finite: a query always sees its own token
 
     has_prefix = meta.prefix_pages.shape[1] > 0
@@ -150,7 +179,7 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
     suffix_p = torch.exp(suffix_scores - row_max)
     denom = suffix_p.sum(-1, keepdim=True)
-    out = suffix_p @ _gather(v_cache, meta.suffix_pages, page_size)                      # [Hkv, D, Q*g, Dh]
+    out = _bmm(suffix_p, suffix_v)                                                      # [Hkv, D, Q*g, Dh]
     if has_prefix:
         prefix_p = torch.exp(prefix_scores - row_max)
         denom = denom + prefix_p.sum(-1, keepdim=True)

@@ -42,6 +42,10 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
     """None: read from config.json / generation_config.json."""
     attention_backend: str = "torch"
+    decode_suffix_lanes: bool = True
+    """torch backend: keep each decoding sequence's private suffix K/V in a persistent float32
+    buffer updated in place, instead of gathering it from the pool every step (same results;
+    memory bounded by the pool's size). Off: gather every step."""
     speculative_method: str | None = None
     """None (off), "ngram" (prompt lookup in the sequence itself) or "group" (also the other
     samples and earlier completions of the same prompt). Exact: outputs keep the target's

@@ -25,6 +25,7 @@ from rollout.rope import RotaryEmbedding
 from rollout.scheduler import Scheduler
 from rollout.sequence import Request, RequestOutput, SampleOutput
 from rollout.speculative import Proposer
+from rollout.suffix_lanes import SuffixLanes
 from rollout.weights import iter_safetensors, load_weights
 
 
@@ -65,12 +66,18 @@ class Engine:
                                                       config.speculative_ngram_max)
                                              if config.speculative_method else None),
                                    num_speculative_tokens=config.num_speculative_tokens)
+        self.suffix_lanes: SuffixLanes | None = None
         if config.attention_backend == "triton":
             from rollout.kernels import TritonAttention   # lazy: triton decides interpret vs compile at import
             attention = TritonAttention(self.pool)
         else:
-            attention = TorchAttention(self.pool)
-        self.runner = ModelRunner(self.model, attention, self.scheduler.slot_table, config.page_size)
+            if config.decode_suffix_lanes:
+                # Bounded by the pool's own bytes (lanes are float32, the pool is in model dtype).
+                max_tokens = self.pool.num_slots * self.pool.k.element_size() // 4
+                self.suffix_lanes = SuffixLanes(self.pool, max_tokens)
+            attention = TorchAttention(self.pool, self.suffix_lanes)
+        self.runner = ModelRunner(self.model, attention, self.scheduler.slot_table, config.page_size,
+                                  self.suffix_lanes)
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()
@@ -223,6 +230,8 @@ class Engine:
                 self.scheduler.cache.reset()
             released += 2 * self.pool.k.numel() * self.pool.k.element_size()
             self.pool.free_memory()
+            if self.suffix_lanes is not None:
+                self.suffix_lanes.release()
         if weights and self._weights_reloaded is None:
             for p in self.model.parameters():
                 released += p.numel() * p.element_size()
@@ -254,6 +263,9 @@ class Engine:
         return s
 
     def check_integrity(self) -> None:
-        """Assert the KV bookkeeping invariants (free + cached + in use == total, locks, rows)."""
+        """Assert the KV bookkeeping invariants (free + cached + in use == total, locks, rows) and
+        that every suffix lane equals the pool's K/V it copies."""
         if self.pool.allocated:
             self.scheduler.check_integrity()
+            if self.suffix_lanes is not None:
+                self.suffix_lanes.check(self.scheduler.running)

@@ -8,15 +8,18 @@ from rollout.attention import AttentionMetadata, DecodeMetadata, PrefillSegment,
 from rollout.model import CausalLM
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
+from rollout.suffix_lanes import SuffixLanes
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, attention: TorchAttention, slot_table: torch.Tensor, page_size: int):
+    def __init__(self, model: CausalLM, attention: TorchAttention, slot_table: torch.Tensor, page_size: int,
+                 suffix_lanes: SuffixLanes | None = None):
         self.model = model
         self.page_size = page_size
         self.attention = attention
         self.slot_table = slot_table   # owned by the scheduler: (row, position) -> KV slot
         self.device = slot_table.device
+        self.suffix_lanes = suffix_lanes   # the attention's lanes, when it reads suffixes from them
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids [T], positions [T], attention metadata, logits row indices [R]).
@@ -35,6 +38,8 @@ class ModelRunner:
             decode_rows.extend([seq.row] * len(tokens))
         logits_rows = list(range(len(ids)))
         decode_meta = self._decode_metadata(batch.decode) if batch.decode else None
+        if not batch.decode and self.suffix_lanes is not None:
+            self.suffix_lanes.forget()   # lanes are kept only across consecutive decode steps
         out_slots = [self.slot_table[torch.tensor(decode_rows, dtype=torch.int64, device=device),
                                      torch.tensor(positions, dtype=torch.int64, device=device)]]
 
@@ -58,10 +63,17 @@ class ModelRunner:
                 meta,
                 torch.tensor(logits_rows, dtype=torch.int64, device=device))
 
-    def _decode_metadata(self, seqs: list[Sequence]) -> DecodeMetadata:
+    def _decode_metadata(self, batch_seqs: list[Sequence]) -> DecodeMetadata:
         """Group decode sequences by the radix node whose pages start their context (forks of
-        one prompt share it); a sequence without cached pages is a group of its own."""
+        one prompt share it); a sequence without cached pages is a group of its own.
+
+        The [D, Q] grid lists the sequences in lane order when suffix lanes are used (so attention
+        reads the lanes in place), else in batch order; `query_index` / `token_cell` map between
+        grid cells and batch rows either way."""
         device, page_size = self.device, self.page_size
+        plan = self.suffix_lanes.plan(batch_seqs) if self.suffix_lanes is not None else None
+        order = plan.order if plan is not None else range(len(batch_seqs))   # grid position -> batch index
+        seqs = [batch_seqs[i] for i in order]
         groups: dict[object, list[int]] = {}
         for i, seq in enumerate(seqs):
             key = id(seq.node) if seq.num_tree_pages else ("alone", i)
@@ -96,16 +108,27 @@ class ModelRunner:
         seq_prefix = [s.num_tree_pages * page_size for s in seqs]
         computed = [s.num_computed - p for s, p in zip(seqs, seq_prefix)]     # suffix tokens already in the pool
         suffix_pages = pages_of([s.row for s in seqs], seq_prefix, [c + q for c, q in zip(computed, num_queries)])
+        assert plan is None or plan.width == suffix_pages.shape[1] * page_size
         # Query j of a sequence sees its suffix up to and including itself; padding cells
         # repeat the sequence's last query.
-        j = torch.minimum(torch.arange(width_q, device=device), torch.tensor(num_queries, device=device).unsqueeze(-1) - 1)
+        num_q = torch.tensor(num_queries, device=device)
+        j = torch.minimum(torch.arange(width_q, device=device), num_q.unsqueeze(-1) - 1)
         limits = torch.tensor(computed, device=device).unsqueeze(-1) + j + 1                   # [D, Q]
         suffix_bias = visible(limits.unsqueeze(-1), suffix_pages.shape[1] * page_size)         # [D, Q, Ls]
-        starts = torch.tensor([0, *num_queries[:-1]], device=device).cumsum(0)
-        query_index = (starts.unsqueeze(-1) + j).reshape(-1)
-        token_cell = torch.cat([i * width_q + torch.arange(q, device=device) for i, q in enumerate(num_queries)])
+        # Batch row of each sequence's first query (decode tokens are in batch order).
+        batch_q = [1 + len(s.draft) for s in batch_seqs]
+        batch_start = torch.tensor([0, *batch_q[:-1]], device=device).cumsum(0)
+        order_t = torch.tensor(list(order), device=device)
+        grid_of = torch.empty_like(order_t)                                    # batch index -> grid position
+        grid_of[order_t] = torch.arange(len(seqs), device=device)
+        query_index = (batch_start[order_t].unsqueeze(-1) + j).reshape(-1)
+        # Grid cell of each decode token, in batch order: cells [q0, q0 + count) of its sequence.
+        counts = torch.tensor(batch_q, device=device)
+        token_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), counts)
+        token_cell = grid_of[token_seq] * width_q + torch.arange(len(token_seq), device=device) - batch_start[token_seq]
         return DecodeMetadata(prefix_pages, prefix_bias, torch.tensor(member_index, device=device), group_size,
-                              suffix_pages, suffix_bias, query_index, token_cell)
+                              suffix_pages, suffix_bias, query_index, token_cell,
+                              lane_write=plan.write_index if plan is not None else None)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits: one row per decode token (pending + drafts), then one per prefill that

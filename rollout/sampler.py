@@ -65,14 +65,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     device = logits.device
     temperature = batch.temperature.to(device)
     greedy = temperature == 0
-    logprobs_all = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1), dim=-1)
+    # x / 1.0 == x exactly, so skipping the division when every temperature is 1 changes nothing.
+    scaled = logits if bool((temperature == 1).all()) else logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    logprobs_all = torch.log_softmax(scaled, dim=-1)
     sampled = (~greedy).nonzero().squeeze(-1)
-    if sampled.numel() < len(greedy):
+    all_sampled = sampled.numel() == len(greedy)
+    if not all_sampled:
         tokens = logits.argmax(dim=-1)
     else:
         tokens = torch.empty(len(greedy), dtype=torch.int64, device=device)
     if sampled.numel():
-        probs = logprobs_all[sampled].exp_()
+        # Row selection copies; with every row sampled, exp out of place does the same work once.
+        probs = logprobs_all.exp() if all_sampled else logprobs_all[sampled].exp_()
         top_k, top_p, min_p = (t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p))
         truncating = ((top_k > 0) & (top_k < probs.shape[-1])) | (top_p < 1) | (min_p > 0)
         if truncating.any():
@@ -84,8 +88,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         cdf = probs.cumsum_(dim=-1)
         threshold = batch.uniforms.to(device=device, dtype=cdf.dtype)[sampled] * cdf[:, -1]
         choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
-        # Rounding can put the threshold at the total; then take the last token of positive mass.
-        last_positive = (cdf < cdf[:, -1:]).sum(dim=-1)
-        tokens[sampled] = torch.minimum(choice, last_positive)
+        # Rounding can put the threshold at the total (choice == V); then take the last token of
+        # positive mass. Otherwise cdf[choice] > threshold >= cdf[choice - 1], so the choice has
+        # positive mass already: only the overflowing rows need the (full-row) search.
+        overflow = (choice == cdf.shape[-1]).nonzero().squeeze(-1)
+        if overflow.numel():
+            choice[overflow] = (cdf[overflow] < cdf[overflow, -1:]).sum(dim=-1)
+        tokens[sampled] = choice
     logprobs = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs

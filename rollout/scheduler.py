@@ -220,6 +220,7 @@ class Scheduler:
         seq.row = self._free_rows.pop()
         seq.extra_rows = [self._free_rows.pop() for _ in range(seq.num_forks - 1)]
         seq.status = Status.RUNNING
+        seq.new_kv_epoch()
         self._write_pages(seq)
         self.running.append(seq)
         return True
@@ -245,6 +246,7 @@ class Scheduler:
         self._free_rows.append(seq.row)
         self._free_rows.extend(seq.extra_rows)
         seq.row, seq.extra_rows = None, []
+        seq.new_kv_epoch()
         self.running.remove(seq)
 
     def _insert_into_cache(self, seq: Sequence) -> None:
@@ -261,6 +263,7 @@ class Scheduler:
             self.cache.unlock(seq.node)
         seq.pages = match.pages + seq.pages[num_full:]
         seq.num_tree_pages, seq.node = num_full, match.node
+        seq.new_kv_epoch()   # the suffix now starts at another position (and maybe other pages)
         if duplicates:
             self._write_pages(seq)
 
@@ -365,6 +368,7 @@ class Scheduler:
             child.num_computed = seq.num_computed
             child.row = seq.extra_rows.pop()
             child.status = Status.RUNNING
+            child.new_kv_epoch()
             self._write_pages(child)
             self.running.append(child)
         seq.num_forks = 1

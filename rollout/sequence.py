@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -10,6 +11,10 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.radix_cache import TreeNode
+
+
+# Process-wide and monotonic, so an epoch is never reused, not even by another engine.
+_kv_epochs = itertools.count()
 
 
 class SampleOutput(NamedTuple):
@@ -71,12 +76,21 @@ class Sequence:
     extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
     draft: list[int] = field(default_factory=list)       # speculated tokens verified this step
     generator: torch.Generator = field(init=False)
+    # Names one lifetime of this sequence's page table: changes whenever pages are taken,
+    # replaced or released otherwise than by appending (admit, prefix-cache insert, preempt,
+    # finish). Copies of its K/V kept elsewhere (`SuffixLanes`) are valid only for this epoch.
+    kv_epoch: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.token_ids is None:
             self.token_ids = list(self.request.prompt)
         # Seeded on CPU whatever the device, so draws do not depend on where the model runs.
         self.generator = torch.Generator().manual_seed(self.request.base_seed + self.sample_index)
+        self.new_kv_epoch()
+
+    def new_kv_epoch(self) -> None:
+        """Call whenever the page table changes other than by appending pages."""
+        self.kv_epoch = next(_kv_epochs)
 
     @property
     def order(self) -> tuple[int, int]:

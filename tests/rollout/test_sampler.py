@@ -1,0 +1,51 @@
+"""The sampler's inverse-CDF draw against the rule written out in full: the first token whose
+cumulative mass exceeds u * total, or, when rounding puts u * total at the total, the last token
+of positive mass (never a zero-probability token)."""
+
+import torch
+
+from rollout.sampler import SamplingBatch, sample, truncation_mask
+
+
+def reference_draw(probs: torch.Tensor, u: float) -> int:
+    cdf = probs.cumsum(-1)
+    threshold = torch.tensor(u, dtype=torch.float64).to(cdf.dtype) * cdf[-1]
+    choice = int(torch.searchsorted(cdf, threshold.view(1), right=True))
+    return min(choice, int((cdf < cdf[-1]).sum()))
+
+
+def _batch(rows: int, uniforms: list[float], temperature: float = 1.0, top_k: int = -1) -> SamplingBatch:
+    return SamplingBatch(temperature=torch.full((rows,), temperature), top_p=torch.ones(rows),
+                         top_k=torch.full((rows,), top_k, dtype=torch.int64), min_p=torch.zeros(rows),
+                         uniforms=torch.tensor(uniforms, dtype=torch.float64))
+
+
+def test_draws_follow_the_rule_including_rounding_at_the_total():
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 64, 50
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, -7:] = float("-inf")              # trailing zero-probability tokens
+    uniforms = torch.rand(rows, generator=g, dtype=torch.float64)
+    uniforms[:8] = 1 - 2.0 ** -53               # rounds to 1.0 in float32: threshold == total
+    for temperature, top_k in ((1.0, -1), (0.7, -1), (1.0, 5)):
+        tokens, logprobs = sample(logits, _batch(rows, uniforms.tolist(), temperature, top_k))
+        scaled = torch.log_softmax(logits / temperature, -1)
+        for r in range(rows):
+            probs = scaled[r].exp()
+            if top_k > 0:
+                probs = probs * truncation_mask(probs[None], torch.tensor([top_k]), torch.ones(1), torch.zeros(1))[0]
+            assert int(tokens[r]) == reference_draw(probs, float(uniforms[r]))
+            assert float(logprobs[r]) == float(scaled[r, tokens[r]])
+        assert (tokens[:8] < vocab - 7).all()       # never a zero-probability token
+    assert torch.tensor(1 - 2.0 ** -53).float() == 1.0    # the first rows did hit the total
+
+
+def test_mixed_greedy_and_sampled_rows():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g)
+    batch = _batch(4, [0.1, 0.5, 0.9, 0.3])
+    batch = batch._replace(temperature=torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    tokens, _ = sample(logits, batch)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    for r in (1, 3):
+        assert int(tokens[r]) == reference_draw(torch.softmax(logits[r], -1), float(batch.uniforms[r]))
