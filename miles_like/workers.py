@@ -86,6 +86,10 @@ class TrainerWorker:
                 continue
             values = [m[key] for m in per_update]
             metrics[key] = max(values) if key == "ratio_max" else sum(values) / len(values)
+        # The first mini-batch trains on the weights its old log-probs came from: its PPO-KL is
+        # exactly 0 (a check that engine samples, old log-probs and the update line up).
+        if "ppo_kl" in per_update[0]:
+            metrics["ppo_kl_first_update"] = per_update[0]["ppo_kl"]
         return metrics
 
     def ref_logprobs(self, batch) -> list[torch.Tensor]:

@@ -49,12 +49,14 @@ def train(recipe: str, out: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-SMALL = ("rollout.prompts_per_step=4", "rollout.n=4", "sft.steps=30", "sft.batch_size=16")
+SMALL = ("rollout.prompts_per_step=4", "rollout.n=4", "sft.steps=30", "sft.batch_size=16",
+         "rollout.kv_cache_tokens=2048")
 
 
 def test_colocated_grpo_run_meets_the_contracts(ray_local, cache, tmp_path):
     out = tmp_path / "grpo"
-    rows = train("tiny_arith_grpo.yaml", out, "steps=3", *SMALL, "checkpoint.every_steps=2",
+    rows = train("tiny_arith_grpo.yaml", out, "steps=3", *SMALL, "trainer.updates_per_rollout=1",
+                 "checkpoint.every_steps=2",
                  "tracking.wandb_project=miles-like-test", "tracking.wandb_mode=offline")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
@@ -91,7 +93,19 @@ def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path):
     assert [r["perf/weight_sync_bytes"] > 0 for r in rows] == [False, True, False]
     assert rows[0]["train/logprob_diff_max"] <= 1e-5   # same weights on both sides at step 0
     for r in rows:
-        assert set(REQUIRED_KEYS) <= r.keys() and r["train/ppo_kl"] == 0.0
+        assert set(REQUIRED_KEYS) <= r.keys() and r["train/ppo_kl_first_update"] == 0.0
+
+
+def test_mini_batch_updates(ray_local, cache, tmp_path, monkeypatch):
+    """updates_per_rollout = 2: the first mini-batch's PPO-KL is exactly 0, the second's not
+    (a reward that varies within groups, so the first update moves the policy)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
+    rows = train("tiny_arith_grpo.yaml", tmp_path / "mb", "steps=2", *SMALL,
+                 "trainer.updates_per_rollout=2", "trainer.lr=1e-2",
+                 "reward.function=user_rewards:length_score")
+    for r in rows:
+        assert r["train/ppo_kl_first_update"] == 0.0
+        assert r["train/ppo_kl"] != 0.0          # mean of 0 and the second update's (off-policy)
 
 
 def test_ppo_critic_value_loss_falls(ray_local, cache, tmp_path, monkeypatch):
