@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_like.builtin_models import hf_config
-from miles_like.tokenizer import TOKENIZER_FILE, CharTokenizer
+from miles_like.tokenizer import CharTokenizer
 from rollout.random_checkpoint import write_random_checkpoint
 
 INIT_STD = 0.02  # HF's initializer_range for Qwen2 / Llama
@@ -77,6 +77,3 @@ def copy_model_files(src: Path, dst: Path) -> None:
                 and f.name != "model.safetensors.index.json":
             shutil.copy2(f, dst / f.name)
 
-
-def has_char_tokenizer(directory: Path) -> bool:
-    return (directory / TOKENIZER_FILE).is_file()

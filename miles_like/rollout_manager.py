@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -41,7 +42,6 @@ class PendingRollout(NamedTuple):
     refs: list               # one ObjectRef per engine share
     shares: list[range]
     started: float
-    stats_before: list[dict]
 
 
 def _split(n: int, parts: int) -> list[range]:
@@ -73,23 +73,29 @@ class RolloutManager:
         if problems is None:
             problems = self.source.next_batch(self.recipe.rollout.prompts_per_step)
         params = self._params(step, round_, len(problems))
-        stats = ray.get([e.stats.remote() for e in self.engines])
-        shares = [s for s in _split(len(problems), len(self.engines))]
+        shares = [s for s in _split(len(problems), len(self.engines)) if len(s)]
         refs = [e.generate.remote([problems[i].prompt_ids for i in share],
                                   [params[i] for i in share])
-                for e, share in zip(self.engines, shares) if len(share)]
-        return PendingRollout(step, problems, refs, [s for s in shares if len(s)],
-                              time.perf_counter(), stats)
+                for e, share in zip(self.engines, shares)]
+        return PendingRollout(step, problems, refs, shares, time.perf_counter())
 
-    def _samples(self, pending: PendingRollout) -> list[list]:
-        out: list[list] = [None] * len(pending.problems)  # type: ignore[list-item]
-        for share, (outs, _) in zip(pending.shares, ray.get(pending.refs)):
-            for i, samples in zip(share, outs):
-                out[i] = samples
-        return out
+    def _collect(self, pending: PendingRollout) -> tuple[list[Group], Counter]:
+        """Wait for `pending` and score it: its groups, and its tallies (reward errors / NaN,
+        generated tokens, prefill tokens computed and taken from the prefix cache)."""
+        samples: list[list] = [None] * len(pending.problems)  # type: ignore[list-item]
+        tallies: Counter = Counter()
+        for share, (outs, cache) in zip(pending.shares, ray.get(pending.refs)):
+            tallies.update(cache)
+            for i, group in zip(share, outs):
+                samples[i] = group
+        groups, scored = self._score(pending.problems, samples)
+        tallies.update(scored)
+        tallies["generated_tokens"] += sum(len(s.token_ids) for g in samples for s in g)
+        return groups, tallies
 
     # --------------------------------------------------------------------------------- scoring
     def _score(self, problems: list[Problem], samples: list[list]) -> tuple[list[Group], dict]:
+        """Groups with scores and shaped rewards, and the reward function's failure counts."""
         r = self.recipe
         prompts, responses, answers = [], [], []
         for p, group in zip(problems, samples):
@@ -114,40 +120,35 @@ class RolloutManager:
     def finish(self, pending: PendingRollout) -> Rollout:
         """Wait for `pending`, score it, and (dynamic sampling) refill dropped groups."""
         r = self.recipe
-        groups, counts = self._score(pending.problems, self._samples(pending))
-        generated = sum(len(s.token_ids) for g in groups for s in g.samples)
-        rounds, dropped = 1, 0
+        generated, tallies = self._collect(pending)
+        kept, rounds = generated, 1
         if r.algorithm.dynamic_sampling:
-            all_groups = groups
-            keep = self._informative(groups)
-            dropped = len(groups) - len(keep)
-            while len(keep) < r.rollout.prompts_per_step and \
-                    rounds <= r.algorithm.dynamic_sampling_max_rounds:
-                missing = r.rollout.prompts_per_step - len(keep)
-                more = self.launch(pending.step, self.source.next_batch(missing), round_=rounds)
-                extra, c = self._score(more.problems, self._samples(more))
-                for key in counts:
-                    counts[key] += c[key]
-                all_groups = all_groups + extra
-                generated += sum(len(s.token_ids) for g in extra for s in g.samples)
-                kept_extra = self._informative(extra)
-                dropped += len(extra) - len(kept_extra)
-                keep += kept_extra
+            kept = self._informative(generated)
+            tallies["dropped_groups"] += len(generated) - len(kept)
+            while (len(kept) < r.rollout.prompts_per_step
+                   and rounds <= r.algorithm.dynamic_sampling_max_rounds):
+                more = self.launch(pending.step, self.source.next_batch(
+                    r.rollout.prompts_per_step - len(kept)), round_=rounds)
+                extra, t = self._collect(more)
+                tallies.update(t)
+                informative = self._informative(extra)
+                tallies["dropped_groups"] += len(extra) - len(informative)
+                generated, kept = generated + extra, kept + informative
                 rounds += 1
-            groups_for_metrics = all_groups
-            groups = keep[:r.rollout.prompts_per_step] or all_groups[:r.rollout.prompts_per_step]
-        else:
-            groups_for_metrics = groups
+            # nothing informative after every round: train on what there is (zero advantages)
+            kept = kept[:r.rollout.prompts_per_step] or generated[:r.rollout.prompts_per_step]
         seconds = time.perf_counter() - pending.started
-        stats_after = ray.get([e.stats.remote() for e in self.engines])
-        metrics = self._metrics(groups_for_metrics, pending.stats_before, stats_after)
-        metrics.update(counts)
-        metrics.update(tokens_per_s=generated / max(seconds, 1e-9), generated_tokens=generated,
-                       samples=sum(len(g.samples) for g in groups))
+        metrics = self._metrics(generated)
+        hits, computed = tallies["prefix_cache_hit_tokens"], tallies["prefill_tokens_computed"]
+        metrics.update(reward_errors=tallies["reward_errors"], reward_nan=tallies["reward_nan"],
+                       generated_tokens=tallies["generated_tokens"],
+                       tokens_per_s=tallies["generated_tokens"] / max(seconds, 1e-9),
+                       prefix_cache_hit_rate=hits / max(hits + computed, 1),
+                       samples=sum(len(g.samples) for g in kept))
         if r.algorithm.dynamic_sampling:
-            metrics.update(dynamic_rounds=rounds, dynamic_dropped_groups=dropped,
-                           dynamic_kept_groups=len(groups))
-        return Rollout(groups, metrics)
+            metrics.update(dynamic_rounds=rounds, dynamic_dropped_groups=tallies["dropped_groups"],
+                           dynamic_kept_groups=len(kept))
+        return Rollout(kept, metrics)
 
     @staticmethod
     def _informative(groups: list[Group]) -> list[Group]:
@@ -156,17 +157,14 @@ class RolloutManager:
         mask = informative_groups(torch.tensor([g.rewards for g in groups]))
         return [g for g, keep in zip(groups, mask.tolist()) if keep]
 
-    def _metrics(self, groups: list[Group], before: list[dict], after: list[dict]) -> dict:
-        """Metrics over every generated group of the step (kept or dropped)."""
+    @staticmethod
+    def _metrics(groups: list[Group]) -> dict:
+        """Reward and length metrics over every generated group of the step (kept or dropped)."""
         scores = torch.tensor([g.scores for g in groups], dtype=torch.float64)
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
         lengths = torch.tensor([[len(s.token_ids) for s in g.samples] for g in groups],
                                dtype=torch.float64)
         truncated = sum(s.finish_reason == "length" for g in groups for s in g.samples)
-        computed = sum(a["prefill_tokens_computed"] - b["prefill_tokens_computed"]
-                       for a, b in zip(after, before))
-        hits = sum(a["prefix_cache_hit_tokens"] - b["prefix_cache_hit_tokens"]
-                   for a, b in zip(after, before))
         return {
             "reward_mean": float(scores.mean()),
             "reward_std": float(scores.std(unbiased=False)),
@@ -175,5 +173,4 @@ class RolloutManager:
             "response_len_mean": float(lengths.mean()),
             "response_len_max": float(lengths.max()),
             "truncated_frac": truncated / lengths.numel(),
-            "prefix_cache_hit_rate": hits / max(hits + computed, 1),
         }

@@ -14,7 +14,7 @@ import ray
 from miles_like import placement
 from miles_like.build_configs import critic_config, engine_config, trainer_config
 from miles_like.data import PromptSource
-from miles_like.model_store import base_model_dir
+from miles_like.model_store import base_model_dir, copy_model_files
 from miles_like.rewards import resolve_reward
 from miles_like.schema import RecipeError
 from miles_like.rollout_manager import RolloutManager
@@ -127,7 +127,6 @@ class Runtime:
         return sum(r["bytes"] for r in reports)
 
     def save_checkpoint(self, directory: Path) -> None:
-        from miles_like.model_store import copy_model_files
         ray.get([t.save_hf.remote(str(directory)) for t in self.trainers])
         copy_model_files(self.model_dir, directory)
 

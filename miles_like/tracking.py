@@ -58,16 +58,12 @@ class Tracker:
         self._console(clean)
 
     def _console(self, row: dict[str, Any]) -> None:
+        widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in CONSOLE_COLUMNS]
         if not self._header_printed:
-            self.print("  ".join(f"{title:>{len(fmt.format(0 if 'd' in fmt else 0.0))}}"
-                                 for _, title, fmt in CONSOLE_COLUMNS))
+            self.print("  ".join(f"{title:>{w}}" for (_, title, _), w in zip(CONSOLE_COLUMNS, widths)))
             self._header_printed = True
-        cells = []
-        for key, title, fmt in CONSOLE_COLUMNS:
-            value = row.get(key)
-            width = len(fmt.format(0 if "d" in fmt else 0.0))
-            cells.append(" " * (width - 1) + "-" if value is None else fmt.format(value))
-        self.print("  ".join(cells))
+        self.print("  ".join("-".rjust(w) if row.get(key) is None else fmt.format(row[key])
+                             for (key, _, fmt), w in zip(CONSOLE_COLUMNS, widths)))
 
     def finish(self) -> Path | None:
         self._file.close()

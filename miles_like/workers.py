@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 import warnings
 from collections.abc import Sequence
 
@@ -76,7 +75,7 @@ class TrainerWorker:
         from trainer import objective
         p = self.policy
         batch = objective.complete_batch(batch, p.cfg.loss, p.compute_logprobs,
-                                         getattr(p, "compute_ref_logprobs", None))
+                                         p.compute_ref_logprobs)
         metrics = objective.logprob_diff_metrics(batch)
         per_update: list[dict[str, float]] = []
         for idx in _mini_batches(len(batch.tokens), updates):
@@ -214,11 +213,15 @@ class EngineWorker:
     def ready(self) -> bool:
         return True
 
-    def generate(self, prompts: list[list[int]], params: list) -> tuple[list, float]:
-        """Samples for every prompt, and the seconds the engine spent."""
-        start = time.perf_counter()
+    CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
+
+    def generate(self, prompts: list[list[int]], params: list) -> tuple[list, dict[str, int]]:
+        """Samples for every prompt, and what this call added to the engine's prefill / prefix-
+        cache counters (returned with the samples: no extra round trip for the hit rate)."""
+        before = self.engine.stats()
         outs = self.engine.generate(prompts, params)
-        return outs, time.perf_counter() - start
+        after = self.engine.stats()
+        return outs, {k: after[k] - before[k] for k in self.CACHE_COUNTERS}
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -108,6 +108,20 @@ def test_mini_batch_updates(ray_local, cache, tmp_path, monkeypatch):
         assert r["train/ppo_kl"] != 0.0          # mean of 0 and the second update's (off-policy)
 
 
+def test_dapo_dynamic_sampling_keeps_the_batch_size(ray_local, cache, tmp_path):
+    rows = train("tiny_arith_dapo.yaml", tmp_path / "dapo", "steps=2", *SMALL,
+                 "algorithm.dynamic_sampling_max_rounds=2")
+    for r in rows:
+        rounds = r["rollout/dynamic_rounds"]
+        kept = r["rollout/dynamic_kept_groups"]
+        # a full batch, or after the last allowed round whatever informative groups there are
+        assert 1 <= rounds <= 3 and 1 <= kept <= 4 and (kept == 4 or rounds == 3)
+        assert r["rollout/samples"] == 4 * kept
+        # every group generated in a round beyond the first replaced a dropped one
+        assert r["rollout/dynamic_dropped_groups"] >= (rounds > 1)
+        assert set(REQUIRED_KEYS) <= r.keys()
+
+
 def test_ppo_critic_value_loss_falls(ray_local, cache, tmp_path, monkeypatch):
     # A dense reward (the response length) from a policy that barely moves (no warm start, lr
     # 1e-9): the critic's targets are stationary, so its value loss must fall as it fits them.
