@@ -24,7 +24,8 @@ def samples_batch(groups: Sequence[Group]) -> RLBatch:
         for s in g.samples:
             tokens.append(list(g.problem.prompt_ids) + list(s.token_ids))
             prompt_lens.append(len(g.problem.prompt_ids))
-            engine_lp.append(torch.tensor(s.logprobs, dtype=torch.float32))
+            # float64 holds the engine's values exactly, whether it ran in float32 or float64
+            engine_lp.append(torch.tensor(s.logprobs, dtype=torch.float64))
     return RLBatch(tokens=tokens, prompt_lens=prompt_lens, rollout_logprobs=engine_lp)
 
 

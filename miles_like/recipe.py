@@ -40,8 +40,9 @@ class ModelSection(Section):
                                "*.safetensors, tokenizer files); set this or builtin")
     builtin: str | None = setting(None, f"built-in tiny model with the character tokenizer: "
                                   f"{' | '.join(BUILTIN_MODELS)}; set this or path")
-    dtype: Literal["float32", "bfloat16"] = setting("float32",
-                                                    "compute dtype of trainer and engine")
+    dtype: Literal["float32", "bfloat16", "float64"] = setting(
+        "float32", "compute dtype of trainer and engine; float64 (megatron backend) makes the "
+        "engine-vs-trainer log-prob gap exact to ~1e-12 for tiny CPU models")
 
     def check(self) -> None:
         if (self.path is None) == (self.builtin is None):

@@ -74,11 +74,22 @@ class TrainerWorker:
         `logprob_diff_*` compare the engine's log-probs with the trainer's before any update."""
         from trainer import objective
         p = self.policy
-        batch = objective.complete_batch(batch, p.cfg.loss, p.compute_logprobs,
-                                         p.compute_ref_logprobs)
+        minis = _mini_batches(len(batch.tokens), updates)
+
+        def old_logprobs(b):
+            # Scored mini-batch by mini-batch: the first update then packs exactly the
+            # micro-batches its old log-probs came from, so its ratio is bitwise 1 even where a
+            # matmul's rounding depends on how many rows it has (float64 on CPU does).
+            out: list = [None] * len(b.tokens)
+            for idx in minis:
+                for i, lp in zip(idx, p.compute_logprobs(b.subset(idx))):
+                    out[i] = lp
+            return out
+
+        batch = objective.complete_batch(batch, p.cfg.loss, old_logprobs, p.compute_ref_logprobs)
         metrics = objective.logprob_diff_metrics(batch)
         per_update: list[dict[str, float]] = []
-        for idx in _mini_batches(len(batch.tokens), updates):
+        for idx in minis:
             per_update.append(p.train_step(batch.subset(idx)))
         for key in per_update[0]:
             if key.startswith("logprob_diff"):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout.config import accum_dtype
 from rollout.kv_pool import KVPool
 from rollout.suffix_lanes import SuffixLanes
 
@@ -121,12 +122,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """cache [Hkv, slots, D], pages [B, N] -> float32 [Hkv, B, N * page_size, D] (contiguous).
+    """cache [Hkv, slots, D], pages [B, N] -> [Hkv, B, N * page_size, D] (contiguous) in
+    `accum_dtype`.
     Whole pages are copied: contiguous runs make the gather close to memcpy speed."""
     num_kv_heads, _, head_dim = cache.shape
     paged = cache.view(num_kv_heads, -1, page_size * head_dim)
     gathered = paged.index_select(1, pages.reshape(-1))
-    return gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).float()
+    return gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).to(accum_dtype(cache.dtype))
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -145,15 +147,15 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
     q: [T, H, Dh] decode tokens in batch order -> [T, H, Dh]. Heads are grouped GQA-style:
     query head h reads KV head h // (H / Hkv). `suffix_kv`: the suffix K, V already laid out as
-    float32 [Hkv, D, Ls, Dh] in grid order (suffix lanes); None gathers them from the pool."""
+    [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the pool."""
     num_heads, head_dim = q.shape[1:]
     out_dtype = q.dtype
     num_seqs, num_queries = meta.suffix_bias.shape[:2]
     num_kv_heads = k_cache.shape[0]
     per_kv = num_heads // num_kv_heads
     rows = num_queries * per_kv     # score rows per sequence, ordered (query, head in KV group)
-    # float32 scores and softmax whatever the model dtype (a no-op for float32)
-    q = (q.float() * (1.0 / math.sqrt(head_dim))).index_select(0, meta.query_index)
+    # float32 (at least) scores and softmax whatever the model dtype (a no-op for float32)
+    q = (q.to(accum_dtype(q.dtype)) * (1.0 / math.sqrt(head_dim))).index_select(0, meta.query_index)
     q = q.view(num_seqs, num_queries, num_kv_heads, per_kv, head_dim).permute(2, 0, 1, 3, 4)
     q = q.reshape(num_kv_heads, num_seqs, rows, head_dim)                               # [Hkv, D, Q*g, Dh]
 

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("float32", "bfloat16", "float16")
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores, softmax and norms are computed in: float32, or float64 for a float64
+    model (bf16 / fp16 models are upcast; a float64 model is never downcast)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 ATTENTION_BACKENDS = ("torch", "triton")  # triton: GPU kernels for KV store and decode (rollout/kernels)
 SPECULATIVE_METHODS = (None, "ngram", "group")
 

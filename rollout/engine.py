@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rollout.attention import TorchAttention
-from rollout.config import EngineConfig, SamplingParams
+from rollout.config import EngineConfig, SamplingParams, accum_dtype
 from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
 from rollout.model_config import ModelConfig
@@ -72,8 +72,9 @@ class Engine:
             attention = TritonAttention(self.pool)
         else:
             if config.decode_suffix_lanes:
-                # Bounded by the pool's own bytes (lanes are float32, the pool is in model dtype).
-                max_tokens = self.pool.num_slots * self.pool.k.element_size() // 4
+                # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in model dtype).
+                lane_bytes = torch.empty((), dtype=accum_dtype(self.dtype)).element_size()
+                max_tokens = self.pool.num_slots * self.pool.k.element_size() // lane_bytes
                 self.suffix_lanes = SuffixLanes(self.pool, max_tokens)
             attention = TorchAttention(self.pool, self.suffix_lanes)
         self.runner = ModelRunner(self.model, attention, self.scheduler.slot_table, config.page_size,
@@ -86,12 +87,14 @@ class Engine:
     # -- construction --------------------------------------------------------------------------
     def _build_model(self) -> CausalLM:
         # Built on the meta device (no init cost), then given real, uninitialised storage that the
-        # checkpoint fills. The rotary tables are recomputed in float32 on the real device.
+        # checkpoint fills. The rotary tables are recomputed in float32 (float64 for a float64
+        # model) on the real device.
         with torch.device("meta"):
             model = CausalLM(self.model_config, self.max_model_len)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
         model.tie_weights()
-        model.rotary = RotaryEmbedding(self.model_config.rope, self.model_config.head_dim, self.max_model_len).to(self.device)
+        model.rotary = RotaryEmbedding(self.model_config.rope, self.model_config.head_dim, self.max_model_len,
+                                       accum_dtype(self.dtype)).to(self.device)
         return model.eval().requires_grad_(False)
 
     def _num_pages(self) -> int:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.attention import AttentionMetadata, TorchAttention
+from rollout.config import accum_dtype
 from rollout.model_config import ModelConfig
 from rollout.rope import RotaryEmbedding
 
@@ -24,9 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as the HF reference does.
+        # Normalise in float32 at least whatever the model dtype, as the HF reference does.
         dtype = x.dtype
-        x = x.float()
+        x = x.to(accum_dtype(dtype))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -121,6 +122,7 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits for the selected rows only (the norm is per token, so selecting rows
-        first gives the same values as HF computing every row)."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        """Logits in float32 (float64 for a float64 model) for the selected rows only (the norm is
+        per token, so selecting rows first gives the same values as HF computing every row)."""
+        logits = self.lm_head(self.model.norm(hidden))
+        return logits.to(accum_dtype(logits.dtype))

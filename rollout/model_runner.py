@@ -131,7 +131,7 @@ class ModelRunner:
                               lane_write=plan.write_index if plan is not None else None)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """float32 logits: one row per decode token (pending + drafts), then one per prefill that
+        """float32 logits (float64 for a float64 model): one row per decode token (pending + drafts), then one per prefill that
         completed its sequence's pending tokens."""
         input_ids, positions, meta, logits_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.attention, meta)

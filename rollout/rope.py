@@ -1,7 +1,7 @@
 """Rotary position embedding, in the Hugging Face "rotate half" layout.
 
-cos/sin are precomputed for every position up to `max_positions` in float32 (as HF does) and
-gathered by position id, so a token's rotation depends only on its position, never on how the
+cos/sin are precomputed for every position up to `max_positions` in float32 (as HF does; in
+float64 for a float64 model) and gathered by position id, so a token's rotation depends only on its position, never on how the
 batch is packed.
 """
 
@@ -14,8 +14,8 @@ import torch
 from rollout.model_config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inverse_frequencies(rope: RopeConfig, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -38,10 +38,11 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
-        inv_freq = inverse_frequencies(rope, head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        inv_freq = inverse_frequencies(rope, head_dim, dtype)
+        freqs = torch.outer(torch.arange(max_positions, dtype=dtype), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # Buffers are not parameters: they never appear among the HF-named weights.
         self.register_buffer("cos", emb.cos(), persistent=False)

@@ -61,7 +61,7 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] float32 -> (tokens [R] int64, logprobs [R] float32)."""
+    """logits [R, V] float32 or float64 -> (tokens [R] int64, logprobs [R] in the logits' dtype)."""
     device = logits.device
     temperature = batch.temperature.to(device)
     greedy = temperature == 0

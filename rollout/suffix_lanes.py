@@ -3,13 +3,13 @@
 Cascade decode attention reads each sequence's private suffix (its K/V after the shared group
 prefix). Gathering it from the paged pool every step costs a full copy of every suffix, in every
 layer, every step, although only one token per sequence changes. Instead each decode sequence
-owns a *lane*: a contiguous float32 row `[layer, kv_head, lane, position - suffix_start, dim]`
+owns a *lane*: a contiguous row (in `accum_dtype`: float32, float64 for a float64 model) `[layer, kv_head, lane, position - suffix_start, dim]`
 filled from the pool once, then kept in sync by writing each step's new K/V to both the pool and
 the lane. Attention reads lanes `[:num_seqs, :width]` in place (strided batched matmuls).
 
 Invariant (checked by `check`, which `Engine.check_integrity` runs): for every assigned lane,
 offsets `[0, seq.num_computed - start)` equal the pool's K/V at the sequence's slots for
-positions `start + offset`, converted to float32. It holds because
+positions `start + offset`, converted to the lanes' dtype. It holds because
 * a lane is keyed by `Sequence.kv_epoch`, which changes whenever the page table changes other
   than by appending (admission, prefix-cache insert, fork, preemption, finish), and tree pages are
   immutable while private pages belong to one sequence;
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rollout.config import accum_dtype
 from rollout.kv_pool import KVPool
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class SuffixLanes:
     def __init__(self, pool: KVPool, max_tokens: int):
         self.pool = pool
         self.max_tokens = max_tokens     # lanes x capacity bound (memory), else the gather path
-        self.k: torch.Tensor | None = None   # [layers, Hkv, lanes, capacity, dim] float32
+        self.k: torch.Tensor | None = None   # [layers, Hkv, lanes, capacity, dim]
         self.v: torch.Tensor | None = None
         self.lanes: list[_Lane | None] = []
         self.lane_of_epoch: dict[int, int] = {}
@@ -87,7 +88,7 @@ class SuffixLanes:
         pool = self.pool
         shape = (pool.num_layers, pool.num_kv_heads, new_lanes, new_capacity, pool.head_dim)
         # zeros: stale entries must be finite (weight 0 times NaN would be NaN)
-        k = torch.zeros(shape, dtype=torch.float32, device=pool.device)
+        k = torch.zeros(shape, dtype=accum_dtype(pool.dtype), device=pool.device)
         v = torch.zeros_like(k)
         if self.k is not None:
             k[:, :, :lanes, :capacity] = self.k
@@ -170,7 +171,7 @@ class SuffixLanes:
             paged = src.view(pool.num_layers, pool.num_kv_heads, pool.num_pages, page * pool.head_dim)
             gathered = paged.index_select(2, pages).view(pool.num_layers, pool.num_kv_heads, len(seqs), width)
             flat = dst.view(*dst.shape[:3], -1)
-            flat[..., :width].index_copy_(2, index, gathered.float())
+            flat[..., :width].index_copy_(2, index, gathered.to(dst.dtype))
 
     def views(self, layer: int, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Suffix K, V of lanes [0, num_seqs), `width` positions: [Hkv, num_seqs, width, dim] views."""
@@ -180,7 +181,7 @@ class SuffixLanes:
         """Write this step's decode-token K/V ([T, Hkv, dim], pool dtype) into their lanes."""
         for buf, new in ((self.k, k), (self.v, v)):
             flat = buf[layer].view(buf.shape[1], -1, buf.shape[4])
-            flat.index_copy_(1, write_index, new.transpose(0, 1).float())
+            flat.index_copy_(1, write_index, new.transpose(0, 1).to(buf.dtype))
 
     def check(self, running: list["Sequence"]) -> None:
         """Assert the invariant of the module docstring for every lane still assigned."""
@@ -197,5 +198,5 @@ class SuffixLanes:
             pages = torch.tensor(seq.pages[seq.num_tree_pages:], dtype=torch.int64)
             slots = (pages[:, None] * page + torch.arange(page)).flatten()[:count].to(pool.device)
             for src, dst in ((pool.k, self.k), (pool.v, self.v)):
-                expected = src.index_select(2, slots).float()
+                expected = src.index_select(2, slots).to(dst.dtype)
                 assert torch.equal(dst[:, :, lane, :count], expected), "lane differs from the KV pool"

@@ -68,7 +68,7 @@ class TrainerConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     max_tokens_per_micro_batch: int = 4096
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     use_reference: bool = False        # keep a frozen copy for KL (needed when kl_coef > 0)
@@ -82,8 +82,11 @@ class TrainerConfig:
     def __post_init__(self):
         if self.backend not in ("megatron", "deepspeed"):
             raise ValueError(f"trainer.backend={self.backend!r}; use 'megatron' or 'deepspeed'")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"trainer.dtype={self.dtype!r}; use 'float32' or 'bfloat16'")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"trainer.dtype={self.dtype!r}; use 'float32', 'bfloat16' or 'float64'")
+        if self.dtype == "float64" and self.backend != "megatron":
+            raise ValueError("trainer.dtype='float64' runs on trainer.backend='megatron' only; "
+                             "use float32 with deepspeed")
         if self.max_tokens_per_micro_batch < 1:
             raise ValueError("trainer.max_tokens_per_micro_batch must be >= 1")
         if self.loss.kl_coef > 0 and not self.use_reference:
@@ -92,7 +95,7 @@ class TrainerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[self.dtype]
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ class MegatronCritic:
         dev = device()
 
         def packed(values: list[torch.Tensor], mb: MicroBatch) -> torch.Tensor:
-            return torch.cat([values[i].reshape(-1).float() for i in mb.sample_indices]).to(dev)
+            return torch.cat([values[i].reshape(-1) for i in mb.sample_indices]).to(
+                dev, torch.promote_types(values[0].dtype, torch.float32))
 
         def loss_fn(mb, output):
             values = self._token_values(output, mb)

@@ -30,10 +30,11 @@ class RopeSpec:
     # Only for scaled variants: the HF parameter dict minus type/theta, as sorted pairs.
     scaling: tuple[tuple[str, float], ...] = ()
 
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        """Inverse frequencies in fp32, computed the way HF transformers does for this type."""
+    def inv_freq(self, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Inverse frequencies, computed the way HF transformers does for this type: in fp32,
+        or in fp64 for a float64 model (whose rotary angles are then exact to fp64, too)."""
         inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
-                                    .to(torch.float32) / head_dim))
+                                    .to(dtype) / head_dim))
         params = dict(self.scaling)
         if self.rope_type == "linear":
             return inv / params["factor"]

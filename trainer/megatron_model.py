@@ -177,9 +177,15 @@ def build_gpt_model(arch: HFArch, *, params_dtype: torch.dtype = torch.float32,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
+    if params_dtype == torch.float64:
+        # megatron's torch-norm wrapper ignores params_dtype: its weights would stay float32 and
+        # round the checkpoint's float64 norm weights (a 1e-7 relative error in every layer)
+        model.to(dtype=params_dtype)
     _mark_tensor_parallel_shards(model)
     model.to(device)
     # HF's inverse frequencies replace megatron's (see module docstring). The rotary module's
     # forward is lru-cached per length; it has not run yet, so nothing stale is cached.
-    model.rotary_pos_emb.inv_freq = arch.rope.inv_freq(arch.head_dim).to(device)
+    # Megatron computes the angles and cos / sin in inv_freq's dtype: fp64 for a float64 model.
+    model.rotary_pos_emb.inv_freq = arch.rope.inv_freq(
+        arch.head_dim, torch.promote_types(params_dtype, torch.float32)).to(device)
     return model, layout

@@ -160,14 +160,16 @@ class MegatronModel:
         self.config.calculate_per_token_loss = True
         self.module = DistributedDataParallel(
             self.config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            # float32 grad buffers for fp32/bf16 params; a float64 model keeps float64 grads
+            DistributedDataParallelConfig(grad_reduce_in_fp32=cfg.dtype != "float64",
+                                          overlap_grad_reduce=False,
                                           use_distributed_optimizer=False),
             model)
         self.config.no_sync_func = self.module.no_sync
         self.config.finalize_model_grads_func = _finalize_grads
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        # fp32 params are their own master weights; bf16 params get fp32 master copies.
-        self.master = self.params if cfg.dtype == "float32" else \
+        # fp32 / fp64 params are their own master weights; bf16 params get fp32 master copies.
+        self.master = self.params if cfg.dtype != "bfloat16" else \
             [_fp32_master(p) for p in self.params]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(

@@ -87,7 +87,10 @@ def token_data(batch: RLBatch, mb: MicroBatch, device: torch.device) -> TokenDat
     def cat(values):
         if values is None:
             return None
-        return torch.cat([values[i].reshape(-1).float() for i in idx]).to(device)
+        # float32 at least; float64 (a float64 model's log-probs) stays float64, so the first
+        # update's ratio is exactly 1 whatever the dtype
+        return torch.cat([values[i].reshape(-1) for i in idx]).to(
+            device, torch.promote_types(values[idx[0]].dtype, torch.float32))
 
     lengths = torch.tensor([batch.response_len(i) for i in idx])
     seq_ids = torch.repeat_interleave(torch.arange(len(idx)), lengths).to(device)

@@ -111,6 +111,8 @@ MALFORMED = {
                                        ["trainer.lr_schedule", "cosine"]),
     "bad backend (trainer's check)": (MINIMAL, ["trainer.backend=fsdp"],
                                       ["trainer.backend", "deepspeed"]),
+    "float64 on deepspeed": (MINIMAL, ["model.dtype=float64", "trainer.backend=deepspeed"],
+                             ["model.dtype", "trainer.backend", "megatron"]),
     "bad int enum": (MINIMAL, ["cluster.off_policy_steps=2"], ["cluster.off_policy_steps", "0 | 1"]),
     "bad reward spec": (MINIMAL, ["reward.function=my rewards"], ["reward.function", "module:function"]),
     "unimportable reward": (MINIMAL, ["reward.function=no_such_module_xyz:score"],
