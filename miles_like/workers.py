@@ -109,10 +109,15 @@ class TrainerWorker:
         return [t.cpu() for t in self.critic.compute_values(batch)]
 
     def train_critic(self, batch, updates: int) -> dict[str, float]:
+        from trainer.critic import explained_variance
         batch = dataclasses.replace(batch, old_values=self.critic.compute_values(batch))
         per_update = [self.critic.train_step(batch.subset(idx))
                       for idx in _mini_batches(len(batch.tokens), updates)]
-        return {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
+        metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
+        # of the values the advantages were computed from, on samples not yet trained on
+        metrics["explained_var"] = explained_variance(batch.old_values, batch.returns,
+                                                      batch.loss_masks)
+        return metrics
 
     def offload(self) -> int:
         return self.policy.offload() + (self.critic.offload() if self.critic else 0)

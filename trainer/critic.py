@@ -21,6 +21,23 @@ from trainer.parallel import ParallelConfig, init_parallel
 CRITIC_METRIC_KEYS = ("value_loss", "value_mean", "value_clipfrac")
 
 
+def explained_variance(values: list[torch.Tensor], returns: list[torch.Tensor],
+                       loss_masks: list[torch.Tensor] | None = None) -> float:
+    """1 - Var(R - V) / Var(R) over the (loss-masked) response tokens: 1 for a critic that
+    predicts every return, 0 for one that predicts only their mean, negative for worse. The
+    value loss alone cannot say which: it tracks Var(R), which moves with the policy (a binary
+    reward's variance p(1 - p) grows as the success rate p climbs to 1/2)."""
+    v = torch.cat([x.reshape(-1) for x in values]).double()
+    r = torch.cat([x.reshape(-1) for x in returns]).double()
+    if loss_masks is not None:
+        keep = torch.cat([m.reshape(-1) for m in loss_masks]) > 0
+        v, r = v[keep], r[keep]
+    var = r.var(unbiased=False) if r.numel() else torch.zeros((), dtype=torch.float64)
+    if var <= 0:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var)
+
+
 class MegatronCritic:
     def __init__(self, cfg: TrainerConfig, *, value_clip: float | None = 0.2):
         init_parallel(ParallelConfig(cfg.tensor_model_parallel_size,

@@ -134,6 +134,8 @@ def test_ppo_critic_value_loss_falls(ray_local, cache, tmp_path, monkeypatch):
                  "reward.function=user_rewards:length_score")
     losses = [r["train/critic_value_loss"] for r in rows]
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:2]) / 2, losses
+    # the zero-initialized value head predicts 0 everywhere: 1 - Var(R - 0) / Var(R) = 0
+    assert rows[0]["train/critic_explained_var"] == 0.0
 
 
 def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):

@@ -177,6 +177,29 @@ def test_critic_values_match_hf_hidden_states_and_learn(tiny_hf_checkpoints):
             assert float((v - want).abs().max()) <= 1e-5
 
 
+def test_critic_learns_values_that_depend_on_the_response(tiny_hf_checkpoints):
+    """Returns fixed by the first response token (unknown before it, R = token parity after):
+    a critic that learned only the mean would explain none of their variance; ours most of it."""
+    from trainer.critic import MegatronCritic, explained_variance
+
+    _, directory = tiny_hf_checkpoints("qwen2")
+    g = torch.Generator().manual_seed(1)
+    tokens, returns = [], []
+    for _ in range(32):
+        seq = torch.randint(0, 97, (9,), generator=g).tolist()
+        outcome = float(seq[5] % 2)
+        tokens.append(seq)
+        returns.append(torch.tensor([0.5, outcome, outcome, outcome]))
+    batch = RLBatch(tokens=tokens, prompt_lens=[5] * 32, advantages=[torch.zeros(4)] * 32,
+                    returns=returns)
+    critic = MegatronCritic(scenarios.trainer_config(directory, optim=OptimConfig(lr=1e-2)),
+                            value_clip=None)
+    assert explained_variance(critic.compute_values(batch), returns) == 0.0   # zero head
+    for _ in range(10):
+        critic.train_step(batch)
+    assert explained_variance(critic.compute_values(batch), returns) > 0.9
+
+
 def test_unpacked_batch_forward_equals_hf(tiny_hf_checkpoints):
     """The unpacked `bshd` path of SDPACoreAttention: a [b, s] batch of equal lengths."""
     from trainer.megatron_trainer import MegatronTrainer

@@ -192,3 +192,25 @@ def test_cpu_compat_is_module_scoped():
     assert torch.cuda.is_available() is False
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
+
+
+def test_explained_variance_closed_forms():
+    from trainer.critic import explained_variance
+
+    g = torch.Generator().manual_seed(0)
+    returns = [torch.rand(n, generator=g) for n in (3, 5, 2)]
+    mean = float(torch.cat(returns).mean())
+    assert explained_variance(returns, returns) == 1.0                       # perfect critic
+    assert abs(explained_variance([torch.full_like(r, mean) for r in returns], returns)) < 1e-12
+    # V = R + noise: 1 - Var(noise) / Var(R), computed by hand
+    noise = [torch.randn(r.shape, generator=g) * 0.1 for r in returns]
+    r, e = torch.cat(returns).double(), torch.cat(noise).double()
+    expected = 1 - float(e.var(unbiased=False) / r.var(unbiased=False))
+    got = explained_variance([a + b for a, b in zip(returns, noise)], returns)
+    assert abs(got - expected) < 1e-6
+    # masked-out tokens do not count, however wrong their values
+    masks = [torch.tensor([1.0, 1.0, 0.0]), torch.ones(5), torch.ones(2)]
+    wrong = [returns[0].clone(), returns[1], returns[2]]
+    wrong[0][2] = 100.0
+    assert explained_variance(wrong, returns, masks) == 1.0
+    assert math.isnan(explained_variance([torch.zeros(2)], [torch.ones(2)]))  # Var(R) = 0
