@@ -7,7 +7,11 @@ attention on any device, for both layouts megatron hands to a core attention:
 * `bshd` (unpacked): query [s, b, heads, d], key/value [s, b, groups, d];
 * `thd` (packed, `packed_seq_params.qkv_format == "thd"`): query [t, heads, d] with the
   sequences laid end to end, `cu_seqlens_q` marking the boundaries. Each sequence attends only
-  to itself (a causal block per sequence), so packing never leaks across samples.
+  to itself (a causal block per sequence), so packing never leaks across samples. Sequences of
+  similar length (the same power-of-two bucket) are padded to the bucket's longest and attended
+  in one batched call: a padding key is masked out for every query (weight exactly 0), a
+  padding query is computed and dropped. Bucketing keeps padding under 4x the real work however
+  mixed the lengths; one call per sequence was most of a small model's training step.
 
 Grouped-query attention: query head h uses key/value group h // (heads / groups), the same
 assignment as megatron's `repeat_interleave` and HF's `repeat_kv`.
@@ -41,20 +45,6 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(config.kv_channels))
 
-    def _causal(self, q, k, v):
-        # q [b, heads, s, d], k/v [b, groups, s, d]
-        if q.device.type == "cpu":
-            # On CPU the default (flash) kernel's blocked online softmax is measurably less exact
-            # than the plain one: on a GRPO-sharpened model its log-probs were 1.1e-5 from an fp64
-            # reference against 4.7e-6 with the math kernel (the engine's: 5.1e-6), which breaks
-            # the engine-vs-trainer 1e-5 budget. Sequences here are short; exactness wins.
-            with sdpa_kernel(SDPBackend.MATH):
-                return F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.softmax_scale,
-                    enable_gqa=q.size(1) != k.size(1))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                              enable_gqa=q.size(1) != k.size(1))
-
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
@@ -63,19 +53,64 @@ class SDPACoreAttention(MegatronModule):
             if attention_mask is not None:
                 raise NotImplementedError("packed sequences carry their boundaries in cu_seqlens; "
                                           "pass attention_mask=None")
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            outs = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                # [len, heads, d] -> [1, heads, len, d]
-                q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                outs.append(self._causal(q, k, v)[0].transpose(0, 1))
-            out = torch.cat(outs, dim=0)  # [t, heads, d]
+            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                          self.softmax_scale)  # [t, heads, d]
             return out.reshape(out.size(0), -1)  # attention.py reshapes to [t, 1, h]
         if attention_mask is not None:
             raise NotImplementedError("SDPACoreAttention applies the causal mask itself; "
                                       "pass attention_mask=None")
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = self._causal(q, k, v)  # [b, heads, s, d]
+        out = causal_attention(q, k, v, self.softmax_scale)  # [b, heads, s, d]
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def causal_attention(q, k, v, scale: float, mask=None):
+    """q [b, heads, s, d], k/v [b, groups, s, d] -> [b, heads, s, d], causal; `mask`
+    [b, 1, s, s] bool (True = attend) replaces the plain causal mask when given."""
+    causal = mask is None
+    if q.device.type == "cpu":
+        # On CPU the default (flash) kernel's blocked online softmax is measurably less exact
+        # than the plain one: on a GRPO-sharpened model its log-probs were 1.1e-5 from an fp64
+        # reference against 4.7e-6 with the math kernel (the engine's: 5.1e-6), which breaks
+        # the engine-vs-trainer 1e-5 budget. Sequences here are short; exactness wins.
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                enable_gqa=q.size(1) != k.size(1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          scale=scale,
+                                          enable_gqa=q.size(1) != k.size(1))
+
+
+def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
+    """query [t, heads, d], key/value [t, groups, d], sequences laid end to end at
+    `cu_seqlens` -> [t, heads, d], each sequence attending causally to itself only."""
+    bounds = cu_seqlens.to("cpu", torch.int64)
+    starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths.tolist()):
+        if n > 0:
+            buckets.setdefault((n - 1).bit_length(), []).append(i)
+    pieces, rows = [], []
+    for members in buckets.values():
+        idx = torch.tensor(members)
+        lens, first = lengths[idx], starts[idx]
+        longest = int(lens.max())
+        offsets = torch.arange(longest)
+        valid = offsets[None, :] < lens[:, None]                          # [B, L]
+        # padding positions repeat the sequence's last token: finite, and never read back
+        gather = first[:, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
+        flat = gather.reshape(-1).to(query.device)
+        q, k, v = (x.index_select(0, flat).view(len(members), longest, *x.shape[1:])
+                   .transpose(1, 2) for x in (query, key, value))           # [B, n, L, d]
+        causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+        mask = (causal[None] & valid[:, None, :]).unsqueeze(1).to(query.device)
+        out = causal_attention(q, k, v, scale, mask).transpose(1, 2)      # [B, L, heads, d]
+        keep = valid.reshape(-1).to(query.device)
+        pieces.append(out.reshape(-1, *out.shape[2:])[keep])
+        rows.append(gather.reshape(-1)[valid.reshape(-1)])
+    # back to packed order: rows lists, per piece, the packed position of each output row
+    order = torch.argsort(torch.cat(rows)).to(query.device)
+    return torch.cat(pieces).index_select(0, order)
