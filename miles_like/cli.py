@@ -1,8 +1,9 @@
 """The command line: `python -m miles_like.train RECIPE.yaml [key=value ...] [--dry-run]`.
 
 User errors (a bad recipe, a bad override, a missing file) print one line to stderr and exit
-with code 2; no traceback. `--help` lists every recipe field with its type, default and doc,
-generated from the dataclasses in `recipe.py`.
+with code 2; a run stopped by a dead or hung actor prints one line (what failed, how to resume)
+and exits with code 1; no traceback. `--help` lists every recipe field with its type, default
+and doc, generated from the dataclasses in `recipe.py`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 
+from miles_like.errors import RunFailed
 from miles_like.recipe import Recipe, RecipeError, load_recipe, recipe_to_yaml
 from miles_like.schema import describe
 
 EXIT_USER_ERROR = 2
+EXIT_RUN_FAILED = 1
 PROG = "python -m miles_like.train"
 
 
@@ -85,3 +88,6 @@ def main(argv: Sequence[str] | None = None,
     except RecipeError as e:  # found while starting the run (data columns, tokenizer, sizes)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RunFailed as e:  # an actor died or hung; the message says how to resume
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED

@@ -109,6 +109,15 @@ class PromptSource:
                 yield self._rows[i]
             epoch += 1
 
+    @property
+    def num_rows(self) -> int | None:
+        """Usable rows of the file (None for a synthetic task)."""
+        return None if self._rows is None else len(self._rows)
+
+    def epoch_at(self, consumed: int) -> int:
+        """The file epoch the problem after `consumed` comes from (0 for a synthetic task)."""
+        return 0 if self._rows is None else consumed // len(self._rows)
+
     def next_batch(self, k: int) -> list[Problem]:
         out = [next(self._stream) for _ in range(k)]
         self.consumed += k

@@ -70,10 +70,25 @@ def base_model_dir(model_section, seed: int) -> Path:
     return cached_dir(f"builtin-{model_section.builtin}-{key}", build)
 
 
+def _is_model_file(f: Path) -> bool:
+    return f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth")) \
+        and f.name != "model.safetensors.index.json"
+
+
 def copy_model_files(src: Path, dst: Path) -> None:
     """Everything of a model directory except its weights (config, tokenizer files)."""
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth")) \
-                and f.name != "model.safetensors.index.json":
+        if _is_model_file(f):
             shutil.copy2(f, dst / f.name)
 
+
+def read_model_files(src: Path, skip: frozenset[str] = frozenset()) -> dict[str, bytes]:
+    """What `copy_model_files` copies (less the names in `skip`), read into memory."""
+    return {f.name: f.read_bytes() for f in src.iterdir() if _is_model_file(f)
+            and f.name not in skip}
+
+
+def write_model_files(files: dict[str, bytes], dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (dst / name).write_bytes(data)

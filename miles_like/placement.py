@@ -18,6 +18,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles_like.calls import call, each, gather
 from miles_like.workers import EngineWorker, TrainerWorker
 
 
@@ -84,21 +85,30 @@ def reserve(layout: Layout, timeout_s: float = 300.0):
     return pg
 
 
-def create_trainers(layout: Layout, pg, timeout_s: float = 300.0) -> list:
+def create_trainers(layout: Layout, pg, tag: str, timeout_s: float) -> list:
     """One TrainerWorker per trainer rank, joined into one torch.distributed world (built later:
-    `TrainerWorker.build`)."""
+    `TrainerWorker.build`). Actors are named `miles_like.{tag}.trainer.{rank}`."""
     port = free_port()
     world = len(layout.trainer_bundles)
-    trainers = [TrainerWorker.options(**_options(layout, pg, b)).remote(
+    trainers = [TrainerWorker.options(name=f"miles_like.{tag}.trainer.{rank}",
+                                      **_options(layout, pg, b)).remote(
         rank, world, port, layout.threads) for rank, b in enumerate(layout.trainer_bundles)]
-    ray.get([a.ready.remote() for a in trainers], timeout=timeout_s)
+    gather(each("trainer rank", trainers, "ready"), timeout_s)
     return trainers
 
 
-def create_engines(layout: Layout, pg, engine_cfg, timeout_s: float = 300.0) -> list:
-    engines = [EngineWorker.options(**_options(layout, pg, b)).remote(engine_cfg, layout.threads)
-               for b in layout.engine_bundles]
-    ray.get([a.ready.remote() for a in engines], timeout=timeout_s)
+def engine_name(tag: str, index: int, restarts: int = 0) -> str:
+    return f"miles_like.{tag}.engine.{index}" + (f".restart{restarts}" if restarts else "")
+
+
+def create_engines(layout: Layout, pg, engine_cfg, names: list[str], timeout_s: float,
+                   indices: list[int] | None = None) -> list:
+    """EngineWorkers `indices` (default all) in their bundles, named `names`, ready."""
+    indices = list(range(len(layout.engine_bundles))) if indices is None else indices
+    engines = [EngineWorker.options(name=name, **_options(layout, pg, layout.engine_bundles[i])
+                                    ).remote(engine_cfg, layout.threads)
+               for i, name in zip(indices, names, strict=True)]
+    gather([call(f"engine {i}", e, "ready") for i, e in zip(indices, engines)], timeout_s)
     return engines
 
 

@@ -188,6 +188,9 @@ class ClusterSection(Section):
                                               "(disaggregated only)")
     address: str | None = setting(None, "Ray cluster address (e.g. auto, ray://host:10001); "
                                   "null starts a local Ray")
+    call_timeout_s: float = setting(1800.0, "longest wait for one actor call (a rollout, a train "
+                                    "step, a weight sync, a checkpoint) and for the weight-sync "
+                                    "collectives; past it the run stops, naming the call", gt=0.0)
 
     def check(self) -> None:
         if self.off_policy_steps == 1 and self.colocate:
@@ -231,7 +234,14 @@ class CheckpointSection(Section):
     PATH = "checkpoint"
     every_steps: int = setting(0, "save every this many steps; 0 disables checkpoints", ge=0)
     keep_last: int = setting(2, "checkpoints kept on disk", ge=1)
-    resume: bool = setting(False, "resume from the latest checkpoint in tracking.output_dir")
+    resume: Literal[False, "auto"] | str = setting(
+        False, "false: start fresh | auto: continue from the latest complete checkpoint in "
+        "tracking.output_dir/checkpoints (fresh if there is none) | a checkpoint directory")
+
+    def check(self) -> None:
+        if isinstance(self.resume, str) and not self.resume.strip():
+            raise RecipeError("checkpoint.resume: empty; use false, auto or the path of a "
+                              "checkpoint directory (tracking.output_dir/checkpoints/step_N)")
 
 
 @dataclass(frozen=True)
@@ -286,6 +296,11 @@ class Recipe(Section):
         if alg.advantage == "gae" and self.trainer.backend != "megatron":
             raise RecipeError("algorithm.advantage=gae trains a critic, which the megatron "
                               "backend provides; set trainer.backend: megatron")
+        if (self.checkpoint.every_steps and self.trainer.backend == "deepspeed"
+                and self.trainer.zero_stage == 3):
+            raise RecipeError("checkpoint.every_steps: checkpoints of the deepspeed backend "
+                              "need trainer.zero_stage 1 or 2; lower it or set "
+                              "checkpoint.every_steps: 0")
         if rollout.max_new_tokens >= self.trainer.max_tokens_per_micro_batch:
             raise RecipeError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for "
                               "a prompt in trainer.max_tokens_per_micro_batch="
@@ -343,6 +358,9 @@ def check_paths(recipe: Recipe) -> None:
                           ".parquet file (or --no-path-check for a dry run)")
     from miles_like.rewards import resolve_reward
     resolve_reward(recipe.reward.function)
+    if recipe.checkpoint.resume not in (False, "auto"):
+        from miles_like.checkpoint import check_checkpoint_dir  # it imports nothing from here
+        check_checkpoint_dir(Path(recipe.checkpoint.resume).expanduser(), "checkpoint.resume")
 
 
 def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:

@@ -5,6 +5,8 @@ rewards are all equal and draw more prompts until the batch is full again.
 Prompts are split into contiguous shares, one per engine replica, generated concurrently. Every
 prompt gets its own sampling seed, drawn from (run seed, step, round), so a step's samples do
 not depend on how prompts were split over engines, and a resumed run samples the same tokens.
+For the same reason an engine that dies mid-rollout loses nothing: its share is generated again,
+with the same seeds, on its replacement (`rollout/engine_restarts` counts them).
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
-import ray
 import torch
 
 from miles_like.build_configs import sampling_params
+from miles_like.calls import ActorDied, Call, call, gather
 from miles_like.data import Problem, PromptSource
 from miles_like.reward_shaping import informative_groups, overlong_penalty
 from miles_like.rewards import compute_rewards
@@ -39,9 +41,11 @@ class Rollout(NamedTuple):
 class PendingRollout(NamedTuple):
     step: int
     problems: list[Problem]
-    refs: list               # one ObjectRef per engine share
+    params: list             # SamplingParams per problem (its seed included)
+    calls: list[Call]        # engine i generates share i
     shares: list[range]
     started: float
+    consumed_before: int     # the prompt source's position before this rollout drew its prompts
 
 
 def _split(n: int, parts: int) -> list[range]:
@@ -55,12 +59,19 @@ def _split(n: int, parts: int) -> list[range]:
 
 
 class RolloutManager:
-    def __init__(self, recipe, engines: Sequence, tokenizer, reward_fn, source: PromptSource):
+    """`engines` is used as given (not copied): the owner replaces a dead engine in it.
+    `restart_engine(i)` replaces engine i and returns the new one; without it an engine's death
+    raises `calls.ActorDied`."""
+
+    def __init__(self, recipe, engines: list, tokenizer, reward_fn, source: PromptSource,
+                 restart_engine: Callable[[int], object] | None = None, log=print):
         self.recipe = recipe
-        self.engines = list(engines)
+        self.engines = engines
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.source = source
+        self.restart_engine = restart_engine
+        self.log = log
 
     # ------------------------------------------------------------------------------ generation
     def _params(self, step: int, round_: int, k: int) -> list:
@@ -70,21 +81,39 @@ class RolloutManager:
     def launch(self, step: int, problems: list[Problem] | None = None,
                round_: int = 0) -> PendingRollout:
         """Start generating (non-blocking) for `problems`, default the next batch of prompts."""
+        consumed_before = self.source.consumed
         if problems is None:
             problems = self.source.next_batch(self.recipe.rollout.prompts_per_step)
         params = self._params(step, round_, len(problems))
+        # empty shares (fewer prompts than engines) are the last ones: share i is engine i's
         shares = [s for s in _split(len(problems), len(self.engines)) if len(s)]
-        refs = [e.generate.remote([problems[i].prompt_ids for i in share],
-                                  [params[i] for i in share])
-                for e, share in zip(self.engines, shares)]
-        return PendingRollout(step, problems, refs, shares, time.perf_counter())
+        calls = [self._generate(i, problems, params, share) for i, share in enumerate(shares)]
+        return PendingRollout(step, problems, params, calls, shares, time.perf_counter(),
+                              consumed_before)
+
+    def _generate(self, i: int, problems: list[Problem], params: list, share: range) -> Call:
+        return call(f"engine {i}", self.engines[i], "generate",
+                    [problems[j].prompt_ids for j in share], [params[j] for j in share])
 
     def _collect(self, pending: PendingRollout) -> tuple[list[Group], Counter]:
         """Wait for `pending` and score it: its groups, and its tallies (reward errors / NaN,
-        generated tokens, prefill tokens computed and taken from the prefix cache)."""
+        generated tokens, prefill tokens computed and taken from the prefix cache, engine
+        restarts). A share whose engine died is generated again, with the same seeds, on the
+        engine's replacement."""
         samples: list[list] = [None] * len(pending.problems)  # type: ignore[list-item]
         tallies: Counter = Counter()
-        for share, (outs, cache) in zip(pending.shares, ray.get(pending.refs)):
+
+        def regenerate(i: int, died: ActorDied) -> Call:
+            if self.restart_engine is None:
+                raise died
+            self.log(f"{died}; restarting it and generating its {len(pending.shares[i])} "
+                     "prompts again")
+            self.restart_engine(i)
+            tallies["engine_restarts"] += 1
+            return self._generate(i, pending.problems, pending.params, pending.shares[i])
+
+        results = gather(pending.calls, self.recipe.cluster.call_timeout_s, on_death=regenerate)
+        for share, (outs, cache) in zip(pending.shares, results):
             tallies.update(cache)
             for i, group in zip(share, outs):
                 samples[i] = group
@@ -144,7 +173,8 @@ class RolloutManager:
                        generated_tokens=tallies["generated_tokens"],
                        tokens_per_s=tallies["generated_tokens"] / max(seconds, 1e-9),
                        prefix_cache_hit_rate=hits / max(hits + computed, 1),
-                       samples=sum(len(g.samples) for g in kept))
+                       samples=sum(len(g.samples) for g in kept),
+                       engine_restarts=tallies["engine_restarts"])
         if r.algorithm.dynamic_sampling:
             metrics.update(dynamic_rounds=rounds, dynamic_dropped_groups=tallies["dropped_groups"],
                            dynamic_kept_groups=len(kept))

@@ -1,20 +1,25 @@
-"""Everything the RL loop drives, set up from a recipe: Ray placement, the trainer ranks (after
-the optional warm start), the engine replicas, the prompt source, the reward function and the
-rollout manager; plus the multi-actor calls the loop makes (train, weight sync, memory phases).
+"""Everything the RL loop drives, set up from a recipe (or a checkpoint): Ray placement, the
+trainer ranks (after the optional warm start), the engine replicas, the prompt source, the reward
+function and the rollout manager; plus the multi-actor calls the loop makes (train, weight sync,
+memory phases, checkpoint writes, engine restarts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
+import uuid
 from pathlib import Path
 
 import ray
 
-from miles_like import placement
+from miles_like import checkpoint, placement
+from miles_like.calls import Call, call, each, gather
 from miles_like.build_configs import critic_config, engine_config, trainer_config
 from miles_like.data import PromptSource
-from miles_like.model_store import base_model_dir, copy_model_files
+from miles_like.model_store import base_model_dir, read_model_files, write_model_files
 from miles_like.rewards import resolve_reward
 from miles_like.schema import RecipeError
 from miles_like.rollout_manager import RolloutManager
@@ -25,6 +30,20 @@ from weight_sync import DEFAULT_BUCKET_BYTES
 MIB = 1 << 20
 
 
+def _subdir(directory: Path, name: str) -> Path | None:
+    return directory / name if (directory / name).is_dir() else None
+
+
+def _check_same_layout(recipe, state: dict, ranks: int) -> None:
+    tr = recipe.trainer
+    now = {"trainer_ranks": ranks, "tp": tr.tp, "pp": tr.pp, "backend": tr.backend}
+    then = {k: state[k] for k in now}
+    if now != then:
+        raise RecipeError(f"checkpoint.resume: the checkpoint was written with {then}, this "
+                          f"recipe gives {now}; resume with the same cluster.devices, "
+                          "cluster.rollout_devices and trainer.tp / pp / backend")
+
+
 def _bucket_bytes(model_dir: Path) -> int:
     """Sync buckets no larger than the model: a tiny model does not map 2 x 512 MiB."""
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
@@ -32,10 +51,25 @@ def _bucket_bytes(model_dir: Path) -> int:
 
 
 class Runtime:
-    def __init__(self, recipe, log=print):
+    """`resume`: a complete checkpoint directory (`checkpoint.py`) whose weights and training
+    state the actors start from instead of the model / warm start; `state` its state.json.
+
+    Every wait on the actors goes through `calls.gather` with `cluster.call_timeout_s`. An
+    engine that dies during a rollout is replaced (`restart_engine`); any other actor death
+    raises `calls.ActorDied` for the loop to stop the run."""
+
+    def __init__(self, recipe, log=print, resume: Path | None = None,
+                 state: dict | None = None):
         self.recipe = recipe
         self.log = log
+        self.timeout_s = recipe.cluster.call_timeout_s
         self.layout = placement.plan(recipe.cluster)
+        self.tag = uuid.uuid4().hex[:8]   # this run's actor names: miles_like.{tag}.*
+        self.resume, self.state = resume, state
+        self.weight_version = state["weight_version"] if state else 0  # syncs into the engines
+        self.engine_restarts = 0
+        if state is not None:
+            _check_same_layout(recipe, state, len(self.layout.trainer_bundles))
         base_dir = base_model_dir(recipe.model, recipe.seed)
         try:
             self.tokenizer = load_tokenizer(base_dir)
@@ -51,88 +85,200 @@ class Runtime:
         # The data is read before any actor starts: a bad file fails in seconds, not minutes.
         self.source = PromptSource(recipe.data, self.tokenizer, seed=recipe.seed,
                                    max_prompt_tokens=max_prompt)
+        if state is not None:
+            if self.source.num_rows != state["data_rows"]:
+                raise RecipeError(f"data.path: {self.source.num_rows} usable rows now, "
+                                  f"{state['data_rows']} when the checkpoint was written; resume "
+                                  "with the same data")
+            self.source.skip_to(state["data_consumed"])
         placement.start_ray(recipe.cluster, self.layout)
         self.pg = placement.reserve(self.layout)
         self.trainers, self.engines = [], []
         try:
             self._start_actors(base_dir, max_prompt)
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
 
     def _start_actors(self, base_dir: Path, max_prompt: int) -> None:
         recipe, log = self.recipe, self.log
-        self.trainers = placement.create_trainers(self.layout, self.pg)
-        self.model_dir = warm_start(recipe, base_dir, self.trainers, self.tokenizer, max_prompt,
-                                    log=log)
+        self.trainers = placement.create_trainers(self.layout, self.pg, self.tag, self.timeout_s)
+        if self.resume is None:
+            self.model_dir = warm_start(recipe, base_dir, self.trainers, self.tokenizer,
+                                        max_prompt, log=log)
+            # the weights the run started from: the frozen reference of a KL term
+            self.reference_dir: Path | None = self.model_dir
+            engine_dir = self.model_dir
+        else:  # every weight comes from the checkpoint: no warm start
+            self.model_dir = self.resume
+            self.reference_dir = _subdir(self.resume, checkpoint.REFERENCE_DIR)
+            engine_dir = _subdir(self.resume, checkpoint.ENGINE_DIR) or self.resume
+        # config and tokenizer files, kept in memory: the directory may be deleted (keep_last)
+        self.model_files = read_model_files(self.model_dir, skip=checkpoint.OWN_FILES)
         alg = recipe.algorithm
+        policy = trainer_config(recipe, str(self.model_dir))
+        self.use_reference = policy.use_reference
+        if policy.use_reference:
+            if self.reference_dir is None:
+                raise RecipeError(f"checkpoint.resume: {self.resume} holds no reference model "
+                                  "(its run had no KL term); resume with algorithm.kl_coef and "
+                                  "kl_reward_coef at 0")
+            policy = dataclasses.replace(policy, reference_path=str(self.reference_dir))
         critic = critic_config(recipe, str(self.model_dir)) if alg.advantage == "gae" else None
-        ray.get([t.build.remote(trainer_config(recipe, str(self.model_dir)), critic,
-                                alg.value_clip) for t in self.trainers])
-        device = "cuda" if self.layout.accelerator == "cuda" else "cpu"
+        self._on_trainers("build", policy, critic, alg.value_clip)
+        if self.resume is not None:
+            self._wait([call(f"trainer rank {rank}", t, "load_state",
+                             str(checkpoint.rank_file(self.resume, rank)))
+                        for rank, t in enumerate(self.trainers)])
         self.engines = placement.create_engines(
-            self.layout, self.pg, engine_config(recipe, str(self.model_dir), device))
+            self.layout, self.pg, self._engine_config(engine_dir),
+            [placement.engine_name(self.tag, i) for i in range(len(self.layout.engine_bundles))],
+            self.timeout_s)
+        if self.weight_version:
+            self._on_engines("set_weight_version", self.weight_version)
         self.bucket_bytes = _bucket_bytes(self.model_dir)
         self.num_stages = recipe.trainer.pp
         if not self.layout.colocated:
-            port = placement.free_port()
-            e = len(self.engines)
-            ray.get([eng.join_sync_group.remote(port, i, e, self.num_stages)
-                     for i, eng in enumerate(self.engines)]
-                    + [t.join_sync_group.remote(port, e, self.num_stages) for t in self.trainers])
+            self._join_sync_group()
+        # shares self.engines: a replaced engine is the rollouts' too
         self.rollouts = RolloutManager(recipe, self.engines, self.tokenizer,
-                                       resolve_reward(recipe.reward.function), self.source)
+                                       resolve_reward(recipe.reward.function), self.source,
+                                       restart_engine=self.restart_engine, log=log)
         self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
 
-    # ------------------------------------------------------------------------- trainer calls
-    def _all(self, method: str, *args):
-        """Call `method` on every trainer rank (they hold collectives); rank 0's result."""
-        return ray.get([getattr(t, method).remote(*args) for t in self.trainers])[0]
+    def _engine_config(self, model_dir: Path):
+        device = "cuda" if self.layout.accelerator == "cuda" else "cpu"
+        return engine_config(self.recipe, str(model_dir), device)
 
+    def _join_sync_group(self) -> None:
+        """Disaggregated: the engines and the trainer's sources form the broadcast group."""
+        port, e = placement.free_port(), len(self.engines)
+        self._wait([call(f"engine {i}", eng, "join_sync_group", port, i, e, self.num_stages,
+                         self.timeout_s) for i, eng in enumerate(self.engines)]
+                   + each("trainer rank", self.trainers, "join_sync_group", port, e,
+                          self.num_stages, self.timeout_s))
+
+    # ---------------------------------------------------------------------------- waiting
+    def _wait(self, calls: list[Call]) -> list:
+        return gather(calls, self.timeout_s)
+
+    def _on_trainers(self, method: str, *args):
+        """`method` on every trainer rank (they hold collectives); rank 0's result."""
+        return self._wait(each("trainer rank", self.trainers, method, *args))[0]
+
+    def _on_engines(self, method: str, *args) -> list:
+        return self._wait(each("engine", self.engines, method, *args))
+
+    # ------------------------------------------------------------------------- trainer calls
     def values(self, batch_ref):
-        return self._all("values", batch_ref)
+        return self._on_trainers("values", batch_ref)
 
     def ref_logprobs(self, batch_ref):
-        return self._all("ref_logprobs", batch_ref)
+        return self._on_trainers("ref_logprobs", batch_ref)
 
     def train(self, batch) -> dict[str, float]:
         """Policy (and critic) updates on one rollout batch; the engines' memory is released
         first when they share the devices."""
         if self.layout.colocated:
-            ray.get([e.release.remote() for e in self.engines])
+            self._on_engines("release")
         if self.staged_memory:
-            self._all("onload")
+            self._on_trainers("onload")
         ref = ray.put(batch)
         updates = self.recipe.trainer.updates_per_rollout
-        metrics = self._all("train", ref, updates)
+        metrics = self._on_trainers("train", ref, updates)
         if batch.returns is not None:
             metrics.update({f"critic_{k}": v for k, v in
-                            self._all("train_critic", ref, updates).items()})
+                            self._on_trainers("train_critic", ref, updates).items()})
         return metrics
 
     def sync_weights(self) -> float:
         """Push the trainer's weights into every engine (engines resumed first when colocated).
         Returns the bytes sent."""
         if self.layout.colocated:
-            ray.get([e.resume.remote() for e in self.engines])
-            reports = ray.get([t.push_colocated.remote(self.engines, self.bucket_bytes)
-                               for t in self.trainers])
-            ray.get([e.commit.remote() for e in self.engines])
-        else:
-            refs = [t.push_broadcast.remote(self.bucket_bytes) for t in self.trainers]
-            ray.get([e.receive_broadcast.remote() for e in self.engines])
-            reports = ray.get(refs)
+            self._on_engines("resume")
+            reports = self._wait(each("trainer rank", self.trainers, "push_colocated",
+                                      self.engines, self.bucket_bytes, self.timeout_s))
+            self._on_engines("commit")
+        else:  # sources and engines meet in the broadcasts: one wait for all of them
+            reports = self._wait(each("trainer rank", self.trainers, "push_broadcast",
+                                      self.bucket_bytes)
+                                 + each("engine", self.engines, "receive_broadcast"))
+            reports = reports[:len(self.trainers)]
         if self.staged_memory:
-            self._all("offload")
+            self._on_trainers("offload")
+        self.weight_version += 1
         return sum(r["bytes"] for r in reports)
 
-    def save_checkpoint(self, directory: Path) -> None:
-        ray.get([t.save_hf.remote(str(directory)) for t in self.trainers])
-        copy_model_files(self.model_dir, directory)
+    def flush_prefix_caches(self) -> None:
+        """Empty every engine's prefix cache (a weight sync does it too), so that every rollout
+        starts from an empty cache: what a resumed run's fresh engines have."""
+        self._on_engines("flush_prefix_cache")
 
-    def shutdown(self) -> None:
+    # ---------------------------------------------------------------------- engine restarts
+    def restart_engine(self, index: int):
+        """Replace dead engine `index` by a new actor in the same bundle, loaded with the
+        trainer's current weights (written to a scratch HF directory), at the current weight
+        version; disaggregated, every member rejoins a new broadcast group. Returns it."""
+        self.engine_restarts += 1
+        ray.kill(self.engines[index])   # already dead; make sure its resources are free
+        scratch = Path(self.recipe.tracking.output_dir) / f".engine-restart-{self.tag}"
+        shutil.rmtree(scratch, ignore_errors=True)
         try:
-            ray.get([t.shutdown.remote() for t in self.trainers], timeout=60)
-        except Exception:  # shutting down after a failure: the actors may be gone already
-            pass
+            self._save_hf(scratch)
+            (engine,) = placement.create_engines(
+                self.layout, self.pg, self._engine_config(scratch),
+                [placement.engine_name(self.tag, index, self.engine_restarts)], self.timeout_s,
+                indices=[index])
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self.engines[index] = engine
+        self._wait([call(f"engine {index}", engine, "set_weight_version", self.weight_version)])
+        if not self.layout.colocated:
+            self._join_sync_group()
+        return engine
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def _save_hf(self, directory: Path) -> None:
+        self._on_trainers("save_hf", str(directory))
+        write_model_files(self.model_files, directory)
+
+    def save_engine_weights(self, directory: Path) -> None:
+        """Off-policy: the trainer's current weights, which the engines are generating the
+        pending rollout with (call it between that rollout's launch and the next train)."""
+        self._save_hf(directory / checkpoint.ENGINE_DIR)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """The policy (HF files in `directory`), every rank's training state and, with a KL
+        term, the reference. The controller's state is the loop's (`checkpoint.commit`)."""
+        self._save_hf(directory)
+        self._wait([call(f"trainer rank {rank}", t, "save_state",
+                         str(checkpoint.rank_file(directory, rank)))
+                    for rank, t in enumerate(self.trainers)])
+        if self.use_reference:
+            checkpoint.save_reference(self.reference_dir, directory / checkpoint.REFERENCE_DIR,
+                                      Path(self.recipe.tracking.output_dir))
+
+    def commit_checkpoint(self, tmp: Path, state: dict) -> Path:
+        """Complete the checkpoint written into `tmp` (`checkpoint.commit`). The next one takes
+        the reference from it: the one this run started from may be deleted (keep_last)."""
+        final = checkpoint.commit(tmp, state, self.recipe.checkpoint.keep_last)
+        if self.use_reference:
+            self.reference_dir = final / checkpoint.REFERENCE_DIR
+        return final
+
+    def layout_state(self) -> dict:
+        """What a resumed run must match for the per-rank states to fit."""
+        tr = self.recipe.trainer
+        return {"trainer_ranks": len(self.trainers), "tp": tr.tp, "pp": tr.pp,
+                "backend": tr.backend, "data_rows": self.source.num_rows}
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release every actor and the placement group. `graceful` first lets the trainer
+        ranks leave their process group; after a failure it is skipped (a surviving rank may be
+        blocked in a collective with a dead one)."""
+        if graceful:
+            try:
+                gather(each("trainer rank", self.trainers, "shutdown"), min(self.timeout_s, 60))
+            except Exception:  # shutting down after a failure: the actors may be gone already
+                pass
         placement.release(self.pg, self.trainers + self.engines)

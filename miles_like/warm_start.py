@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 
 from miles_like.build_configs import trainer_config
+from miles_like.calls import each, gather
 from miles_like.data import PromptSource
 from miles_like.model_store import cached_dir, content_key, copy_model_files
 from trainer import RLBatch
@@ -46,7 +47,7 @@ def warm_start(recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tok
                log=print) -> Path:
     """The directory RL starts from: `base_dir` itself when `sft.steps == 0`, else the cached
     (or freshly trained) warm start of it."""
-    sft = recipe.sft
+    sft, timeout_s = recipe.sft, recipe.cluster.call_timeout_s
     if sft.steps == 0:
         return base_dir
 
@@ -56,17 +57,17 @@ def warm_start(recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tok
             cfg, use_reference=False,
             loss=LossConfig(policy_loss="sft", agg_mode="token-mean"),
             optim=OptimConfig(lr=sft.lr, grad_clip=cfg.optim.grad_clip, total_steps=sft.steps))
-        ray.get([t.build.remote(cfg) for t in trainers])
+        gather(each("trainer rank", trainers, "build", cfg), timeout_s)
         source = PromptSource(recipe.data, tokenizer, seed=recipe.seed + SFT_DATA_SEED_OFFSET,
                               max_prompt_tokens=max_prompt_tokens)
         start, losses = time.perf_counter(), []
         for step in range(sft.steps):
             batch = ray.put(sft_batch(source.next_batch(sft.batch_size), tokenizer))
-            metrics = ray.get([t.train.remote(batch, 1) for t in trainers])[0]
+            metrics = gather(each("trainer rank", trainers, "train", batch, 1), timeout_s)[0]
             losses.append(metrics["loss"])
             if step % max(1, sft.steps // 10) == 0 or step == sft.steps - 1:
                 log(f"warm start: step {step + 1}/{sft.steps}  loss {metrics['loss']:.4f}")
-        ray.get([t.save_hf.remote(str(out)) for t in trainers])
+        gather(each("trainer rank", trainers, "save_hf", str(out)), timeout_s)
         copy_model_files(base_dir, out)
         (out / "warm_start.json").write_text(json.dumps(
             {"steps": sft.steps, "losses": losses, "seconds": time.perf_counter() - start,

@@ -29,13 +29,14 @@ def _set_threads(threads: int) -> None:
 
 
 class _AllAcked:
-    """A bucket delivered to several engines is free once every engine has acknowledged it."""
+    """A bucket delivered to several engines is free once every engine has acknowledged it
+    (within `timeout_s`: a dead or hung engine fails the push instead of hanging it)."""
 
-    def __init__(self, refs):
-        self.refs = refs
+    def __init__(self, refs, timeout_s: float):
+        self.refs, self.timeout_s = refs, timeout_s
 
     def result(self):
-        return ray.get(self.refs)[0]
+        return ray.get(self.refs, timeout=self.timeout_s)[0]
 
 
 @ray.remote
@@ -134,33 +135,41 @@ class TrainerWorker:
             return source, ps.get_pipeline_model_parallel_rank()
         return self.rank == 0, 0  # deepspeed: every rank can export the whole model
 
-    def push_colocated(self, engines: Sequence, bucket_bytes: int) -> dict[str, float]:
-        """Stream this rank's export into every engine through shared memory. Returns the
-        sender's report (zero bytes on ranks that only take part in the gathers). The sender,
-        and so its two shared buffers, lives across steps: mapping fresh shared memory every
-        step would cost more than the copy."""
+    def push_colocated(self, engines: Sequence, bucket_bytes: int,
+                       timeout_s: float) -> dict[str, float]:
+        """Stream this rank's export into every engine of `engines` through shared memory.
+        Returns the sender's report (zero bytes on ranks that only take part in the gathers).
+        The sender, and so its two shared buffers, lives across steps: mapping fresh shared
+        memory every step would cost more than the copy. It delivers to this call's engines
+        (an engine may have been replaced since the last one)."""
         from weight_sync import ColocatedSender
         source, _ = self.sync_role()
         if not source:
             for _ in self.policy.export_hf_weights():
                 pass
             return {"bytes": 0.0}
+        self._push_to = (list(engines), timeout_s)
         if getattr(self, "_sender", None) is None:
             self._sender = ColocatedSender(
                 lambda handle, manifest: _AllAcked([e.load_bucket.remote(handle, manifest)
-                                                    for e in engines]),
+                                                    for e in self._push_to[0]],
+                                                   self._push_to[1]),
                 bucket_bytes=bucket_bytes, device=_device())
         report = self._sender.send(self.policy.export_hf_weights())
         return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets)}
 
-    def join_sync_group(self, port: int, num_engines: int, num_stages: int) -> bool:
+    def join_sync_group(self, port: int, num_engines: int, num_stages: int,
+                        timeout_s: float) -> bool:
         """Disaggregated: sources join the standalone sync group with the engines (engines are
-        ranks 0..E-1, the source of stage s is rank E+s), once. Returns whether this rank did."""
+        ranks 0..E-1, the source of stage s is rank E+s): at start, and again with every member
+        when an engine was replaced. Its collectives fail after `timeout_s`. Returns whether
+        this rank joined."""
         from weight_sync import SyncGroup
         source, stage = self.sync_role()
         if source:
             self.sync_group = SyncGroup.create("127.0.0.1", port, rank=num_engines + stage,
-                                               size=num_engines + num_stages, backend=_backend())
+                                               size=num_engines + num_stages, backend=_backend(),
+                                               timeout_s=timeout_s)
             self.sync_sources = list(range(num_engines, num_engines + num_stages))
         return source
 
@@ -184,6 +193,27 @@ class TrainerWorker:
             os.makedirs(directory, exist_ok=True)
             save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
                       os.path.join(directory, "model.safetensors"))
+
+    def save_state(self, path: str) -> None:
+        """This rank's training state (optimizer, schedule, critic, RNG states): see
+        `checkpoint.py`. Every rank writes its own file."""
+        from miles_like import rng_state
+        state = {"policy": self.policy.train_state(), "rng": rng_state.capture()}
+        if self.critic is not None:
+            state["critic"] = self.critic.train_state()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(state, path)
+
+    def load_state(self, path: str) -> None:
+        """Inverse of `save_state`, after `build` from the checkpoint's weights."""
+        from miles_like import rng_state
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.policy.load_train_state(state["policy"])
+        if (self.critic is None) != ("critic" not in state):
+            raise ValueError(f"{path}: the checkpoint {'lacks' if self.critic else 'has'} a critic")
+        if self.critic is not None:
+            self.critic.load_train_state(state["critic"])
+        rng_state.restore(state["rng"])
 
     def shutdown(self) -> None:
         if getattr(self, "_sender", None) is not None:
@@ -257,12 +287,20 @@ class EngineWorker:
         self.receiver.commit()
         return self.engine.weight_version
 
-    def join_sync_group(self, port: int, rank: int, num_engines: int, num_stages: int) -> None:
+    def join_sync_group(self, port: int, rank: int, num_engines: int, num_stages: int,
+                        timeout_s: float) -> None:
         from weight_sync import BroadcastReceiver, SyncGroup
         group = SyncGroup.create("127.0.0.1", port, rank=rank, size=num_engines + num_stages,
-                                 backend=_backend())
+                                 backend=_backend(), timeout_s=timeout_s)
         self.broadcast_receiver = BroadcastReceiver(
             self.engine, group, sources=list(range(num_engines, num_engines + num_stages)))
+
+    def flush_prefix_cache(self) -> None:
+        self.engine.flush_prefix_cache()
+
+    def set_weight_version(self, version: int) -> None:
+        """Resume: the engine was built from a checkpoint holding weights of this version."""
+        self.engine.weight_version = version
 
     def receive_broadcast(self) -> int:
         self.broadcast_receiver.receive()

@@ -223,6 +223,13 @@ class Engine:
         self.weight_version += 1
         self._uncommitted_update = False
 
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix (nothing may be in flight). Returns the pages freed."""
+        self._require_idle("flush_prefix_cache")
+        if self.scheduler.cache is None or not self.pool.allocated:
+            return 0
+        return self.scheduler.cache.reset()
+
     def release_memory(self, weights: bool = False) -> int:
         """Free the KV pool (and, with `weights`, the parameters' storage) so the trainer can use
         the device. Returns the bytes released."""

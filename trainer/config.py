@@ -72,6 +72,7 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     use_reference: bool = False        # keep a frozen copy for KL (needed when kl_coef > 0)
+    reference_path: str | None = None  # the reference's HF directory; None: model_path
     reference_on_cpu: bool = False     # reference weights live in host memory between uses
     zero_stage: int = 2                # deepspeed backend only
     vocab_pad_multiple: int = 128      # megatron pads the vocab to a multiple of this x TP

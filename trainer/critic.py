@@ -93,6 +93,13 @@ class MegatronCritic:
                        update_skipped=float(self.model.skipped_steps > skipped_before))
         return metrics
 
+    def train_state(self) -> dict:
+        """This rank's critic shard and its optimizer / schedule state."""
+        return self.model.train_state(with_params=True)
+
+    def load_train_state(self, state: dict) -> None:
+        self.model.load_train_state(state)
+
     def offload(self) -> int:
         return self.model.offload()
 

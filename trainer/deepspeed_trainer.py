@@ -77,7 +77,8 @@ class DeepSpeedTrainer:
         self.reference = None
         if cfg.use_reference:  # frozen copy for KL; a plain module, outside DeepSpeed
             self.reference = transformers.AutoModelForCausalLM.from_pretrained(
-                cfg.model_path, dtype=cfg.torch_dtype, attn_implementation="sdpa").eval()
+                cfg.reference_path or cfg.model_path, dtype=cfg.torch_dtype,
+                attn_implementation="sdpa").eval()
             self.reference.requires_grad_(False)
             self.reference.to("cpu" if cfg.reference_on_cpu else _device())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -222,6 +223,33 @@ class DeepSpeedTrainer:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.cpu().clone() for k, v in self.export_hf_weights()}
+
+    # ----------------------------------------------------------------------------- state
+
+    def train_state(self) -> dict:
+        """This rank's optimizer state beyond the weights (which the HF export holds): its fp32
+        master partitions, the torch AdamW state over them, the LR-schedule position. Tensors
+        and plain values only (`torch.load(weights_only=True)` reads it). ZeRO 1 / 2 only."""
+        opt = self._zero12("saving the optimizer state")
+        return {"master": [t.detach().cpu() for t in opt.single_partition_of_fp32_groups],
+                "optimizer": opt.optimizer.state_dict(), "step_count": self.step_count}
+
+    def load_train_state(self, state: dict) -> None:
+        """Inverse of `train_state`, on a trainer built from the checkpoint's HF weights (so the
+        model's weights already equal the masters' rounding)."""
+        opt = self._zero12("resuming")
+        with torch.no_grad():
+            for t, saved in zip(opt.single_partition_of_fp32_groups, state["master"], strict=True):
+                t.copy_(saved)
+        opt.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
+    def _zero12(self, what: str):
+        if (self.cfg.zero_stage == 3
+                or not hasattr(self.optimizer, "single_partition_of_fp32_groups")):
+            raise NotImplementedError(f"{what} with trainer.zero_stage: 3 is not supported; use "
+                                      "zero_stage 1 or 2, or the megatron backend")
+        return self.optimizer
 
     # ----------------------------------------------------------------------------- memory
 

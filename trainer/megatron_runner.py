@@ -261,6 +261,40 @@ class MegatronModel:
         self.step_count += 1
         return norm, lr
 
+    # ----------------------------------------------------------------------------- state
+
+    def train_state(self, with_params: bool) -> dict:
+        """What this rank needs, beyond weights loaded at construction, to continue training
+        exactly: AdamW's state, the LR-schedule position (`step_count`), `skipped_steps`, the
+        fp32 master weights when they are separate copies (bf16), and with `with_params` this
+        shard's parameters (a critic has no Hugging Face form). Tensors and plain values only,
+        so `torch.load(weights_only=True)` reads it back."""
+        state = {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count,
+                 "skipped_steps": self.skipped_steps}
+        if self.master is not self.params:
+            state["master"] = [m.detach().cpu() for m in self.master]
+        if with_params:
+            state["params"] = {n: p.detach().cpu() for n, p in self.raw.named_parameters()}
+        return state
+
+    def load_train_state(self, state: dict) -> None:
+        """Inverse of `train_state` on a model built with the same layout."""
+        with torch.no_grad():
+            if "params" in state:
+                params = dict(self.raw.named_parameters())
+                if params.keys() != state["params"].keys():
+                    raise ValueError("checkpointed parameters do not match this model's")
+                for name, p in params.items():
+                    p.copy_(state["params"][name])
+            if "master" in state:
+                for m, saved in zip(self.master, state["master"], strict=True):
+                    m.copy_(saved)
+            elif self.master is not self.params:
+                raise ValueError("the checkpoint has no fp32 master weights for this bf16 model")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+        self.skipped_steps = int(state["skipped_steps"])
+
     # ----------------------------------------------------------------------------- memory
 
     def offload(self) -> int:

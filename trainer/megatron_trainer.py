@@ -8,6 +8,7 @@ policy step: recompute old / reference log-probs, the objective, one optimizer s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -30,7 +31,11 @@ class MegatronTrainer:
         init_parallel(ParallelConfig(cfg.tensor_model_parallel_size,
                                      cfg.pipeline_model_parallel_size))
         self.policy = MegatronModel(cfg, trainable=True)
-        self.reference = MegatronModel(cfg, trainable=False) if cfg.use_reference else None
+        self.reference = None
+        if cfg.use_reference:
+            self.reference = MegatronModel(
+                dataclasses.replace(cfg, model_path=cfg.reference_path or cfg.model_path),
+                trainable=False)
         if self.reference is not None and cfg.reference_on_cpu:
             move_params(self.reference.raw.parameters(), torch.device("cpu"))
 
@@ -114,6 +119,15 @@ class MegatronTrainer:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return gather_hf_state_dict(self.policy.raw, self.arch, self.policy.layout)
+
+    # ----------------------------------------------------------------------------- state
+
+    def train_state(self) -> dict:
+        """This rank's optimizer / schedule state (the weights are the HF export)."""
+        return self.policy.train_state(with_params=False)
+
+    def load_train_state(self, state: dict) -> None:
+        self.policy.load_train_state(state)
 
     # ----------------------------------------------------------------------------- memory
 

@@ -24,7 +24,9 @@ class SyncGroup:
     @classmethod
     def create(cls, host: str, port: int, rank: int, size: int, backend: str = "gloo",
                timeout_s: float = 300.0) -> "SyncGroup":
-        """Every member calls this with the same host/port/size; rank 0 hosts the store."""
+        """Every member calls this with the same host/port/size; rank 0 hosts the store.
+        Joining, and every collective of the group, fails after `timeout_s` instead of hanging
+        (on a dead or stuck member)."""
         timeout = timedelta(seconds=timeout_s)
         store = dist.PrefixStore("weight_sync", dist.TCPStore(host, port, size, is_master=rank == 0,
                                                               timeout=timeout))
@@ -32,7 +34,9 @@ class SyncGroup:
             return cls(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, torch.device("cpu"))
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-            return cls(dist.ProcessGroupNCCL(store, rank, size), rank, size, device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # collectives abort (not hang) past it
+            return cls(dist.ProcessGroupNCCL(store, rank, size, options), rank, size, device)
         raise ValueError(f"weight sync backend={backend!r}: use 'gloo' or 'nccl'")
 
     @classmethod

@@ -61,6 +61,7 @@ def test_epochs_are_shuffled_by_seed_and_resume_continues_exactly(tmp_path):
     resumed = source(data)
     resumed.skip_to(13)
     assert resumed.next_batch(12) == a[13:25]
+    assert (resumed.num_rows, resumed.epoch_at(9), resumed.epoch_at(13)) == (10, 0, 1)
 
 
 def test_missing_column_names_the_field(tmp_path):

@@ -9,11 +9,9 @@ checkpoints loadable, the warm start cached, the critic learning.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import ray
 
 from miles_like.cli import main
 from miles_like.loop import run
@@ -23,24 +21,6 @@ from wandb_log import history
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    here = Path(__file__).resolve().parent
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(here)])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture
-def cache(tmp_path_factory, monkeypatch):
-    root = tmp_path_factory.getbasetemp() / "miles_like_cache"   # shared by this module's runs
-    monkeypatch.setenv("MILES_LIKE_CACHE", str(root))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    return root
 
 
 def train(recipe: str, out: Path, *overrides: str) -> list[dict]:

@@ -3,6 +3,7 @@
 * `update_weights` copies in place: parameter storage addresses do not change;
 * `release_memory(weights=True)` drops weights; generation refuses until every weight is back,
   then equals the engine before release;
+* `flush_prefix_cache` empties the radix cache (refused while requests are in flight);
 * linear RoPE scaling matches HF transformers (greedy tokens);
 * each user error gives one clear message naming the field.
 """
@@ -44,6 +45,21 @@ def test_release_weights_then_update_restores_outputs(tiny_hf_checkpoints):
         engine.generate(PROMPTS, GREEDY)
     engine.update_weights(weights[3:])
     assert engine.generate(PROMPTS, GREEDY) == expected
+
+
+def test_flush_prefix_cache_empties_it_and_keeps_outputs(tiny_hf_checkpoints):
+    """A flushed engine generates what a fresh one does (what resumed runs rely on)."""
+    _, directory = tiny_hf_checkpoints("qwen2")
+    engine = Engine(EngineConfig(model_path=str(directory), page_size=2))
+    sampled = SamplingParams(n=2, max_new_tokens=6, seed=3)
+    first = engine.generate(PROMPTS, sampled)
+    assert engine.stats()["prefix_cache_tokens"] > 0
+    assert engine.flush_prefix_cache() > 0
+    assert engine.stats()["prefix_cache_tokens"] == 0
+    assert engine.generate(PROMPTS, sampled) == first
+    engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.flush_prefix_cache()
 
 
 def test_linear_rope_scaling_matches_hf(tmp_path):

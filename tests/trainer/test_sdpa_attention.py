@@ -4,7 +4,6 @@ what attending to each sequence alone gives, values and gradients (float64, to r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from trainer.sdpa_attention import packed_causal_attention
 

@@ -1,0 +1,161 @@
+"""Fault tolerance, end to end on Ray: actor calls time out instead of hanging, a dead trainer
+stops the run cleanly (one line, nonzero exit, checkpoints intact, tracker finished), and an
+engine killed mid-rollout is replaced without losing a sample.
+
+Actors are killed with `ray.kill` from a thread of this process while `miles_like.train` runs
+in it; the run's actors are found by their names (`miles_like.{run tag}.{role}.{index}`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from miles_like import checkpoint
+from miles_like.calls import ActorDied, CallTimeout, call, gather
+from miles_like.cli import main
+from miles_like.loop import run
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "recipes" / "tiny_arith_grpo.yaml")
+pytestmark = pytest.mark.slow
+
+
+@ray.remote
+class Sleeper:
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_gather_times_out_and_names_dead_actors(ray_local):
+    a, b = Sleeper.remote(), Sleeper.remote()
+    assert gather([call("a", a, "nap", 0.0), call("b", b, "nap", 0.1)], 30) == [0.0, 0.1]
+    with pytest.raises(CallTimeout,
+                       match=r"^b nap: no answer within 0.5 s \(cluster.call_timeout_s\)"):
+        gather([call("a", a, "nap", 0.0), call("b", b, "nap", 30)], 0.5)
+    ray.kill(b)
+    with pytest.raises(ActorDied) as e:
+        gather([call("b", b, "nap", 0.0)], 30)
+    assert str(e.value) == "b died (during nap): killed by ray.kill"
+    # a replacement call takes the dead one's place
+    replaced = gather([call("b", b, "nap", 0.0)], 30,
+                      on_death=lambda i, died: call("a", a, "nap", 0.2))
+    assert replaced == [0.2]
+
+
+def new_actor(suffix: str, known: set[str], timeout: float = 300):
+    """The first named actor ending in `suffix` not in `known` (one created by the run)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in ray.util.list_named_actors():
+            if name.endswith(suffix) and name not in known:
+                return ray.get_actor(name)
+        time.sleep(0.05)
+    raise AssertionError(f"no actor *{suffix} appeared")
+
+
+def in_background(fn):
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:   # surfaced by the test after the run
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_trainer_death_stops_the_run_cleanly(ray_local, cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    known = set(ray.util.list_named_actors())
+
+    def kill_trainer_after_first_checkpoint():
+        trainer = new_actor(".trainer.0", known)
+        marker = out / "checkpoints" / "step_000001" / checkpoint.STATE_FILE
+        while not marker.exists():
+            time.sleep(0.01)
+        ray.kill(trainer)
+
+    thread, killer = in_background(kill_trainer_after_first_checkpoint)
+    code = main([RECIPE, f"tracking.output_dir={out}", "steps=20", "rollout.prompts_per_step=4",
+                 "rollout.n=4", "sft.steps=0", "rollout.kv_cache_tokens=2048",
+                 "checkpoint.every_steps=1", "tracking.wandb_project=miles-like-test"], run=run)
+    thread.join(timeout=10)
+    assert "error" not in killer
+    err = capsys.readouterr().err   # tqdm's progress bar, then the error
+    assert code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1] == ("error: trainer rank 0 died: killed by ray.kill; resume "
+                                    "with checkpoint.resume=auto")
+    # the newest complete checkpoint is whole and loadable, and nothing half-written counts
+    latest = checkpoint.complete_checkpoints(out)[-1]
+    state = checkpoint.read_state(latest)
+    assert state["next_step"] >= 1
+    load_file(str(latest / "model.safetensors"))
+    torch.load(checkpoint.rank_file(latest, 0), weights_only=True)
+    assert all(checkpoint.is_complete(p) for p in (out / "checkpoints").glob("step_*"))
+    # the tracker finished: every logged row is whole, the curve and the wandb run are closed
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= state["next_step"]
+    assert (out / "reward_curve.png").exists()
+    # the run's actors are gone
+    assert not [n for n in ray.util.list_named_actors() if n not in known]
+
+
+def kill_engine_mid_rollout(out: Path, known: set[str], done: threading.Event) -> None:
+    """Right after a step's row is logged the controller waits for the next rollout (off-policy:
+    launched earlier, overlapping the training); an engine that cannot answer a probe within
+    0.2 s then is generating it: kill it there, once."""
+    engine = new_actor(".engine.0", known)
+    metrics = out / "metrics.jsonl"
+    seen = 0
+    while not done.is_set():
+        rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if rows == seen:
+            time.sleep(0.005)
+            continue
+        seen = rows
+        answered, _ = ray.wait([engine.stats.remote()], timeout=0.2)
+        if not answered:
+            ray.kill(engine)
+            return
+
+
+@pytest.mark.parametrize("placement", [
+    ("cluster.devices=1",),
+    ("cluster.devices=2", "cluster.colocate=false", "cluster.off_policy_steps=1")],
+    ids=["colocated", "disaggregated-off-policy"])
+def test_engine_killed_mid_rollout_is_replaced(ray_local, cache, tmp_path, capsys, placement):
+    """Few, long samples: a rollout (256 decode steps) outlasts a training step by far."""
+    out = tmp_path / "run"
+    known, done = set(ray.util.list_named_actors()), threading.Event()
+    thread, killer = in_background(lambda: kill_engine_mid_rollout(out, known, done))
+    code = main([RECIPE, f"tracking.output_dir={out}", "steps=4", "rollout.prompts_per_step=2",
+                 "rollout.n=2", "rollout.max_new_tokens=256", "sft.steps=0",
+                 "trainer.updates_per_rollout=1",
+                 "rollout.kv_cache_tokens=4096", "trainer.max_tokens_per_micro_batch=4096",
+                 *placement], run=run)
+    done.set()
+    thread.join(timeout=10)
+    assert code == 0 and "error" not in killer, killer
+    printed = capsys.readouterr().out
+    assert "engine 0 died (during generate): killed by ray.kill; restarting it" in printed
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert sum(r["rollout/engine_restarts"] for r in rows) == 1
+    for r in rows:   # nothing lost: every prompt's whole group was trained on
+        assert r["rollout/samples"] == 2 * 2
+    restarted = next(r for r in rows if r["rollout/engine_restarts"])
+    if "cluster.off_policy_steps=1" not in placement:
+        # on-policy, the replacement generated with the trainer's current weights
+        assert restarted["train/logprob_diff_max"] <= 1e-5
