@@ -2,7 +2,7 @@
 cache (the warm start included), as a user runs it, then its metrics.jsonl summarized as JSON:
 wall seconds, reward over the first and last 5 steps and the gain, the worst engine-vs-trainer
 log-prob difference over all steps, the PPO-KL of the first update, the idle share of the steps,
-and for PPO recipes the critic's value loss at the start and the end.
+and for PPO recipes the critic's value loss and explained variance at the start and the end.
 
     python benchmarks/default_recipe.py [RECIPE] [key=value ...]
 """
@@ -52,7 +52,9 @@ def main(argv: list[str]) -> dict:
     }
     if "train/critic_value_loss" in rows[0]:
         v = [r["train/critic_value_loss"] for r in rows]
-        result.update(value_loss_first5=mean(v[:5]), value_loss_last5=mean(v[-5:]))
+        ev = [r["train/critic_explained_var"] for r in rows]
+        result.update(value_loss_first5=mean(v[:5]), value_loss_last5=mean(v[-5:]),
+                      explained_var_first5=mean(ev[:5]), explained_var_last5=mean(ev[-5:]))
     return result
 
 

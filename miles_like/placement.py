@@ -51,8 +51,10 @@ def free_port() -> int:
 
 
 def start_ray(cluster, layout: Layout) -> None:
-    """Connect to `cluster.address`, or start a local Ray sized for the layout (dashboard off:
-    nothing listens beyond loopback)."""
+    """Connect to `cluster.address`, or start a local Ray sized for the layout, with no dashboard
+    (it would take job submissions from anyone reaching its port). Ray's own GCS and node ports
+    still listen on the node's address (Ray 2.60 ignores `_node_ip_address` for binding), guarded
+    by Ray's token authentication."""
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(

@@ -1,0 +1,51 @@
+"""A weight-sync group fails after its timeout instead of hanging: joining when a member never
+comes, and a broadcast a member never joins (gloo; NCCL takes the same timeout via its
+options, untested without a GPU)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from weight_sync.group import SyncGroup
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_join_without_the_other_member_times_out():
+    start = time.monotonic()
+    with pytest.raises(Exception):
+        SyncGroup.create("127.0.0.1", free_port(), rank=0, size=2, timeout_s=1.0)
+    assert time.monotonic() - start < 30
+
+
+def test_broadcast_a_member_never_joins_times_out():
+    port, groups = free_port(), {}
+
+    def join(rank):
+        groups[rank] = SyncGroup.create("127.0.0.1", port, rank=rank, size=2, timeout_s=1.0)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(groups) == {0, 1}
+    # both members in place: a broadcast completes
+    done = threading.Thread(target=groups[1].broadcast, args=(torch.zeros(3), 0))
+    done.start()
+    groups[0].broadcast(torch.ones(3), 0)
+    done.join(timeout=60)
+    # rank 1 stops taking part (a stuck engine): rank 0's next broadcast raises, no hang
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        groups[0].broadcast(torch.ones(1 << 20), 0)
+    assert time.monotonic() - start < 30
