@@ -1,6 +1,6 @@
 """Exact resume, end to end: a run SIGKILLed right after a checkpoint and then resumed with
 `checkpoint.resume: auto` logs exactly the metrics of a run never stopped (every key but the
-timings), on CPU in fp32 with the same seed.
+timings), on CPU with the same seed (in the recipe's float64).
 
 The killed run is `python -m miles_like.train` in its own session, starting its own local Ray;
 the whole process group is SIGKILLed, and no process of the session may outlive it. The
@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,10 +57,11 @@ def run_in_process(out: Path, *overrides: str) -> None:
 
 @contextmanager
 def killed_after_checkpoint(out: Path, step: int, *overrides: str):
-    """`python -m miles_like.train` in its own session (its own local Ray), started on entry
-    (the caller's block runs meanwhile) and SIGKILLed as a whole process group on exit, as soon
-    as checkpoint `step` is complete."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]))
+    """`python -m miles_like.train` in its own session (its own local Ray), started on entry and
+    SIGKILLed as a whole process group as soon as checkpoint `step` is complete, by a watcher
+    thread, while the caller's block runs."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
+               PYTHONUNBUFFERED="1")   # its log is read while it runs
     env.pop("WANDB_SERVICE", None)   # this process's wandb service: the run gets its own
     marker = out / "checkpoints" / f"step_{step:06d}" / "state.json"
     out.mkdir(parents=True)
@@ -69,17 +71,37 @@ def killed_after_checkpoint(out: Path, step: int, *overrides: str):
             [sys.executable, "-m", "miles_like.train", RECIPE, f"tracking.output_dir={out}",
              *COMMON, *overrides], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
-        try:
-            yield
-            deadline = time.monotonic() + 300
+
+        def kill_at_marker():
+            deadline = time.monotonic() + 600
             while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
+            _kill_group(proc.pid)
+
+        watcher = threading.Thread(target=kill_at_marker, daemon=True)
+        try:
+            # Ray gives a starting node 30 s (hard-coded) to register: let it start before the
+            # caller's block competes for the 2 cores (the warm start runs on its actors)
+            deadline = time.monotonic() + 300
+            while ("warm start:" not in log_path.read_text() and proc.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            watcher.start()
+            yield
+            watcher.join(timeout=600)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc.pid)
             proc.wait()
             leaked = _wait_session_gone(proc.pid, timeout=30)
     assert marker.exists(), log_path.read_text()[-3000:]
     assert not leaked, f"processes outlived the killed run: {leaked}"
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:   # already gone (killed by the watcher)
+        pass
 
 
 def _wait_session_gone(sid: int, timeout: float) -> list[str]:
