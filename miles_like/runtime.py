@@ -34,9 +34,14 @@ def _subdir(directory: Path, name: str) -> Path | None:
     return directory / name if (directory / name).is_dir() else None
 
 
-def _check_same_layout(recipe, state: dict, ranks: int) -> None:
+def _trainer_layout(recipe, ranks: int) -> dict:
+    """What a resumed run must match for the per-rank training states to fit."""
     tr = recipe.trainer
-    now = {"trainer_ranks": ranks, "tp": tr.tp, "pp": tr.pp, "backend": tr.backend}
+    return {"trainer_ranks": ranks, "tp": tr.tp, "pp": tr.pp, "backend": tr.backend}
+
+
+def _check_same_layout(recipe, state: dict, ranks: int) -> None:
+    now = _trainer_layout(recipe, ranks)
     then = {k: state[k] for k in now}
     if now != then:
         raise RecipeError(f"checkpoint.resume: the checkpoint was written with {then}, this "
@@ -267,10 +272,9 @@ class Runtime:
         return final
 
     def layout_state(self) -> dict:
-        """What a resumed run must match for the per-rank states to fit."""
-        tr = self.recipe.trainer
-        return {"trainer_ranks": len(self.trainers), "tp": tr.tp, "pp": tr.pp,
-                "backend": tr.backend, "data_rows": self.source.num_rows}
+        """What a resumed run must match: the trainer layout and the data's row count."""
+        return {**_trainer_layout(self.recipe, len(self.trainers)),
+                "data_rows": self.source.num_rows}
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release every actor and the placement group. `graceful` first lets the trainer
