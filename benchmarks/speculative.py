@@ -1,8 +1,11 @@
 """Speculative decoding benchmark on a GRPO-shaped workload (CPU or GPU).
 
-Same prompts, same engine settings, speculation off vs `ngram` vs `group`; reports generated
-tokens/s, the speedup over no speculation, and the mean accepted length (tokens emitted per
-verifying sequence-step = 1 + accepted drafts / verify steps).
+Same prompts, same engine settings, speculation off vs `ngram` vs `group` vs `draft` (and `group`
+with the back-off disabled); reports generated tokens/s, the speedup over no speculation, and the
+mean accepted length (tokens emitted per verifying sequence-step = 1 + accepted drafts / verify
+steps). The draft model is the target's first `--draft-layers` layers with its embeddings, final
+norm and LM head (layer-skip self-speculation): the one draft a random-init target has that
+agrees with it at all.
 
 Random-init weights are near-uniform at T = 1, so drafts are almost never accepted; a trained
 RL policy is much sharper. `--weight-std` scales the random init to emulate that: the benchmark
@@ -28,20 +31,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
+from rollout.weights import iter_safetensors  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 
-def run(model_dir: str, prompts, params: SamplingParams, method: str | None, k: int) -> dict:
+# name -> EngineConfig overrides
+METHODS = {
+    "off": {},
+    "ngram": dict(speculative_method="ngram"),
+    "group": dict(speculative_method="group"),
+    "group_no_backoff": dict(speculative_method="group", speculative_min_acceptance=0.0),
+    "draft": dict(speculative_method="draft"),
+}
+
+
+def write_layer_skip_draft(target_dir: str, draft_dir: str, num_layers: int) -> str:
+    """The target's first `num_layers` decoder layers, embeddings, final norm and LM head."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    tensors = {name: t for name, t in iter_safetensors(target_dir)
+               if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+    Path(draft_dir).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(draft_dir) / "model.safetensors"))
+    (Path(draft_dir) / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
+    return draft_dir
+
+
+def run(model_dir: str, draft_dir: str, prompts, params: SamplingParams, method: str, k: int) -> dict:
     """Two rollouts of the same prompts, as in consecutive RL epochs; the second is measured
     (for `group`, earlier completions of each prompt are then available as drafts)."""
+    overrides = dict(METHODS[method])
+    if method == "draft":
+        overrides["speculative_draft_model_path"] = draft_dir
     engine = Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=len(prompts) * params.n * 512,
-                                 speculative_method=method, num_speculative_tokens=k, speculative_ngram_min=2))
+                                 num_speculative_tokens=k, speculative_ngram_min=2, **overrides))
     engine.generate(prompts, dataclasses.replace(params, seed=1))
     before = engine.stats()
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     stats = {key: engine.stats()[key] - before[key] for key in
-             ("generated_tokens", "decode_steps", "spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")}
+             ("generated_tokens", "decode_steps", "spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens",
+              "spec_backoff_steps")}
     logprobs = [lp for per in outs for s in per for lp in s.logprobs]
     result = {"seconds": seconds, "tokens_per_s": stats["generated_tokens"] / seconds,
               "mean_token_nll": -sum(logprobs) / len(logprobs), **stats}
@@ -59,16 +89,20 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--weight-std", type=float, nargs="+", default=[0.02, 1.0])
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, TINY_QWEN2["vocab_size"], (args.prompts, args.prompt_len), generator=g).tolist()
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=0)
     report = {"workload": vars(args), "torch_num_threads": torch.get_num_threads(), "models": {}}
     for std in args.weight_std:
-        with tempfile.TemporaryDirectory() as model_dir:
+        with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as draft_dir:
             write_random_checkpoint(model_dir, TINY_QWEN2, seed=0, std=std)
-            rows = {str(m): run(model_dir, prompts, params, m, args.k) for m in (None, "ngram", "group")}
-        base = rows["None"]["tokens_per_s"]
+            write_layer_skip_draft(model_dir, draft_dir, args.draft_layers)
+            methods = ["off"] + [m for m in args.methods if m != "off"]   # the baseline always runs
+            rows = {m: run(model_dir, draft_dir, prompts, params, m, args.k) for m in methods}
+        base = rows["off"]["tokens_per_s"]
         for row in rows.values():
             row["speedup"] = row["tokens_per_s"] / base
         report["models"][f"weight_std={std}"] = rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -42,6 +43,8 @@ FIELD_NAMES: dict[str, str] = {
     "EngineConfig.page_size": "rollout.page_size",
     "EngineConfig.max_running_requests": "rollout.max_running_requests",
     "EngineConfig.speculative_method": "rollout.speculative_method",
+    "EngineConfig.num_speculative_tokens": "rollout.num_speculative_tokens",
+    "EngineConfig.speculative_draft_model_path": "rollout.speculative_draft_model_path",
 }
 _FIELD_RE = re.compile("|".join(re.escape(k) + r"(?![A-Za-z0-9_])"
                                 for k in sorted(FIELD_NAMES, key=len, reverse=True)))
@@ -111,6 +114,9 @@ def engine_config(recipe: Recipe, model_path: str, device: str = "cpu") -> Engin
         model_path=model_path, device=device, dtype=recipe.model.dtype,
         kv_cache_tokens=r.kv_cache_tokens, page_size=r.page_size,
         max_running_requests=r.max_running_requests, speculative_method=r.speculative_method,
+        num_speculative_tokens=r.num_speculative_tokens,
+        speculative_draft_model_path=(str(Path(r.speculative_draft_model_path).expanduser())
+                                      if r.speculative_draft_model_path else None),
         seed=recipe.seed), "rollout")
 
 

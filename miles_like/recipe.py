@@ -98,8 +98,12 @@ class RolloutSection(Section):
                                           "of free device memory")
     page_size: int = setting(16, "engine KV page size in tokens (prefix-sharing unit)")
     max_running_requests: int = setting(256, "most sequences the engine decodes at once")
-    speculative_method: Literal["ngram", "group"] | None = setting(
-        None, "exact speculative decoding: ngram | group | null (off)")
+    speculative_method: Literal["ngram", "group", "draft"] | None = setting(
+        None, "exact speculative decoding: ngram | group | draft | null (off)")
+    num_speculative_tokens: int = setting(4, "tokens drafted per speculative step", ge=1)
+    speculative_draft_model_path: str | None = setting(
+        None, "speculative_method=draft: local HF directory of a smaller model with the policy's "
+              "vocabulary (its weights are not updated)")
 
 
 @dataclass(frozen=True)
@@ -353,6 +357,10 @@ def check_paths(recipe: Recipe) -> None:
         if not (p / "config.json").is_file():
             raise RecipeError(f"model.path={recipe.model.path!r} has no config.json; point it at "
                               "a Hugging Face model directory")
+    draft = recipe.rollout.speculative_draft_model_path
+    if draft is not None and not (Path(draft).expanduser() / "config.json").is_file():
+        raise RecipeError(f"rollout.speculative_draft_model_path={draft!r}: no Hugging Face model directory "
+                          "(config.json) there; give the local directory of the draft model")
     if recipe.data.path is not None and not Path(recipe.data.path).expanduser().is_file():
         raise RecipeError(f"data.path={recipe.data.path!r}: no such file; give a local .jsonl / "
                           ".parquet file (or --no-path-check for a dry run)")

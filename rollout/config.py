@@ -20,7 +20,7 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 ATTENTION_BACKENDS = ("torch", "triton")  # triton: GPU kernels for KV store and decode (rollout/kernels)
-SPECULATIVE_METHODS = (None, "ngram", "group")
+SPECULATIVE_METHODS = (None, "ngram", "group", "draft")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -57,12 +57,23 @@ class EngineConfig:
     buffer updated in place, instead of gathering it from the pool every step (same results;
     memory bounded by the pool's size). Off: gather every step."""
     speculative_method: str | None = None
-    """None (off), "ngram" (prompt lookup in the sequence itself) or "group" (also the other
-    samples and earlier completions of the same prompt). Exact: outputs keep the target's
-    distribution, and greedy output is unchanged."""
+    """None (off), "ngram" (prompt lookup in the sequence itself), "group" (also the other
+    samples and earlier completions of the same prompt) or "draft" (a smaller model with the same
+    vocabulary, `speculative_draft_model_path`). Exact: outputs keep the target's distribution,
+    and greedy output is unchanged."""
     num_speculative_tokens: int = 4
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
+    speculative_draft_model_path: str | None = None
+    """"draft": local Hugging Face directory of the draft model. Its weights stay as loaded (weight
+    updates go to the target only)."""
+    speculative_draft_kv_tokens: int | None = None
+    """"draft": the draft model's own paged KV pool, in tokens. None: as many as the target's pool.
+    When it runs short, the least recently drafted sequences lose their draft KV (recomputed if they
+    draft again); a sequence that still finds no room decodes without a draft that step."""
+    speculative_min_acceptance: float = 0.25
+    """Back-off: a verify step that accepts less than this share of its draft pauses that sequence's
+    drafting, for 1, 2, 4, ... up to 64 steps while it keeps failing. 0 disables the back-off."""
     seed: int = 0
     """Seeds the generators of requests that give no seed of their own."""
 
@@ -88,6 +99,18 @@ class EngineConfig:
                  f"EngineConfig.num_speculative_tokens={self.num_speculative_tokens!r}: must be an int >= 1")
         _require(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
                  "EngineConfig.speculative_ngram_min/max: need 1 <= min <= max")
+        _require(self.speculative_method != "draft" or isinstance(self.speculative_draft_model_path, str),
+                 "EngineConfig.speculative_method='draft' needs EngineConfig.speculative_draft_model_path: the "
+                 "local directory of a smaller model with the target's vocabulary")
+        _require(self.speculative_draft_model_path is None or self.speculative_method == "draft",
+                 f"EngineConfig.speculative_draft_model_path is set but EngineConfig.speculative_method="
+                 f"{self.speculative_method!r}; set it to 'draft' or drop the path")
+        _require(self.speculative_draft_kv_tokens is None
+                 or (isinstance(self.speculative_draft_kv_tokens, int) and self.speculative_draft_kv_tokens > 0),
+                 f"EngineConfig.speculative_draft_kv_tokens={self.speculative_draft_kv_tokens!r}: "
+                 "must be a positive int or None")
+        _require(isinstance(self.speculative_min_acceptance, (int, float)) and 0 <= self.speculative_min_acceptance <= 1,
+                 f"EngineConfig.speculative_min_acceptance={self.speculative_min_acceptance!r}: must be in [0, 1]")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"EngineConfig.attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
         _require(self.attention_backend != "triton" or self.device.startswith("cuda"),

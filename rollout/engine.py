@@ -21,9 +21,9 @@ from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
 from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner
-from rollout.rope import RotaryEmbedding
 from rollout.scheduler import Scheduler
 from rollout.sequence import Request, RequestOutput, SampleOutput
+from rollout.draft_model import DraftModelProposer
 from rollout.speculative import Proposer
 from rollout.suffix_lanes import SuffixLanes
 from rollout.weights import iter_safetensors, load_weights
@@ -46,7 +46,7 @@ class Engine:
         eos = config.eos_token_ids if config.eos_token_ids is not None else self.model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
 
-        self.model = self._build_model()
+        self.model = CausalLM.build(self.model_config, self.max_model_len, self.dtype, self.device)
         load_weights(self.model, iter_safetensors(model_dir),
                      tied_embeddings=self.model_config.tie_word_embeddings, require_all=True)
         self.weight_version = 0
@@ -56,16 +56,16 @@ class Engine:
         self._weights_reloaded: set[str] | None = None
         self._uncommitted_update = False
 
+        self.draft_model: DraftModelProposer | None = None    # speculative_method="draft"
         self.pool = KVPool(num_layers=self.model_config.num_layers, num_pages=self._num_pages(),
                            page_size=config.page_size, num_kv_heads=self.model_config.num_kv_heads,
                            head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device)
         self.scheduler = Scheduler(pool=self.pool, max_running_requests=config.max_running_requests,
                                    max_prefill_tokens=config.max_prefill_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids,
-                                   proposer=(Proposer(config.speculative_method, config.speculative_ngram_min,
-                                                      config.speculative_ngram_max)
-                                             if config.speculative_method else None),
-                                   num_speculative_tokens=config.num_speculative_tokens)
+                                   proposer=self._proposer(),
+                                   num_speculative_tokens=config.num_speculative_tokens,
+                                   speculative_min_acceptance=config.speculative_min_acceptance)
         self.suffix_lanes: SuffixLanes | None = None
         if config.attention_backend == "triton":
             from rollout.kernels import TritonAttention   # lazy: triton decides interpret vs compile at import
@@ -85,17 +85,18 @@ class Engine:
         self._pending_aborts: set[int] = set()
 
     # -- construction --------------------------------------------------------------------------
-    def _build_model(self) -> CausalLM:
-        # Built on the meta device (no init cost), then given real, uninitialised storage that the
-        # checkpoint fills. The rotary tables are recomputed in float32 (float64 for a float64
-        # model) on the real device.
-        with torch.device("meta"):
-            model = CausalLM(self.model_config, self.max_model_len)
-        model = model.to(dtype=self.dtype).to_empty(device=self.device)
-        model.tie_weights()
-        model.rotary = RotaryEmbedding(self.model_config.rope, self.model_config.head_dim, self.max_model_len,
-                                       accum_dtype(self.dtype)).to(self.device)
-        return model.eval().requires_grad_(False)
+    def _proposer(self) -> Proposer | DraftModelProposer | None:
+        cfg = self.config
+        if cfg.speculative_method == "draft":
+            self.draft_model = DraftModelProposer(
+                cfg.speculative_draft_model_path, vocab_size=self.model_config.vocab_size,
+                max_model_len=self.max_model_len, max_sequences=cfg.max_running_requests,
+                kv_tokens=cfg.speculative_draft_kv_tokens or self.pool.num_slots, page_size=cfg.page_size,
+                dtype=self.dtype, device=self.device)
+            return self.draft_model
+        if cfg.speculative_method:
+            return Proposer(cfg.speculative_method, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+        return None
 
     def _num_pages(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -242,6 +243,8 @@ class Engine:
             self.pool.free_memory()
             if self.suffix_lanes is not None:
                 self.suffix_lanes.release()
+        if self.draft_model is not None:
+            released += self.draft_model.release()
         if weights and self._weights_reloaded is None:
             for p in self.model.parameters():
                 released += p.numel() * p.element_size()
@@ -254,6 +257,8 @@ class Engine:
         `update_weights` fills them)."""
         if not self.pool.allocated:
             self.pool.allocate()
+        if self.draft_model is not None:
+            self.draft_model.resume()
         for name, p in self.model.named_parameters():
             if p.numel() == 0 and len(self._param_shapes[name]):
                 p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
@@ -279,3 +284,5 @@ class Engine:
             self.scheduler.check_integrity()
             if self.suffix_lanes is not None:
                 self.suffix_lanes.check(self.scheduler.running)
+            if self.draft_model is not None:
+                self.draft_model.check_integrity()

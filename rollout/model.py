@@ -106,6 +106,18 @@ class CausalLM(nn.Module):
         self.tie_weights()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
+    @classmethod
+    def build(cls, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> "CausalLM":
+        """An inference-mode model with real but uninitialised parameters (fill them with
+        `rollout.weights.load_weights`). Built on the meta device, so nothing is initialised twice;
+        the rotary tables are computed in `accum_dtype(dtype)` on the real device."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.tie_weights()
+        model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)).to(device)
+        return model.eval().requires_grad_(False)
+
     def tie_weights(self) -> None:
         """Re-establish tying; needed again after conversions that rebuild parameters."""
         if self.config.tie_word_embeddings:

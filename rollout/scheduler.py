@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -31,7 +31,14 @@ from rollout.kv_pool import KVPool
 from rollout.radix_cache import RadixCache
 from rollout.sampler import SamplingBatch, sample
 from rollout.sequence import Request, RequestOutput, SampleOutput, Sequence, Status
-from rollout.speculative import Proposer, verify
+from rollout.speculative import NO_DRAFT, Draft, DraftBackoff, verify
+
+
+class DraftProposer(Protocol):
+    """What the scheduler needs from a speculative proposer (lookup or draft model)."""
+
+    def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]: ...
+    def forget(self, seq: Sequence) -> None: ...
 
 
 class ScheduledBatch(NamedTuple):
@@ -54,6 +61,7 @@ class SchedulerStats:
     spec_verify_steps: int = 0      # sequence-steps that verified a non-empty draft
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_backoff_steps: int = 0     # sequence-steps that skipped drafting after failed drafts
 
 
 @dataclass
@@ -64,8 +72,9 @@ class Scheduler:
     max_model_len: int
     enable_prefix_cache: bool
     eos_token_ids: frozenset[int]
-    proposer: Proposer | None = None        # speculative decoding when set
+    proposer: DraftProposer | None = None   # speculative decoding when set
     num_speculative_tokens: int = 0
+    speculative_min_acceptance: float = 0.0  # see DraftBackoff
     stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
@@ -158,11 +167,13 @@ class Scheduler:
         prefill: list[tuple[Sequence, int]] = []
         budget = self.max_prefill_tokens
         # Oldest first: a victim (the newest) is then never one already scheduled this step.
-        for seq in sorted(self.running, key=lambda s: s.order):
+        running = sorted(self.running, key=lambda s: s.order)
+        if self.proposer is not None:
+            self._draft([s for s in running if len(s.token_ids) - s.num_computed == 1])
+        for seq in running:
             if seq.status is not Status.RUNNING:  # preempted by an older sequence this step
                 continue
             pending = len(seq.token_ids) - seq.num_computed
-            seq.draft = self._draft(seq) if pending == 1 else []
             num_new = 1 + len(seq.draft) if pending == 1 else min(pending, budget)
             if num_new == 0 or not self._reserve(seq, num_new):
                 continue
@@ -187,12 +198,23 @@ class Scheduler:
             budget -= num_new
         return ScheduledBatch(decode, prefill)
 
-    def _draft(self, seq: Sequence) -> list[int]:
-        """Speculated continuation of a decoding sequence, never past its token limits."""
-        if self.proposer is None or seq.num_generated == 0:  # first token: drawn at the fork
-            return []
-        room = min(seq.request.params.max_new_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids)) - 1
-        return self.proposer.propose(seq, min(self.num_speculative_tokens, room))
+    def _draft(self, decoding: list[Sequence]) -> None:
+        """Set `draft` / `draft_probs` of every decoding sequence: a speculated continuation, never
+        past its token limits, or nothing (its first token, drawn at the fork; or backing off)."""
+        ks = []
+        for seq in decoding:
+            if seq.backoff is None:
+                seq.backoff = DraftBackoff(self.speculative_min_acceptance)
+            room = min(seq.request.params.max_new_tokens - seq.num_generated,
+                       self.max_model_len - len(seq.token_ids)) - 1
+            k = min(self.num_speculative_tokens, room) if seq.num_generated > 0 else 0
+            if k > 0 and not seq.backoff.should_draft():
+                self.stats.spec_backoff_steps += 1
+                k = 0
+            ks.append(k)
+        drafts = self.proposer.propose_batch(decoding, ks) if any(ks) else [NO_DRAFT] * len(decoding)
+        for seq, (tokens, probs) in zip(decoding, drafts):
+            seq.draft, seq.draft_probs = tokens, probs
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take rows, the cached prefix and check pages for `seq`; False (and nothing taken)
@@ -227,7 +249,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq, cache_kv=False)
-        seq.draft = []
+        seq.draft, seq.draft_probs = [], None
         seq.status = Status.WAITING
         seq.num_computed = 0
         # Victims are taken newest first, so pushing each to the front keeps arrival order.
@@ -297,8 +319,9 @@ class Scheduler:
                 self.stats.spec_verify_steps += 1
                 self.stats.spec_draft_tokens += len(seq.draft)
                 self.stats.spec_accepted_tokens += result.num_accepted
+                seq.backoff.record(len(seq.draft), result.num_accepted)
                 seq.num_computed += 1 + result.num_accepted
-                seq.draft = []
+                seq.draft, seq.draft_probs = [], None
                 emitted.append((seq, result.tokens, result.logprobs))
         for seq, num_new in batch.prefill:
             seq.num_computed += num_new
@@ -331,8 +354,6 @@ class Scheduler:
                 self._release(seq, cache_kv=True)
             else:  # a fork that found no page: it never held KV
                 self.waiting.remove(seq)
-            if self.proposer is not None:
-                self.proposer.forget(seq)
             self._record(seq, reason)
             return
 
@@ -384,6 +405,8 @@ class Scheduler:
 
     def _record(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
+        if self.proposer is not None:
+            self.proposer.forget(seq)
         out = SampleOutput(seq.token_ids[seq.prompt_len:], list(seq.logprobs), reason)
         for j in range(seq.sample_index, seq.sample_index + seq.num_forks):
             seq.request.samples[j] = out if j == seq.sample_index else SampleOutput([], [], reason)

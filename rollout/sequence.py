@@ -11,6 +11,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.radix_cache import TreeNode
+from rollout.speculative import DraftBackoff
 
 
 # Process-wide and monotonic, so an epoch is never reused, not even by another engine.
@@ -75,6 +76,8 @@ class Sequence:
     row: int | None = None              # row in the slot table while running
     extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
     draft: list[int] = field(default_factory=list)       # speculated tokens verified this step
+    draft_probs: torch.Tensor | None = None              # what `draft` was drawn from; None = point mass
+    backoff: DraftBackoff | None = None                  # drafting pause after failed drafts (scheduler's)
     generator: torch.Generator = field(init=False)
     # Names one lifetime of this sequence's page table: changes whenever pages are taken,
     # replaced or released otherwise than by appending (admit, prefix-cache insert, preempt,

@@ -3,13 +3,17 @@
 * T = 1 (and T = 0.8 with top-k): the joint distribution of the first three generated tokens
   with speculation matches the target model's, computed exactly with HF transformers from the
   same weights, by a chi-square test over >= 20k samples (reject at p < 0.01), per proposer;
-  the drafts are really exercised (accepted and rejected drafts both counted).
+  the drafts are really exercised (accepted and rejected drafts both counted). The draft model
+  is another random model with the same vocabulary, so its q differs from the target's p and both
+  branches of min(1, p/q) and the residual max(0, p - q) are taken.
 * T = 0: output equals the output without speculation token for token, and logprobs agree.
 * The suffix index proposes what followed the latest occurrence of the longest matching n-gram.
 """
 
+import copy
 import dataclasses
 import itertools
+import random
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from scipy.stats import chisquare
 from tiny_hf import make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.speculative import SuffixIndex
+from rollout.speculative import DraftBackoff, SuffixIndex
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
@@ -28,6 +32,19 @@ P_MIN = 0.01
 def tiny_vocab_model(tmp_path_factory):
     model = make_hf_model("qwen2", seed=3, vocab_size=VOCAB)
     return model, save_hf_model(model, tmp_path_factory.mktemp("spec"))
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_draft(tmp_path_factory):
+    """A different, smaller model over the same vocabulary: the draft model."""
+    draft = make_hf_model("qwen2", seed=4, vocab_size=VOCAB, num_hidden_layers=1)
+    return str(save_hf_model(draft, tmp_path_factory.mktemp("spec_draft")))
+
+
+def spec_config(method: str, draft_dir: str | None, **kwargs) -> EngineConfig:
+    if method == "draft":
+        kwargs["speculative_draft_model_path"] = draft_dir
+    return EngineConfig(speculative_method=method, **kwargs)
 
 
 @torch.inference_mode()
@@ -70,11 +87,15 @@ def chi_square_p(counts: dict, joint: dict, total: int) -> float:
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-@pytest.mark.parametrize("method, temperature, top_k", [("ngram", 1.0, -1), ("group", 1.0, -1), ("group", 0.8, 4)])
-def test_speculative_sampling_matches_target_distribution(tiny_vocab_model, method, temperature, top_k):
+@pytest.mark.parametrize("method, temperature, top_k", [("ngram", 1.0, -1), ("group", 1.0, -1), ("group", 0.8, 4),
+                                                        ("draft", 1.0, -1), ("draft", 0.8, 4)])
+def test_speculative_sampling_matches_target_distribution(tiny_vocab_model, tiny_vocab_draft, method, temperature,
+                                                          top_k):
     model, directory = tiny_vocab_model
-    engine = Engine(EngineConfig(model_path=str(directory), speculative_method=method, num_speculative_tokens=2,
-                                 max_running_requests=512, kv_cache_tokens=512 * 16 * 2, seed=11))
+    # Back-off off: every step drafts, so the test sees the verify rule on every position.
+    engine = Engine(spec_config(method, tiny_vocab_draft, model_path=str(directory), num_speculative_tokens=2,
+                                max_running_requests=512, kv_cache_tokens=512 * 16 * 2, seed=11,
+                                speculative_min_acceptance=0.0))
     requests, n = 40, 512
     outs = engine.generate([PROMPT] * requests, SamplingParams(n=n, temperature=temperature, top_k=top_k,
                                                                 max_new_tokens=3, ignore_eos=True))
@@ -90,19 +111,40 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab_model, meth
     assert p > P_MIN, f"chi-square p={p:.4g} <= {P_MIN}: speculative samples do not follow the target"
 
 
-@pytest.mark.parametrize("method", ["ngram", "group"])
+def perturbed_draft(model, directory, scale: float, seed: int) -> str:
+    """The target's weights plus Gaussian noise (`scale` x each tensor's std): a draft model that
+    agrees with the target often but not always (both acceptance and rejection happen)."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.numel() > 1:
+                p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
+    return str(save_hf_model(draft, directory))
+
+
+@pytest.fixture(scope="module")
+def qwen3_draft(tiny_hf_checkpoints, tmp_path_factory):
+    model, _ = tiny_hf_checkpoints("qwen3")
+    return perturbed_draft(model, tmp_path_factory.mktemp("qwen3_draft"), scale=0.05, seed=1)
+
+
+@pytest.mark.parametrize("method", ["ngram", "group", "draft"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_greedy_unchanged_by_speculation(tiny_hf_checkpoints, method, page_size):
+def test_greedy_unchanged_by_speculation(tiny_hf_checkpoints, qwen3_draft, method, page_size):
     _, directory = tiny_hf_checkpoints("qwen3")
     g = torch.Generator().manual_seed(5)
     motif = torch.randint(0, 101, (5,), generator=g).tolist()
     prompts = [motif * 3 + torch.randint(0, 101, (k,), generator=g).tolist() for k in (1, 4, 9)]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=48, ignore_eos=True)
     plain = Engine(EngineConfig(model_path=str(directory), page_size=page_size)).generate(prompts, params)
-    engine = Engine(EngineConfig(model_path=str(directory), page_size=page_size, speculative_method=method))
+    engine = Engine(spec_config(method, qwen3_draft, model_path=str(directory), page_size=page_size))
     spec = engine.generate(prompts, params)
     engine.check_integrity()
-    assert engine.stats()["spec_accepted_tokens"] > 0
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] > 0
+    if method == "draft":   # the draft model disagrees with the target sometimes
+        assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     for a, b in zip(itertools.chain(*plain), itertools.chain(*spec)):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
@@ -144,3 +186,100 @@ def test_suffix_index_prefers_longest_latest_match():
     assert index.propose([6, 7, 8], 2) == [5, 6]         # the longest match, "6 7 8", beats the newer "7 8"
     assert index.propose([2, 7, 8], 2) == [1]            # for "7 8" the newest occurrence wins
     assert index.propose([3], 2) == []
+
+
+def test_draft_model_under_kv_pressure_with_aborts(tiny_hf_checkpoints, qwen3_draft):
+    """A draft KV pool far too small for every sequence: draft K/V is evicted and recomputed all
+    the time, target pages are preempted, requests are aborted; bookkeeping holds after every
+    step (both pools), nothing leaks, and greedy outputs equal plain decoding."""
+    _, directory = tiny_hf_checkpoints("qwen3")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(101) for _ in range(rng.randint(2, 20))] for _ in range(16)]
+    params = [SamplingParams(n=rng.choice([1, 2]), temperature=0.0, max_new_tokens=rng.randint(4, 30),
+                             ignore_eos=True) for _ in prompts]
+    plain = Engine(EngineConfig(model_path=str(directory), page_size=2)).generate(prompts, params)
+    engine = Engine(spec_config("draft", qwen3_draft, model_path=str(directory), page_size=2, kv_cache_tokens=160,
+                                max_running_requests=8, speculative_draft_kv_tokens=64))
+    ids = {engine.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
+    aborted, outputs = set(), {}
+    while engine.has_unfinished():
+        if rng.random() < 0.03:
+            victim = rng.choice([r for r in ids if r not in outputs])
+            engine.abort(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            outputs[out.request_id] = out.samples
+        engine.check_integrity()
+    stats = engine.stats()
+    assert engine.draft_model.evictions > 0 and stats["preemptions"] > 0, stats
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    assert engine.draft_model.pool.num_free_pages == engine.draft_model.pool.num_pages   # all forgotten
+    for request_id, i in ids.items():
+        for got, ref in zip(outputs[request_id], plain[i]):
+            if request_id in aborted and got.finish_reason == "abort":
+                assert got.token_ids == ref.token_ids[:len(got.token_ids)]
+            else:
+                assert got.token_ids == ref.token_ids, i
+
+
+def test_draft_model_config_errors(tiny_hf_checkpoints, tiny_vocab_draft, tmp_path):
+    _, directory = tiny_hf_checkpoints("qwen3")
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        EngineConfig(model_path=str(directory), speculative_method="draft")
+    with pytest.raises(ValueError, match="set it to 'draft'"):
+        EngineConfig(model_path=str(directory), speculative_method="group", speculative_draft_model_path="x")
+    with pytest.raises(FileNotFoundError, match="speculative_draft_model_path"):
+        Engine(spec_config("draft", str(tmp_path / "missing"), model_path=str(directory)))
+    with pytest.raises(ValueError, match="vocab_size 6 differs from the target's 101"):
+        Engine(spec_config("draft", tiny_vocab_draft, model_path=str(directory)))
+
+
+def test_backoff_pauses_drafting_after_failed_drafts():
+    backoff = DraftBackoff(min_acceptance=0.25, max_pause=8)
+    pattern = []
+    for _ in range(30):   # drafts that never land: pauses 1, 2, 4, 8, 8, ... steps
+        drafting = backoff.should_draft()
+        pattern.append(drafting)
+        if drafting:
+            backoff.record(drafted=4, accepted=0)
+    gaps = [len(run) for run in "".join("d" if d else "." for d in pattern).split("d")[1:-1]]
+    assert gaps == [1, 2, 4, 8, 8], pattern
+    while not backoff.should_draft():          # sit out the current pause
+        pass
+    backoff.record(drafted=4, accepted=1)      # a draft that lands ends the back-off
+    assert backoff.pause == 0 and backoff.should_draft()
+    never = DraftBackoff(min_acceptance=0.0)
+    never.record(drafted=4, accepted=0)
+    assert never.should_draft()
+
+
+def test_backoff_limits_wasted_drafts_on_a_near_uniform_model(tiny_vocab_model):
+    """On prompts whose n-grams never recur in what the model samples, lookup drafts keep failing;
+    with the back-off far fewer are verified than without it, and outputs keep their distribution
+    (the sampler's exactness is the chi-square test above)."""
+    _, directory = tiny_vocab_model
+    prompts = [PROMPT] * 8
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)
+    drafted = {}
+    for min_acceptance in (0.0, 0.5):
+        engine = Engine(EngineConfig(model_path=str(directory), speculative_method="group",
+                                     speculative_min_acceptance=min_acceptance))
+        engine.generate(prompts, params)
+        drafted[min_acceptance] = engine.stats()
+    assert drafted[0.5]["spec_backoff_steps"] > 0
+    assert drafted[0.5]["spec_verify_steps"] < 0.7 * drafted[0.0]["spec_verify_steps"], drafted
+
+
+def test_draft_model_pool_follows_release_and_resume(tiny_hf_checkpoints, qwen3_draft):
+    _, directory = tiny_hf_checkpoints("qwen3")
+    engine = Engine(spec_config("draft", qwen3_draft, model_path=str(directory), kv_cache_tokens=256))
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    first = engine.generate([[3, 1, 4, 1, 5]], params)
+    pool = engine.draft_model.pool
+    draft_bytes = 2 * pool.k.numel() * pool.k.element_size()
+    target_bytes = 2 * engine.pool.k.numel() * engine.pool.k.element_size()
+    assert engine.release_memory() == target_bytes + draft_bytes
+    assert not pool.allocated
+    engine.resume_memory()
+    assert engine.generate([[3, 1, 4, 1, 5]], params) == first
+    engine.check_integrity()
