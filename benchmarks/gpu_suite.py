@@ -1,18 +1,29 @@
-"""GPU suite, kernel part: checks the Triton kernels against the torch reference on the device,
-then times decode attention (Triton split-K vs the torch reference) against the HBM roofline.
+"""GPU suite (issue 6): one call that checks and times everything GPU-specific.
 
-    benchmarks/gpu_suite.sh              # on a CUDA machine; well under 8 minutes
+    benchmarks/gpu_suite.sh              # on a CUDA machine; under 8 minutes
     benchmarks/gpu_suite.sh --dry-run    # same code on CPU, TRITON_INTERPRET=1, tiny sizes
 
-Layout timed: one attention layer of Qwen2.5-0.5B (14 query heads, 2 KV heads, head_dim 64),
-bfloat16 pool, 16-token pages, one query token per sequence, at batch 1, 8 and 64:
-  plain  every sequence reads its own context of `context` tokens;
-  grpo   groups of 8 samples share a `context / 2`-token prompt prefix (cascade: read once per
-         group) and each reads its own `context / 2`-token suffix.
-Bytes are the K/V bytes the attention must read at least once (a shared prefix counts once);
-GB/s = bytes / kernel time, with L2 flushed before every timed call.
+Sections (`--sections` picks some; each is timed, and one that fails is reported, not fatal):
+* kernels: the Triton kernels against the torch reference on the device (exit 1 on a mismatch),
+  then decode attention (Triton split-K vs torch) against the HBM roofline. Layout: one attention
+  layer of Qwen2.5-0.5B (14 query heads, 2 KV heads, head_dim 64), bfloat16 pool, 16-token pages,
+  one query token per sequence, at batch 1, 8 and 64:
+    plain  every sequence reads its own context of `context` tokens;
+    grpo   groups of 8 samples share a `context / 2`-token prompt prefix (cascade: read once per
+           group) and each reads its own `context / 2`-token suffix.
+  Bytes are the K/V bytes the attention must read at least once (a shared prefix counts once);
+  GB/s = bytes / kernel time, with L2 flushed before every timed call.
+* engine_vs_hf: `rollout_throughput.py` on a Qwen2.5-0.5B-shaped random model in bfloat16: HF
+  `generate` vs the engine, radix cache on and off (GRPO workload: 32 prompts x 128 tokens, n = 8,
+  128 new tokens).
+* speculation: `speculative.py` at batch 8 (one prompt, n = 8): off vs group vs draft, accepted
+  length and speedup.
+* decode_roofline: `decode_roofline.py`: whole engine decode steps at batch 1, 8 and 64 against
+  (weight bytes + K/V bytes) / peak bandwidth, with the torch and the Triton attention backends.
+* weight_sync: `weight_sync.py --device cuda`: CUDA IPC colocated sync and NCCL broadcast, GB/s.
 
-Prints one JSON object; exits 1 if any kernel disagrees with the reference.
+Prints one JSON object (and rewrites `--json-out` after every section, so a run cut short by the
+time limit keeps what it measured); `--results-md` appends a dated summary to RESULTS.md.
 """
 
 from __future__ import annotations
@@ -36,11 +47,16 @@ PEAK_HBM_GBPS = (
 QWEN_05B = dict(num_heads=14, num_kv_heads=2, head_dim=64)
 
 
+SECTIONS = ("kernels", "engine_vs_hf", "speculation", "decode_roofline", "weight_sync")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny sizes (checks the script)")
-    p.add_argument("--context", type=int, default=None, help="tokens per sequence in the timings (default 4096)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence in the kernel timings (default 4096)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON object to this file")
+    p.add_argument("--results-md", type=Path, default=None, help="append a dated summary to this markdown file")
     return p.parse_args()
 
 
@@ -61,27 +77,133 @@ def main() -> int:
     if device.type == "cuda":
         # The reference's float32 matmuls must be IEEE float32, as on CPU.
         torch.backends.cuda.matmul.allow_tf32 = False
+    import triton
     report = {
-        "suite": "gpu_suite/kernels",
+        "suite": "gpu_suite",
         "dry_run": args.dry_run,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__,
+        "triton": triton.__version__,
+        "peak_hbm_gbps": peak_hbm_gbps(device),
+        "errors": {},
     }
-    import triton
-    report["triton"] = triton.__version__
-    report["peak_hbm_gbps"] = peak_hbm_gbps(device)
-
     started = time.perf_counter()
-    report["checks"] = run_checks(device, tiny=args.dry_run)
-    report["decode_attention"] = run_timings(device, tiny=args.dry_run, context=args.context,
-                                             peak_gbps=report["peak_hbm_gbps"])
+    for section in args.sections:
+        t0 = time.perf_counter()
+        try:
+            report[section] = SECTION_RUNNERS[section](device, args, report["peak_hbm_gbps"])
+        except Exception as e:   # one broken section must not cost the others' figures
+            report["errors"][section] = f"{type(e).__name__}: {e}"
+        report.setdefault("section_seconds", {})[section] = round(time.perf_counter() - t0, 1)
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(report) + "\n")
     report["seconds"] = round(time.perf_counter() - started, 1)
-    report["ok"] = all(c["ok"] for c in report["checks"])
+    kernel_checks = report.get("kernels", {}).get("checks", [])
+    report["ok"] = not report["errors"] and all(c["ok"] for c in kernel_checks)
     text = json.dumps(report)
     print(text)
     if args.json_out is not None:
         args.json_out.write_text(text + "\n")
+    if args.results_md is not None:
+        with args.results_md.open("a") as f:
+            f.write(markdown_summary(report))
     return 0 if report["ok"] else 1
+
+
+# -- sections ----------------------------------------------------------------------------------
+def benchmark(name: str):
+    """benchmarks/<name>.py as a module. Loaded by path under another name: `weight_sync.py` would
+    otherwise shadow the `weight_sync` package it imports."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def section_kernels(device, args, peak_gbps) -> dict:
+    return {"checks": run_checks(device, tiny=args.dry_run),
+            "decode_attention": run_timings(device, tiny=args.dry_run, context=args.context, peak_gbps=peak_gbps)}
+
+
+def section_engine_vs_hf(device, args, peak_gbps) -> dict:
+    rollout_throughput = benchmark("rollout_throughput")
+    if args.dry_run:
+        return rollout_throughput.main(["--quick"])
+    return rollout_throughput.main(["--device", str(device), "--dtype", "bfloat16", "--preset", "qwen2.5-0.5b"])
+
+
+def section_speculation(device, args, peak_gbps) -> dict:
+    speculative = benchmark("speculative")
+    if args.dry_run:
+        return speculative.main(["--prompts", "1", "--n", "2", "--prompt-len", "16", "--max-new-tokens", "8",
+                                 "--weight-std", "1.0", "--methods", "group", "draft"])
+    return speculative.main(["--device", str(device), "--dtype", "bfloat16", "--preset", "qwen2.5-0.5b",
+                             "--prompts", "1", "--n", "8", "--prompt-len", "128", "--max-new-tokens", "256",
+                             "--weight-std", "0.02", "1.0", "--methods", "group", "draft", "--draft-layers", "2"])
+
+
+def section_decode_roofline(device, args, peak_gbps) -> dict:
+    decode_roofline = benchmark("decode_roofline")
+    if args.dry_run:
+        return {"torch": decode_roofline.main(["--quick"])}
+    common = ["--device", str(device), "--dtype", "bfloat16", "--preset", "qwen2.5-0.5b", "--batch", "1", "8", "64",
+              "--context", "1024", *(["--peak-gbps", str(peak_gbps)] if peak_gbps else [])]
+    return {backend: decode_roofline.main([*common, "--attention-backend", backend]) for backend in ("torch", "triton")}
+
+
+def section_weight_sync(device, args, peak_gbps) -> dict:
+    weight_sync = benchmark("weight_sync")
+    if args.dry_run:
+        return weight_sync.main(["--hidden", "64", "--layers", "2", "--vocab", "512", "--syncs", "2"])
+    return weight_sync.main(["--device", str(device)])
+
+
+SECTION_RUNNERS = {"kernels": section_kernels, "engine_vs_hf": section_engine_vs_hf,
+                   "speculation": section_speculation, "decode_roofline": section_decode_roofline,
+                   "weight_sync": section_weight_sync}
+
+
+def markdown_summary(report: dict) -> str:
+    """A dated RESULTS.md section with the suite's headline figures."""
+    import datetime
+
+    lines = [f"\n## {datetime.date.today()} · {report['device']} · `benchmarks/gpu_suite.sh`"
+             + (" (dry run)" if report["dry_run"] else ""), ""]
+    kernels = report.get("kernels")
+    if kernels:
+        checks = kernels["checks"]
+        lines.append(f"Kernel checks: {sum(c['ok'] for c in checks)} / {len(checks)} agree with the torch reference.")
+        lines += ["", "| decode attention | batch | Triton ms | torch ms | Triton GB/s | of peak |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['kind']} | {r['batch']} | {r['triton_ms']} | {r['torch_ms']} | {r['triton_gbps']} | "
+                  f"{r['triton_frac_of_peak']} |" for r in kernels["decode_attention"]]
+    engine = report.get("engine_vs_hf")
+    if engine:
+        lines += ["", f"Engine vs HF generate ({engine['model'].get('preset') or 'tiny'}, {engine['model']['dtype']}): "
+                  f"HF {engine['hf_tokens_per_s']:.0f} tok/s, engine {engine['engine_tokens_per_s']:.0f} tok/s "
+                  f"(**{engine['ratio_engine_vs_hf']:.2f}x**), radix off {engine['engine_no_radix_tokens_per_s']:.0f} "
+                  f"tok/s ({engine['ratio_engine_no_radix_vs_hf']:.2f}x)."]
+    spec = report.get("speculation")
+    if spec:
+        lines += ["", "| speculation | method | tokens/s | speedup | accepted length |", "|---|---|---|---|---|"]
+        for model, rows in spec["models"].items():
+            lines += [f"| {model} | {m} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f} | "
+                      f"{r.get('accepted_length', '-')} |" for m, r in rows.items()]
+    roofline = report.get("decode_roofline")
+    if roofline:
+        lines += ["", "| decode step | attention | batch | context | step ms | roofline ms | of roofline |",
+                  "|---|---|---|---|---|---|---|"]
+        for backend, result in roofline.items():
+            lines += [f"| {result['preset']} | {backend} | {r['batch']} | {r['context']} | {r['step_ms']} | "
+                      f"{r.get('roofline_ms', '-')} | {r.get('frac_of_roofline', '-')} |" for r in result["rows"]]
+    sync = report.get("weight_sync")
+    if sync:
+        lines += ["", "Weight sync: " + json.dumps({k: v for k, v in sync.items() if not isinstance(v, (dict, list))})]
+    for section, error in report["errors"].items():
+        lines += ["", f"Section `{section}` failed: {error}"]
+    lines += ["", f"Suite wall time {report['seconds']} s; sections: {report.get('section_seconds')}.", ""]
+    return "\n".join(lines)
 
 
 def peak_hbm_gbps(device) -> float | None:

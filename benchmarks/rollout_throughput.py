@@ -27,12 +27,30 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout.random_checkpoint import QWEN25_05B  # noqa: E402
+
 STAT_KEYS = ("prefill_tokens_computed", "prefix_cache_hit_tokens", "generated_tokens", "decode_steps",
              "preemptions", "evicted_tokens")
 
 
+def _shape_flags(hf_config: dict) -> dict:
+    return dict(hidden_size=hf_config["hidden_size"], layers=hf_config["num_hidden_layers"],
+                heads=hf_config["num_attention_heads"], kv_heads=hf_config["num_key_value_heads"],
+                intermediate_size=hf_config["intermediate_size"], vocab_size=hf_config["vocab_size"])
+
+
+# Model shapes by name: the shape flags they set.
+PRESETS = {"qwen2.5-0.5b": _shape_flags(QWEN25_05B)}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="model shape preset (overrides the shape flags), e.g. qwen2.5-0.5b for the GPU suite")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where both HF and the engine run")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -56,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="timed rounds, each running every system once (interleaved, so load from other "
                          "processes hits all alike); the fastest round of each system is reported")
     args = ap.parse_args(argv)
+    for key, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, key, value)
     if args.quick:
         args.prompts, args.prompt_len, args.n, args.new_tokens = 4, 32, 4, 16
     return args
@@ -71,19 +91,26 @@ def build_model(args, directory: Path):
         max_position_embeddings=max(512, args.prompt_len + args.new_tokens + 64),
         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
     torch.manual_seed(args.seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).eval()
     model.save_pretrained(directory, safe_serialization=True)
-    return model
+    return model.to(args.device)
 
 
 @torch.inference_mode()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_hf(model, prompts: list[list[int]], n: int, new_tokens: int) -> tuple[float, int]:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=n, top_k=0,
                   top_p=1.0, temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   pad_token_id=0)
+    _sync(model.device)
     t0 = time.perf_counter()
     out = model.generate(ids, **kwargs)
+    _sync(model.device)
     seconds = time.perf_counter() - t0
     generated = out.shape[0] * (out.shape[1] - ids.shape[1])
     assert out.shape[0] == len(prompts) * n and out.shape[1] - ids.shape[1] == new_tokens, out.shape
@@ -120,7 +147,8 @@ def main(argv=None) -> dict:
                          new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, quick=args.quick),
         "model": dict(architecture="Qwen2ForCausalLM", hidden_size=args.hidden_size, layers=args.layers,
                       heads=args.heads, kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
-                      vocab_size=args.vocab_size, dtype="float32"),
+                      vocab_size=args.vocab_size, dtype=args.dtype, preset=args.preset),
+        "device": args.device,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
@@ -138,7 +166,7 @@ def main(argv=None) -> dict:
                                 max_new_tokens=args.new_tokens, ignore_eos=True)
         engines = {}
         for key, radix in (("engine", True), ("engine_no_radix", False)):
-            engines[key] = Engine(EngineConfig(model_path=tmp, device="cpu", dtype="float32",
+            engines[key] = Engine(EngineConfig(model_path=tmp, device=args.device, dtype=args.dtype,
                                                kv_cache_tokens=kv_tokens, page_size=args.page_size,
                                                max_running_requests=args.max_running_requests,
                                                enable_prefix_cache=radix, seed=args.seed))

@@ -24,6 +24,13 @@ TINY_QWEN2: dict[str, Any] = dict(
     hidden_act="silu", eos_token_id=0, torch_dtype="float32",
 )
 
+# Qwen2.5-0.5B's shape (24 layers, 14 query / 2 KV heads of 64, vocab 151 936, tied): GPU benchmarks.
+QWEN25_05B: dict[str, Any] = {
+    **TINY_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+
 
 def write_random_checkpoint(directory: str | Path, hf_config: dict[str, Any], seed: int = 0,
                             std: float = 0.02, dtype: torch.dtype = torch.float32) -> Path:
