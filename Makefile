@@ -14,5 +14,9 @@ train: env
 test: env
 	$(PY) -m pytest -q
 
+# The CPU benchmarks, one JSON object each (minutes on 2 cores; see benchmarks/RESULTS.md).
 bench: env
 	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/speculative.py
+	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/train_throughput.py
