@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
     ap.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    ap.add_argument("--decode-graphs", default="auto", choices=["auto", "on", "off"],
+                    help="static-shape decode steps (CUDA graphs on a GPU); auto: on with triton on CUDA")
     ap.add_argument("--peak-gbps", type=float, default=None, help="peak memory bandwidth (GB/s) of the device")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model, small sizes")
     args = ap.parse_args(argv)
@@ -63,7 +65,8 @@ def measure(model_dir: str, args, batch: int) -> dict:
     engine = Engine(EngineConfig(model_path=model_dir, device=args.device, dtype=args.dtype,
                                  kv_cache_tokens=batch * (args.context + max_new + 16), max_running_requests=batch,
                                  max_prefill_tokens=max(4096, args.context), max_model_len=args.context + max_new + 16,
-                                 attention_backend=args.attention_backend))
+                                 attention_backend=args.attention_backend,
+                                 decode_graphs={"auto": None, "on": True, "off": False}[args.decode_graphs]))
     g = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     for _ in range(batch):
@@ -89,7 +92,9 @@ def measure(model_dir: str, args, batch: int) -> dict:
     kv_bytes = batch * mean_context * KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.dtype)
     weight_bytes = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
                        if "embed_tokens" not in name or mc.tie_word_embeddings)
-    row = {"batch": batch, "context": round(mean_context, 1), "step_ms": round(step_s * 1e3, 3),
+    graphs = engine.decode_graphs
+    row = {"batch": batch, "decode_graphs": graphs is not None and graphs.replays > 0,
+           "context": round(mean_context, 1), "step_ms": round(step_s * 1e3, 3),
            "weight_bytes": weight_bytes, "kv_bytes": int(kv_bytes),
            "achieved_gbps": round((weight_bytes + kv_bytes) / step_s / 1e9, 1)}
     if args.peak_gbps:
@@ -101,7 +106,8 @@ def measure(model_dir: str, args, batch: int) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     report = {"device": args.device, "dtype": args.dtype, "preset": args.preset,
-              "attention_backend": args.attention_backend, "peak_gbps": args.peak_gbps, "rows": []}
+              "attention_backend": args.attention_backend, "decode_graphs": args.decode_graphs,
+              "peak_gbps": args.peak_gbps, "rows": []}
     with tempfile.TemporaryDirectory() as model_dir:
         write_random_checkpoint(model_dir, PRESETS[args.preset], seed=0, dtype=getattr(torch, args.dtype))
         for batch in args.batch:

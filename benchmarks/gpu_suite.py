@@ -18,8 +18,11 @@ Sections (`--sections` picks some; each is timed, and one that fails is reported
   128 new tokens).
 * speculation: `speculative.py` at batch 8 (one prompt, n = 8): off vs group vs draft, accepted
   length and speedup.
+* decode_graphs: greedy decoding with static-shape steps captured as CUDA graphs vs the dynamic
+  path, float32, same weights: tokens equal, log-probs within 1e-4 (exit 1 otherwise).
 * decode_roofline: `decode_roofline.py`: whole engine decode steps at batch 1, 8 and 64 against
-  (weight bytes + K/V bytes) / peak bandwidth, with the torch and the Triton attention backends.
+  (weight bytes + K/V bytes) / peak bandwidth: torch attention, Triton with CUDA graphs, Triton
+  without.
 * weight_sync: `weight_sync.py --device cuda`: CUDA IPC colocated sync and NCCL broadcast, GB/s.
 
 Prints one JSON object (and rewrites `--json-out` after every section, so a run cut short by the
@@ -47,7 +50,7 @@ PEAK_HBM_GBPS = (
 QWEN_05B = dict(num_heads=14, num_kv_heads=2, head_dim=64)
 
 
-SECTIONS = ("kernels", "engine_vs_hf", "speculation", "decode_roofline", "weight_sync")
+SECTIONS = ("kernels", "decode_graphs", "engine_vs_hf", "speculation", "decode_roofline", "weight_sync")
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,7 +102,8 @@ def main() -> int:
             args.json_out.write_text(json.dumps(report) + "\n")
     report["seconds"] = round(time.perf_counter() - started, 1)
     kernel_checks = report.get("kernels", {}).get("checks", [])
-    report["ok"] = not report["errors"] and all(c["ok"] for c in kernel_checks)
+    report["ok"] = (not report["errors"] and all(c["ok"] for c in kernel_checks)
+                    and report.get("decode_graphs", {}).get("ok", True))
     text = json.dumps(report)
     print(text)
     if args.json_out is not None:
@@ -150,7 +154,41 @@ def section_decode_roofline(device, args, peak_gbps) -> dict:
         return {"torch": decode_roofline.main(["--quick"])}
     common = ["--device", str(device), "--dtype", "bfloat16", "--preset", "qwen2.5-0.5b", "--batch", "1", "8", "64",
               "--context", "1024", *(["--peak-gbps", str(peak_gbps)] if peak_gbps else [])]
-    return {backend: decode_roofline.main([*common, "--attention-backend", backend]) for backend in ("torch", "triton")}
+    variants = {"torch": ["--attention-backend", "torch"],
+                "triton+graphs": ["--attention-backend", "triton", "--decode-graphs", "on"],
+                "triton": ["--attention-backend", "triton", "--decode-graphs", "off"]}
+    return {name: decode_roofline.main([*common, *flags]) for name, flags in variants.items()}
+
+
+def section_decode_graphs(device, args, peak_gbps) -> dict:
+    """Greedy decoding with static-shape steps (CUDA graphs on a GPU) against the dynamic path, in
+    float32 on the same weights: tokens must match and log-probs agree to 1e-4."""
+    import tempfile
+
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint
+
+    backend = "torch" if args.dry_run else "triton"
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, TINY_QWEN2["vocab_size"], (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 40, (12,), generator=g)]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=32, ignore_eos=True)
+    outs, replays = {}, 0
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_random_checkpoint(model_dir, TINY_QWEN2, seed=0, std=0.1)
+        for graphs in (False, True):
+            engine = Engine(EngineConfig(model_path=model_dir, device=str(device), max_model_len=256,
+                                         attention_backend=backend, decode_graphs=graphs))
+            outs[graphs] = [s for per in engine.generate(prompts, params) for s in per]
+            replays = engine.decode_graphs.replays if graphs else replays
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs[False], outs[True]))
+    diff = max(abs(x - y) for a, b in zip(outs[False], outs[True]) for x, y in zip(a.logprobs, b.logprobs))
+    ok = same == len(outs[False]) and diff < 1e-4 and replays > 0
+    return {"ok": ok, "backend": backend, "captured": device.type == "cuda", "samples": len(outs[False]),
+            "identical_samples": same, "max_logprob_diff": diff, "static_steps": replays}
+
 
 
 def section_weight_sync(device, args, peak_gbps) -> dict:
@@ -160,7 +198,8 @@ def section_weight_sync(device, args, peak_gbps) -> dict:
     return weight_sync.main(["--device", str(device)])
 
 
-SECTION_RUNNERS = {"kernels": section_kernels, "engine_vs_hf": section_engine_vs_hf,
+SECTION_RUNNERS = {"kernels": section_kernels, "decode_graphs": section_decode_graphs,
+                   "engine_vs_hf": section_engine_vs_hf,
                    "speculation": section_speculation, "decode_roofline": section_decode_roofline,
                    "weight_sync": section_weight_sync}
 
@@ -178,6 +217,11 @@ def markdown_summary(report: dict) -> str:
         lines += ["", "| decode attention | batch | Triton ms | torch ms | Triton GB/s | of peak |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['kind']} | {r['batch']} | {r['triton_ms']} | {r['torch_ms']} | {r['triton_gbps']} | "
                   f"{r['triton_frac_of_peak']} |" for r in kernels["decode_attention"]]
+    graphs = report.get("decode_graphs")
+    if graphs:
+        lines += ["", f"Decode graphs ({graphs['backend']} attention, captured: {graphs['captured']}): "
+                  f"{graphs['identical_samples']} / {graphs['samples']} greedy samples identical to the dynamic "
+                  f"path, log-probs within {graphs['max_logprob_diff']:.1e}, {graphs['static_steps']} static steps."]
     engine = report.get("engine_vs_hf")
     if engine:
         lines += ["", f"Engine vs HF generate ({engine['model'].get('preset') or 'tiny'}, {engine['model']['dtype']}): "
@@ -192,7 +236,7 @@ def markdown_summary(report: dict) -> str:
                       f"{r.get('accepted_length', '-')} |" for m, r in rows.items()]
     roofline = report.get("decode_roofline")
     if roofline:
-        lines += ["", "| decode step | attention | batch | context | step ms | roofline ms | of roofline |",
+        lines += ["", "| decode step | variant | batch | context | step ms | roofline ms | of roofline |",
                   "|---|---|---|---|---|---|---|"]
         for backend, result in roofline.items():
             lines += [f"| {result['preset']} | {backend} | {r['batch']} | {r['context']} | {r['step_ms']} | "

@@ -56,6 +56,10 @@ class EngineConfig:
     """torch backend: keep each decoding sequence's private suffix K/V in a persistent float32
     buffer updated in place, instead of gathering it from the pool every step (same results;
     memory bounded by the pool's size). Off: gather every step."""
+    decode_graphs: bool | None = None
+    """Pure decode steps at static shapes (`rollout.decode_graphs`): captured as CUDA graphs on a
+    GPU. None: on with attention_backend="triton" on CUDA. True elsewhere runs the same static
+    function eagerly (tests); it turns suffix lanes off."""
     speculative_method: str | None = None
     """None (off), "ngram" (prompt lookup in the sequence itself), "group" (also the other
     samples and earlier completions of the same prompt) or "draft" (a smaller model with the same
@@ -111,6 +115,8 @@ class EngineConfig:
                  "must be a positive int or None")
         _require(isinstance(self.speculative_min_acceptance, (int, float)) and 0 <= self.speculative_min_acceptance <= 1,
                  f"EngineConfig.speculative_min_acceptance={self.speculative_min_acceptance!r}: must be in [0, 1]")
+        _require(self.decode_graphs in (None, True, False),
+                 f"EngineConfig.decode_graphs={self.decode_graphs!r}: must be true, false or null (auto)")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"EngineConfig.attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
         _require(self.attention_backend != "triton" or self.device.startswith("cuda"),

@@ -23,6 +23,7 @@ from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner
 from rollout.scheduler import Scheduler
 from rollout.sequence import Request, RequestOutput, SampleOutput
+from rollout.decode_graphs import DecodeGraphs
 from rollout.draft_model import DraftModelProposer
 from rollout.speculative import Proposer
 from rollout.suffix_lanes import SuffixLanes
@@ -57,9 +58,12 @@ class Engine:
         self._uncommitted_update = False
 
         self.draft_model: DraftModelProposer | None = None    # speculative_method="draft"
+        use_graphs = (config.decode_graphs if config.decode_graphs is not None
+                      else self.device.type == "cuda" and config.attention_backend == "triton")
         self.pool = KVPool(num_layers=self.model_config.num_layers, num_pages=self._num_pages(),
                            page_size=config.page_size, num_kv_heads=self.model_config.num_kv_heads,
-                           head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device)
+                           head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
+                           scratch_page=use_graphs)
         self.scheduler = Scheduler(pool=self.pool, max_running_requests=config.max_running_requests,
                                    max_prefill_tokens=config.max_prefill_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids,
@@ -71,7 +75,7 @@ class Engine:
             from rollout.kernels import TritonAttention   # lazy: triton decides interpret vs compile at import
             attention = TritonAttention(self.pool)
         else:
-            if config.decode_suffix_lanes:
+            if config.decode_suffix_lanes and not use_graphs:   # static steps would not update lanes
                 # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in model dtype).
                 lane_bytes = torch.empty((), dtype=accum_dtype(self.dtype)).element_size()
                 max_tokens = self.pool.num_slots * self.pool.k.element_size() // lane_bytes
@@ -79,6 +83,8 @@ class Engine:
             attention = TorchAttention(self.pool, self.suffix_lanes)
         self.runner = ModelRunner(self.model, attention, self.scheduler.slot_table, config.page_size,
                                   self.suffix_lanes)
+        self.decode_graphs = (DecodeGraphs(self.model, attention, self.pool, self.scheduler.slot_table,
+                                           config.max_running_requests) if use_graphs else None)
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()
@@ -166,7 +172,10 @@ class Engine:
             self.scheduler.abort(request_id)
         batch = self.scheduler.schedule()
         if not batch.empty:
-            logits = self.runner.run(batch)
+            if self.decode_graphs is not None and self.decode_graphs.accepts(batch):
+                logits = self.decode_graphs.run(batch.decode)
+            else:
+                logits = self.runner.run(batch)
             self.scheduler.finish_step(batch, logits)
         elif self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (engine bug)")
@@ -245,6 +254,8 @@ class Engine:
                 self.suffix_lanes.release()
         if self.draft_model is not None:
             released += self.draft_model.release()
+        if self.decode_graphs is not None:   # graphs hold the addresses of what is freed here
+            self.decode_graphs.reset()
         if weights and self._weights_reloaded is None:
             for p in self.model.parameters():
                 released += p.numel() * p.element_size()

@@ -13,9 +13,12 @@ import torch
 
 class KVPool:
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, scratch_page: bool = False):
         self.num_layers = num_layers
         self.num_pages = num_pages
+        # One more page past the allocatable ones, never handed out: static-shape decode steps
+        # (rollout.decode_graphs) point their padding rows at it.
+        self.scratch_page = num_pages if scratch_page else None
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -39,7 +42,8 @@ class KVPool:
         return self.k is not None
 
     def allocate(self) -> None:
-        shape = (self.num_layers, self.num_kv_heads, self.num_slots, self.head_dim)
+        pages = self.num_pages + (self.scratch_page is not None)
+        shape = (self.num_layers, self.num_kv_heads, pages * self.page_size, self.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # Zeros, not empty: padded attention reads slot 0 with weight 0, and 0 * NaN would be NaN.
