@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from weight_sync.checksum import algorithm_for, checksum
+from weight_sync.checksum import algorithm_for, checksum, copy_with_checksum
 
 
 class TensorEntry(NamedTuple):
@@ -97,12 +97,12 @@ class BucketPacker:
         element = torch.empty((), dtype=dtype).element_size()
         total = sum(t.numel() for _, t in items)
         buffer = self._buffer(dtype, max(total, self.bucket_bytes // element))
-        algorithm = algorithm_for(buffer)
+        algorithm = algorithm_for(buffer) if self.verify else "none"
         entries, offset = [], 0
         for name, tensor in items:
             region = buffer[offset:offset + tensor.numel()]
-            region.copy_(tensor.reshape(-1))
+            # The checksum is of the bucket's bytes as written (on CPU: computed while copying).
             entries.append(TensorEntry(name, tuple(tensor.shape), offset, tensor.numel(),
-                                       checksum(region, algorithm) if self.verify else 0))
+                                       copy_with_checksum(region, tensor, algorithm)))
             offset += tensor.numel()
-        return buffer, Manifest(dtype, offset, tuple(entries), algorithm if self.verify else "none")
+        return buffer, Manifest(dtype, offset, tuple(entries), algorithm)
