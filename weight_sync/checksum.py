@@ -44,13 +44,15 @@ _PRIME = 65521
 P1, M1, M2, P4 = 0x9E3779B97F4A7C15, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F165667C5
 _MASK64 = (1 << 64) - 1
 
-# Large tensors are copied/hashed in chunks of about _CHUNK_BYTES that the calling thread and up
-# to _THREADS - 1 helpers claim one at a time: one core alone does not saturate this box's memory
-# bandwidth (wxh64 over DRAM: 1 thread 13 GB/s, 2 threads 22 GB/s), and claiming chunks instead of
-# taking fixed halves keeps a helper that the OS has not scheduled off the critical path (on a
+# A bucket's tensors are copied/hashed as one job: cut into pieces of at most _PIECE_BYTES that
+# the calling thread and up to _THREADS - 1 helpers claim one at a time. One core alone does not
+# saturate this box's memory bandwidth (wxh64 over DRAM: 1 thread 13 GB/s, 2 threads 22 GB/s);
+# one job per bucket wakes the helpers once, not once per tensor, and claiming pieces instead of
+# taking fixed halves keeps a helper that the OS has not scheduled yet off the critical path (on a
 # busy 2-core box a fixed split, like torch's two-thread copy_, can run 4x slower than one thread).
 _THREADS = max(1, min(4, os.cpu_count() or 1))
-_CHUNK_BYTES = 4 << 20
+_PIECE_BYTES = 2 << 20
+_INLINE_BYTES = 1 << 20          # smaller jobs are not worth waking a helper for
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -62,15 +64,9 @@ def algorithm_for(tensor: torch.Tensor) -> str:
 
 def checksum(tensor: torch.Tensor, algorithm: str | None = None) -> int:
     algorithm = algorithm or algorithm_for(tensor)
-    flat = tensor.detach().reshape(-1)
     if algorithm == "wxh64":
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        flat = flat.contiguous()
-        nbytes = flat.numel() * flat.element_size()
-        if native.kernel() is None:
-            return wxh64_reference(flat.view(torch.uint8).numpy())
-        return _finalize(_native_sum(flat.data_ptr(), None, nbytes), nbytes)
+        return checksums([tensor], algorithm)[0]
+    flat = tensor.detach().reshape(-1)
     if algorithm == "xxh3":
         if flat.device.type != "cpu":
             flat = flat.cpu()
@@ -80,68 +76,115 @@ def checksum(tensor: torch.Tensor, algorithm: str | None = None) -> int:
     raise ValueError(f"unknown checksum algorithm {algorithm!r}")
 
 
+def checksums(tensors: list[torch.Tensor], algorithm: str) -> list[int]:
+    """checksum(t, algorithm) for each tensor; for wxh64, one multi-threaded pass over them all."""
+    if algorithm != "wxh64":
+        return [checksum(t, algorithm) for t in tensors]
+    flats = [_cpu_contiguous(t) for t in tensors]
+    if native.kernel() is None:   # a receiver without the kernel still verifies, slowly
+        return [wxh64_reference(f.view(torch.uint8).numpy()) for f in flats]
+    sizes = [f.numel() * f.element_size() for f in flats]
+    sums = _native_job([(f.data_ptr(), None, n) for f, n in zip(flats, sizes)])
+    return [_finalize(v, n) for v, n in zip(sums, sizes)]
+
+
+def copy_with_checksums(pairs: list[tuple[torch.Tensor, torch.Tensor]], algorithm: str) -> list[int]:
+    """dst.copy_(src) for each (dst, src), dst a 1-D tensor of src's numel and dtype, and the
+    checksum of the bytes copied (0 for algorithm "none"). On CPU with the native kernel: one pass
+    over the bytes (hashed as they stream, stored past the cache: the receiver reads them next,
+    not this core), all pairs in one multi-threaded job. Elsewhere: copy, then hash the copy."""
+    on_cpu = algorithm in ("wxh64", "none") and any(dst.device.type == "cpu" for dst, _ in pairs)
+    lib = native.kernel() if on_cpu else None      # GPU buffers: the torch copy + wsum64, as before
+    results: list[int] = [0] * len(pairs)
+    segments, slots = [], []
+    for i, (dst, src) in enumerate(pairs):
+        if (lib is not None and dst.device.type == "cpu" and src.device.type == "cpu" and src.dtype == dst.dtype
+                and src.is_contiguous() and dst.is_contiguous()):
+            segments.append((src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size()))
+            slots.append(i)
+        else:
+            dst.copy_(src.reshape(-1))
+            if algorithm != "none":
+                results[i] = checksum(dst, algorithm)
+    if segments:
+        sums = _native_job(segments)
+        if algorithm == "wxh64":
+            for i, v, (_, _, n) in zip(slots, sums, segments):
+                results[i] = _finalize(v, n)
+    return results
+
+
 def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, algorithm: str) -> int:
-    """dst.copy_(src) for a 1-D `dst` of src's numel and dtype, and the checksum of the copied
-    bytes (0 for algorithm "none"). One pass over the bytes where the native kernel can do it."""
-    if (dst.device.type == "cpu" and src.device.type == "cpu" and algorithm in ("wxh64", "none")
-            and src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
-            and native.kernel() is not None):
-        nbytes = src.numel() * src.element_size()
-        # Streaming stores: the bucket is read next by the receiver, not by this core.
-        v = _native_sum(src.data_ptr(), dst.data_ptr(), nbytes)
-        return _finalize(v, nbytes) if algorithm == "wxh64" else 0
-    dst.copy_(src.reshape(-1))
-    return 0 if algorithm == "none" else checksum(dst, algorithm)
+    return copy_with_checksums([(dst, src)], algorithm)[0]
 
 
-def _native_sum(src: int, dst: int | None, nbytes: int) -> int:
-    """wxh64's V over [src, src + nbytes), copying to dst (streaming stores) if given."""
+def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    return (flat if flat.device.type == "cpu" else flat.cpu()).contiguous()
+
+
+def _native_job(segments: list[tuple[int, int | None, int]]) -> list[int]:
+    """wxh64's partial sum V of each (src, dst or None, nbytes) segment, copying src to dst where
+    dst is given. Segments are cut at multiples of 64 bytes (whole words and cache lines); a piece
+    at byte `start` of its segment begins at word start / 8."""
     lib = native.kernel()
-    chunks = max(1, nbytes // _CHUNK_BYTES)
-    if chunks == 1 or _THREADS == 1:
-        return lib.wxh64_sum(src, nbytes, 0) if dst is None else lib.wxh64_copy_sum(src, dst, nbytes, 0, 1)
-    # Cut at multiples of 64 bytes (whole words and cache lines); chunk k starts at word cuts[k] / 8.
-    cuts = [nbytes * k // chunks // 64 * 64 for k in range(chunks)] + [nbytes]
-    return _ChunkedJob(lib, src, dst, cuts).run()
-
-
-class _ChunkedJob:
-    def __init__(self, lib, src: int, dst: int | None, cuts: list[int]):
-        self.lib, self.src, self.dst, self.cuts = lib, src, dst, cuts
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.next = 0
-        self.remaining = len(cuts) - 1
-        self.total = 0
-
-    def work(self) -> None:
-        lib, src, dst, cuts = self.lib, self.src, self.dst, self.cuts
-        while True:
-            with self.lock:
-                k = self.next
-                if k >= len(cuts) - 1:
-                    return
-                self.next = k + 1
-            start, size = cuts[k], cuts[k + 1] - cuts[k]
-            if dst is None:
-                v = lib.wxh64_sum(src + start, size, start // 8)
-            else:
-                v = lib.wxh64_copy_sum(src + start, dst + start, size, start // 8, 1)
-            with self.lock:
-                self.total = (self.total + v) & _MASK64
-                self.remaining -= 1
-                if self.remaining == 0:
-                    self.done.set()
-
-    def run(self) -> int:
+    pieces = []
+    for index, (_, _, nbytes) in enumerate(segments):
+        count = max(1, -(-nbytes // _PIECE_BYTES))
+        cuts = [nbytes * k // count // 64 * 64 for k in range(count)] + [nbytes]
+        pieces.extend((index, cuts[k], cuts[k + 1] - cuts[k]) for k in range(count))
+    job = _Job(lib, segments, pieces)
+    total = sum(n for _, _, n in segments)
+    helpers = 0 if total < _INLINE_BYTES else min(_THREADS - 1, len(pieces) - 1)
+    if helpers:
         global _pool
         if _pool is None:
             _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="wxh64")
-        for _ in range(min(_THREADS - 1, len(self.cuts) - 2)):
-            _pool.submit(self.work)
-        self.work()
-        self.done.wait()     # late helpers find no chunk left and return; nobody waits for them
-        return self.total
+        for _ in range(helpers):
+            _pool.submit(job.work)
+    job.work()
+    job.done.wait()      # late helpers find no piece left and return; nobody waits for them
+    if job.error is not None:
+        raise job.error
+    return job.sums
+
+
+class _Job:
+    def __init__(self, lib, segments, pieces):
+        self.lib, self.segments, self.pieces = lib, segments, pieces
+        self.sums = [0] * len(segments)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.next = 0
+        self.remaining = len(pieces)
+        self.error: BaseException | None = None
+        if not pieces:
+            self.done.set()
+
+    def work(self) -> None:
+        lib, segments, pieces = self.lib, self.segments, self.pieces
+        while True:
+            with self.lock:
+                k = self.next
+                if k >= len(pieces):
+                    return
+                self.next = k + 1
+            index, start, size = pieces[k]
+            src, dst, _ = segments[index]
+            try:
+                if dst is None:
+                    v = lib.wxh64_sum(src + start, size, start // 8)
+                else:
+                    v = lib.wxh64_copy_sum(src + start, dst + start, size, start // 8, 1)
+            except BaseException as e:   # noqa: BLE001 -- handed to the caller, who waits on `done`
+                self.error = e
+                self.done.set()
+                return
+            with self.lock:
+                self.sums[index] = (self.sums[index] + v) & _MASK64
+                self.remaining -= 1
+                if self.remaining == 0:
+                    self.done.set()
 
 
 def _fmix64(k: int) -> int:
