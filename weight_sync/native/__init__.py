@@ -56,7 +56,13 @@ def _build(cc: str) -> Path:
     target = _cache_dir() / f"wxh64-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:   # read-only home: a per-user directory under the system temp dir
+        target = Path(tempfile.gettempdir()) / f"miles_like_native_{os.getuid()}" / target.name
+        if target.exists():
+            return target
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent first users (sender and receiver) race safely.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
