@@ -6,8 +6,9 @@ manifest so both sides compute the same one:
 * ``wxh64`` (CPU tensors, the default where a C compiler exists): a sum of keyed, bijectively
   mixed 64-bit words with a final avalanche (spec below). The native kernel (native/wxh64.c)
   computes it while it copies a tensor into its bucket: one read and one write per byte instead
-  of a copy followed by a second read to hash. Large tensors are split across threads (ctypes
-  releases the GIL). `wxh64_reference` is an independent numpy implementation.
+  of a copy followed by a second read to hash. A bucket's tensors are hashed (or copied and
+  hashed) as one job split across threads (ctypes releases the GIL). `wxh64_reference` is an
+  independent numpy implementation.
 * ``xxh3`` (CPU tensors without the native kernel): XXH3-64 of the raw bytes via python-xxhash,
   ~9-14 GB/s on one core here, computed in a separate pass after the copy.
 * ``wsum64`` (GPU tensors): sum(w_i * (i mod 65521 + 1)) + sum(w_i) over the 16-bit words w_i,
