@@ -32,6 +32,7 @@ from rollout import Engine, EngineConfig  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.weights import iter_safetensors  # noqa: E402
 from weight_sync import BroadcastReceiver, BroadcastSender, BucketReceiver, ColocatedSender, SyncGroup  # noqa: E402
+from weight_sync.checksum import algorithm_for  # noqa: E402
 
 
 def _config(args) -> dict:
@@ -139,6 +140,7 @@ def main() -> None:
     parser.add_argument("--skip-broadcast", action="store_true")
     args = parser.parse_args()
     bucket_bytes = args.bucket_mb << 20
+    loadavg = [os.getloadavg()]   # the box is shared: a figure means little without its load
     with tempfile.TemporaryDirectory() as model_dir:
         write_random_checkpoint(model_dir, _config(args))
         weights = _trainer_weights(model_dir)
@@ -171,6 +173,8 @@ def main() -> None:
         "colocated_no_checksum": {**colocated_noverify, "GBps": gb / colocated_noverify["total_s"],
                                   "x_copy": colocated_noverify["total_s"] / best_copy},
         "copy_s_before_after": copy_s,
+        "checksum_algorithm": algorithm_for(torch.empty(1)),
+        "loadavg_1_5_15_start_end": loadavg + [os.getloadavg()],
         "broadcast": broadcast and {**broadcast, "GBps": gb / broadcast["total_s"],
                                     "x_copy": broadcast["total_s"] / best_copy},
     }, indent=2))

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from weight_sync.checksum import algorithm_for, checksum
+from weight_sync.checksum import algorithm_for, checksums, copy_with_checksums
 
 
 class TensorEntry(NamedTuple):
@@ -42,8 +42,8 @@ def unpack(buffer: torch.Tensor, manifest: Manifest) -> Iterator[tuple[str, torc
 
 def corrupted_tensors(buffer: torch.Tensor, manifest: Manifest) -> list[str]:
     """Names of the tensors whose checksum in `buffer` differs from the manifest's."""
-    return [e.name for e in manifest.entries
-            if checksum(buffer[e.offset:e.offset + e.numel], manifest.checksum_algorithm) != e.checksum]
+    found = checksums([buffer[e.offset:e.offset + e.numel] for e in manifest.entries], manifest.checksum_algorithm)
+    return [e.name for e, value in zip(manifest.entries, found) if value != e.checksum]
 
 
 class BucketPacker:
@@ -97,12 +97,14 @@ class BucketPacker:
         element = torch.empty((), dtype=dtype).element_size()
         total = sum(t.numel() for _, t in items)
         buffer = self._buffer(dtype, max(total, self.bucket_bytes // element))
-        algorithm = algorithm_for(buffer)
-        entries, offset = [], 0
-        for name, tensor in items:
-            region = buffer[offset:offset + tensor.numel()]
-            region.copy_(tensor.reshape(-1))
-            entries.append(TensorEntry(name, tuple(tensor.shape), offset, tensor.numel(),
-                                       checksum(region, algorithm) if self.verify else 0))
+        algorithm = algorithm_for(buffer) if self.verify else "none"
+        pairs, offsets, offset = [], [], 0
+        for _, tensor in items:
+            pairs.append((buffer[offset:offset + tensor.numel()], tensor))
+            offsets.append(offset)
             offset += tensor.numel()
-        return buffer, Manifest(dtype, offset, tuple(entries), algorithm if self.verify else "none")
+        # Checksums of the bucket's bytes as written (on CPU: computed while copying, in one pass).
+        sums = copy_with_checksums(pairs, algorithm)
+        entries = tuple(TensorEntry(name, tuple(tensor.shape), start, tensor.numel(), value)
+                        for (name, tensor), start, value in zip(items, offsets, sums))
+        return buffer, Manifest(dtype, offset, entries, algorithm)

@@ -52,7 +52,7 @@ def test_pack_unpack_is_bitwise_and_respects_bucket_size():
 
 def test_checksums_catch_a_flipped_bit_and_swapped_words():
     x = torch.randn(1000)
-    for algorithm in ("xxh3", "wsum64"):
+    for algorithm in ("wxh64", "xxh3", "wsum64"):
         reference = checksum(x, algorithm)
         flipped = x.clone()
         flipped.view(torch.int32)[123] ^= 1
