@@ -32,7 +32,7 @@ from rollout import Engine, EngineConfig  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.weights import iter_safetensors  # noqa: E402
 from weight_sync import BroadcastReceiver, BroadcastSender, BucketReceiver, ColocatedSender, SyncGroup  # noqa: E402
-from weight_sync.checksum import algorithm_for  # noqa: E402
+from weight_sync.checksum import algorithm_for, checksum  # noqa: E402
 
 
 def _config(args) -> dict:
@@ -41,13 +41,23 @@ def _config(args) -> dict:
             "num_key_value_heads": max(1, args.hidden // 256), "vocab_size": args.vocab}
 
 
-def _trainer_weights(model_dir: str) -> dict[str, torch.Tensor]:
+def _trainer_weights(model_dir: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     """What a trainer would export: same names and shapes, different values."""
-    return {n: t + 0.001 for n, t in iter_safetensors(model_dir)}
+    return {n: t.to(device) + 0.001 for n, t in iter_safetensors(model_dir)}
 
 
-def _engine(model_dir: str) -> Engine:
-    return Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=64, max_model_len=64))
+def _engine(model_dir: str, device: str = "cpu") -> Engine:
+    return Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=64, max_model_len=64, device=device))
+
+
+def _digests(named_tensors) -> dict[str, int]:
+    """Byte checksums (xxh3 on CPU, wsum64 on GPU): equal digests = the same bytes, for the bitwise check."""
+    return {name: checksum(t) for name, t in named_tensors}
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class _PipeFuture:
@@ -58,24 +68,28 @@ class _PipeFuture:
         return self.conn.recv()
 
 
-def _colocated_engine(model_dir: str, conn, verify: bool) -> None:
-    engine = _engine(model_dir)
+def _colocated_engine(model_dir: str, conn, verify: bool, device: str) -> None:
+    engine = _engine(model_dir, device)
     receiver = BucketReceiver(engine, verify=verify)
     conn.send("ready")
     while (msg := conn.recv()) != "exit":
         if msg == "commit":
             receiver.commit()
             conn.send(engine.weight_version)
+        elif msg == "digest":
+            conn.send(_digests(engine.model.named_parameters()))
         else:
             conn.send(receiver.load(*msg))
 
 
-def run_colocated(model_dir: str, weights: dict, bucket_bytes: int, verify: bool, syncs: int = 3) -> dict:
+def run_colocated(model_dir: str, weights: dict, bucket_bytes: int, verify: bool, syncs: int = 3,
+                  device: str = "cpu") -> dict:
     """Several syncs in a row, as in training; the first also pays for mapping fresh shared
-    memory. Returns the first and the best later report."""
+    memory. Returns the first and the best later report, and whether the engine's weights then
+    equal the trainer's bitwise."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_colocated_engine, args=(model_dir, child, verify))
+    proc = ctx.Process(target=_colocated_engine, args=(model_dir, child, verify, device))
     proc.start()
     assert parent.recv() == "ready"
 
@@ -83,7 +97,7 @@ def run_colocated(model_dir: str, weights: dict, bucket_bytes: int, verify: bool
         parent.send((handle, manifest))
         return _PipeFuture(parent)
 
-    sender = ColocatedSender(deliver, bucket_bytes=bucket_bytes, verify=verify)
+    sender = ColocatedSender(deliver, bucket_bytes=bucket_bytes, verify=verify, device=device)
     reports = []
     for version in range(1, syncs + 1):
         start = time.perf_counter()
@@ -91,11 +105,13 @@ def run_colocated(model_dir: str, weights: dict, bucket_bytes: int, verify: bool
         parent.send("commit")
         assert parent.recv() == version
         reports.append(report._replace(total_s=time.perf_counter() - start))
+    parent.send("digest")
+    bitwise = parent.recv() == _digests(weights.items())
     parent.send("exit")
     proc.join()
     sender.close()
     steady = min(reports[1:], key=lambda r: r.total_s)
-    return {**steady._asdict(), "first_sync_total_s": reports[0].total_s}
+    return {**steady._asdict(), "first_sync_total_s": reports[0].total_s, "bitwise_equal": bitwise}
 
 
 def _broadcast_rank(rank: int, port: int, model_dir: str, bucket_bytes: int, queue) -> None:
@@ -130,20 +146,24 @@ def run_broadcast(model_dir: str, bucket_bytes: int) -> dict:
             "total_s": max(results["sender"]["total_s"], results["receiver"]["total_s"])}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: CUDA IPC buckets between the processes")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--syncs", type=int, default=3, help="colocated syncs per setting (the first is not counted)")
-    parser.add_argument("--skip-broadcast", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--skip-broadcast", action="store_true",
+                        help="skip the gloo broadcast (CPU only: NCCL needs a GPU per rank)")
+    args = parser.parse_args(argv)
+    device = args.device
+    skip_broadcast = args.skip_broadcast or torch.device(device).type == "cuda"
     bucket_bytes = args.bucket_mb << 20
     loadavg = [os.getloadavg()]   # the box is shared: a figure means little without its load
     with tempfile.TemporaryDirectory() as model_dir:
         write_random_checkpoint(model_dir, _config(args))
-        weights = _trainer_weights(model_dir)
+        weights = _trainer_weights(model_dir, device)
         nbytes = sum(t.nbytes for t in weights.values())
         params = sum(t.numel() for t in weights.values())
         targets = {n: torch.empty_like(t) for n, t in weights.items()}
@@ -151,34 +171,37 @@ def main() -> None:
         def best_copy_s(repeats: int = 3) -> float:
             best = float("inf")
             for _ in range(repeats):
+                _sync(device)
                 start = time.perf_counter()
                 for n, t in weights.items():
                     targets[n].copy_(t)
+                _sync(device)
                 best = min(best, time.perf_counter() - start)
             return best
 
         # The baseline is measured before and after the colocated runs and the best kept: the
         # box is shared, and the fastest copy is the hardest reference.
         copy_s = [best_copy_s()]
-        colocated = run_colocated(model_dir, weights, bucket_bytes, verify=True, syncs=args.syncs)
-        colocated_noverify = run_colocated(model_dir, weights, bucket_bytes, verify=False, syncs=args.syncs)
+        colocated = run_colocated(model_dir, weights, bucket_bytes, verify=True, syncs=args.syncs, device=device)
+        colocated_noverify = run_colocated(model_dir, weights, bucket_bytes, verify=False, syncs=args.syncs,
+                                           device=device)
         copy_s.append(best_copy_s())
         best_copy = min(copy_s)
-        broadcast = None if args.skip_broadcast else run_broadcast(model_dir, bucket_bytes)
+        broadcast = None if skip_broadcast else run_broadcast(model_dir, bucket_bytes)
     gb = nbytes / 1e9
-    print(json.dumps({
-        "params": params, "bytes": nbytes, "bucket_bytes": bucket_bytes, "torch_num_threads": torch.get_num_threads(),
+    return {
+        "device": device, "params": params, "bytes": nbytes, "bucket_bytes": bucket_bytes, "torch_num_threads": torch.get_num_threads(),
         "copy_s": best_copy, "copy_GBps": gb / best_copy,
         "colocated": {**colocated, "GBps": gb / colocated["total_s"], "x_copy": colocated["total_s"] / best_copy},
         "colocated_no_checksum": {**colocated_noverify, "GBps": gb / colocated_noverify["total_s"],
                                   "x_copy": colocated_noverify["total_s"] / best_copy},
         "copy_s_before_after": copy_s,
-        "checksum_algorithm": algorithm_for(torch.empty(1)),
+        "checksum_algorithm": algorithm_for(torch.empty(1, device=device)),
         "loadavg_1_5_15_start_end": loadavg + [os.getloadavg()],
         "broadcast": broadcast and {**broadcast, "GBps": gb / broadcast["total_s"],
                                     "x_copy": broadcast["total_s"] / best_copy},
-    }, indent=2))
+    }
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(main(), indent=2))
