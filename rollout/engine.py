@@ -17,14 +17,14 @@ import torch
 
 from rollout.attention import TorchAttention
 from rollout.config import EngineConfig, SamplingParams, accum_dtype
+from rollout.decode_graphs import DecodeGraphs
+from rollout.draft_model import DraftModelProposer
 from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
 from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner
 from rollout.scheduler import Scheduler
 from rollout.sequence import Request, RequestOutput, SampleOutput
-from rollout.decode_graphs import DecodeGraphs
-from rollout.draft_model import DraftModelProposer
 from rollout.speculative import Proposer
 from rollout.suffix_lanes import SuffixLanes
 from rollout.weights import iter_safetensors, load_weights
@@ -57,17 +57,19 @@ class Engine:
         self._weights_reloaded: set[str] | None = None
         self._uncommitted_update = False
 
-        self.draft_model: DraftModelProposer | None = None    # speculative_method="draft"
         use_graphs = (config.decode_graphs if config.decode_graphs is not None
                       else self.device.type == "cuda" and config.attention_backend == "triton")
         self.pool = KVPool(num_layers=self.model_config.num_layers, num_pages=self._num_pages(),
                            page_size=config.page_size, num_kv_heads=self.model_config.num_kv_heads,
                            head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
                            scratch_page=use_graphs)
+        self.draft_model = self._draft_model()    # None unless speculative_method="draft"
+        proposer = self.draft_model or (Proposer(config.speculative_method, config.speculative_ngram_min,
+                                                 config.speculative_ngram_max) if config.speculative_method else None)
         self.scheduler = Scheduler(pool=self.pool, max_running_requests=config.max_running_requests,
                                    max_prefill_tokens=config.max_prefill_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids,
-                                   proposer=self._proposer(),
+                                   proposer=proposer,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    speculative_min_acceptance=config.speculative_min_acceptance)
         self.suffix_lanes: SuffixLanes | None = None
@@ -91,18 +93,15 @@ class Engine:
         self._pending_aborts: set[int] = set()
 
     # -- construction --------------------------------------------------------------------------
-    def _proposer(self) -> Proposer | DraftModelProposer | None:
+    def _draft_model(self) -> DraftModelProposer | None:
         cfg = self.config
-        if cfg.speculative_method == "draft":
-            self.draft_model = DraftModelProposer(
-                cfg.speculative_draft_model_path, vocab_size=self.model_config.vocab_size,
-                max_model_len=self.max_model_len, max_sequences=cfg.max_running_requests,
-                kv_tokens=cfg.speculative_draft_kv_tokens or self.pool.num_slots, page_size=cfg.page_size,
-                dtype=self.dtype, device=self.device)
-            return self.draft_model
-        if cfg.speculative_method:
-            return Proposer(cfg.speculative_method, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
-        return None
+        if cfg.speculative_method != "draft":
+            return None
+        return DraftModelProposer(
+            cfg.speculative_draft_model_path, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, max_sequences=cfg.max_running_requests,
+            kv_tokens=cfg.speculative_draft_kv_tokens or self.pool.num_slots, page_size=cfg.page_size,
+            dtype=self.dtype, device=self.device)
 
     def _num_pages(self) -> int:
         cfg, mc = self.config, self.model_config
