@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rollout.attention import TorchAttention
-from rollout.kv_pool import KVPool
+from rollout.kv_pool import KVPool, write_page_slots
 from rollout.model import CausalLM
 from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner
@@ -155,11 +155,7 @@ class DraftModelProposer:
                 return False
         first = len(state.pages)
         state.pages.extend(self.pool.alloc_pages(need))
-        p = self.page_size
-        pages = torch.tensor(state.pages[first:], dtype=torch.int64)
-        slots = (pages[:, None] * p + torch.arange(p)).flatten()
-        end = min(len(state.pages) * p, self.slot_table.shape[1])
-        self.slot_table[state.row, first * p:end] = slots[:end - first * p].to(self.slot_table.device)
+        write_page_slots(self.slot_table, state.row, state.pages, first, self.page_size)
         return True
 
     def _evict_one(self, in_use: set[Sequence]) -> bool:

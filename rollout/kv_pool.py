@@ -83,3 +83,15 @@ class KVPool:
         dst = dst_page * self.page_size
         self.k[:, :, dst:dst + num_tokens] = self.k[:, :, src:src + num_tokens]
         self.v[:, :, dst:dst + num_tokens] = self.v[:, :, src:src + num_tokens]
+
+
+def write_page_slots(slot_table: torch.Tensor, row: int, pages: list[int], first_page: int, page_size: int) -> None:
+    """slot_table[row, positions of pages[first_page:]] <- their slots (page p holds slots
+    p * page_size ... p * page_size + page_size - 1). Positions past the table's width, the
+    longest sequence, are never written."""
+    start, end = first_page * page_size, min(len(pages) * page_size, slot_table.shape[1])
+    if start >= end:
+        return
+    new_pages = torch.tensor(pages[first_page:], dtype=torch.int64)
+    slots = (new_pages[:, None] * page_size + torch.arange(page_size)).flatten()[:end - start]
+    slot_table[row, start:end] = slots.to(slot_table.device)

@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from rollout.config import SamplingParams
-from rollout.kv_pool import KVPool
+from rollout.kv_pool import KVPool, write_page_slots
 from rollout.radix_cache import RadixCache
 from rollout.sampler import SamplingBatch, sample
 from rollout.sequence import Request, RequestOutput, SampleOutput, Sequence, Status
@@ -138,15 +138,9 @@ class Scheduler:
         return max(0, needed - len(seq.pages))
 
     def _write_pages(self, seq: Sequence, first_page: int = 0) -> None:
-        """slot_table[row, positions of pages[first_page:]] <- their slots. A page's slots are
-        written once, when the page joins the sequence, so most decode steps write nothing."""
-        p = self.page_size
-        start, end = first_page * p, min(len(seq.pages) * p, self.max_model_len)
-        if start >= end:
-            return
-        pages = torch.tensor(seq.pages[first_page:], dtype=torch.int64)
-        slots = (pages[:, None] * p + torch.arange(p)).flatten()[:end - start]
-        self.slot_table[seq.row, start:end] = slots.to(self.slot_table.device)
+        """Slot-table entries of seq's pages from `first_page` on. A page's slots are written once,
+        when the page joins the sequence, so most decode steps write nothing."""
+        write_page_slots(self.slot_table, seq.row, seq.pages, first_page, self.page_size)
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Give `seq` pages for `num_new` more tokens, evicting and then preempting the newest

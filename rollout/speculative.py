@@ -24,6 +24,7 @@ costs a verify pass over k + 1 tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -197,7 +198,7 @@ def verify(logits: torch.Tensor, seqs: list["Sequence"]) -> list[Verified]:
     each draft is a Python loop over scalars."""
     device = logits.device
     num_rows = [len(s.draft) + 1 for s in seqs]
-    starts = [sum(num_rows[:i]) for i in range(len(seqs))]
+    starts = [0, *itertools.accumulate(num_rows)][:-1]
     params = [s.request.params for s in seqs]
     logprobs_all, probs = sampling_distribution(logits, [p for p, n in zip(params, num_rows) for _ in range(n)])
     greedy_tokens = logits.argmax(dim=-1).tolist()

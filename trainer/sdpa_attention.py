@@ -20,6 +20,7 @@ assignment as megatron's `repeat_interleave` and HF's `repeat_kv`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -84,17 +85,38 @@ def causal_attention(q, k, v, scale: float, mask=None):
                                           enable_gqa=q.size(1) != k.size(1))
 
 
-def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
-    """query [t, heads, d], key/value [t, groups, d], sequences laid end to end at
-    `cu_seqlens` -> [t, heads, d], each sequence attending causally to itself only."""
+class _Bucket(NamedTuple):
+    gather: torch.Tensor    # [B * L] packed row read into each padded position
+    mask: torch.Tensor      # [B, 1, L, L] bool, causal and padding keys masked out
+    keep: torch.Tensor      # [B * L] bool, the padded positions that are real tokens
+    size: int               # B sequences
+    longest: int            # L
+
+
+class _PackingPlan(NamedTuple):
+    buckets: list[_Bucket]
+    order: torch.Tensor     # output rows (buckets concatenated) -> packed order
+
+
+# The plan of the micro-batch being computed: every layer (and a recomputed forward) gets the same
+# `cu_seqlens` tensor, so the plan is built once per micro-batch, not once per layer. Holding the
+# tensor keeps its identity from being reused; its version counter catches in-place changes.
+_last_plan: tuple[torch.Tensor, int, torch.device, _PackingPlan] | None = None
+
+
+def _packing_plan(cu_seqlens: torch.Tensor, device: torch.device) -> _PackingPlan:
+    global _last_plan
+    if (_last_plan is not None and _last_plan[0] is cu_seqlens and _last_plan[1] == cu_seqlens._version
+            and _last_plan[2] == device):
+        return _last_plan[3]
     bounds = cu_seqlens.to("cpu", torch.int64)
     starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
-    buckets: dict[int, list[int]] = {}
+    members_of: dict[int, list[int]] = {}
     for i, n in enumerate(lengths.tolist()):
         if n > 0:
-            buckets.setdefault((n - 1).bit_length(), []).append(i)
-    pieces, rows = [], []
-    for members in buckets.values():
+            members_of.setdefault((n - 1).bit_length(), []).append(i)
+    buckets, rows = [], []
+    for members in members_of.values():
         idx = torch.tensor(members)
         lens, first = lengths[idx], starts[idx]
         longest = int(lens.max())
@@ -102,15 +124,25 @@ def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
         valid = offsets[None, :] < lens[:, None]                          # [B, L]
         # padding positions repeat the sequence's last token: finite, and never read back
         gather = first[:, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
-        flat = gather.reshape(-1).to(query.device)
-        q, k, v = (x.index_select(0, flat).view(len(members), longest, *x.shape[1:])
-                   .transpose(1, 2) for x in (query, key, value))           # [B, n, L, d]
         causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-        mask = (causal[None] & valid[:, None, :]).unsqueeze(1).to(query.device)
-        out = causal_attention(q, k, v, scale, mask).transpose(1, 2)      # [B, L, heads, d]
-        keep = valid.reshape(-1).to(query.device)
-        pieces.append(out.reshape(-1, *out.shape[2:])[keep])
+        mask = (causal[None] & valid[:, None, :]).unsqueeze(1)
+        buckets.append(_Bucket(gather.reshape(-1).to(device), mask.to(device), valid.reshape(-1).to(device),
+                               len(members), longest))
         rows.append(gather.reshape(-1)[valid.reshape(-1)])
-    # back to packed order: rows lists, per piece, the packed position of each output row
-    order = torch.argsort(torch.cat(rows)).to(query.device)
-    return torch.cat(pieces).index_select(0, order)
+    # back to packed order: rows lists, per bucket, the packed position of each output row
+    plan = _PackingPlan(buckets, torch.argsort(torch.cat(rows)).to(device))
+    _last_plan = (cu_seqlens, cu_seqlens._version, device, plan)
+    return plan
+
+
+def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
+    """query [t, heads, d], key/value [t, groups, d], sequences laid end to end at
+    `cu_seqlens` -> [t, heads, d], each sequence attending causally to itself only."""
+    plan = _packing_plan(cu_seqlens, query.device)
+    pieces = []
+    for b in plan.buckets:
+        q, k, v = (x.index_select(0, b.gather).view(b.size, b.longest, *x.shape[1:])
+                   .transpose(1, 2) for x in (query, key, value))           # [B, n, L, d]
+        out = causal_attention(q, k, v, scale, b.mask).transpose(1, 2)    # [B, L, heads, d]
+        pieces.append(out.reshape(-1, *out.shape[2:])[b.keep])
+    return torch.cat(pieces).index_select(0, plan.order)

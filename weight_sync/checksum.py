@@ -115,10 +115,6 @@ def copy_with_checksums(pairs: list[tuple[torch.Tensor, torch.Tensor]], algorith
     return results
 
 
-def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, algorithm: str) -> int:
-    return copy_with_checksums([(dst, src)], algorithm)[0]
-
-
 def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     return (flat if flat.device.type == "cpu" else flat.cpu()).contiguous()

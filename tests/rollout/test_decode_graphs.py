@@ -1,6 +1,8 @@
 """The static-shape decode path (`rollout.decode_graphs`, captured as CUDA graphs on a GPU) computes
-the same function as the dynamic path. On CPU it runs eagerly, so these tests compare it with the
-engine's ordinary decode (itself checked against HF transformers in test_engine_vs_hf):
+the same function as the dynamic path. On CPU it runs eagerly. Its greedy output is checked
+against HF transformers in test_engine_vs_hf (variant "radix-page4-static-decode"); these tests
+compare it with the engine's ordinary decode where HF has no counterpart (log-probs token by
+token, preemption, the scratch page, release/resume):
 
 * greedy tokens equal and logprobs within 1e-5, for every model family, with batch sizes that
   leave padding rows in their bucket;

@@ -151,6 +151,8 @@ ENGINE_VARIANTS = {
     "radix-page4": dict(enable_prefix_cache=True, page_size=4),
     "noradix-page4": dict(enable_prefix_cache=False, page_size=4),
     "radix-page4-chunked5": dict(enable_prefix_cache=True, page_size=4, max_prefill_tokens=5),
+    # Decode steps at static shapes (rollout.decode_graphs: CUDA graphs on a GPU, eager here).
+    "radix-page4-static-decode": dict(enable_prefix_cache=True, page_size=4, decode_graphs=True),
 }
 
 
