@@ -14,7 +14,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
-from miles_like.recipe import Recipe
+from miles_like.recipe import Recipe, device_type
 from miles_like.schema import RecipeError
 from rollout.config import EngineConfig, SamplingParams
 from trainer.config import LossConfig, OptimConfig, TrainerConfig
@@ -45,6 +45,8 @@ FIELD_NAMES: dict[str, str] = {
     "EngineConfig.speculative_method": "rollout.speculative_method",
     "EngineConfig.num_speculative_tokens": "rollout.num_speculative_tokens",
     "EngineConfig.speculative_draft_model_path": "rollout.speculative_draft_model_path",
+    "EngineConfig.attention_backend": "rollout.attention_backend",
+    "EngineConfig.decode_graphs": "rollout.decode_graphs",
 }
 _FIELD_RE = re.compile("|".join(re.escape(k) + r"(?![A-Za-z0-9_])"
                                 for k in sorted(FIELD_NAMES, key=len, reverse=True)))
@@ -110,8 +112,12 @@ def critic_config(recipe: Recipe, model_path: str) -> TrainerConfig:
 
 def engine_config(recipe: Recipe, model_path: str, device: str = "cpu") -> EngineConfig:
     r = recipe.rollout
+    backend = r.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.startswith("cuda") else "torch"
     return _build(lambda: EngineConfig(
         model_path=model_path, device=device, dtype=recipe.model.dtype,
+        attention_backend=backend, decode_graphs=r.decode_graphs,
         kv_cache_tokens=r.kv_cache_tokens, page_size=r.page_size,
         max_running_requests=r.max_running_requests, speculative_method=r.speculative_method,
         num_speculative_tokens=r.num_speculative_tokens,
@@ -132,5 +138,5 @@ def check_configs(recipe: Recipe) -> None:
     trainer_config(recipe, PLACEHOLDER_MODEL_PATH)
     if recipe.algorithm.advantage == "gae":
         critic_config(recipe, PLACEHOLDER_MODEL_PATH)
-    engine_config(recipe, PLACEHOLDER_MODEL_PATH)
+    engine_config(recipe, PLACEHOLDER_MODEL_PATH, device_type(recipe.cluster.accelerator))
     sampling_params(recipe)

@@ -10,7 +10,6 @@ torch on `cpu_count // devices` threads each; the code path is the same.
 from __future__ import annotations
 
 import os
-import socket
 from typing import NamedTuple
 
 import ray
@@ -44,12 +43,6 @@ def plan(cluster) -> Layout:
     return Layout(accelerator, d, list(range(d - r)), list(range(d - r, d)), False, threads)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ray(cluster, layout: Layout) -> None:
     """Connect to `cluster.address`, or start a local Ray sized for the layout, with no dashboard
     (it would take job submissions from anyone reaching its port). Ray's own GCS and node ports
@@ -75,12 +68,12 @@ def _options(layout: Layout, pg, bundle: int):
                     placement_group=pg, placement_group_bundle_index=bundle))
 
 
-def reserve(layout: Layout, timeout_s: float = 300.0):
+def reserve(layout: Layout, timeout_s: float = 300.0, strategy: str = "PACK"):
     """The placement group: one bundle per device."""
     bundle = {"CPU": 1.0}
     if layout.accelerator == "cuda":
         bundle["GPU"] = 1.0
-    pg = placement_group([dict(bundle) for _ in range(layout.devices)], strategy="PACK")
+    pg = placement_group([dict(bundle) for _ in range(layout.devices)], strategy=strategy)
     if not pg.wait(timeout_seconds=timeout_s):
         raise RuntimeError(f"Ray could not reserve {layout.devices} x {bundle} within "
                            f"{timeout_s:.0f} s; lower cluster.devices or add resources")
@@ -89,13 +82,15 @@ def reserve(layout: Layout, timeout_s: float = 300.0):
 
 def create_trainers(layout: Layout, pg, tag: str, timeout_s: float) -> list:
     """One TrainerWorker per trainer rank, joined into one torch.distributed world (built later:
-    `TrainerWorker.build`). Actors are named `miles_like.{tag}.trainer.{rank}`."""
-    port = free_port()
+    `TrainerWorker.build`). Actors are named `miles_like.{tag}.trainer.{rank}`. The world meets
+    at an address and port rank 0 chose on its own node (it may not be the controller's)."""
     world = len(layout.trainer_bundles)
     trainers = [TrainerWorker.options(name=f"miles_like.{tag}.trainer.{rank}",
                                       **_options(layout, pg, b)).remote(
-        rank, world, port, layout.threads) for rank, b in enumerate(layout.trainer_bundles)]
+        rank, world, layout.threads) for rank, b in enumerate(layout.trainer_bundles)]
     gather(each("trainer rank", trainers, "ready"), timeout_s)
+    ((host, port),) = gather([call("trainer rank 0", trainers[0], "rendezvous")], timeout_s)
+    gather(each("trainer rank", trainers, "set_rendezvous", host, port), timeout_s)
     return trainers
 
 

@@ -104,6 +104,12 @@ class RolloutSection(Section):
     speculative_draft_model_path: str | None = setting(
         None, "speculative_method=draft: local HF directory of a smaller model with the policy's "
               "vocabulary (its weights are not updated)")
+    attention_backend: Literal["auto", "torch", "triton"] = setting(
+        "auto", "engine attention: torch (every device) | triton (CUDA kernels) | auto (triton "
+        "on CUDA, else torch)")
+    decode_graphs: bool | None = setting(
+        None, "pure decode steps at static shapes, captured as CUDA graphs on a GPU; null: on "
+        "with the triton backend on CUDA")
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,9 @@ class ClusterSection(Section):
                                               "(disaggregated only)")
     address: str | None = setting(None, "Ray cluster address (e.g. auto, ray://host:10001); "
                                   "null starts a local Ray")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = setting(
+        "PACK", "Ray placement-group strategy for the device bundles: PACK fills a node before "
+        "the next; SPREAD deals bundles across nodes (bundle i = trainer rank / engine i)")
     call_timeout_s: float = setting(1800.0, "longest wait for one actor call (a rollout, a train "
                                     "step, a weight sync, a checkpoint) and for the weight-sync "
                                     "collectives; past it the run stops, naming the call", gt=0.0)
@@ -300,6 +309,12 @@ class Recipe(Section):
         if alg.advantage == "gae" and self.trainer.backend != "megatron":
             raise RecipeError("algorithm.advantage=gae trains a critic, which the megatron "
                               "backend provides; set trainer.backend: megatron")
+        if (self.trainer.backend == "deepspeed" and self.trainer.zero_stage == 3
+                and self.cluster.colocate and device_type(self.cluster.accelerator) == "cuda"):
+            raise RecipeError("trainer.zero_stage=3: colocated on GPU the trainer must offload "
+                              "its state for the engine, which deepspeed's ZeRO-3 cannot do with "
+                              "torch's Adam; use trainer.zero_stage 1 or 2, or "
+                              "cluster.colocate: false")
         if (self.checkpoint.every_steps and self.trainer.backend == "deepspeed"
                 and self.trainer.zero_stage == 3):
             raise RecipeError("checkpoint.every_steps: checkpoints of the deepspeed backend "
@@ -309,6 +324,14 @@ class Recipe(Section):
             raise RecipeError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for "
                               "a prompt in trainer.max_tokens_per_micro_batch="
                               f"{self.trainer.max_tokens_per_micro_batch}; raise the latter")
+
+
+def device_type(accelerator: str) -> str:
+    """What `cluster.accelerator` resolves to on this machine: "cuda" or "cpu"."""
+    if accelerator == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:

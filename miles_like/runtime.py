@@ -97,7 +97,7 @@ class Runtime:
                                   "with the same data")
             self.source.skip_to(state["data_consumed"])
         placement.start_ray(recipe.cluster, self.layout)
-        self.pg = placement.reserve(self.layout)
+        self.pg = placement.reserve(self.layout, strategy=recipe.cluster.placement_strategy)
         self.trainers, self.engines = [], []
         try:
             self._start_actors(base_dir, max_prompt)
@@ -156,11 +156,13 @@ class Runtime:
         return engine_config(self.recipe, str(model_dir), device)
 
     def _join_sync_group(self) -> None:
-        """Disaggregated: the engines and the trainer's sources form the broadcast group."""
-        port, e = placement.free_port(), len(self.engines)
-        self._wait([call(f"engine {i}", eng, "join_sync_group", port, i, e, self.num_stages,
-                         self.timeout_s) for i, eng in enumerate(self.engines)]
-                   + each("trainer rank", self.trainers, "join_sync_group", port, e,
+        """Disaggregated: the engines and the trainer's sources form the broadcast group. Its
+        rank 0 is engine 0, so it meets on engine 0's node."""
+        ((host, port),) = self._wait([call("engine 0", self.engines[0], "rendezvous")])
+        e = len(self.engines)
+        self._wait([call(f"engine {i}", eng, "join_sync_group", host, port, i, e,
+                         self.num_stages, self.timeout_s) for i, eng in enumerate(self.engines)]
+                   + each("trainer rank", self.trainers, "join_sync_group", host, port, e,
                           self.num_stages, self.timeout_s))
 
     # ---------------------------------------------------------------------------- waiting
@@ -201,8 +203,9 @@ class Runtime:
         Returns the bytes sent."""
         if self.layout.colocated:
             self._on_engines("resume")
+            nodes = self._on_engines("node_id")
             reports = self._wait(each("trainer rank", self.trainers, "push_colocated",
-                                      self.engines, self.bucket_bytes, self.timeout_s))
+                                      self.engines, nodes, self.bucket_bytes, self.timeout_s))
             self._on_engines("commit")
         else:  # sources and engines meet in the broadcasts: one wait for all of them
             reports = self._wait(each("trainer rank", self.trainers, "push_broadcast",

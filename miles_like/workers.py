@@ -28,6 +28,35 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
+def node_rendezvous() -> tuple[str, int]:
+    """An address of the node this process runs on and a port free there: where a group whose
+    rank 0 lives in this process rendezvous. Chosen on that node, never on the controller's
+    (which may be another machine)."""
+    import socket
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def use_node_interface() -> None:
+    """Make gloo (and NCCL's bootstrap) talk over the interface holding this node's Ray address.
+    By default they bind whatever the host name resolves to, often a loopback address, which a
+    peer on another machine cannot reach. A user's own GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+    wins."""
+    import psutil
+    ip = ray.util.get_node_ip_address()
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+            return
+
+
 class _AllAcked:
     """A bucket delivered to several engines is free once every engine has acknowledged it
     (within `timeout_s`: a dead or hung engine fails the push instead of hanging it)."""
@@ -41,9 +70,9 @@ class _AllAcked:
 
 @ray.remote
 class TrainerWorker:
-    def __init__(self, rank: int, world_size: int, master_port: int, threads: int):
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+    def __init__(self, rank: int, world_size: int, threads: int):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        use_node_interface()
         if torch.cuda.is_available():
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's device: it is device 0 here.
             torch.cuda.set_device(0)
@@ -66,6 +95,17 @@ class TrainerWorker:
 
     def ready(self) -> bool:
         return True
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: where the trainer world meets (this node's address, a port free here)."""
+        return node_rendezvous()
+
+    def set_rendezvous(self, host: str, port: int) -> None:
+        """Every rank, before `build` creates the world: rank 0's `rendezvous()`."""
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+
+    def node_id(self) -> str:
+        return node_id()
 
     # ------------------------------------------------------------------------------- training
     def train(self, batch, updates: int) -> dict[str, float]:
@@ -135,30 +175,42 @@ class TrainerWorker:
             return source, ps.get_pipeline_model_parallel_rank()
         return self.rank == 0, 0  # deepspeed: every rank can export the whole model
 
-    def push_colocated(self, engines: Sequence, bucket_bytes: int,
+    def push_colocated(self, engines: Sequence, engine_nodes: Sequence[str], bucket_bytes: int,
                        timeout_s: float) -> dict[str, float]:
-        """Stream this rank's export into every engine of `engines` through shared memory.
-        Returns the sender's report (zero bytes on ranks that only take part in the gathers).
-        The sender, and so its two shared buffers, lives across steps: mapping fresh shared
-        memory every step would cost more than the copy. It delivers to this call's engines
-        (an engine may have been replaced since the last one)."""
+        """Stream this rank's export into every engine of `engines`: through shared memory to
+        those on this node, as bytes in Ray's object store to those on other nodes (`engine_nodes`
+        are their node ids; shared memory and CUDA IPC do not cross machines). Returns the
+        sender's report (zero bytes on ranks that only take part in the gathers). The sender, and
+        so its two shared buffers, lives across steps: mapping fresh shared memory every step
+        would cost more than the copy. It delivers to this call's engines (an engine may have
+        been replaced since the last one)."""
         from weight_sync import ColocatedSender
         source, _ = self.sync_role()
         if not source:
             for _ in self.policy.export_hf_weights():
                 pass
             return {"bytes": 0.0}
-        self._push_to = (list(engines), timeout_s)
+        here = node_id()
+        self._push_to = ([e for e, n in zip(engines, engine_nodes, strict=True) if n == here],
+                         [e for e, n in zip(engines, engine_nodes, strict=True) if n != here],
+                         timeout_s)
         if getattr(self, "_sender", None) is None:
-            self._sender = ColocatedSender(
-                lambda handle, manifest: _AllAcked([e.load_bucket.remote(handle, manifest)
-                                                    for e in self._push_to[0]],
-                                                   self._push_to[1]),
-                bucket_bytes=bucket_bytes, device=_device())
+            self._sender = ColocatedSender(self._deliver, bucket_bytes=bucket_bytes,
+                                           device=_device())
         report = self._sender.send(self.policy.export_hf_weights())
-        return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets)}
+        remote = len(self._push_to[1])
+        return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets),
+                "remote_bytes": float(report.nbytes * remote / max(1, len(engines)))}
 
-    def join_sync_group(self, port: int, num_engines: int, num_stages: int,
+    def _deliver(self, handle, manifest) -> _AllAcked:
+        local, remote, timeout_s = self._push_to
+        refs = [e.load_bucket.remote(handle, manifest) for e in local]
+        if remote:   # one copy into the object store, fetched by each remote node
+            data = ray.put(self._sender.allocator.buffer(handle).cpu().clone())
+            refs += [e.load_bucket_bytes.remote(data, manifest) for e in remote]
+        return _AllAcked(refs, timeout_s)
+
+    def join_sync_group(self, host: str, port: int, num_engines: int, num_stages: int,
                         timeout_s: float) -> bool:
         """Disaggregated: sources join the standalone sync group with the engines (engines are
         ranks 0..E-1, the source of stage s is rank E+s): at start, and again with every member
@@ -167,7 +219,7 @@ class TrainerWorker:
         from weight_sync import SyncGroup
         source, stage = self.sync_role()
         if source:
-            self.sync_group = SyncGroup.create("127.0.0.1", port, rank=num_engines + stage,
+            self.sync_group = SyncGroup.create(host, port, rank=num_engines + stage,
                                                size=num_engines + num_stages, backend=_backend(),
                                                timeout_s=timeout_s)
             self.sync_sources = list(range(num_engines, num_engines + num_stages))
@@ -249,6 +301,7 @@ class EngineWorker:
     def __init__(self, engine_cfg, threads: int):
         from rollout import Engine
         from weight_sync import BucketReceiver
+        use_node_interface()
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         _set_threads(threads)
@@ -283,14 +336,32 @@ class EngineWorker:
     def load_bucket(self, handle, manifest):
         return self.receiver.load(handle, manifest)
 
+    def load_bucket_bytes(self, buffer: torch.Tensor, manifest):
+        """A bucket from a sender on another node: its bytes, not a shared-memory handle."""
+        return self.receiver.load_buffer(buffer, manifest)
+
     def commit(self) -> int:
         self.receiver.commit()
         return self.engine.weight_version
 
-    def join_sync_group(self, port: int, rank: int, num_engines: int, num_stages: int,
+    def rendezvous(self) -> tuple[str, int]:
+        """Engine 0 is rank 0 of the broadcast group: it meets on this engine's node."""
+        return node_rendezvous()
+
+    def node_id(self) -> str:
+        return node_id()
+
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 of every parameter's bytes, by HF name: to check a sync bitwise from outside."""
+        import hashlib
+        return {name: hashlib.sha256(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                                     .tobytes()).hexdigest()
+                for name, p in self.engine.model.named_parameters()}
+
+    def join_sync_group(self, host: str, port: int, rank: int, num_engines: int, num_stages: int,
                         timeout_s: float) -> None:
         from weight_sync import BroadcastReceiver, SyncGroup
-        group = SyncGroup.create("127.0.0.1", port, rank=rank, size=num_engines + num_stages,
+        group = SyncGroup.create(host, port, rank=rank, size=num_engines + num_stages,
                                  backend=_backend(), timeout_s=timeout_s)
         self.broadcast_receiver = BroadcastReceiver(
             self.engine, group, sources=list(range(num_engines, num_engines + num_stages)))

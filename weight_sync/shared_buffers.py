@@ -30,22 +30,33 @@ class SharedBufferAllocator:
         self.device = torch.device(device)
         self._segments: dict[int, shared_memory.SharedMemory] = {}
         self._handles: dict[int, BufferHandle] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
 
     def __call__(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cuda":
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
             from torch.multiprocessing.reductions import reduce_tensor
             self._handles[buffer.data_ptr()] = BufferHandle("cuda_ipc", reduce_tensor(buffer))
+            self._buffers[buffer.data_ptr()] = buffer
             return buffer
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
         buffer = torch.frombuffer(segment.buf, dtype=dtype, count=numel)
         self._segments[buffer.data_ptr()] = segment
         self._handles[buffer.data_ptr()] = BufferHandle("shm", (segment.name, numel, dtype))
+        self._buffers[buffer.data_ptr()] = buffer
         return buffer
 
     def handle(self, buffer: torch.Tensor) -> BufferHandle:
         return self._handles[buffer.data_ptr()]
+
+    def buffer(self, handle: BufferHandle) -> torch.Tensor:
+        """The sender's own view of a handle it gave out (for receivers that cannot map it:
+        another node gets the bytes instead)."""
+        for ptr, h in self._handles.items():
+            if h is handle:
+                return self._buffers[ptr]
+        raise KeyError("not a handle of this allocator")
 
     def close(self) -> None:
         """Unlink the segments (receivers that still map them keep their mappings)."""
@@ -57,6 +68,7 @@ class SharedBufferAllocator:
                 pass
         self._segments.clear()
         self._handles.clear()
+        self._buffers.clear()
 
 
 class BufferOpener:

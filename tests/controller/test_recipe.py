@@ -196,3 +196,29 @@ def test_sections_validate_when_built_in_code():
     r = Recipe(model={"builtin": "tiny-qwen2"}, data={"synthetic": "arith"})
     with pytest.raises(RecipeError, match="rollout.n"):
         dataclasses.replace(r, rollout=dataclasses.replace(r.rollout, n=1))
+
+
+def test_engine_attention_backend_from_the_recipe(tmp_path, monkeypatch):
+    """auto picks the Triton kernels (and so CUDA-graph decode) on CUDA, torch elsewhere; an
+    explicit triton without CUDA fails validation with the reason; decode_graphs passes through."""
+    r = load_recipe(write(tmp_path, MINIMAL), ["rollout.decode_graphs=true"])
+    assert engine_config(r, "m", "cpu").attention_backend == "torch"
+    gpu = engine_config(r, "m", "cuda")
+    assert gpu.attention_backend == "triton" and gpu.decode_graphs is True
+    assert engine_config(load_recipe(write(tmp_path, MINIMAL), ["rollout.attention_backend=torch"]),
+                         "m", "cuda").attention_backend == "torch"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(RecipeError, match=r"^rollout\.attention_backend='triton' needs a CUDA"):
+        load_recipe(write(tmp_path, MINIMAL), ["rollout.attention_backend=triton"])
+
+
+def test_zero3_with_colocated_gpu_offload_is_refused(tmp_path, monkeypatch):
+    zero3 = ["trainer.backend=deepspeed", "trainer.zero_stage=3"]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(RecipeError, match=r"^trainer\.zero_stage=3: colocated on GPU"):
+        load_recipe(write(tmp_path, MINIMAL), zero3, check_paths_exist=False)
+    # disaggregated it can run (no offload between phases)
+    load_recipe(write(tmp_path, MINIMAL), [*zero3, "cluster.colocate=false", "cluster.devices=2"],
+                check_paths_exist=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    load_recipe(write(tmp_path, MINIMAL), zero3)   # on CPU nothing is offloaded

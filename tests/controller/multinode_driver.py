@@ -1,0 +1,41 @@
+"""Driver of the two-node test (`test_multinode_e2e.py`), run inside the head node's network
+namespace: trains a recipe on an existing Ray cluster and, just before the run releases its
+actors, records where every actor ran and the sha256 of every engine's weights.
+
+    python multinode_driver.py RECIPE REPORT.json key=value ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+
+from miles_like.calls import each, gather
+from miles_like.cli import main
+from miles_like.loop import run
+from miles_like.runtime import Runtime
+
+
+def _record_then_shutdown(report_path: str):
+    real_shutdown = Runtime.shutdown
+
+    def shutdown(self, graceful: bool = True):
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        trainers = gather(each("trainer rank", self.trainers, "node_id"), 60)
+        engines = gather(each("engine", self.engines, "node_id"), 60)
+        digests = gather(each("engine", self.engines, "weight_digests"), 60)
+        with open(report_path, "w") as f:
+            json.dump({"trainer_ips": [ips[n] for n in trainers],
+                       "engine_ips": [ips[n] for n in engines],
+                       "engine_digests": digests}, f)
+        real_shutdown(self, graceful)
+
+    return shutdown
+
+
+if __name__ == "__main__":
+    recipe, report, *overrides = sys.argv[1:]
+    Runtime.shutdown = _record_then_shutdown(report)
+    sys.exit(main([recipe, *overrides], run=run))
