@@ -16,46 +16,12 @@ import random
 
 import pytest
 import torch
+from exact_float64 import exact_float64
 from tiny_hf import make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from trainer import make_trainer
 from trainer.config import LossConfig, OptimConfig, RLBatch, TrainerConfig
-
-
-class Float64Rotary(torch.nn.Module):
-    """HF's default rotary embedding (cos, sin of the "rotate half" layout), all in float64."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].double() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-class Float64RMSNorm(torch.nn.Module):
-    def __init__(self, norm):
-        super().__init__()
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
-
-    def forward(self, x):
-        x = x.double()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def exact_float64(model):
-    """`model` with every float32 island of HF's float64 forward replaced by float64."""
-    cfg = model.config
-    model.model.rotary_emb = Float64Rotary(cfg.hidden_size // cfg.num_attention_heads,
-                                           cfg.rope_parameters["rope_theta"])
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__.endswith("RMSNorm"):
-                setattr(module, name, Float64RMSNorm(child))
-    return model
 
 
 @pytest.fixture(scope="module")
