@@ -72,8 +72,10 @@ class TrainerWorker:
         """The policy's part of one RL step: old log-probs with the current weights (the first
         update's ratio is exactly 1), the reference's when a KL term needs them, then `updates`
         optimizer steps on consecutive mini-batches. Metrics are averaged over the updates;
-        `logprob_diff_*` compare the engine's log-probs with the trainer's before any update."""
+        the mismatch metrics (`trainer.mismatch`) compare the engine's log-probs with the
+        trainer's before any update."""
         from trainer import objective
+        from trainer.mismatch import MISMATCH_KEYS, mismatch_metrics
         p = self.policy
         minis = _mini_batches(len(batch.tokens), updates)
 
@@ -88,12 +90,12 @@ class TrainerWorker:
             return out
 
         batch = objective.complete_batch(batch, p.cfg.loss, old_logprobs, p.compute_ref_logprobs)
-        metrics = objective.logprob_diff_metrics(batch)
+        metrics = mismatch_metrics(batch, p.cfg.loss)
         per_update: list[dict[str, float]] = []
         for idx in minis:
             per_update.append(p.train_step(batch.subset(idx)))
         for key in per_update[0]:
-            if key.startswith("logprob_diff"):
+            if key in MISMATCH_KEYS:
                 continue
             values = [m[key] for m in per_update]
             metrics[key] = max(values) if key == "ratio_max" else sum(values) / len(values)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from trainer import objective
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import full_vocab_logprobs
+from trainer.mismatch import mismatch_metrics
 from trainer.offload import tensors_bytes
 from trainer.optim import lr_at
 from trainer.packing import MicroBatch, pack_all
@@ -166,7 +167,7 @@ class DeepSpeedTrainer:
         cfg = self.cfg
         batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
         norm = objective.normalizers(batch)
-        diff_metrics = objective.logprob_diff_metrics(batch)
+        diff_metrics = mismatch_metrics(batch, cfg.loss)
         mine = self._dp_share(len(batch.tokens))
         local = batch.subset(mine)
         mbs = pack_all(local.tokens, local.prompt_lens, cfg.max_tokens_per_micro_batch)

@@ -18,6 +18,7 @@ from trainer.bridge import export_hf_weights, gather_hf_state_dict
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import vocab_parallel_logprobs
 from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
+from trainer.mismatch import mismatch_metrics
 from trainer.offload import move_params
 from trainer.packing import MicroBatch
 from trainer.parallel import ParallelConfig, init_parallel
@@ -93,7 +94,7 @@ class MegatronTrainer:
         cfg = self.cfg
         batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
         norm = objective.normalizers(batch)
-        diff_metrics = objective.logprob_diff_metrics(batch)
+        diff_metrics = mismatch_metrics(batch, cfg.loss)
         local = batch.subset(dp_share(len(batch.tokens)))
         dev = device()
 
