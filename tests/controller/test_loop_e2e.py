@@ -146,7 +146,18 @@ def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):
                 "cluster.devices=1", "cluster.accelerator=cpu", "reward.max_workers=2",
                 "tracking.wandb_project=null")
     assert len(got) == 2 and all(set(REQUIRED_KEYS) <= r.keys() for r in got)
-    assert all(r["train/kl"] >= 0 for r in got)   # the recipe's KL term (a reference model)
+    for r in got:
+        # bf16 engine vs bf16 trainer on this near-uniform model (entropy ~5.7 nats): bounds
+        # are the measured values (benchmarks/RESULTS.md) x 2 for the max, x 1.5 for averages
+        assert r["train/logprob_diff_max"] <= 4e-3 and r["train/logprob_diff_mean"] <= 6e-4
+        assert r["train/logprob_diff_seq_mean_max"] <= 9e-4
+        assert r["train/logprob_diff_large_frac"] == 0.0
+        assert 0 < r["train/mismatch_kl"] <= 2.5e-7
+        # the recipe's TIS: weights pi_trainer / pi_engine this close to 1 are never cut
+        assert abs(r["train/is_weight_mean"] - 1.0) <= 1.5e-4 and r["train/is_clipped_frac"] == 0
+        # every reward is 0 (a random model never answers): zero advantages, a policy that
+        # equals its bf16 reference bitwise, so the recipe's KL term is exactly 0
+        assert r["train/kl"] == 0.0 and r["train/grad_norm"] == 0.0
 
 
 def test_run_time_user_errors_are_one_line(ray_local, cache, tmp_path, capsys):
