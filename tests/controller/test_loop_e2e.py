@@ -64,10 +64,12 @@ def test_colocated_grpo_run_meets_the_contracts(ray_local, cache, tmp_path):
     assert json.loads((entry / "warm_start.json").read_text())["steps"] == 30
 
 
-def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path):
-    # float32 (the schema default) here, so the loop also runs end to end in it
+def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path, monkeypatch):
+    # float32 (the schema default) here, so the loop also runs end to end in it; a reward that
+    # varies within groups, so every step moves the policy
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
     rows = train("tiny_arith_grpo.yaml", tmp_path / "disagg", "steps=3", *SMALL,
-                 "model.dtype=float32",
+                 "model.dtype=float32", "reward.function=user_rewards:length_score",
                  "cluster.devices=2", "cluster.colocate=false", "cluster.off_policy_steps=1")
     assert [r["step"] for r in rows] == [0, 1, 2]
     # Rollout k+1 is launched during step k, after the engines took the newest weights: at
@@ -75,6 +77,10 @@ def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path):
     # 0 go over the broadcast group, and the last step launches no rollout.
     assert [r["perf/weight_sync_bytes"] > 0 for r in rows] == [False, True, False]
     assert rows[0]["train/logprob_diff_max"] <= 1e-5   # same weights on both sides at step 0
+    # the mismatch metrics compare with the trainer's current weights: at step 0 the float32
+    # mismatch alone; at step 1 the samples are one version old, so the policy lag adds to it
+    assert rows[0]["train/mismatch_kl"] <= 1e-9
+    assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/mismatch_kl"] > 1e-3
     for r in rows:
         assert set(REQUIRED_KEYS) <= r.keys() and r["train/ppo_kl_first_update"] == 0.0
 
