@@ -82,6 +82,7 @@ class DeepSpeedTrainer:
                 attn_implementation="sdpa").eval()
             self.reference.requires_grad_(False)
             self.reference.to("cpu" if cfg.reference_on_cpu else _device())
+        self.sampling = None      # frozen copy of the weights the engines sample with (host)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups, config=ds_config,
             dist_init_required=False)  # init_distributed() above owns the process group
@@ -160,6 +161,30 @@ class DeepSpeedTrainer:
         finally:
             if self.cfg.reference_on_cpu:
                 self.reference.to("cpu")
+
+    def keep_sampling_weights(self) -> None:
+        """Copy the current weights, bitwise, into a frozen HF model in host memory (built on
+        first use); see `MegatronTrainer.keep_sampling_weights`."""
+        import transformers
+
+        if self.sampling is None:
+            self.sampling = transformers.AutoModelForCausalLM.from_pretrained(
+                self.cfg.model_path, dtype=self.cfg.torch_dtype,
+                attn_implementation="sdpa").eval().requires_grad_(False)
+        kept = dict(self.sampling.named_parameters())
+        with torch.no_grad():
+            for name, tensor in self.export_hf_weights():   # ZeRO-3: gathered one at a time
+                kept[name].copy_(tensor)
+
+    def compute_sampling_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
+        """Log-probs under the weights `keep_sampling_weights` copied."""
+        if self.sampling is None:
+            raise ValueError("no sampling weights kept: call keep_sampling_weights() first")
+        self.sampling.to(_device())
+        try:
+            return self.compute_logprobs(batch, model=self.sampling)
+        finally:
+            self.sampling.to("cpu")
 
     # ----------------------------------------------------------------------------- training
 

@@ -39,6 +39,7 @@ class MegatronTrainer:
                 trainable=False)
         if self.reference is not None and cfg.reference_on_cpu:
             move_params(self.reference.raw.parameters(), torch.device("cpu"))
+        self.sampling = None      # frozen copy of the weights the engines sample with (host)
 
     @property
     def arch(self):
@@ -83,6 +84,29 @@ class MegatronTrainer:
         finally:
             if self.cfg.reference_on_cpu:
                 move_params(self.reference.raw.parameters(), torch.device("cpu"))
+
+    def keep_sampling_weights(self) -> None:
+        """Copy the current weights, bitwise, into a frozen model in host memory (built on first
+        use). Off policy the engines sample the next batch with exactly these weights (they were
+        just synced), so `compute_sampling_logprobs` can later score that batch under them:
+        the precision mismatch apart from the policy lag."""
+        if self.sampling is None:
+            self.sampling = MegatronModel(self.cfg, trainable=False)
+            move_params(self.sampling.raw.parameters(), torch.device("cpu"))
+        with torch.no_grad():
+            for kept, current in zip(self.sampling.raw.parameters(),
+                                     self.policy.raw.parameters(), strict=True):
+                kept.copy_(current)
+
+    def compute_sampling_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
+        """Log-probs under the weights `keep_sampling_weights` copied."""
+        if self.sampling is None:
+            raise ValueError("no sampling weights kept: call keep_sampling_weights() first")
+        move_params(self.sampling.raw.parameters(), device())
+        try:
+            return self._logprobs_of(self.sampling, batch, False)
+        finally:
+            move_params(self.sampling.raw.parameters(), torch.device("cpu"))
 
     # ----------------------------------------------------------------------------- training
 

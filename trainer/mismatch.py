@@ -17,9 +17,13 @@ Off policy (disaggregated, `cluster.off_policy_steps: 1`) the engine sampled wit
 one version before the trainer's, so these compare the engine with the trainer's *current*
 weights: the precision mismatch plus the policy lag. Where both sides hold the same weights
 (every colocated step, a disaggregated run's first step) they are the mismatch alone.
+`lag_metrics` separates the two, given the trainer's log-probs under the engine's weights (the
+trainer keeps a copy of them: `keep_sampling_weights`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -70,3 +74,21 @@ def mismatch_metrics(batch: RLBatch, loss: LossConfig) -> dict[str, float]:
             "mismatch_kl": mean(w - 1.0 - log_r),
             "is_weight_mean": mean(applied),
             "is_clipped_frac": mean(clipped)}
+
+
+def lag_metrics(batch: RLBatch, sampling_logprobs: list[torch.Tensor]) -> dict[str, float]:
+    """Off policy, from the trainer's log-probs under the weights the engine sampled with
+    (`sampling_logprobs`) and its current ones (`batch.old_logprobs`), over loss-masked tokens:
+
+    * mismatch_kl_same_weights, logprob_diff_max_same_weights: engine vs trainer on the same
+      weights, the precision mismatch alone;
+    * policy_lag_kl: k3 of KL(sampling weights || current weights) on the engine's samples."""
+    same = mismatch_metrics(dataclasses.replace(batch, old_logprobs=sampling_logprobs),
+                            LossConfig())
+    lag = mismatch_metrics(dataclasses.replace(batch, rollout_logprobs=sampling_logprobs),
+                           LossConfig())
+    if not same or not lag:
+        return {}
+    return {"mismatch_kl_same_weights": same["mismatch_kl"],
+            "logprob_diff_max_same_weights": same["logprob_diff_max"],
+            "policy_lag_kl": lag["mismatch_kl"]}

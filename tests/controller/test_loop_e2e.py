@@ -78,9 +78,15 @@ def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path, monkeypat
     assert [r["perf/weight_sync_bytes"] > 0 for r in rows] == [False, True, False]
     assert rows[0]["train/logprob_diff_max"] <= 1e-5   # same weights on both sides at step 0
     # the mismatch metrics compare with the trainer's current weights: at step 0 the float32
-    # mismatch alone; at step 1 the samples are one version old, so the policy lag adds to it
-    assert rows[0]["train/mismatch_kl"] <= 1e-9
+    # mismatch alone; at step 1 the samples are one version old, so the policy lag adds to it.
+    # From step 1 the trainer also scores them under the weights they were sampled with (a
+    # kept copy): the mismatch alone again, and the lag apart from it.
+    assert rows[0]["train/mismatch_kl"] <= 1e-9 and "train/policy_lag_kl" not in rows[0]
     assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/mismatch_kl"] > 1e-3
+    for r in rows[1:]:
+        assert r["train/mismatch_kl_same_weights"] <= 1e-9
+        assert r["train/logprob_diff_max_same_weights"] <= 1e-5
+        assert r["train/policy_lag_kl"] > 1e-3
     for r in rows:
         assert set(REQUIRED_KEYS) <= r.keys() and r["train/ppo_kl_first_update"] == 0.0
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.config import LossConfig, RLBatch
-from trainer.mismatch import mismatch_metrics
+from trainer.mismatch import lag_metrics, mismatch_metrics
 
 
 def batch_with_hidden_tokens() -> tuple[RLBatch, list[list[float]]]:
@@ -66,3 +66,24 @@ def test_no_metrics_without_both_sides_or_tokens():
                                     old_logprobs=batch.old_logprobs,
                                     rollout_logprobs=batch.rollout_logprobs,
                                     loss_masks=hidden), LossConfig()) == {}
+
+
+def test_lag_metrics_split_the_gap():
+    """engine -> (precision) -> trainer on the engine's weights -> (lag) -> trainer now."""
+    batch, _ = batch_with_hidden_tokens()
+    g = torch.Generator().manual_seed(3)
+    sampling = [e + 0.01 * torch.randn(e.shape, generator=g, dtype=torch.float64)
+                for e in batch.rollout_logprobs]
+    got = lag_metrics(batch, sampling)
+    masks = torch.cat(batch.loss_masks) > 0
+    engine, then = torch.cat(batch.rollout_logprobs)[masks], torch.cat(sampling)[masks]
+    now = torch.cat(batch.old_logprobs)[masks]
+
+    def k3(log_r):
+        return float((log_r.exp() - 1 - log_r).mean())
+
+    assert got["mismatch_kl_same_weights"] == pytest.approx(k3(then - engine), abs=1e-12)
+    assert got["logprob_diff_max_same_weights"] == pytest.approx(
+        float((then - engine).abs().max()), abs=1e-12)
+    assert got["policy_lag_kl"] == pytest.approx(k3(now - then), abs=1e-12)
+    assert got["mismatch_kl_same_weights"] < 1e-3 < got["policy_lag_kl"]

@@ -94,12 +94,13 @@ class Counts(NamedTuple):
 
 
 def reference_loss(model, frozen, batch: RLBatch, case: Case) -> tuple[torch.Tensor, Counts]:
-    """J = agg over masked response tokens of
-        max(-A r, -A clip(r, 1 - eps_lo, 1 + eps_hi)), for A < 0 at most -c A      (PPO, DAPO,
-                                                                                    dual clip)
-        x min(pi_old / pi_engine, cap)                                             (TIS)
-        + beta * clamp(pi_ref / pi - 1 - log(pi_ref / pi), -10, 10)               (low-var-kl)
-        - alpha * H(pi)                                                            (entropy)
+    """J = agg over the masked response tokens of
+
+        max(-A r, -A clip(r, 1 - eps_lo, 1 + eps_hi)), for A < 0 at most -c A   PPO, DAPO, dual
+          x min(pi_old / pi_engine, cap)                                         TIS
+        + beta clamp(pi_ref / pi - 1 - log(pi_ref / pi), -10, 10)               low-var-kl
+        - alpha H(pi)                                                            entropy
+
     with r = pi / pi_old; agg = token-mean (all masked tokens of the batch) or seq-mean (the mean
     over sequences of each one's masked token mean)."""
     per_seq_sums, per_seq_counts = [], []
