@@ -56,13 +56,16 @@ class TrainerWorker:
         self.critic = None
 
     def build(self, policy_cfg, critic_cfg=None, value_clip: float | None = None,
-              off_policy: bool = False) -> int:
+              off_policy: bool = False, sampling_path: str | None = None) -> int:
         """Load the policy (and critic) from `policy_cfg.model_path`. Returns the vocab size.
         `off_policy`: the engines sample each batch with the weights of the step before (keep a
-        copy of those to tell the precision mismatch from the policy lag)."""
+        copy of those to tell the precision mismatch from the policy lag); `sampling_path`: a
+        resumed run's engine-side weights, what its pending rollout is sampled with."""
         from trainer import make_trainer
         self.policy = make_trainer(policy_cfg)
         self.off_policy = off_policy
+        if off_policy and sampling_path is not None:
+            self.policy.keep_sampling_weights(sampling_path)
         if critic_cfg is not None:
             from trainer.critic import MegatronCritic
             self.critic = MegatronCritic(critic_cfg, value_clip=value_clip)

@@ -162,15 +162,17 @@ class DeepSpeedTrainer:
             if self.cfg.reference_on_cpu:
                 self.reference.to("cpu")
 
-    def keep_sampling_weights(self) -> None:
+    def keep_sampling_weights(self, path: str | None = None) -> None:
         """Copy the current weights, bitwise, into a frozen HF model in host memory (built on
-        first use); see `MegatronTrainer.keep_sampling_weights`."""
+        first use), or load `path`'s; see `MegatronTrainer.keep_sampling_weights`."""
         import transformers
 
-        if self.sampling is None:
+        if self.sampling is None or path is not None:
             self.sampling = transformers.AutoModelForCausalLM.from_pretrained(
-                self.cfg.model_path, dtype=self.cfg.torch_dtype,
+                path or self.cfg.model_path, dtype=self.cfg.torch_dtype,
                 attn_implementation="sdpa").eval().requires_grad_(False)
+            if path is not None:
+                return
         kept = dict(self.sampling.named_parameters())
         with torch.no_grad():
             for name, tensor in self.export_hf_weights():   # ZeRO-3: gathered one at a time

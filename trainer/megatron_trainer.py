@@ -85,14 +85,19 @@ class MegatronTrainer:
             if self.cfg.reference_on_cpu:
                 move_params(self.reference.raw.parameters(), torch.device("cpu"))
 
-    def keep_sampling_weights(self) -> None:
+    def keep_sampling_weights(self, path: str | None = None) -> None:
         """Copy the current weights, bitwise, into a frozen model in host memory (built on first
-        use). Off policy the engines sample the next batch with exactly these weights (they were
-        just synced), so `compute_sampling_logprobs` can later score that batch under them:
-        the precision mismatch apart from the policy lag."""
-        if self.sampling is None:
-            self.sampling = MegatronModel(self.cfg, trainable=False)
+        use), or with `path` load that HF directory's instead (a resumed run: the engine-side
+        weights of its checkpoint). Off policy the engines sample the next batch with exactly
+        these weights (they were just synced), so `compute_sampling_logprobs` can later score
+        that batch under them: the precision mismatch apart from the policy lag."""
+        if self.sampling is None or path is not None:
+            self.sampling = MegatronModel(
+                dataclasses.replace(self.cfg, model_path=path or self.cfg.model_path),
+                trainable=False)
             move_params(self.sampling.raw.parameters(), torch.device("cpu"))
+            if path is not None:
+                return
         with torch.no_grad():
             for kept, current in zip(self.sampling.raw.parameters(),
                                      self.policy.raw.parameters(), strict=True):

@@ -18,7 +18,9 @@ one version before the trainer's, so these compare the engine with the trainer's
 weights: the precision mismatch plus the policy lag. Where both sides hold the same weights
 (every colocated step, a disaggregated run's first step) they are the mismatch alone.
 `lag_metrics` separates the two, given the trainer's log-probs under the engine's weights (the
-trainer keeps a copy of them: `keep_sampling_weights`).
+trainer keeps a copy of them: `keep_sampling_weights`). A step whose rollout a replacement engine
+finished (`rollout/engine_restarts`) was sampled partly with the trainer's current weights,
+which the copy does not know: its split is off for that step.
 """
 
 from __future__ import annotations
