@@ -130,7 +130,9 @@ class Runtime:
                                   "kl_reward_coef at 0")
             policy = dataclasses.replace(policy, reference_path=str(self.reference_dir))
         critic = critic_config(recipe, str(self.model_dir)) if alg.advantage == "gae" else None
-        self._on_trainers("build", policy, critic, alg.value_clip)
+        off_policy = recipe.cluster.off_policy_steps == 1
+        self._on_trainers("build", policy, critic, alg.value_clip, off_policy,
+                          str(engine_dir) if off_policy and self.resume is not None else None)
         if self.resume is not None:
             self._wait([call(f"trainer rank {rank}", t, "load_state",
                              str(checkpoint.rank_file(self.resume, rank)))

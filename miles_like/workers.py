@@ -84,10 +84,17 @@ class TrainerWorker:
         self.policy = None
         self.critic = None
 
-    def build(self, policy_cfg, critic_cfg=None, value_clip: float | None = None) -> int:
-        """Load the policy (and critic) from `policy_cfg.model_path`. Returns the vocab size."""
+    def build(self, policy_cfg, critic_cfg=None, value_clip: float | None = None,
+              off_policy: bool = False, sampling_path: str | None = None) -> int:
+        """Load the policy (and critic) from `policy_cfg.model_path`. Returns the vocab size.
+        `off_policy`: the engines sample each batch with the weights of the step before (keep a
+        copy of those to tell the precision mismatch from the policy lag); `sampling_path`: a
+        resumed run's engine-side weights, what its pending rollout is sampled with."""
         from trainer import make_trainer
         self.policy = make_trainer(policy_cfg)
+        self.off_policy = off_policy
+        if off_policy and sampling_path is not None:
+            self.policy.keep_sampling_weights(sampling_path)
         if critic_cfg is not None:
             from trainer.critic import MegatronCritic
             self.critic = MegatronCritic(critic_cfg, value_clip=value_clip)
@@ -112,8 +119,10 @@ class TrainerWorker:
         """The policy's part of one RL step: old log-probs with the current weights (the first
         update's ratio is exactly 1), the reference's when a KL term needs them, then `updates`
         optimizer steps on consecutive mini-batches. Metrics are averaged over the updates;
-        `logprob_diff_*` compare the engine's log-probs with the trainer's before any update."""
+        the mismatch metrics (`trainer.mismatch`) compare the engine's log-probs with the
+        trainer's before any update."""
         from trainer import objective
+        from trainer.mismatch import MISMATCH_KEYS, lag_metrics, mismatch_metrics
         p = self.policy
         minis = _mini_batches(len(batch.tokens), updates)
 
@@ -128,12 +137,18 @@ class TrainerWorker:
             return out
 
         batch = objective.complete_batch(batch, p.cfg.loss, old_logprobs, p.compute_ref_logprobs)
-        metrics = objective.logprob_diff_metrics(batch)
+        metrics = mismatch_metrics(batch, p.cfg.loss)
+        if self.off_policy:
+            # the copy holds the weights this batch was sampled with (taken before the last
+            # update, right after they were synced); from now on the engines sample with these
+            if p.sampling is not None:
+                metrics.update(lag_metrics(batch, p.compute_sampling_logprobs(batch)))
+            p.keep_sampling_weights()
         per_update: list[dict[str, float]] = []
         for idx in minis:
             per_update.append(p.train_step(batch.subset(idx)))
         for key in per_update[0]:
-            if key.startswith("logprob_diff"):
+            if key in MISMATCH_KEYS:
                 continue
             values = [m[key] for m in per_update]
             metrics[key] = max(values) if key == "ratio_max" else sum(values) / len(values)

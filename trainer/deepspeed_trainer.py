@@ -26,6 +26,7 @@ import torch.distributed as dist
 from trainer import objective
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import full_vocab_logprobs
+from trainer.mismatch import mismatch_metrics
 from trainer.offload import tensors_bytes
 from trainer.optim import lr_at
 from trainer.packing import MicroBatch, pack_all
@@ -81,6 +82,7 @@ class DeepSpeedTrainer:
                 attn_implementation="sdpa").eval()
             self.reference.requires_grad_(False)
             self.reference.to("cpu" if cfg.reference_on_cpu else _device())
+        self.sampling = None      # frozen copy of the weights the engines sample with (host)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups, config=ds_config,
             dist_init_required=False)  # init_distributed() above owns the process group
@@ -160,13 +162,39 @@ class DeepSpeedTrainer:
             if self.cfg.reference_on_cpu:
                 self.reference.to("cpu")
 
+    def keep_sampling_weights(self, path: str | None = None) -> None:
+        """Copy the current weights, bitwise, into a frozen HF model in host memory (built on
+        first use), or load `path`'s; see `MegatronTrainer.keep_sampling_weights`."""
+        import transformers
+
+        if self.sampling is None or path is not None:
+            self.sampling = transformers.AutoModelForCausalLM.from_pretrained(
+                path or self.cfg.model_path, dtype=self.cfg.torch_dtype,
+                attn_implementation="sdpa").eval().requires_grad_(False)
+            if path is not None:
+                return
+        kept = dict(self.sampling.named_parameters())
+        with torch.no_grad():
+            for name, tensor in self.export_hf_weights():   # ZeRO-3: gathered one at a time
+                kept[name].copy_(tensor)
+
+    def compute_sampling_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
+        """Log-probs under the weights `keep_sampling_weights` copied."""
+        if self.sampling is None:
+            raise ValueError("no sampling weights kept: call keep_sampling_weights() first")
+        self.sampling.to(_device())
+        try:
+            return self.compute_logprobs(batch, model=self.sampling)
+        finally:
+            self.sampling.to("cpu")
+
     # ----------------------------------------------------------------------------- training
 
     def train_step(self, batch: RLBatch) -> dict[str, float]:
         cfg = self.cfg
         batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
         norm = objective.normalizers(batch)
-        diff_metrics = objective.logprob_diff_metrics(batch)
+        diff_metrics = mismatch_metrics(batch, cfg.loss)
         mine = self._dp_share(len(batch.tokens))
         local = batch.subset(mine)
         mbs = pack_all(local.tokens, local.prompt_lens, cfg.max_tokens_per_micro_batch)

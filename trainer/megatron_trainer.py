@@ -18,6 +18,7 @@ from trainer.bridge import export_hf_weights, gather_hf_state_dict
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import vocab_parallel_logprobs
 from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
+from trainer.mismatch import mismatch_metrics
 from trainer.offload import move_params
 from trainer.packing import MicroBatch
 from trainer.parallel import ParallelConfig, init_parallel
@@ -38,6 +39,7 @@ class MegatronTrainer:
                 trainable=False)
         if self.reference is not None and cfg.reference_on_cpu:
             move_params(self.reference.raw.parameters(), torch.device("cpu"))
+        self.sampling = None      # frozen copy of the weights the engines sample with (host)
 
     @property
     def arch(self):
@@ -83,6 +85,34 @@ class MegatronTrainer:
             if self.cfg.reference_on_cpu:
                 move_params(self.reference.raw.parameters(), torch.device("cpu"))
 
+    def keep_sampling_weights(self, path: str | None = None) -> None:
+        """Copy the current weights, bitwise, into a frozen model in host memory (built on first
+        use), or with `path` load that HF directory's instead (a resumed run: the engine-side
+        weights of its checkpoint). Off policy the engines sample the next batch with exactly
+        these weights (they were just synced), so `compute_sampling_logprobs` can later score
+        that batch under them: the precision mismatch apart from the policy lag."""
+        if self.sampling is None or path is not None:
+            self.sampling = MegatronModel(
+                dataclasses.replace(self.cfg, model_path=path or self.cfg.model_path),
+                trainable=False)
+            move_params(self.sampling.raw.parameters(), torch.device("cpu"))
+            if path is not None:
+                return
+        with torch.no_grad():
+            for kept, current in zip(self.sampling.raw.parameters(),
+                                     self.policy.raw.parameters(), strict=True):
+                kept.copy_(current)
+
+    def compute_sampling_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
+        """Log-probs under the weights `keep_sampling_weights` copied."""
+        if self.sampling is None:
+            raise ValueError("no sampling weights kept: call keep_sampling_weights() first")
+        move_params(self.sampling.raw.parameters(), device())
+        try:
+            return self._logprobs_of(self.sampling, batch, False)
+        finally:
+            move_params(self.sampling.raw.parameters(), torch.device("cpu"))
+
     # ----------------------------------------------------------------------------- training
 
     def train_step(self, batch: RLBatch) -> dict[str, float]:
@@ -93,7 +123,7 @@ class MegatronTrainer:
         cfg = self.cfg
         batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
         norm = objective.normalizers(batch)
-        diff_metrics = objective.logprob_diff_metrics(batch)
+        diff_metrics = mismatch_metrics(batch, cfg.loss)
         local = batch.subset(dp_share(len(batch.tokens)))
         dev = device()
 

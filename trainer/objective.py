@@ -64,23 +64,6 @@ def normalizers(batch: RLBatch) -> Normalizers:
     return Normalizers(float(tokens), float(len(batch.tokens)))
 
 
-def logprob_diff_metrics(batch: RLBatch) -> dict[str, float]:
-    """|engine log-prob - trainer log-prob| over loss-masked response tokens, before the update
-    (DESIGN's train/logprob_diff_max / _mean). Empty when the batch lacks either side."""
-    if batch.rollout_logprobs is None or batch.old_logprobs is None:
-        return {}
-    diffs, masks = [], []
-    for i in range(len(batch.tokens)):
-        diffs.append((batch.old_logprobs[i].double() - batch.rollout_logprobs[i].double()).abs())
-        masks.append(torch.ones_like(diffs[-1]) if batch.loss_masks is None
-                     else batch.loss_masks[i].double())
-    diff, mask = torch.cat(diffs), torch.cat(masks)
-    if not bool((mask > 0).any()):
-        return {}
-    return {"logprob_diff_max": float(diff[mask > 0].max()),
-            "logprob_diff_mean": float((diff * mask).sum() / mask.sum())}
-
-
 def token_data(batch: RLBatch, mb: MicroBatch, device: torch.device) -> TokenData:
     idx = mb.sample_indices
 

@@ -12,92 +12,18 @@ could not tell the two dtypes apart.
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
-from tiny_hf import make_hf_model, save_hf_model
+from sharp_model import engine_samples, hf_reference, sharp_model, worst
 
-from rollout import Engine, EngineConfig, SamplingParams
 from trainer import make_trainer
-from trainer.config import LossConfig, OptimConfig, RLBatch, TrainerConfig
+from trainer.config import LossConfig, OptimConfig, TrainerConfig
 
 
-class Float64Rotary(torch.nn.Module):
-    """HF's default rotary embedding (cos, sin of the "rotate half" layout), all in float64."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].double() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-class Float64RMSNorm(torch.nn.Module):
-    def __init__(self, norm):
-        super().__init__()
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
-
-    def forward(self, x):
-        x = x.double()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def exact_float64(model):
-    """`model` with every float32 island of HF's float64 forward replaced by float64."""
-    cfg = model.config
-    model.model.rotary_emb = Float64Rotary(cfg.hidden_size // cfg.num_attention_heads,
-                                           cfg.rope_parameters["rope_theta"])
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__.endswith("RMSNorm"):
-                setattr(module, name, Float64RMSNorm(child))
-    return model
-
-
-@pytest.fixture(scope="module")
-def sharp_model(tmp_path_factory):
-    model = make_hf_model("qwen2", seed=3, dtype=torch.float64)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    directory = save_hf_model(model, tmp_path_factory.mktemp("sharp_qwen2"))
-    return exact_float64(model), directory
-
-
-def engine_samples(directory, dtype: str) -> tuple[RLBatch, list[torch.Tensor]]:
-    rng = random.Random(5)
-    prompts = [[rng.randrange(97) for _ in range(n)] for n in (4, 9, 15)]
-    engine = Engine(EngineConfig(model_path=str(directory), dtype=dtype, kv_cache_tokens=512,
-                                 page_size=4))
-    outs = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12,
-                                                   ignore_eos=True, seed=7))
-    tokens, prompt_lens, logprobs = [], [], []
-    for prompt, samples in zip(prompts, outs):
-        for s in samples:
-            tokens.append(prompt + list(s.token_ids))
-            prompt_lens.append(len(prompt))
-            logprobs.append(torch.tensor(s.logprobs, dtype=torch.float64))
-    batch = RLBatch(tokens=tokens, prompt_lens=prompt_lens,
-                    advantages=[torch.randn(len(t) - p) for t, p in zip(tokens, prompt_lens)],
-                    rollout_logprobs=logprobs)
-    return batch, logprobs
-
-
-def hf_reference(model, batch: RLBatch) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for tokens, p in zip(batch.tokens, batch.prompt_lens):
-            ids = torch.tensor([tokens])
-            logp = model(ids).logits[0].double().log_softmax(-1)
-            out.append(logp[p - 1:-1].gather(-1, ids[0, p:, None])[:, 0])
-    return out
-
-
-def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+@pytest.fixture(scope="module", name="sharp_model")
+def _sharp_model(tmp_path_factory):
+    return sharp_model(tmp_path_factory.mktemp("sharp_qwen2"))
 
 
 def test_float64_engine_and_trainer_agree_to_rounding(sharp_model):

@@ -238,6 +238,11 @@ def test_engine_logprob_correction_and_diff_metrics(mode, tiny_hf_checkpoints):
     assert metrics["pg_loss"] == pytest.approx(float(-(adv * w).mean()), abs=1e-6)
     assert metrics["logprob_diff_max"] == pytest.approx(float(delta.max()), abs=1e-6)
     assert metrics["logprob_diff_mean"] == pytest.approx(float(delta.mean()), abs=1e-6)
+    # k3 of KL(engine || trainer) with r = e^delta; the applied weights; the share cut at the cap
+    r = delta.exp()
+    assert metrics["mismatch_kl"] == pytest.approx(float((r - 1 - delta).mean()), abs=1e-6)
+    assert metrics["is_weight_mean"] == pytest.approx(float(w.mean()), abs=1e-6)
+    assert metrics["is_clipped_frac"] == pytest.approx(float((r > 1.5).double().mean()), abs=1e-9)
 
 
 def test_bf16_mixed_precision_trains_with_fp32_master(tiny_hf_checkpoints):
