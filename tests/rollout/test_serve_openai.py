@@ -64,11 +64,11 @@ def test_models_and_health(served):
 
 
 def test_completion_seeded_n_logprobs_token_ids_equal_the_engine(served, reference):
-    async_engine, tokenizer, client, _ = served
+    _, tokenizer, client, _ = served
     prompt = "the cat sat on"
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    kwargs = dict(model="tiny", n=3, max_tokens=10, temperature=0.9, top_p=0.95, seed=7,
-                  logprobs=0, extra_body={"ignore_eos": True})
+    kwargs = {"model": "tiny", "n": 3, "max_tokens": 10, "temperature": 0.9, "top_p": 0.95,
+              "seed": 7, "logprobs": 0, "extra_body": {"ignore_eos": True}}
     first = client.completions.create(prompt=prompt, **kwargs)
     again = client.completions.create(prompt=ids, **kwargs)    # token ids in, same result
     want = reference.generate([ids], SamplingParams(n=3, max_new_tokens=10, temperature=0.9,
