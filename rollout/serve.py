@@ -167,13 +167,12 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
     async def run(prompts: list[list[int]], params: SamplingParams, stops: list[str],
                   prompt_field: str) -> list[GenerationResult]:
         check = make_stop_check(tokenizer, stops) if stops else None
-        try:
-            futures = [async_engine.submit(p, params, check) for p in prompts]
+        try:   # a cancelled handler aborts its requests in the engine (AsyncEngine.generate)
+            return list(await asyncio.gather(*(async_engine.generate(p, params, check)
+                                               for p in prompts)))
         except EngineUnavailable as exc:
             raise APIError(503, PAUSED_MESSAGE if "updating" in str(exc) else str(exc),
                            type="service_unavailable") from None
-        try:
-            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except ValueError as exc:   # the engine's check of this request (ids, KV capacity)
             raise APIError(400, str(exc), prompt_field) from None
 
