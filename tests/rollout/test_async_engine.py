@@ -186,3 +186,23 @@ def test_stop_check_ends_sample_with_stop_keeping_the_token(qwen2):
         assert sample.token_ids == reference[:index + 1]
     finally:
         async_engine.close()
+
+
+def test_stop_check_inside_accepted_speculative_drafts(qwen2):
+    """The check runs per token, also on tokens accepted several at a time: the target is its
+    own draft model, so greedy drafts are always accepted whole and most stops fall inside one."""
+    prompt = [4, 5, 6, 7] * 3
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    reference = _engine(qwen2).generate([prompt], greedy)[0][0].token_ids
+    engine = _engine(qwen2, speculative_method="draft", speculative_draft_model_path=str(qwen2))
+    async_engine = AsyncEngine(engine)
+    try:
+        for k in range(2, 12):
+            result = async_engine.submit(prompt, greedy,
+                                         stop_check=lambda ids, k=k: len(ids) == k).result(60)
+            assert result.samples[0].token_ids == reference[:k]
+            assert result.samples[0].finish_reason == "stop"
+        stats = engine.stats()
+        assert stats["spec_accepted_tokens"] >= stats["generated_tokens"] / 2
+    finally:
+        async_engine.close()
