@@ -109,9 +109,12 @@ class AsyncEngine:
             if abort_running:
                 self._abort_all = True
                 self._cond.notify_all()
-            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout):
-                raise TimeoutError(f"{self._in_flight} requests still in flight after {timeout} s")
-            self._abort_all = False
+            try:
+                if not self._cond.wait_for(lambda: self._in_flight == 0, timeout):
+                    raise TimeoutError(f"{self._in_flight} requests still in flight after "
+                                       f"{timeout} s")
+            finally:
+                self._abort_all = False
 
     def resume(self) -> None:
         with self._cond:
