@@ -78,6 +78,7 @@ class _Sampling(BaseModel):
     top_k: StrictInt = Field(-1, ge=-1)
     ignore_eos: StrictBool = False
     session_id: str | None = None     # for the router; ignored here
+    stream: Literal[False] = False    # not supported: refused by name, never silently ignored
 
 
 class CompletionRequest(_Sampling):

@@ -160,6 +160,7 @@ BAD = [  # (route, body, status, field)
     ("completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"model": "tiny", "prompt": "hi", "n": 10_000}, 400, "n"),
     ("completions", {"model": "tiny"}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "hi", "stream": True}, 400, "stream"),
     ("chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]},
      400, "messages"),
