@@ -217,7 +217,9 @@ class RewardSection(Section):
     PATH = "reward"
     function: str = setting("arith", "built-in (math | exact_match | arith) or module:function "
                             "with signature fn(prompt: str, response: str, answer: str) -> float")
-    max_workers: int = setting(8, "threads computing rewards concurrently", ge=1)
+    max_workers: int = setting(8, "worker processes computing rewards concurrently", ge=1)
+    timeout_s: float = setting(30.0, "seconds one reward call may take; past it the worker is "
+                               "killed and replaced and the sample scores 0", gt=0)
 
     def check(self) -> None:
         from miles_like.rewards import check_spec  # rewards imports nothing from here
