@@ -89,16 +89,16 @@ def test_huge_outputs_stay_in_the_worker():
     crosses back (the call takes about as long as building them, not as sending them)."""
     res, seconds = misbehaving(["huge_output", "ab", "huge_list"])
     assert res.scores == [0.0, 2.0, 0.0] and res.num_errors == 2
-    assert seconds < 30
+    assert seconds < 60
 
 
 def test_a_hanging_reward_is_killed_at_its_timeout_and_its_worker_replaced():
-    res, seconds = misbehaving(["hang", "ab", "hang", "abc", "hang"], timeout_s=3.0)
+    res, seconds = misbehaving(["hang", "ab", "hang", "abc", "hang"], timeout_s=5.0)
     assert res.scores == [0.0, 2.0, 0.0, 3.0, 0.0]
     assert (res.num_errors, res.num_nan, res.num_timeouts) == (0, 0, 3)
-    # three 3 s timeouts on two workers, plus the replacements' start-up: far below the hang
-    assert seconds < 60
-    after, _ = misbehaving(["abcd"] * 4, timeout_s=3.0)   # the same pool, replaced workers
+    # three 5 s timeouts on two workers, plus the replacements' start-up: far below the hang
+    assert seconds < 120
+    after, _ = misbehaving(["abcd"] * 4, timeout_s=5.0)   # the same pool, replaced workers
     assert after.scores == [4.0] * 4
 
 
@@ -106,7 +106,7 @@ def test_a_reward_that_kills_its_worker_scores_zero():
     res, seconds = misbehaving(["exit", "ab", "segfault", "abc", "exit"])
     assert res.scores == [0.0, 2.0, 0.0, 3.0, 0.0]
     assert (res.num_errors, res.num_nan, res.num_timeouts) == (3, 0, 0)
-    assert seconds < 30
+    assert seconds < 60
     after, _ = misbehaving(["abcd"] * 4)
     assert after.scores == [4.0] * 4
 
