@@ -368,6 +368,8 @@ def check_paths(recipe: Recipe) -> None:
                           ".parquet file (or --no-path-check for a dry run)")
     from miles_like.rewards import resolve_reward
     resolve_reward(recipe.reward.function)
+    from miles_like.preflight import check_machine  # it imports nothing from here
+    check_machine(recipe)
     if recipe.checkpoint.resume not in (False, "auto"):
         from miles_like.checkpoint import check_checkpoint_dir  # it imports nothing from here
         check_checkpoint_dir(Path(recipe.checkpoint.resume).expanduser(), "checkpoint.resume")
