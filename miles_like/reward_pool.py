@@ -154,10 +154,15 @@ class RewardPool:
         todo = deque(range(len(jobs)))
         while todo or any(w.job is not None for w in self._workers):
             now = time.monotonic()
-            for w in self._workers:
+            for i, w in enumerate(self._workers):
                 if w.ready and w.job is None and todo:
-                    index = todo.popleft()
-                    w.conn.send((index, *jobs[index]))
+                    index = todo[0]
+                    try:
+                        w.conn.send((index, *jobs[index]))
+                    except OSError:   # it died idle (killed from outside): replace it, retry
+                        self._replace(i)
+                        continue
+                    todo.popleft()
                     w.job = (index, now + self.timeout_s)
             deadlines = [w.job[1] if w.job else w.started + STARTUP_TIMEOUT_S
                          for w in self._workers if w.job or not w.ready]

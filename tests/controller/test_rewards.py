@@ -5,6 +5,7 @@ and takes bounded time."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -109,6 +110,18 @@ def test_a_reward_that_kills_its_worker_scores_zero():
     assert seconds < 60
     after, _ = misbehaving(["abcd"] * 4)
     assert after.scores == [4.0] * 4
+
+
+def test_workers_killed_while_idle_are_replaced():
+    """Workers killed from outside between batches (the OOM killer, a stray kill) cost nothing:
+    the next batch is scored in full on their replacements."""
+    first, _ = misbehaving(["ab", "abc"])
+    for w in reward_pool._pool._workers:
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.proc.join(timeout=10)
+    after, _ = misbehaving(["ab", "abc", "abcd"])
+    assert first.scores == [2.0, 3.0] and after.scores == [2.0, 3.0, 4.0]
+    assert after.num_errors == 0
 
 
 def test_scoring_runs_on_a_bounded_pool_of_worker_processes():
