@@ -192,16 +192,17 @@ def test_a_library_planted_in_the_shared_temp_dir_is_not_loaded(tmp_path, foreig
     source.write_text(PLANTED_C)
     cc = native._compiler()
     planted = planted_dir / native.library_name(cc)
-    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted), str(source)],
-                   check=True)
+    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted),
+                    str(source)], check=True)
     (tmp_path / "file").write_text("")
-    result = _run("from weight_sync import native; print(native.kernel() is None)",
-                  {"TMPDIR": str(shared_tmp), "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "file" / "c")})
+    env = {"TMPDIR": str(shared_tmp), "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "file" / "c")}
+    result = _run("from weight_sync import native; print(native.kernel() is None)", env)
     assert result.returncode == 0, result.stderr
     assert not marker.exists(), "the planted library was loaded"
     assert result.stdout.split() == ["True"]
     assert result.stderr.count("native wxh64 kernel unavailable") == 1, result.stderr
-    assert f"{planted_dir} is not a directory owned by uid {os.getuid()} with mode 0700" in result.stderr
+    refusal = f"{planted_dir} is not a directory owned by uid {os.getuid()} with mode 0700"
+    assert refusal in result.stderr
 
 
 def test_the_temp_fallback_is_created_private_and_used(tmp_path):
