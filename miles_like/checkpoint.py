@@ -75,6 +75,7 @@ def check_checkpoint_dir(path: Path, field: str) -> None:
         raise RecipeError(f"{field}={str(path)!r} is not a complete checkpoint (no {STATE_FILE}: "
                           f"its writing was interrupted, or it predates resumable checkpoints); "
                           f"{hint}")
+    read_state(path)   # a damaged state.json is found before anything starts
 
 
 def resolve_resume(recipe, log: Callable[[str], None] = print) -> Path | None:
@@ -107,7 +108,17 @@ def refuse_earlier_run(output_dir: Path) -> None:
 
 
 def read_state(directory: Path) -> dict[str, Any]:
-    state = json.loads((Path(directory) / STATE_FILE).read_text())
+    file = Path(directory) / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecipeError(f"checkpoint.resume: {file} cannot be read ({type(e).__name__}: {e}): "
+                          "the checkpoint is damaged; resume from an earlier one "
+                          "(checkpoint.resume=.../step_N) or move this one away") from None
+    if not isinstance(state, dict):
+        raise RecipeError(f"checkpoint.resume: {file} is not a JSON object: the checkpoint is "
+                          "damaged; resume from an earlier one (checkpoint.resume=.../step_N) or "
+                          "move this one away")
     if state.get("format") != FORMAT:
         raise RecipeError(f"checkpoint.resume: {directory} has checkpoint format "
                           f"{state.get('format')}, this version reads {FORMAT}; resume it with "

@@ -71,7 +71,8 @@ def main(argv: Sequence[str] | None = None,
          run: Callable[[Recipe], int] | None = None) -> int:
     """Parse, load, validate; then print (dry run) or hand the recipe to `run`. Returns the exit
     code. `run` is the RL loop (`loop.run` unless a caller passes another)."""
-    args = build_parser().parse_args(argv)
+    # intermixed: overrides may come before and after flags (RECIPE --dry-run rollout.n=4)
+    args = build_parser().parse_intermixed_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides,
                              check_paths_exist=not args.no_path_check)

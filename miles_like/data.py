@@ -30,6 +30,26 @@ class PromptTokenizer(Protocol):
     def encode_prompt(self, prompt: str, chat_template: bool) -> list[int]: ...
 
 
+def read_table(data):
+    """The data file as an HF datasets table, its prompt and answer columns checked (also run
+    by `--dry-run` before anything starts, so both fail alike)."""
+    import datasets  # imported here: a synthetic run never pays for it
+
+    path = Path(data.path).expanduser()
+    kind = "parquet" if path.suffix == ".parquet" else "json"
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(kind, data_files=str(path), split="train")
+    except Exception as e:  # a malformed file: name it and the reason, not a deep traceback
+        raise RecipeError(f"data.path={str(path)!r}: cannot read it as {kind} "
+                          f"({type(e).__name__}: {e}); fix the file") from None
+    for field, key in (("data.prompt_key", data.prompt_key), ("data.answer_key", data.answer_key)):
+        if key not in table.column_names:
+            raise RecipeError(f"{field}={key!r}: {path.name} has no such column; its columns "
+                              f"are {', '.join(table.column_names)}")
+    return table
+
+
 class PromptSource:
     """An endless stream of problems: `next_batch(k)`. `data` is the recipe's data section."""
 
@@ -48,20 +68,7 @@ class PromptSource:
 
     # ------------------------------------------------------------------------------------- file
     def _read_file(self, path: Path) -> list[Problem]:
-        import datasets  # imported here: a synthetic run never pays for it
-
-        kind = "parquet" if path.suffix == ".parquet" else "json"
-        datasets.disable_progress_bars()
-        try:
-            table = datasets.load_dataset(kind, data_files=str(path), split="train")
-        except Exception as e:  # a malformed file: name it and the reason, not a deep traceback
-            raise RecipeError(f"data.path={str(path)!r}: cannot read it as {kind} "
-                              f"({type(e).__name__}: {e}); fix the file") from None
-        for field, key in (("data.prompt_key", self.data.prompt_key),
-                           ("data.answer_key", self.data.answer_key)):
-            if key not in table.column_names:
-                raise RecipeError(f"{field}={key!r}: {path.name} has no such column; its columns "
-                                  f"are {', '.join(table.column_names)}")
+        table = read_table(self.data)
         rows = []
         for prompt, answer in zip(table[self.data.prompt_key], table[self.data.answer_key]):
             problem = self._make(prompt, answer)

@@ -226,7 +226,9 @@ class RewardSection(Section):
     PATH = "reward"
     function: str = setting("arith", "built-in (math | exact_match | arith) or module:function "
                             "with signature fn(prompt: str, response: str, answer: str) -> float")
-    max_workers: int = setting(8, "threads computing rewards concurrently", ge=1)
+    max_workers: int = setting(8, "worker processes computing rewards concurrently", ge=1)
+    timeout_s: float = setting(30.0, "seconds one reward call may take; past it the worker is "
+                               "killed and replaced and the sample scores 0", gt=0)
 
     def check(self) -> None:
         from miles_like.rewards import check_spec  # rewards imports nothing from here
@@ -389,6 +391,8 @@ def check_paths(recipe: Recipe) -> None:
                           ".parquet file (or --no-path-check for a dry run)")
     from miles_like.rewards import resolve_reward
     resolve_reward(recipe.reward.function)
+    from miles_like.preflight import check_machine  # it imports nothing from here
+    check_machine(recipe)
     if recipe.checkpoint.resume not in (False, "auto"):
         from miles_like.checkpoint import check_checkpoint_dir  # it imports nothing from here
         check_checkpoint_dir(Path(recipe.checkpoint.resume).expanduser(), "checkpoint.resume")

@@ -1,5 +1,5 @@
-"""Reward functions: built-ins by name, user functions as `module:function`, and a bounded
-thread pool that scores a batch.
+"""Reward functions: built-ins by name, user functions as `module:function`, and
+`compute_rewards`, which scores a batch on worker processes (`reward_pool.py`).
 
 Every reward function has the signature
 
@@ -7,8 +7,9 @@ Every reward function has the signature
 
 `prompt` is the prompt as given in the data (before the chat template), `response` the decoded
 completion (special tokens removed), `answer` the data's reference answer. A function that
-raises, or returns something that is not a finite number, scores 0 for that sample; the
-failures are counted and returned, never hidden.
+raises, crashes its worker, runs past `reward.timeout_s`, or returns something that is not a
+finite number within +-1e6 scores 0 for that sample; the failures are counted and returned,
+never hidden.
 
 Built-ins:
 * `math`: `math-verify` equivalence of the response's final answer (a `\\boxed{}` expression or
@@ -22,12 +23,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from miles_like.reward_pool import shared_pool
 from miles_like.schema import RecipeError, closest
 from miles_like.tasks import arith
 
@@ -43,20 +43,24 @@ def arith_reward(prompt: str, response: str, answer: str) -> float:
     return arith.score(response, answer)
 
 
+MATH_VERIFY_TIMEOUT_S = 5   # per parse and per comparison (math-verify's own default)
+
+
 def math_reward(prompt: str, response: str, answer: str) -> float:
     # Imported here: math-verify pulls in sympy (about a second) and only this reward needs it.
     from math_verify import parse, verify
 
-    # The timeouts of math-verify use SIGALRM, which only works on the main thread; we score on
-    # a pool, so they are off (parsing is bounded by the response length).
+    # math-verify's own timeouts (SIGALRM) are on: scoring runs on a worker process's main
+    # thread (`reward_pool.py`), where they work. They cut a slow parse or comparison short
+    # (scored 0) long before the pool's per-call timeout would kill the worker.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     if "####" in answer:
         answer = answer.rsplit("####", 1)[1]
-    gold = parse(answer.strip(), parsing_timeout=None)
-    pred = parse(response, parsing_timeout=None)
+    gold = parse(answer.strip(), parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+    pred = parse(response, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
     if not gold or not pred:
         return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else 0.0
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
@@ -109,33 +113,46 @@ def resolve_reward(spec: str) -> RewardFn:
 
 class RewardResult(NamedTuple):
     scores: list[float]   # one per sample, in input order; 0.0 where the function failed
-    num_errors: int       # calls that raised (or returned something not a number)
-    num_nan: int          # calls that returned NaN or +-inf
+    num_errors: int       # calls that raised, returned something not a number, or crashed
+    num_nan: int          # calls that returned NaN, +-inf or beyond +-MAX_ABS_REWARD
+    num_timeouts: int = 0  # calls that outlived timeout_s (their worker killed and replaced)
 
 
-def _score_one(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float, str]:
-    try:
-        value = float(fn(prompt, response, answer))
-    except Exception:  # a user function's failure is a sample's score of 0, counted
-        return 0.0, "error"
-    if not math.isfinite(value):
-        return 0.0, "nan"
-    return value, "ok"
+def spec_of(fn: RewardFn) -> str:
+    """The name a reward function travels to the worker processes by: its built-in name or
+    `module:qualname`, which must resolve back to `fn` itself."""
+    for name, builtin in BUILTIN_REWARDS.items():
+        if fn is builtin:
+            return name
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    spec = f"{module}:{qualname}"
+    if module is None or module == "__main__" or not _SPEC_RE.fullmatch(spec):
+        raise ValueError(f"reward function {fn!r} runs in worker processes, which import it by "
+                         "name: define it at module level in an importable module (not a "
+                         "closure, lambda or __main__) and name it module:function")
+    if resolve_reward(spec) is not fn:
+        raise ValueError(f"reward function {fn!r}: {spec} names another object (a bound method?); "
+                         "give a module-level function")
+    return spec
+
+
+# Imported by a worker before it takes calls, so the first call is not charged with it.
+_PRELOAD = {"math": "math_verify"}
+DEFAULT_TIMEOUT_S = 30.0
 
 
 def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
-                    answers: Sequence[str], max_workers: int = 8) -> RewardResult:
-    """Score every (prompt, response, answer) with at most `max_workers` threads at once."""
+                    answers: Sequence[str], max_workers: int = 8,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardResult:
+    """Score every (prompt, response, answer) on a persistent pool of `max_workers` worker
+    processes (`reward_pool.py`), each call bounded by `timeout_s`."""
     if not len(prompts) == len(responses) == len(answers):
         raise ValueError(f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses, "
                          f"{len(answers)} answers; give one of each per sample")
     if max_workers < 1:
         raise ValueError(f"compute_rewards: max_workers={max_workers}; use >= 1")
     if not prompts:
-        return RewardResult([], 0, 0)
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(prompts))) as pool:
-        results = list(pool.map(lambda args: _score_one(fn, *args),
-                                zip(prompts, responses, answers)))
-    return RewardResult(scores=[v for v, _ in results],
-                        num_errors=sum(status == "error" for _, status in results),
-                        num_nan=sum(status == "nan" for _, status in results))
+        return RewardResult([], 0, 0, 0)
+    spec = spec_of(fn)
+    pool = shared_pool(spec, max_workers, timeout_s, _PRELOAD.get(spec))
+    return RewardResult(*pool.score(prompts, responses, answers))

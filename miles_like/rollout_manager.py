@@ -133,7 +133,8 @@ class RolloutManager:
                 responses.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
                 answers.append(p.answer)
         result = compute_rewards(self.reward_fn, prompts, responses, answers,
-                                 max_workers=r.reward.max_workers)
+                                 max_workers=r.reward.max_workers,
+                                 timeout_s=r.reward.timeout_s)
         lengths = torch.tensor([len(s.token_ids) for g in samples for s in g])
         penalty = overlong_penalty(lengths, r.rollout.max_new_tokens,
                                    r.algorithm.overlong_buffer, r.algorithm.overlong_penalty)
@@ -143,7 +144,8 @@ class RolloutManager:
             rewards = [s + float(penalty[k + j]) for j, s in enumerate(scores)]
             groups.append(Group(p, group, scores, rewards))
             k += n
-        return groups, {"reward_errors": result.num_errors, "reward_nan": result.num_nan}
+        return groups, {"reward_errors": result.num_errors, "reward_nan": result.num_nan,
+                        "reward_timeouts": result.num_timeouts}
 
     # ---------------------------------------------------------------------------------- finish
     def finish(self, pending: PendingRollout) -> Rollout:
@@ -170,6 +172,7 @@ class RolloutManager:
         metrics = self._metrics(generated)
         hits, computed = tallies["prefix_cache_hit_tokens"], tallies["prefill_tokens_computed"]
         metrics.update(reward_errors=tallies["reward_errors"], reward_nan=tallies["reward_nan"],
+                       reward_timeouts=tallies["reward_timeouts"],
                        generated_tokens=tallies["generated_tokens"],
                        tokens_per_s=tallies["generated_tokens"] / max(seconds, 1e-9),
                        prefix_cache_hit_rate=hits / max(hits + computed, 1),

@@ -8,6 +8,7 @@ warm start with the same inputs is reused instead of recomputed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -33,11 +34,33 @@ def sft_batch(problems, tokenizer) -> RLBatch:
     return RLBatch(tokens=tokens, prompt_lens=prompt_lens)
 
 
+def code_files() -> list[Path]:
+    """The source a warm start's weights depend on besides the recipe: the trainer package (the
+    backends, the objective, the optimizer), this file (the SFT batches), the prompt stream, the
+    tasks, the tokenizer and the trainer configuration built from the recipe."""
+    import miles_like
+    import trainer
+    pkg = Path(miles_like.__file__).parent
+    return sorted([*Path(trainer.__file__).parent.rglob("*.py"), Path(__file__),
+                   pkg / "data.py", pkg / "tokenizer.py", pkg / "build_configs.py",
+                   *(pkg / "tasks").rglob("*.py")])
+
+
+def code_version() -> str:
+    """A hash of `code_files()`. A hash, not a version constant to bump: a changed trainer or
+    task can never reuse an old SFT checkpoint because someone forgot; the price is a recomputed
+    warm start (seconds to minutes) after any edit to those files, comments included."""
+    digest = hashlib.sha256()
+    for f in code_files():
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def _identity(recipe, base_dir: Path) -> list:
     """What the warm start's result depends on."""
     weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
                      for f in base_dir.glob("*.safetensors"))
-    return [str(base_dir.resolve()), weights, dataclasses.asdict(recipe.sft),
+    return [code_version(), str(base_dir.resolve()), weights, dataclasses.asdict(recipe.sft),
             dataclasses.asdict(recipe.data), recipe.seed, recipe.model.dtype,
             recipe.trainer.backend, recipe.trainer.tp, recipe.trainer.pp,
             recipe.trainer.max_tokens_per_micro_batch, recipe.rollout.max_new_tokens]

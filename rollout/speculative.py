@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -86,11 +87,11 @@ class SuffixIndex:
     def __init__(self, min_n: int, max_n: int, max_sources: int = 256):
         self.min_n, self.max_n = min_n, max_n
         self.max_sources = max_sources
-        self._sources: OrderedDict[int, list[int]] = OrderedDict()   # source id -> its token list
-        self._indexed: dict[int, int] = {}                           # source id -> positions indexed
-        self._table: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._sources: OrderedDict[Hashable, list[int]] = OrderedDict()   # source id -> its tokens
+        self._indexed: dict[Hashable, int] = {}                  # source id -> positions indexed
+        self._table: dict[tuple[int, ...], tuple[Hashable, int]] = {}
 
-    def update(self, source_id: int, tokens: list[int]) -> None:
+    def update(self, source_id: Hashable, tokens: list[int]) -> None:
         """Index the positions of `tokens` not yet seen (the list is kept by reference)."""
         if source_id not in self._sources:
             if len(self._sources) >= self.max_sources:       # forget the oldest source's entries lazily
@@ -117,7 +118,12 @@ class SuffixIndex:
 
 
 class Proposer:
-    """Keeps one SuffixIndex per sequence (`ngram`) or per prompt (`group`)."""
+    """Keeps one SuffixIndex per sequence (`ngram`) or per prompt (`group`).
+
+    A sequence is named by `seq.order`, (request_id, sample_index), unique over the engine's life
+    and equal on two engines given the same requests; never by `id(seq)`, which CPython reuses
+    for a new object once the old is freed, so a new sample would inherit a finished one's state
+    depending on memory layout, and seeded runs would not repeat."""
 
     def __init__(self, method: str, min_n: int = 1, max_n: int = 4, max_indexes: int = 4096):
         if method not in PROPOSERS:
@@ -128,7 +134,7 @@ class Proposer:
         self._indexes: OrderedDict[object, SuffixIndex] = OrderedDict()
 
     def _index(self, seq: "Sequence") -> SuffixIndex:
-        key = tuple(seq.request.prompt) if self.method == "group" else id(seq)
+        key = tuple(seq.request.prompt) if self.method == "group" else seq.order
         index = self._indexes.get(key)
         if index is None:
             index = self._indexes[key] = SuffixIndex(self.min_n, self.max_n)
@@ -140,7 +146,7 @@ class Proposer:
 
     def propose(self, seq: "Sequence", k: int) -> list[int]:
         index = self._index(seq)
-        index.update(id(seq), seq.token_ids)
+        index.update(seq.order, seq.token_ids)
         return index.propose(seq.token_ids, k) if k > 0 else []
 
     def propose_batch(self, seqs: list["Sequence"], ks: list[int]) -> list[Draft]:
@@ -149,9 +155,9 @@ class Proposer:
     def forget(self, seq: "Sequence") -> None:
         """A sequence finished: `ngram` drops its index; `group` keeps it as an earlier completion."""
         if self.method == "ngram":
-            self._indexes.pop(id(seq), None)
+            self._indexes.pop(seq.order, None)
         else:
-            self._index(seq).update(id(seq), seq.token_ids)
+            self._index(seq).update(seq.order, seq.token_ids)
 
 
 class Verified(NamedTuple):

@@ -124,13 +124,6 @@ def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKi
     raise ValueError(f"kl estimator {kind!r}; expected one of {KL_KINDS}")
 
 
-def kl_penalized_rewards(token_rewards: torch.Tensor, logprobs: torch.Tensor,
-                         ref_logprobs: torch.Tensor, *, coef: float, kind: KLKind = "k1"
-                         ) -> torch.Tensor:
-    """KL as a reward penalty (InstructGPT-style PPO): r_t - coef * KL_t, no gradient."""
-    return token_rewards - coef * kl_divergence(logprobs.detach(), ref_logprobs, kind)
-
-
 def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, *,
                        mode: Literal["tis", "mis"], cap: float, floor: float = 0.0
                        ) -> torch.Tensor:

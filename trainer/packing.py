@@ -30,16 +30,6 @@ class MicroBatch(NamedTuple):
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def response_spans(self) -> list[tuple[int, int]]:
-        """[start, end) in packed positions whose logits score each sequence's response."""
-        spans = []
-        for i in range(len(self.sample_indices)):
-            start, end = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
-            mask = self.response_mask[start:end]
-            first = int(mask.nonzero()[0]) if bool(mask.any()) else end - 1
-            spans.append((start + first, end - 1))
-        return spans
-
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Group sequence indices, in order, into micro-batches of at most `max_tokens` tokens."""

@@ -181,6 +181,7 @@ def test_existing_paths_pass(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")   # only its presence is checked here
     data = write(tmp_path, '{"prompt": "1+1=", "answer": "2"}\n', "train.jsonl")
     r = load_recipe(write(tmp_path, f"model:\n  path: {model}\ndata:\n  path: {data}\n"))
     assert r.model.path == str(model) and r.data.path == str(data)

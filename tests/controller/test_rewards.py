@@ -1,13 +1,26 @@
-"""Reward built-ins, user functions by `module:function`, and the bounded scoring pool."""
+"""Reward built-ins, user functions by `module:function`, and the pool of worker processes that
+scores them: each failure mode (hang, crash, raise, NaN, junk, huge output) scores 0, is counted
+and takes bounded time."""
 
 from __future__ import annotations
 
-import threading
+import os
+import signal
+import time
 
 import pytest
 
-from miles_like.rewards import (BUILTIN_REWARDS, RecipeError, compute_rewards, exact_match,
-                                resolve_reward)
+from miles_like import reward_pool
+from miles_like.rewards import (
+    BUILTIN_REWARDS,
+    RecipeError,
+    compute_rewards,
+    exact_match,
+    resolve_reward,
+)
+
+import unruly_rewards
+import user_rewards
 
 
 def test_exact_match_normalises_whitespace_only():
@@ -58,43 +71,89 @@ def test_bad_specs_name_the_field(spec, needle):
     assert str(info.value).startswith("reward.function=") and needle in str(info.value)
 
 
-def test_failures_score_zero_and_are_counted():
-    def fn(prompt, response, answer):
-        if response == "raise":
-            raise RuntimeError("boom")
-        if response == "nan":
-            return float("nan")
-        if response == "inf":
-            return float("inf")
-        if response == "none":
-            return None
-        return float(len(response))
-
-    res = compute_rewards(fn, ["p"] * 6, ["ab", "raise", "nan", "abc", "inf", "none"], ["a"] * 6)
-    assert res.scores == [2.0, 0.0, 0.0, 3.0, 0.0, 0.0]
-    assert (res.num_errors, res.num_nan) == (2, 2)
+def misbehaving(responses: list[str], max_workers: int = 2, timeout_s: float = 10.0):
+    start = time.monotonic()
+    res = compute_rewards(unruly_rewards.by_response, ["p"] * len(responses), responses,
+                          ["a"] * len(responses), max_workers=max_workers, timeout_s=timeout_s)
+    return res, time.monotonic() - start
 
 
-def test_pool_is_bounded_and_concurrent():
+def test_raise_nan_and_junk_score_zero_and_are_counted():
+    res, _ = misbehaving(["ab", "raise", "nan", "abc", "inf", "none", "string", "sys.exit",
+                          "huge_value", "huge_int"])
+    assert res.scores == [2.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert (res.num_errors, res.num_nan, res.num_timeouts) == (5, 3, 0)
+
+
+def test_huge_outputs_stay_in_the_worker():
+    """A 64 MiB string and an 8M-element list are not numbers: 0, counted, and only a float
+    crosses back (the call takes about as long as building them, not as sending them)."""
+    res, seconds = misbehaving(["huge_output", "ab", "huge_list"])
+    assert res.scores == [0.0, 2.0, 0.0] and res.num_errors == 2
+    assert seconds < 60
+
+
+def test_a_hanging_reward_is_killed_at_its_timeout_and_its_worker_replaced():
+    res, seconds = misbehaving(["hang", "ab", "hang", "abc", "hang"], timeout_s=5.0)
+    assert res.scores == [0.0, 2.0, 0.0, 3.0, 0.0]
+    assert (res.num_errors, res.num_nan, res.num_timeouts) == (0, 0, 3)
+    # three 5 s timeouts on two workers, plus the replacements' start-up: far below the hang
+    assert seconds < 120
+    after, _ = misbehaving(["abcd"] * 4, timeout_s=5.0)   # the same pool, replaced workers
+    assert after.scores == [4.0] * 4
+
+
+def test_a_reward_that_kills_its_worker_scores_zero():
+    res, seconds = misbehaving(["exit", "ab", "segfault", "abc", "exit"])
+    assert res.scores == [0.0, 2.0, 0.0, 3.0, 0.0]
+    assert (res.num_errors, res.num_nan, res.num_timeouts) == (3, 0, 0)
+    assert seconds < 60
+    after, _ = misbehaving(["abcd"] * 4)
+    assert after.scores == [4.0] * 4
+
+
+def test_workers_killed_while_idle_are_replaced():
+    """Workers killed from outside between batches (the OOM killer, a stray kill) cost nothing:
+    the next batch is scored in full on their replacements."""
+    first, _ = misbehaving(["ab", "abc"])
+    for w in reward_pool._pool._workers:
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.proc.join(timeout=10)
+    after, _ = misbehaving(["ab", "abc", "abcd"])
+    assert first.scores == [2.0, 3.0] and after.scores == [2.0, 3.0, 4.0]
+    assert after.num_errors == 0
+
+
+def test_scoring_runs_on_a_bounded_pool_of_worker_processes():
     workers = 3
-    barrier = threading.Barrier(workers, timeout=10)  # passes only if 3 calls run at once
-    lock, active, peak = threading.Lock(), [0], [0]
-
-    def fn(prompt, response, answer):
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-        try:
-            barrier.wait()
-        finally:
-            with lock:
-                active[0] -= 1
-        return float(response)
-
-    res = compute_rewards(fn, ["p"] * 9, [str(i) for i in range(9)], ["a"] * 9,
+    res = compute_rewards(unruly_rewards.pid_after, ["p"] * 9, ["0.3"] * 9, ["a"] * 9,
                           max_workers=workers)
-    assert res.scores == [float(i) for i in range(9)]  # input order, whatever finished first
-    assert res.num_errors == 0 and peak[0] == workers
+    pool_pids = {float(w.proc.pid) for w in reward_pool._pool._workers}
+    assert len(pool_pids) == workers and os.getpid() not in pool_pids
+    assert 2 <= len(set(res.scores)) and set(res.scores) <= pool_pids   # concurrent, bounded
+    assert res.num_errors == 0
+    again = compute_rewards(unruly_rewards.pid_after, ["p"] * 3, ["0"] * 3, ["a"] * 3,
+                            max_workers=workers)
+    assert set(again.scores) <= pool_pids   # the same processes: the pool persists
+
+
+def test_scores_keep_input_order():
+    responses = ["x" * i for i in range(12)]
+    res = compute_rewards(user_rewards.length_score, ["p"] * 12, responses, ["a"] * 12,
+                          max_workers=4)
+    assert res.scores == [float(i) for i in range(12)]
+
+
+def test_math_reward_in_the_pool():
+    res = compute_rewards(BUILTIN_REWARDS["math"], ["q"] * 3,
+                          ["The answer is \\boxed{72}.", "71", "so $\\frac{1}{2}$"],
+                          ["72", "72", "0.5"], max_workers=2)
+    assert res.scores == [1.0, 0.0, 1.0] and res.num_errors == 0
+
+
+def test_functions_that_cannot_travel_by_name_are_refused():
+    with pytest.raises(ValueError, match="module level"):
+        compute_rewards(lambda p, r, a: 1.0, ["p"], ["r"], ["a"])
 
 
 def test_compute_rewards_input_errors():

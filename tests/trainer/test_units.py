@@ -60,7 +60,6 @@ def test_pack_layout():
     # position p predicts targets[p]; responses are 12, 13 and 21, 22
     assert mb.targets.tolist() == [11, 12, 13, 0, 21, 22, 0]
     assert mb.response_mask.tolist() == [False, True, True, False, True, True, False]
-    assert mb.response_spans() == [(1, 3), (4, 6)]
     with pytest.raises(ValueError, match="prompt_len"):
         pack(tokens, [0, 1], [0])
     assert [m.sample_indices for m in pack_all(tokens, [2, 1], 4)] == [(0,), (1,)]

@@ -6,6 +6,7 @@ Reference: `weight_sync.checksum.wxh64_reference`, the spec in numpy (no native 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -162,3 +163,58 @@ def test_kernel_builds_into_a_fresh_cache_keyed_by_source(tmp_path):
     assert "unavailable" not in result.stderr
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and files[0].name.startswith("wxh64-") and files[0].suffix == ".so", files
+
+
+PLANTED_C = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("loaded", f); fclose(f); }
+}
+"""
+
+
+@pytest.mark.parametrize("foreign", ["world-writable", "another owner"])
+def test_a_library_planted_in_the_shared_temp_dir_is_not_loaded(tmp_path, foreign):
+    """Another user pre-creates the old fallback directory (the system temp dir's
+    miles_like_native_UID) and plants a library under the name we would load: it must not run.
+    The home cache is unusable (its path runs through a file), so the fallback is taken."""
+    if foreign == "another owner" and os.getuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    shared_tmp, marker = tmp_path / "tmp", tmp_path / "marker"
+    planted_dir = shared_tmp / f"miles_like_native_{os.getuid()}"
+    planted_dir.mkdir(parents=True)
+    os.chmod(planted_dir, 0o777)
+    if foreign == "another owner":
+        os.chmod(planted_dir, 0o700)
+        os.chown(planted_dir, os.getuid() + 4242, -1)
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED_C)
+    cc = native._compiler()
+    planted = planted_dir / native.library_name(cc)
+    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted),
+                    str(source)], check=True)
+    (tmp_path / "file").write_text("")
+    env = {"TMPDIR": str(shared_tmp), "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "file" / "c")}
+    result = _run("from weight_sync import native; print(native.kernel() is None)", env)
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists(), "the planted library was loaded"
+    assert result.stdout.split() == ["True"]
+    assert result.stderr.count("native wxh64 kernel unavailable") == 1, result.stderr
+    refusal = f"{planted_dir} is not a directory owned by uid {os.getuid()} with mode 0700"
+    assert refusal in result.stderr
+
+
+def test_the_temp_fallback_is_created_private_and_used(tmp_path):
+    """Where the temp-dir fallback does not exist yet it is created with mode 0700 and the
+    kernel is built and loaded there."""
+    shared_tmp = tmp_path / "tmp"
+    shared_tmp.mkdir()
+    (tmp_path / "file").write_text("")
+    result = _run(FALLBACK_PROBE, {"TMPDIR": str(shared_tmp),
+                                   "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "file" / "c")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:2] == ["wxh64", "wxh64"]
+    directory = shared_tmp / f"miles_like_native_{os.getuid()}"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert [p.suffix for p in directory.iterdir()] == [".so"]

@@ -5,6 +5,12 @@ directory keyed by the source, the flags, the compiler and this CPU, then loaded
 ctypes releases the GIL during the call, so two threads can each run half of a large tensor.
 Without a compiler (or with MILES_LIKE_NATIVE=0) `kernel()` returns None after one warning and
 weight sync falls back to xxh3; nothing is downloaded.
+
+Loading a library runs its code, so the cache directory must be private: a directory owned by
+this user with mode 0700 (created so; `MILES_LIKE_NATIVE_CACHE`, else ~/.cache/miles_like/native,
+else a per-user directory under the system temp dir). A directory that exists with another owner
+or other permissions is refused (one warning, xxh3): in a shared place such as /tmp another user
+could have created it and planted a library under the name we would load.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -49,22 +56,50 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str) -> Path:
+class UnsafeCacheDir(RuntimeError):
+    """The cache directory is not private to this user: nothing in it may be loaded."""
+
+
+def _private_dir(path: Path) -> Path:
+    """`path`, created with mode 0700 if missing; raises UnsafeCacheDir unless it is a real
+    directory (not a symlink) owned by this user that no one else can write. One of ours that is
+    merely readable by others (an older cache, 0755) is tightened to 0700: no one else can have
+    written into it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or mode & 0o022:
+        raise UnsafeCacheDir(f"{path} is not a directory owned by uid {os.getuid()} with mode 0700 "
+                             f"(owner {st.st_uid}, mode {mode:o}); remove it, or point "
+                             "MILES_LIKE_NATIVE_CACHE at a private directory")
+    if mode != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def library_name(cc: str) -> str:
+    """The cached library's file name: keyed by the source, the flags, the compiler and this CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id(),
                                     platform.machine()]).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"wxh64-{key}.so"
+    return f"wxh64-{key}.so"
+
+
+def _build(cc: str) -> Path:
+    name = library_name(cc)
+    try:
+        directory = _private_dir(_cache_dir())
+    except OSError:   # read-only home: a per-user directory under the system temp dir
+        directory = _private_dir(Path(tempfile.gettempdir()) / f"miles_like_native_{os.getuid()}")
+    target = directory / name
     if target.exists():
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:   # read-only home: a per-user directory under the system temp dir
-        target = Path(tempfile.gettempdir()) / f"miles_like_native_{os.getuid()}" / target.name
-        if target.exists():
-            return target
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent first users (sender and receiver) race safely.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
         result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
@@ -101,15 +136,17 @@ def kernel() -> ctypes.CDLL | None:
         elif sys.byteorder != "little":
             reason = "big-endian host"
         elif (cc := _compiler()) is None:
-            reason = "no C compiler (cc, gcc or clang) on PATH"
+            reason = "no C compiler (cc, gcc or clang) on PATH; install one to enable it"
         else:
             try:
                 _kernel = _load(_build(cc))
+            except UnsafeCacheDir as e:
+                reason = f"refusing to load native code from a shared place: {e}"
             except Exception as e:   # noqa: BLE001 -- any build/load failure means: fall back
                 reason = f"building {SOURCE.name} failed: {e}"
         if reason is not None and os.environ.get("MILES_LIKE_NATIVE", "1") != "0":
             warnings.warn(f"weight_sync: native wxh64 kernel unavailable ({reason}); using xxh3 checksums "
-                          "and torch copies, about 1.5x slower syncs. Install a C compiler to enable it.",
+                          "and torch copies, about 1.5x slower syncs.",
                           RuntimeWarning, stacklevel=2)
         _tried = True
         return _kernel
