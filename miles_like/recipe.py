@@ -104,6 +104,18 @@ class RolloutSection(Section):
     speculative_draft_model_path: str | None = setting(
         None, "speculative_method=draft: local HF directory of a smaller model with the policy's "
               "vocabulary (its weights are not updated)")
+    function: str = setting(
+        "single_turn", "rollout function: built-in single_turn, or module:function, an async "
+        "fn(ctx, problem) -> list[Trajectory] returning the prompt's n trajectories "
+        "(README, Rollout functions)")
+    max_turns: int = setting(1, "most model turns per trajectory a multi-turn rollout function "
+                             "takes (ctx.max_turns)", ge=1)
+    tools: tuple[str, ...] = setting((), "module:function tools a multi-turn rollout function "
+                                     "may call (ctx.tools)")
+
+    def check(self) -> None:
+        from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here
+        check_rollout_spec(self.function)
 
 
 @dataclass(frozen=True)

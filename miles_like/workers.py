@@ -263,11 +263,13 @@ class EngineWorker:
 
     def generate(self, prompts: list[list[int]], params: list) -> tuple[list, dict[str, int]]:
         """Samples for every prompt, and what this call added to the engine's prefill / prefix-
-        cache counters (returned with the samples: no extra round trip for the hit rate)."""
+        cache counters, plus the `weight_version` that sampled them (returned with the samples:
+        no extra round trip for the hit rate)."""
         before = self.engine.stats()
         outs = self.engine.generate(prompts, params)
         after = self.engine.stats()
-        return outs, {k: after[k] - before[k] for k in self.CACHE_COUNTERS}
+        return outs, {**{k: after[k] - before[k] for k in self.CACHE_COUNTERS},
+                      "weight_version": after["weight_version"]}
 
     def stats(self) -> dict:
         return self.engine.stats()
