@@ -141,7 +141,7 @@ class RolloutManager:
 
         async def group(k: int) -> list[Trajectory]:
             ctx = RolloutContext(problem=problems[k], params=params[k], dispatch=dispatch,
-                                 replica=home[k], tokenizer=self.tokenizer,
+                                 replica=home[k], tokenizer=self.tokenizer.tok,
                                  context_len=self.context_len, vocab_size=self.vocab_size,
                                  reward_fn=self.reward_fn, tools=r.tools, max_turns=r.max_turns,
                                  base_url=self.base_url)
