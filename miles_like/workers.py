@@ -290,7 +290,8 @@ class EngineWorker:
     def generate(self, prompts: list[list[int]], params: list) -> tuple[list, dict[str, int]]:
         """Samples for every prompt, and what this call added to the engine's prefill / prefix-
         cache counters, plus the `weight_version` that sampled them (returned with the samples:
-        no extra round trip for the hit rate)."""
+        no extra round trip for the hit rate; with the window open, `generate_one` calls running
+        meanwhile are counted too)."""
         if not isinstance(params, Sequence):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -55,6 +55,7 @@ class AsyncEngine:
         self._stopping = False
         self._failure: BaseException | None = None   # the step loop died: nothing is served
         self._futures: dict[int, Future] = {}         # request id -> future (thread-owned)
+        self._cancels: list[Future] = []
         self._thread = threading.Thread(target=self._loop, name="AsyncEngine", daemon=True)
         self._thread.start()
 
@@ -78,8 +79,21 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: Seq[int], params: SamplingParams,
                        stop_check: StopCheck | None = None) -> GenerationResult:
-        """`submit` awaited from any asyncio loop."""
-        return await asyncio.wrap_future(self.submit(prompt_ids, params, stop_check))
+        """`submit` awaited from any asyncio loop. Cancelling the awaiting task (a timeout, a
+        client gone) aborts the request in the engine."""
+        future = self.submit(prompt_ids, params, stop_check)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.cancel(future)
+            raise
+
+    def cancel(self, future: Future) -> None:
+        """Abort the request behind `future` (any thread): it ends now with finish_reason
+        "abort" and the tokens it has (a finished request is left as it is)."""
+        with self._cond:
+            self._cancels.append(future)
+            self._cond.notify_all()
 
     # -- the serving window --------------------------------------------------------------------
     @property
@@ -126,11 +140,12 @@ class AsyncEngine:
                     return
                 new = list(self._inbox)
                 self._inbox.clear()
+                cancels, self._cancels = self._cancels, []
                 abort = self._abort_all
             for sub in new:
                 self._add(sub)
-            if abort:
-                for request_id in self._futures:
+            for request_id, future in self._futures.items():
+                if abort or any(future is c for c in cancels):
                     self.engine.abort(request_id)
             if not self._futures:
                 continue
