@@ -112,6 +112,9 @@ class RolloutSection(Section):
                              "takes (ctx.max_turns)", ge=1)
     tools: tuple[str, ...] = setting((), "module:function tools a multi-turn rollout function "
                                      "may call (ctx.tools)")
+    serve_http: bool = setting(False, "serve the engines as an OpenAI-compatible endpoint on "
+                               "127.0.0.1 behind a cache-aware router during rollouts "
+                               "(ctx.base_url, for agent code)")
 
     def check(self) -> None:
         from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here

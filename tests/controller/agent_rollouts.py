@@ -86,3 +86,30 @@ async def bad_mask(ctx, problem):
 
 def not_async(ctx, problem):
     return []
+
+
+async def openai_agent(ctx, problem):
+    """External agent code: the official `openai` client against `ctx.base_url` (the router),
+    one session per sample; the trajectory is built from the token ids and log-probs the
+    endpoint returns (nothing decoded and re-encoded)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key="unused", max_retries=0)
+    model = (await client.models.list()).data[0].id
+
+    async def sample(j: int):
+        s = ctx.sampling(j)
+        out = await client.completions.create(
+            model=model, prompt=problem.prompt_ids, max_tokens=s.max_new_tokens,
+            temperature=s.temperature, seed=s.seed, logprobs=0,
+            extra_body={"session_id": f"{problem.prompt}#{j}"})
+        choice = out.choices[0]
+        b = TrajectoryBuilder(problem.prompt_ids)
+        b.sampled(choice.token_ids, choice.logprobs.token_logprobs, out.weight_version,
+                  choice.finish_reason)
+        return b.build(response_text=choice.text)
+
+    try:
+        return list(await asyncio.gather(*(sample(j) for j in range(ctx.n))))
+    finally:
+        await client.close()

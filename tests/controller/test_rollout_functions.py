@@ -16,6 +16,7 @@ import ray
 from miles_like.build_configs import engine_config
 from miles_like.data import PromptSource
 from miles_like.errors import RolloutFailed
+from miles_like.http_front import HttpFront
 from miles_like.model_store import base_model_dir
 from miles_like.recipe import RecipeError, load_recipe
 from miles_like.rewards import resolve_reward
@@ -59,14 +60,14 @@ def monkeypatch_module(tmp_path_factory):
     mp.undo()
 
 
-def manager(function: str, engines, *more: str) -> RolloutManager:
+def manager(function: str, engines, *more: str, front=None) -> RolloutManager:
     actors, model = engines
     recipe = recipe_with(function, *more)
     tok = load_tokenizer(model)
     source = PromptSource(recipe.data, tok, seed=recipe.seed, max_prompt_tokens=64)
     return RolloutManager(recipe, list(actors), tok, resolve_reward(recipe.reward.function),
                           source, rollout_fn=resolve_rollout_function(function),
-                          context_len=512, vocab_size=tok.vocab_size)
+                          context_len=512, vocab_size=tok.vocab_size, front=front)
 
 
 def test_multi_turn_trajectories_are_the_hand_built_conversation(engines):
@@ -134,6 +135,33 @@ def test_sampling_seeds_are_the_single_turn_ones(engines):
             first = t1.response_len
             assert t3.token_ids[:t1.prompt_len + first] == t1.token_ids
             assert t3.logprobs[:first] == t1.logprobs
+
+
+def test_agent_code_through_the_openai_endpoint(engines):
+    """rollout.serve_http: the official openai client, via the router at ctx.base_url, samples
+    with ctx.sampling(j)'s seed exactly what the engine call of the single-turn rollout samples,
+    and the router's sessions recorded those very tokens."""
+    actors, model = engines
+    front = HttpFront(list(actors), load_tokenizer(model).tok, timeout_s=120)
+    try:
+        rm = manager("agent_rollouts:openai_agent", engines, front=front)
+        single = manager("single_turn", engines)
+        try:
+            served = rm.finish(rm.launch(0)).groups
+            direct = single.finish(single.launch(0)).groups
+        finally:
+            rm.close()
+            single.close()
+        for got, want in zip(served, direct):
+            for j, (a, b) in enumerate(zip(got.trajectories, want.trajectories)):
+                assert a.token_ids == b.token_ids   # per-sample seeds: batching changes nothing
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-12
+                (turn,) = front.sessions.get(f"{got.problem.prompt}#{j}")
+                assert turn.prompt_token_ids + turn.token_ids == list(a.token_ids)
+                assert turn.logprobs == list(a.logprobs)
+    finally:
+        front.close()
+        ray.get([a.close.remote() for a in actors])
 
 
 @pytest.mark.parametrize("function,message", [
