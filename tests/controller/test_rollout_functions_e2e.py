@@ -1,7 +1,8 @@
 """A multi-turn rollout function through the real loop (Ray actors on CPU, float64): the
 trainer's log-probs of the sampled tokens equal the engine's to float64 rounding, over exactly
 the loss-masked tokens (a mask that let in one appended token would show its engine log-prob of
-0 against the trainer's), and the step's metrics are those of the recorded trajectories."""
+0 against the trainer's), and the step's metrics are those of the recorded trajectories. The
+run also serves the HTTP endpoint (`rollout.serve_http`), whose window must not disturb it."""
 
 from __future__ import annotations
 
@@ -21,15 +22,19 @@ pytestmark = pytest.mark.slow
 PROMPTS, N = 2, 2
 
 
-def test_three_turn_run_trains_on_exactly_the_sampled_tokens(ray_local, cache, tmp_path):
+def test_three_turn_run_trains_on_exactly_the_sampled_tokens(ray_local, cache, tmp_path, capsys):
     agent_rollouts.RECORDS.clear()
     out = tmp_path / "run"
     code = main([RECIPE, f"tracking.output_dir={out}", "steps=2",
                  f"rollout.prompts_per_step={PROMPTS}", f"rollout.n={N}",
                  "rollout.max_new_tokens=6", "rollout.kv_cache_tokens=2048", "sft.steps=10",
                  "sft.batch_size=16", "trainer.updates_per_rollout=1",
-                 "rollout.function=agent_rollouts:three_turns", "rollout.max_turns=3"], run=run)
+                 "rollout.function=agent_rollouts:three_turns", "rollout.max_turns=3",
+                 "rollout.serve_http=true"], run=run)
     assert code == 0
+    # the endpoint's window opens for every rollout and lifecycle calls close it again
+    assert "rollout.serve_http: OpenAI-compatible router at http://127.0.0.1:" in \
+        capsys.readouterr().out
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     per_step = PROMPTS * N
