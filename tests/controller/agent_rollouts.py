@@ -113,3 +113,7 @@ async def openai_agent(ctx, problem):
         return list(await asyncio.gather(*(sample(j) for j in range(ctx.n))))
     finally:
         await client.close()
+
+
+async def hangs(ctx, problem):
+    await asyncio.sleep(3600)

@@ -182,6 +182,16 @@ def test_a_broken_function_fails_the_step_in_one_line(engines, function, message
     assert text.startswith(f"rollout.function={function!r} failed on the prompt ")
 
 
+def test_a_hung_function_stops_the_step_after_the_call_timeout(engines):
+    rm = manager("agent_rollouts:hangs", engines, "cluster.call_timeout_s=2")
+    try:
+        with pytest.raises(RolloutFailed, match=r"rollout.function='agent_rollouts:hangs': no "
+                                                r"progress within 2 s \(cluster.call_timeout_s\)"):
+            rm.finish(rm.launch(0))
+    finally:
+        rm.close()
+
+
 def test_unknown_or_sync_functions_are_recipe_errors():
     with pytest.raises(RecipeError, match="is not an async function"):
         resolve_rollout_function("agent_rollouts:not_async")
