@@ -164,6 +164,57 @@ def test_agent_code_through_the_openai_endpoint(engines):
         ray.get([a.close.remote() for a in actors])
 
 
+def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engines):
+    """Engine 0 dies while it generates some turn: its call is sent again, with the same seeds,
+    to a replacement (the controller's thread makes it), and every trajectory is the one a run
+    without the death gives."""
+    import threading
+
+    actors, model = engines
+    cfg = engine_config(recipe_with("single_turn"), str(model))
+    mine = [EngineWorker.options(num_cpus=0).remote(cfg, 1) for _ in range(2)]
+    ray.get([a.ready.remote() for a in mine])
+    long = ("rollout.max_new_tokens=48",)
+    reference = manager("agent_rollouts:three_turns", (mine, model), *long)
+    try:
+        want = reference.finish(reference.launch(0)).groups
+    finally:
+        reference.close()
+    rm = manager("agent_rollouts:three_turns", (mine, model), *long)
+    restarted = []
+
+    def restart(i):
+        ray.kill(rm.engines[i])
+        rm.engines[i] = EngineWorker.options(num_cpus=0).remote(cfg, 1)
+        restarted.append(i)
+        return rm.engines[i]
+
+    rm.restart_engine = restart
+    victim, done = mine[0], threading.Event()
+
+    def kill_when_busy():   # a call in flight blocks the actor's other methods
+        while not done.is_set():
+            answered, _ = ray.wait([victim.stats.remote()], timeout=0.2)
+            if not answered:
+                ray.kill(victim)
+                return
+
+    killer = threading.Thread(target=kill_when_busy, daemon=True)
+    killer.start()
+    try:
+        rollout = rm.finish(rm.launch(0))
+    finally:
+        done.set()
+        killer.join(timeout=10)
+        rm.close()
+        for a in rm.engines:
+            ray.kill(a)
+    assert restarted == [0] and rollout.metrics["engine_restarts"] == 1
+    for got, ref in zip(rollout.groups, want):
+        assert [t.token_ids for t in got.trajectories] == [t.token_ids for t in ref.trajectories]
+        assert [t.loss_mask for t in got.trajectories] == [t.loss_mask for t in ref.trajectories]
+
+
 @pytest.mark.parametrize("function,message", [
     ("agent_rollouts:raises", "KeyError: 'no such tool'"),
     ("agent_rollouts:too_few", ("returned list of 0 items; return a list of rollout.n=2 "
