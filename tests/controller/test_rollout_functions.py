@@ -7,6 +7,7 @@ multi-turn function's trajectories rebuilt from a hand-built conversation, the s
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import agent_rollouts
@@ -168,9 +169,7 @@ def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engin
     """Engine 0 dies while it generates some turn: its call is sent again, with the same seeds,
     to a replacement (the controller's thread makes it), and every trajectory is the one a run
     without the death gives."""
-    import threading
-
-    actors, model = engines
+    _, model = engines
     cfg = engine_config(recipe_with("single_turn"), str(model))
     mine = [EngineWorker.options(num_cpus=0).remote(cfg, 1) for _ in range(2)]
     ray.get([a.ready.remote() for a in mine])
