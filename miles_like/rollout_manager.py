@@ -79,7 +79,8 @@ COUNT_METRICS = ("tool_errors", "retokenize_mismatch")
 class RolloutManager:
     """`engines` is used as given (not copied): the owner replaces a dead engine in it.
     `restart_engine(i)` replaces engine i and returns the new one; without it an engine's death
-    raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn)."""
+    raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn).
+    `tokenizer` is the run's `HFTokenizer`; rollout functions get its transformers `.tok`."""
 
     def __init__(self, recipe, engines: list, tokenizer, reward_fn, source: PromptSource, *,
                  rollout_fn, context_len: int, vocab_size: int,
