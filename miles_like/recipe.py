@@ -110,6 +110,21 @@ class RolloutSection(Section):
     decode_graphs: bool | None = setting(
         None, "pure decode steps at static shapes, captured as CUDA graphs on a GPU; null: on "
         "with the triton backend on CUDA")
+    function: str = setting(
+        "single_turn", "rollout function: built-in single_turn, or module:function, an async "
+        "fn(ctx, problem) -> list[Trajectory] returning the prompt's n trajectories "
+        "(README, Rollout functions)")
+    max_turns: int = setting(1, "most model turns per trajectory a multi-turn rollout function "
+                             "takes (ctx.max_turns)", ge=1)
+    tools: tuple[str, ...] = setting((), "module:function tools a multi-turn rollout function "
+                                     "may call (ctx.tools)")
+    serve_http: bool = setting(False, "serve the engines as an OpenAI-compatible endpoint on "
+                               "127.0.0.1 behind a cache-aware router during rollouts "
+                               "(ctx.base_url, for agent code)")
+
+    def check(self) -> None:
+        from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here
+        check_rollout_spec(self.function)
 
 
 @dataclass(frozen=True)

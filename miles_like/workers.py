@@ -357,8 +357,9 @@ class EngineWorker:
 
     def generate(self, prompts: list[list[int]], params: list) -> tuple[list, dict[str, int]]:
         """Samples for every prompt, and what this call added to the engine's prefill / prefix-
-        cache counters (returned with the samples: no extra round trip for the hit rate; with the
-        window open, `generate_one` calls running meanwhile are counted too)."""
+        cache counters, plus the `weight_version` that sampled them (returned with the samples:
+        no extra round trip for the hit rate; with the window open, `generate_one` calls running
+        meanwhile are counted too)."""
         if not isinstance(params, Sequence):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -368,13 +369,17 @@ class EngineWorker:
         self.async_engine.resume()
         try:
             before = self.engine.stats()
-            futures = [self.async_engine.submit(p, sp) for p, sp in zip(prompts, params)]
-            outs = [f.result().samples for f in futures]
+            # all at once: admitted together, as Engine.generate does (no timing in the batch)
+            futures = self.async_engine.submit_many(list(zip(prompts, params)))
+            results = [f.result() for f in futures]
             after = self.engine.stats()
         finally:
             if not was_open:
                 self.async_engine.pause()
-        return outs, {k: after[k] - before[k] for k in self.CACHE_COUNTERS}
+        # the window stays open for the whole call: no update can land between its requests
+        return [r.samples for r in results], {
+            **{k: after[k] - before[k] for k in self.CACHE_COUNTERS},
+            "weight_version": results[0].weight_version if results else after["weight_version"]}
 
     @ray.method(concurrency_group="serve")
     def generate_one(self, prompt_ids: list[int], params):

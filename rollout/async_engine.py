@@ -64,7 +64,15 @@ class AsyncEngine:
                stop_check: StopCheck | None = None) -> Future[GenerationResult]:
         """Queue one request (any thread). Raises `EngineUnavailable` while paused or closed;
         errors of the request itself (e.g. a prompt too long) reach the future."""
-        future: Future = Future()
+        (future,) = self.submit_many([(prompt_ids, params)], stop_check)
+        return future
+
+    def submit_many(self, requests: Seq[tuple[Seq[int], SamplingParams]],
+                    stop_check: StopCheck | None = None) -> list[Future[GenerationResult]]:
+        """Queue several requests at once, as `submit` does each: the step loop admits them
+        together, in order, as `Engine.generate` does, so the batches they are computed in do
+        not depend on thread timing (nor do the prefix-cache hits between them)."""
+        futures: list[Future] = [Future() for _ in requests]
         with self._cond:
             if self._failure is not None:
                 raise EngineUnavailable(f"engine step loop failed: {self._failure!r}")
@@ -72,10 +80,11 @@ class AsyncEngine:
                 raise EngineUnavailable("engine is closed")
             if not self._open:
                 raise EngineUnavailable("engine is updating weights; retry")
-            self._inbox.append(_Submission(list(prompt_ids), params, stop_check, future))
-            self._in_flight += 1
+            for (prompt_ids, params), future in zip(requests, futures):
+                self._inbox.append(_Submission(list(prompt_ids), params, stop_check, future))
+            self._in_flight += len(futures)
             self._cond.notify_all()
-        return future
+        return futures
 
     async def generate(self, prompt_ids: Seq[int], params: SamplingParams,
                        stop_check: StopCheck | None = None) -> GenerationResult:
