@@ -66,8 +66,9 @@ def test_colocated_grpo_run_meets_the_contracts(ray_local, cache, tmp_path):
         p.name for p in ckpt.iterdir()}
     from rollout import Engine, EngineConfig
     Engine(EngineConfig(model_path=str(ckpt), kv_cache_tokens=256))
-    (entry,) = (cache / "warm_start").iterdir()
-    assert json.loads((entry / "warm_start.json").read_text())["steps"] == 30
+    # this run's warm start is in the cache (which the session's other runs share)
+    assert 30 in [json.loads((entry / "warm_start.json").read_text())["steps"]
+                  for entry in (cache / "warm_start").iterdir()]
 
 
 def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path, monkeypatch):
