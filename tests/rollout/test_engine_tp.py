@@ -15,7 +15,8 @@ shard is the short one. The parent runs the same script on a TP=1 engine and che
   token for token;
 * several requests with a shared prefix and n=2 run batched: prefix-cache hits equal TP=1's and
   are non-zero (the forks' partial last page is copied on every rank);
-* update_weights with full HF tensors of another model: outputs follow (equal TP=1 after the same
+* a bad update raises (every rank stays in step); update_weights with full HF tensors of
+  another model: outputs follow (equal TP=1 after the same
   update, differ from before); release_memory(weights=True) / resume_memory / update_weights back
   to the original weights reproduce the first outputs.
 """
@@ -62,6 +63,10 @@ def scenarios(engine: Engine, directory: str, other_directory: str) -> dict:
     result = {"greedy": _outputs(engine, PROMPTS, GREEDY)}
     result["hits"] = engine.stats()["prefix_cache_hit_tokens"]
     result["sampled"] = _outputs(engine, PROMPTS[:2], SAMPLED)
+    # A bad update raises on rank 0 (the other ranks fail on the same tensor and keep serving);
+    # generation then waits for a complete set, which the next update brings.
+    with pytest.raises(ValueError, match="has no parameter in this model"):
+        engine.update_weights([("model.no_such.weight", torch.zeros(1))])
     engine.update_weights(load_file(str(Path(other_directory) / "model.safetensors")).items())
     result["updated"] = _outputs(engine, PROMPTS, GREEDY)
     engine.release_memory(weights=True)
