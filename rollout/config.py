@@ -55,7 +55,8 @@ class EngineConfig:
     decode_suffix_lanes: bool = True
     """torch backend: keep each decoding sequence's private suffix K/V in a persistent float32
     buffer updated in place, instead of gathering it from the pool every step (same results;
-    memory bounded by the pool's size). Off: gather every step."""
+    memory bounded by the pool's size). Off: gather every step. Not used under tensor
+    parallelism (the lanes' bookkeeping lives with the scheduler on rank 0)."""
     decode_graphs: bool | None = None
     """Pure decode steps at static shapes (`rollout.decode_graphs`): captured as CUDA graphs on a
     GPU. None: on with attention_backend="triton" on CUDA. True elsewhere runs the same static
@@ -80,6 +81,11 @@ class EngineConfig:
     drafting, for 1, 2, 4, ... up to 64 steps while it keeps failing. 0 disables the back-off."""
     seed: int = 0
     """Seeds the generators of requests that give no seed of their own."""
+    tensor_parallel_size: int = 1
+    """Processes (devices) one replica is sharded over: heads, KV heads, MLP and vocabulary split
+    across ranks (`rollout.tp_follower.run_rank` starts each rank; rank 0 schedules and samples).
+    k must divide the attention heads, KV heads and intermediate size. Under TP the engine runs
+    the torch attention backend without suffix lanes, decode graphs or speculation."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model_path, str) and self.model_path != "",
@@ -119,6 +125,17 @@ class EngineConfig:
                  f"EngineConfig.decode_graphs={self.decode_graphs!r}: must be true, false or null (auto)")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"EngineConfig.attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r}: "
+                 "must be an int >= 1")
+        if self.tensor_parallel_size > 1:
+            k = self.tensor_parallel_size
+            for name, ok, fix in (
+                    ("attention_backend", self.attention_backend == "torch", "'torch'"),
+                    ("decode_graphs", not self.decode_graphs, "false or null"),
+                    ("speculative_method", self.speculative_method is None, "null")):
+                _require(ok, f"EngineConfig.{name}={getattr(self, name)!r} is not supported with "
+                             f"tensor_parallel_size={k} yet; set it to {fix}")
         _require(self.attention_backend != "triton" or self.device.startswith("cuda"),
                  f"EngineConfig.attention_backend='triton' needs a CUDA device (device={self.device!r}); "
                  "use 'torch' on CPU")

@@ -12,8 +12,10 @@ import random
 import threading
 from collections.abc import Iterable, Sequence as Seq
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from rollout.attention import TorchAttention
 from rollout.config import EngineConfig, SamplingParams, accum_dtype
@@ -22,34 +24,83 @@ from rollout.draft_model import DraftModelProposer
 from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
 from rollout.model_config import ModelConfig
-from rollout.model_runner import ModelRunner
+from rollout.model_runner import ModelRunner, execute
+from rollout.parallel_layers import Shard, check_divisible, shard_spec
 from rollout.scheduler import Scheduler
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
 from rollout.speculative import Proposer
 from rollout.suffix_lanes import SuffixLanes
+from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop, TPGroup
 from rollout.weights import iter_safetensors, load_weights
 
 
+class LoadedModel(NamedTuple):
+    model_config: ModelConfig
+    max_model_len: int
+    model: CausalLM           # this rank's shard under tensor parallelism
+    shards: dict[str, Shard]  # how each sliced parameter comes from the full tensor ({} without TP)
+
+
+def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
+    """The model (or this TP rank's shard of it) with the checkpoint's weights loaded."""
+    model_dir = Path(config.model_path)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"EngineConfig.model_path={config.model_path!r} is not a "
+                                "directory; give a local Hugging Face model directory")
+    mc = ModelConfig.from_dir(model_dir)
+    if tp is not None:
+        check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, tp.size)
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"EngineConfig.max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={mc.max_position_embeddings}; lower it")
+    model = CausalLM.build(mc, max_model_len, getattr(torch, config.dtype),
+                           torch.device(config.device), tp)
+    shards = shard_spec(model)
+    load_weights(model, iter_safetensors(model_dir), tied_embeddings=mc.tie_word_embeddings,
+                 require_all=True, shards=shards)
+    return LoadedModel(mc, max_model_len, model, shards)
+
+
+def kv_pages(config: EngineConfig, mc: ModelConfig, max_model_len: int, tp: TPGroup | None) -> int:
+    """Pages of the KV pool. Every rank of a TP replica gets the same count (the smallest any
+    rank can hold), since rank 0's scheduler allocates for all of them."""
+    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
+    if config.kv_cache_tokens is not None:
+        tokens = config.kv_cache_tokens
+    else:
+        kv_heads = mc.num_kv_heads // (tp.size if tp is not None else 1)
+        per_token = KVPool.bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, dtype)
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+            free = psutil.virtual_memory().available
+        # No point holding more than every running sequence at full length.
+        tokens = min(int(config.kv_memory_fraction * free) // per_token,
+                     config.max_running_requests * max_model_len)
+    pages = max(1, -(-tokens // config.page_size))
+    return tp.min_int(pages, device) if tp is not None else pages
+
+
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_group: dist.ProcessGroup | None = None):
+        """`tensor_parallel_size` > 1: this process is rank 0 of the replica's `tp_group` (default:
+        the whole torch.distributed world); the other ranks run `rollout.tp_follower`."""
         self.config = config
-        model_dir = Path(config.model_path)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"EngineConfig.model_path={config.model_path!r} is not a directory; "
-                                    "give a local Hugging Face model directory")
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tp = TPGroup(tp_group) if config.tensor_parallel_size > 1 else None
+        if self.tp is not None and (self.tp.size, self.tp.rank) != (config.tensor_parallel_size, 0):
+            raise ValueError(f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: "
+                             "the Engine is rank 0 of a group of that size, got rank "
+                             f"{self.tp.rank} of {self.tp.size}; start every rank with "
+                             "rollout.tp_follower.run_rank")
+        loaded = load_model(config, self.tp)
+        self.model_config, self.max_model_len, self.model, self._shards = loaded
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={self.model_config.max_position_embeddings}; lower it")
         eos = config.eos_token_ids if config.eos_token_ids is not None else self.model_config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
 
-        self.model = CausalLM.build(self.model_config, self.max_model_len, self.dtype, self.device)
-        load_weights(self.model, iter_safetensors(model_dir),
-                     tied_embeddings=self.model_config.tie_word_embeddings, require_all=True)
         self.weight_version = 0
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         # None: every weight is valid. A set: weights became invalid (released, or an update
@@ -59,8 +110,11 @@ class Engine:
 
         use_graphs = (config.decode_graphs if config.decode_graphs is not None
                       else self.device.type == "cuda" and config.attention_backend == "triton")
-        self.pool = KVPool(num_layers=self.model_config.num_layers, num_pages=self._num_pages(),
-                           page_size=config.page_size, num_kv_heads=self.model_config.num_kv_heads,
+        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads   # this rank's, under TP
+        self.pool = KVPool(num_layers=self.model_config.num_layers,
+                           num_pages=kv_pages(config, self.model_config, self.max_model_len,
+                                              self.tp),
+                           page_size=config.page_size, num_kv_heads=local_kv_heads,
                            head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
                            scratch_page=use_graphs)
         self.draft_model = self._draft_model()    # None unless speculative_method="draft"
@@ -72,12 +126,16 @@ class Engine:
                                    proposer=proposer,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    speculative_min_acceptance=config.speculative_min_acceptance)
+        if self.tp is not None:
+            self.pool.copy_log = []
         self.suffix_lanes: SuffixLanes | None = None
         if config.attention_backend == "triton":
             from rollout.kernels import TritonAttention   # lazy: triton decides interpret vs compile at import
             attention = TritonAttention(self.pool)
         else:
-            if config.decode_suffix_lanes and not use_graphs:   # static steps would not update lanes
+            # Static steps would not update lanes; under TP their bookkeeping would need
+            # replaying on every rank.
+            if config.decode_suffix_lanes and not use_graphs and self.tp is None:
                 # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in model dtype).
                 lane_bytes = torch.empty((), dtype=accum_dtype(self.dtype)).element_size()
                 max_tokens = self.pool.num_slots * self.pool.k.element_size() // lane_bytes
@@ -102,21 +160,6 @@ class Engine:
             max_model_len=self.max_model_len, max_sequences=cfg.max_running_requests,
             kv_tokens=cfg.speculative_draft_kv_tokens or self.pool.num_slots, page_size=cfg.page_size,
             dtype=self.dtype, device=self.device)
-
-    def _num_pages(self) -> int:
-        cfg, mc = self.config, self.model_config
-        if cfg.kv_cache_tokens is not None:
-            tokens = cfg.kv_cache_tokens
-        else:
-            per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
-            if self.device.type == "cuda":
-                free = torch.cuda.mem_get_info(self.device)[0]
-            else:
-                import psutil
-                free = psutil.virtual_memory().available
-            # No point holding more than every running sequence at full length.
-            tokens = min(int(cfg.kv_memory_fraction * free) // per_token, cfg.max_running_requests * self.max_model_len)
-        return max(1, -(-tokens // cfg.page_size))
 
     # -- requests ------------------------------------------------------------------------------
     def _check_ready(self) -> None:
@@ -175,6 +218,11 @@ class Engine:
         if not batch.empty:
             if self.decode_graphs is not None and self.decode_graphs.accepts(batch):
                 logits = self.decode_graphs.run(batch.decode)
+            elif self.tp is not None:
+                plan = self.runner.prepare(batch)
+                copies, self.pool.copy_log[:] = tuple(self.pool.copy_log), []
+                self.tp.send(Forward(plan, copies))
+                logits = execute(self.model, self.runner.attention, plan)
             else:
                 logits = self.runner.run(batch)
             self.scheduler.finish_step(batch, logits)
@@ -216,9 +264,12 @@ class Engine:
         weights, so generation then waits for a complete set."""
         self._require_idle("load_weights")
         self._uncommitted_update = True
+        if self.tp is not None:   # every rank takes its slice of the same full tensors
+            named_tensors = list(named_tensors)
+            self.tp.send(LoadWeights(named_tensors))
         try:
             loaded = load_weights(self.model, named_tensors, tied_embeddings=self.model_config.tie_word_embeddings,
-                                  require_all=False)
+                                  require_all=False, shards=self._shards)
         except BaseException:
             self._weights_reloaded = set()
             raise
@@ -245,6 +296,8 @@ class Engine:
         """Free the KV pool (and, with `weights`, the parameters' storage) so the trainer can use
         the device. Returns the bytes released."""
         self._require_idle("release_memory")
+        if self.tp is not None:
+            self.tp.send(Release(weights and self._weights_reloaded is None))
         released = 0
         if self.pool.allocated:
             if self.scheduler.cache is not None:
@@ -267,6 +320,8 @@ class Engine:
     def resume_memory(self) -> None:
         """Re-create what `release_memory` freed (parameters come back uninitialised: the next
         `update_weights` fills them)."""
+        if self.tp is not None:
+            self.tp.send(Resume())
         if not self.pool.allocated:
             self.pool.allocate()
         if self.draft_model is not None:
@@ -274,6 +329,13 @@ class Engine:
         for name, p in self.model.named_parameters():
             if p.numel() == 0 and len(self._param_shapes[name]):
                 p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
+
+    def close(self) -> None:
+        """Under tensor parallelism: tell the other ranks to stop serving (their `run_rank`
+        returns). Nothing to do without TP."""
+        if self.tp is not None:
+            self.tp.send(Stop())
+            self.tp = None
 
     # -- introspection -------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:

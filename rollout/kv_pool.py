@@ -27,6 +27,9 @@ class KVPool:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self._free_pages: list[int] = []
+        # Set by a tensor-parallel rank 0: the page copies its scheduler made since the last step,
+        # which the other ranks replay on their pools before that step's forward.
+        self.copy_log: list[tuple[int, int, int]] | None = None
         self.allocate()
 
     @staticmethod
@@ -54,6 +57,8 @@ class KVPool:
         """Drop the K/V tensors (the caller has already released every page)."""
         self.k = self.v = None
         self._free_pages = []
+        if self.copy_log is not None:
+            self.copy_log.clear()
 
     # -- pages -------------------------------------------------------------------------------
     @property
@@ -79,6 +84,8 @@ class KVPool:
     def copy_page_prefix(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` slots of a page (all layers): used when samples fork
         from a prompt whose last page is only partly filled."""
+        if self.copy_log is not None:
+            self.copy_log.append((src_page, dst_page, num_tokens))
         src = src_page * self.page_size
         dst = dst_page * self.page_size
         self.k[:, :, dst:dst + num_tokens] = self.k[:, :, src:src + num_tokens]

@@ -4,6 +4,10 @@ Parameter names are exactly the Hugging Face names (`model.layers.3.self_attn.q_
 so loading a checkpoint from disk and receiving a weight update from the trainer are the same
 call (`rollout.weights.load_weights`). The forward pass works on a flat batch of tokens from
 many sequences (no padding); attention reads and writes the paged KV pool through a backend.
+
+Given a `TPGroup` the same modules hold one tensor-parallel rank's shard
+(`rollout.parallel_layers`): this rank's attention and KV heads, its share of the MLP, its
+vocabulary rows; the logits are gathered so every rank returns the full [R, vocab] rows.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from torch import nn
 from rollout.attention import AttentionMetadata, TorchAttention
 from rollout.config import accum_dtype
 from rollout.model_config import ModelConfig
+from rollout.parallel_layers import VocabParallelEmbedding, column, lm_head, row
 from rollout.rope import RotaryEmbedding
+from rollout.tp_group import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -33,16 +39,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
+        k = tp.size if tp is not None else 1
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.num_heads = cfg.num_heads // k          # this rank's heads (all of them without TP)
+        self.num_kv_heads = cfg.num_kv_heads // k
+        self.head_dim = d = cfg.head_dim
+        self.q_proj = column(cfg.hidden_size, cfg.num_heads * d, cfg.qkv_bias, tp, unit=d)
+        self.k_proj = column(cfg.hidden_size, cfg.num_kv_heads * d, cfg.qkv_bias, tp, unit=d)
+        self.v_proj = column(cfg.hidden_size, cfg.num_kv_heads * d, cfg.qkv_bias, tp, unit=d)
+        self.o_proj = row(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp, unit=d)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -63,21 +70,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.up_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.down_proj = row(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_idx, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -87,10 +94,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -98,21 +106,24 @@ class CausalLM(nn.Module):
     """`model.*` + `lm_head`, as in HF's *ForCausalLM. With tied embeddings `lm_head.weight`
     *is* `model.embed_tokens.weight` (one Parameter, listed once under the embedding's name)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_weights()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> "CausalLM":
+    def build(cls, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+              tp: TPGroup | None = None) -> "CausalLM":
         """An inference-mode model with real but uninitialised parameters (fill them with
         `rollout.weights.load_weights`). Built on the meta device, so nothing is initialised twice;
-        the rotary tables are computed in `accum_dtype(dtype)` on the real device."""
+        the rotary tables are computed in `accum_dtype(dtype)` on the real device. With `tp`, this
+        rank's shard only."""
         with torch.device("meta"):
-            model = cls(cfg, max_positions)
+            model = cls(cfg, max_positions, tp)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.tie_weights()
         model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)).to(device)
@@ -135,6 +146,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 (float64 for a float64 model) for the selected rows only (the norm is
-        per token, so selecting rows first gives the same values as HF computing every row)."""
+        per token, so selecting rows first gives the same values as HF computing every row). Under
+        TP each rank computes its vocabulary rows and every rank gets the gathered full rows."""
         logits = self.lm_head(self.model.norm(hidden))
-        return logits.to(accum_dtype(logits.dtype))
+        logits = logits.to(accum_dtype(logits.dtype))
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)

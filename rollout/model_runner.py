@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rollout.attention import AttentionMetadata, DecodeMetadata, PrefillSegment, TorchAttention
@@ -9,6 +11,21 @@ from rollout.model import CausalLM
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
 from rollout.suffix_lanes import SuffixLanes
+
+
+class StepPlan(NamedTuple):
+    """Everything one forward needs; a tensor-parallel rank 0 sends it to the other ranks."""
+    input_ids: torch.Tensor      # [T]
+    positions: torch.Tensor      # [T]
+    meta: AttentionMetadata      # KV slots written and read
+    logits_rows: torch.Tensor    # [R] rows of the batch whose logits are sampled
+
+
+def execute(model: CausalLM, attention: TorchAttention, plan: StepPlan) -> torch.Tensor:
+    """The forward of one step: float32 logits (float64 for a float64 model), one row per
+    `plan.logits_rows`."""
+    hidden = model(plan.input_ids, plan.positions, attention, plan.meta)
+    return model.compute_logits(hidden[plan.logits_rows])
 
 
 class ModelRunner:
@@ -21,7 +38,7 @@ class ModelRunner:
         self.device = slot_table.device
         self.suffix_lanes = suffix_lanes   # the attention's lanes, when it reads suffixes from them
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch) -> StepPlan:
         """(input_ids [T], positions [T], attention metadata, logits row indices [R]).
 
         Token order: each decode sequence's pending token and drafts, then each prefill chunk. Logits rows: every
@@ -58,10 +75,10 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
 
         meta = AttentionMetadata(out_slots=torch.cat(out_slots), decode=decode_meta, prefill=tuple(segments))
-        return (torch.tensor(ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                meta,
-                torch.tensor(logits_rows, dtype=torch.int64, device=device))
+        return StepPlan(torch.tensor(ids, dtype=torch.int64, device=device),
+                        torch.tensor(positions, dtype=torch.int64, device=device),
+                        meta,
+                        torch.tensor(logits_rows, dtype=torch.int64, device=device))
 
     def _decode_metadata(self, batch_seqs: list[Sequence]) -> DecodeMetadata:
         """Group decode sequences by the radix node whose pages start their context (forks of
@@ -133,6 +150,4 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits (float64 for a float64 model): one row per decode token (pending + drafts), then one per prefill that
         completed its sequence's pending tokens."""
-        input_ids, positions, meta, logits_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.attention, meta)
-        return self.model.compute_logits(hidden[logits_rows])
+        return execute(self.model, self.attention, self.prepare(batch))

@@ -3,16 +3,22 @@
 `load_weights` is the single path for both. It copies into the existing parameters in place, so
 tensor addresses never change (CUDA graphs and IPC consumers stay valid), and it validates every
 name and shape before touching anything that could leave the model half-updated.
+
+A tensor-parallel rank passes its `shards` (`rollout.parallel_layers.shard_spec`): a full Hugging
+Face tensor is narrowed to the rank's slice, and a tensor already of the slice's shape (sent
+pre-sharded) is copied as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from rollout.parallel_layers import Shard
 
 # Buffers some older checkpoints carry; they are recomputed from the config, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -38,7 +44,8 @@ def _resolve(params: dict[str, nn.Parameter], name: str, tied: bool) -> str:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                 tied_embeddings: bool, require_all: bool) -> set[str]:
+                 tied_embeddings: bool, require_all: bool,
+                 shards: Mapping[str, Shard] | None = None) -> set[str]:
     """Copy (hf_name, tensor) pairs into `model`'s parameters in place; returns the names set.
 
     `require_all`: every parameter must be given (a full checkpoint load); weight updates may be
@@ -55,6 +62,11 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
             raise ValueError(f"weight {name!r} has no parameter in this model; expected Hugging Face "
                              f"names such as {next(iter(params))!r}") from None
         param = params[target_name]
+        shard = shards.get(target_name) if shards else None
+        full_sized = (shard is not None and tensor.dim() == param.dim()
+                      and tensor.shape[shard.dim] == shard.full)
+        if full_sized and tuple(tensor.shape) != tuple(param.shape):
+            tensor = shard.take(tensor)   # a full tensor: this rank's slice
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
                              f"{tuple(param.shape)}; is the checkpoint from the same config.json?")

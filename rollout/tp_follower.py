@@ -1,0 +1,98 @@
+"""Ranks 1..k-1 of a tensor-parallel replica: no scheduler, they replay rank 0's commands.
+
+Each follower holds its shard of the model and a KV pool of its KV heads with as many pages as
+rank 0's. It loops on `TPGroup.receive`: a `Forward` replays rank 0's page copies, then runs the
+same plan (same token ids, positions, slots) through its shard, joining the forward's
+collectives; the logits it also receives are dropped (rank 0 samples). `LoadWeights` takes this
+rank's slice of the same tensors rank 0 loads; `Release` / `Resume` free and re-create the same
+memory rank 0 does; `Stop` ends the loop.
+
+`run_rank` is the one entry point for every rank: rank 0 gets the `Engine`, the others serve
+until rank 0's `Engine.close()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rollout.attention import TorchAttention
+from rollout.config import EngineConfig
+from rollout.engine import Engine, kv_pages, load_model
+from rollout.kv_pool import KVPool
+from rollout.model_runner import execute
+from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop, TPGroup
+from rollout.weights import load_weights
+
+
+def run_rank(config: EngineConfig, tp_group: dist.ProcessGroup | None = None) -> Engine | None:
+    """Rank 0 of `tp_group` (default: the world): the replica's `Engine`. Any other rank: serve
+    rank 0's commands until it closes the engine, then return None."""
+    if config.tensor_parallel_size > 1 and dist.is_initialized() and dist.get_rank(tp_group) != 0:
+        EngineFollower(config, tp_group).serve()
+        return None
+    return Engine(config, tp_group)
+
+
+class EngineFollower:
+    def __init__(self, config: EngineConfig, tp_group: dist.ProcessGroup | None = None):
+        self.tp = TPGroup(tp_group)
+        if self.tp.size != config.tensor_parallel_size or self.tp.rank == 0:
+            raise ValueError(
+                f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: a follower is "
+                f"rank 1..k-1 of a group of that size, got rank {self.tp.rank} of {self.tp.size}"
+            )
+        self.device = torch.device(config.device)
+        self.model_config, max_model_len, self.model, self.shards = load_model(config, self.tp)
+        self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        # Construction order matches Engine's, so the page-count agreement pairs up.
+        self.pool = KVPool(
+            num_layers=self.model_config.num_layers,
+            num_pages=kv_pages(config, self.model_config, max_model_len, self.tp),
+            page_size=config.page_size,
+            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=getattr(torch, config.dtype),
+            device=self.device,
+        )
+        self.attention = TorchAttention(self.pool)
+
+    def serve(self) -> None:
+        while True:
+            command = self.tp.receive(self.device)
+            if isinstance(command, Forward):
+                for src, dst, tokens in command.page_copies:
+                    self.pool.copy_page_prefix(src, dst, tokens)
+                execute(self.model, self.attention, command.plan)
+            elif isinstance(command, LoadWeights):
+                try:
+                    load_weights(
+                        self.model,
+                        command.named_tensors,
+                        tied_embeddings=self.model_config.tie_word_embeddings,
+                        require_all=False,
+                        shards=self.shards,
+                    )
+                except ValueError:
+                    # Rank 0 fails on the same tensor: it raises to its caller and refuses
+                    # to generate until a complete set arrives, which this rank then loads too.
+                    pass
+            elif isinstance(command, Release):
+                self.pool.free_memory()
+                if command.weights:
+                    for p in self.model.parameters():
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            elif isinstance(command, Resume):
+                if not self.pool.allocated:
+                    self.pool.allocate()
+                for name, p in self.model.named_parameters():
+                    if p.numel() == 0 and len(self._param_shapes[name]):
+                        p.data = torch.empty(
+                            self._param_shapes[name], dtype=p.dtype, device=p.device
+                        )
+            elif isinstance(command, Stop):
+                return
+            else:
+                raise TypeError(
+                    f"unknown tensor-parallel command {type(command).__name__} (engine bug)"
+                )
