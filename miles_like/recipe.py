@@ -104,6 +104,19 @@ class RolloutSection(Section):
     speculative_draft_model_path: str | None = setting(
         None, "speculative_method=draft: local HF directory of a smaller model with the policy's "
               "vocabulary (its weights are not updated)")
+    tools: tuple[str, ...] = setting((), "tools of the tool loop: module:function of plain "
+                                     "Python functions (schema from the annotations and "
+                                     "docstring); each call runs in a worker process")
+    tool_timeout_s: float = setting(10.0, "longest a tool call may run; past it the worker is "
+                                    "killed and the model gets an error result", gt=0.0)
+    tool_output_max_chars: int = setting(2000, "longest tool output; a longer one is refused "
+                                         "with an error result (never truncated silently)", ge=1)
+    tool_workers: int = setting(2, "worker processes running tool calls", ge=1)
+
+    def check(self) -> None:
+        from miles_like.tools import check_spec  # tools imports nothing from here
+        for i, spec in enumerate(self.tools):
+            check_spec(spec, f"rollout.tools[{i}]")
 
 
 @dataclass(frozen=True)
@@ -366,6 +379,8 @@ def check_paths(recipe: Recipe) -> None:
                           ".parquet file (or --no-path-check for a dry run)")
     from miles_like.rewards import resolve_reward
     resolve_reward(recipe.reward.function)
+    from miles_like.tools import load_tools
+    load_tools(recipe.rollout.tools)
     if recipe.checkpoint.resume not in (False, "auto"):
         from miles_like.checkpoint import check_checkpoint_dir  # it imports nothing from here
         check_checkpoint_dir(Path(recipe.checkpoint.resume).expanduser(), "checkpoint.resume")
