@@ -29,7 +29,7 @@ from miles_like.tasks.arith import ArithSpec
 __all__ = ["Recipe", "RecipeError", "load_recipe", "parse_overrides", "apply_overrides",
            "recipe_to_yaml", "check_paths"]
 
-SYNTHETIC_TASKS = ("arith",)
+SYNTHETIC_TASKS = ("arith", "calc")  # calc: arith's problems, solved with the calculator tool
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -58,14 +58,17 @@ class DataSection(Section):
     PATH = "data"
     path: str | None = setting(None, "local .jsonl / .json / .parquet file read with HF "
                                "datasets; set this or synthetic")
-    synthetic: str | None = setting(None, "task generated on the fly: arith; set this or path")
+    synthetic: str | None = setting(None, "task generated on the fly: arith | calc (arith's "
+                                    "problems; the warm start demonstrates the calculator tool "
+                                    "when rollout.tools has it); set this or path")
     prompt_key: str = setting("prompt", "column holding the prompt text")
     answer_key: str = setting("answer", "column holding the reference answer given to the reward")
     chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template")
     shuffle_seed: int | None = setting(0, "seed of the epoch shuffle; null keeps file order")
-    arith_digits: int = setting(2, "synthetic arith: operands have up to this many digits", ge=1,
-                                le=9)
-    arith_ops: str = setting("+-", "synthetic arith: operators to draw from (subset of +-*)")
+    arith_digits: int = setting(2, "synthetic arith / calc: operands have up to this many "
+                                "digits", ge=1, le=9)
+    arith_ops: str = setting("+-", "synthetic arith / calc: operators to draw from (subset of "
+                             "+-*)")
 
     def check(self) -> None:
         if (self.path is None) == (self.synthetic is None):
