@@ -115,6 +115,12 @@ class RolloutSection(Section):
     tool_output_max_chars: int = setting(2000, "longest tool output; a longer one is refused "
                                          "with an error result (never truncated silently)", ge=1)
     tool_workers: int = setting(2, "worker processes running tool calls", ge=1)
+    tool_schemas_in_prompt: bool = setting(True, "tool_loop: the chat template shows the "
+                                           "tools' schemas in a system turn (false: the model "
+                                           "knows its tools from training, a shorter prompt)")
+    max_trajectory_tokens: int | None = setting(
+        None, "tool_loop: most tokens after the prompt in a trajectory (sampled turns, tool "
+              "results, template markers); null: what the context leaves", ge=1)
 
     def check(self) -> None:
         from miles_like.tools import check_spec  # tools imports nothing from here
@@ -321,6 +327,15 @@ class Recipe(Section):
             raise RecipeError("checkpoint.every_steps: checkpoints of the deepspeed backend "
                               "need trainer.zero_stage 1 or 2; lower it or set "
                               "checkpoint.every_steps: 0")
+        total = rollout.max_trajectory_tokens
+        if total is not None and total < rollout.max_new_tokens:
+            raise RecipeError(f"rollout.max_trajectory_tokens={total} is below "
+                              f"rollout.max_new_tokens={rollout.max_new_tokens} (one turn); "
+                              "raise it or lower rollout.max_new_tokens")
+        if total is not None and total >= self.trainer.max_tokens_per_micro_batch:
+            raise RecipeError(f"rollout.max_trajectory_tokens={total} leaves no room for a "
+                              "prompt in trainer.max_tokens_per_micro_batch="
+                              f"{self.trainer.max_tokens_per_micro_batch}; raise the latter")
         if rollout.max_new_tokens >= self.trainer.max_tokens_per_micro_batch:
             raise RecipeError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for "
                               "a prompt in trainer.max_tokens_per_micro_batch="
