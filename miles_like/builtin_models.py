@@ -1,5 +1,6 @@
 """Built-in tiny model configs (`model.builtin` in a recipe): Qwen2-architecture decoders sized
-to learn the synthetic tasks on a CPU, paired with the character tokenizer.
+to learn the synthetic tasks on a CPU, paired with the character-level Hugging Face tokenizer of
+`tokenizer.py`.
 
 A built-in is a Hugging Face `config.json` dict without the tokenizer-side entries; `hf_config`
 fills those from the tokenizer, so the model's vocabulary is exactly the tokenizer's.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_like.tokenizer import CharTokenizer
+from miles_like.tokenizer import HFTokenizer
 
 _QWEN2_BASE: dict[str, Any] = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_eps=1e-6,
@@ -25,7 +26,7 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_config(name: str, tokenizer: CharTokenizer) -> dict[str, Any]:
+def hf_config(name: str, tokenizer: HFTokenizer) -> dict[str, Any]:
     """The full `config.json` dict of built-in `name` for `tokenizer`."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"model.builtin={name!r}: use one of {', '.join(BUILTIN_MODELS)}")

@@ -1,6 +1,7 @@
 """Model directories the run starts from: the user's local Hugging Face directory, or a built-in
-tiny model materialized on disk (config.json + model.safetensors + char_tokenizer.json), so that
-trainer and engines load it through the same path as a real checkpoint.
+tiny model materialized on disk (config.json + model.safetensors + tokenizer.json +
+tokenizer_config.json), so that trainer, engines and `AutoTokenizer` load it through the same path
+as a real checkpoint.
 
 Built-in models and warm starts are cached under `$MILES_LIKE_CACHE` (default
 `~/.cache/miles_like`), keyed by a hash of everything that determines their contents. A cache
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_like.builtin_models import hf_config
-from miles_like.tokenizer import CharTokenizer
+from miles_like.tokenizer import builtin_tokenizer, save_char_tokenizer
 from rollout.random_checkpoint import write_random_checkpoint
 
 INIT_STD = 0.02  # HF's initializer_range for Qwen2 / Llama
@@ -59,14 +60,17 @@ def base_model_dir(model_section, seed: int) -> Path:
     """The directory the run's policy starts from (before any warm start)."""
     if model_section.path is not None:
         return Path(model_section.path).expanduser()
-    tokenizer = CharTokenizer()
+    tokenizer = builtin_tokenizer()
     config = hf_config(model_section.builtin, tokenizer)
 
     def build(tmp: Path) -> None:
         write_random_checkpoint(tmp, config, seed=seed, std=INIT_STD)
-        tokenizer.save(tmp)
+        save_char_tokenizer(tmp)
 
-    key = content_key(config, seed, INIT_STD, tokenizer.charset, tokenizer.special_tokens)
+    # The tokenizer's full serialization (vocabulary, added tokens, chat template) is part of
+    # the key: a model built for another tokenizer is never reused.
+    key = content_key(config, seed, INIT_STD, tokenizer.tok.backend_tokenizer.to_str(),
+                      tokenizer.tok.chat_template)
     return cached_dir(f"builtin-{model_section.builtin}-{key}", build)
 
 

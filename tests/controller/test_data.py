@@ -10,9 +10,9 @@ from miles_like.data import PromptSource
 from miles_like.recipe import DataSection
 from miles_like.schema import RecipeError
 from miles_like.tasks import arith
-from miles_like.tokenizer import CharTokenizer
+from miles_like.tokenizer import builtin_tokenizer
 
-TOK = CharTokenizer()
+TOK = builtin_tokenizer()
 
 
 def write_jsonl(path, rows):
@@ -29,8 +29,8 @@ def test_synthetic_stream_is_the_arith_task_with_template(tmp_path):
     got = source(data, seed=11).next_batch(20)
     expected = [p for p, _ in zip(arith.problems(11, arith.ArithSpec(3, "+*")), range(20))]
     assert [(g.prompt, g.answer) for g in got] == [(e.prompt, e.answer) for e in expected]
-    assert got[0].prompt_ids == TOK.encode(f"<|user|>{expected[0].prompt}<|assistant|>",
-                                           add_bos=True)
+    chatml = f"<|im_start|>user\n{expected[0].prompt}<|im_end|>\n<|im_start|>assistant\n"
+    assert got[0].prompt_ids == TOK.tok.encode(chatml, add_special_tokens=False)
 
 
 def test_file_rows_are_filtered_and_counted(tmp_path):
@@ -46,7 +46,7 @@ def test_file_rows_are_filtered_and_counted(tmp_path):
     # file order, numeric answers as text, epochs wrap around
     assert [(p.prompt, p.answer) for p in got] == [("1+1=", "2"), ("2+2=", "4"), ("1+1=", "2"),
                                                    ("2+2=", "4"), ("1+1=", "2")]
-    assert got[0].prompt_ids == TOK.encode("1+1=", add_bos=True)
+    assert got[0].prompt_ids == TOK.tok.encode("1+1=", add_special_tokens=False)
 
 
 def test_epochs_are_shuffled_by_seed_and_resume_continues_exactly(tmp_path):

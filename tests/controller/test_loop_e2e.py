@@ -56,7 +56,8 @@ def test_colocated_grpo_run_meets_the_contracts(ray_local, cache, tmp_path):
         assert {k: h[k] for k in r if k != "step"} == {k: v for k, v in r.items() if k != "step"}
     # the step-2 checkpoint is a loadable HF directory; the warm start was cached
     ckpt = out / "checkpoints" / "step_000002"
-    assert {"config.json", "model.safetensors", "char_tokenizer.json"} <= {
+    assert {"config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= {
         p.name for p in ckpt.iterdir()}
     from rollout import Engine, EngineConfig
     Engine(EngineConfig(model_path=str(ckpt), kv_cache_tokens=256))

@@ -1,5 +1,6 @@
-"""The character tokenizer: ids, round trips, chat template, save / load, and a tiny model built
-for its vocabulary running in the engine."""
+"""The built-in models' tokenizer: a character-level HF `tokenizers` tokenizer that transformers'
+`AutoTokenizer` loads from a model directory, with our ChatML tool template; ids, round trips,
+the model store's cache key, and a tiny model built for its vocabulary running in the engine."""
 
 from __future__ import annotations
 
@@ -11,56 +12,117 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles_like.builtin_models import BUILTIN_MODELS, hf_config
-from miles_like.tokenizer import CHARSET, SPECIAL_TOKENS, CharTokenizer
+from miles_like.tokenizer import (
+    CHARSET,
+    MARKUP_TOKENS,
+    SPECIAL_TOKENS,
+    HFTokenizer,
+    builtin_tokenizer,
+    load_tokenizer,
+    save_char_tokenizer,
+)
 
-TOK = CharTokenizer()
+TOK = builtin_tokenizer()
 
 
-def test_ids_and_vocab():
-    assert (TOK.pad_token_id, TOK.eos_token_id, TOK.bos_token_id, TOK.unk_token_id) == (0, 1, 2, 3)
-    assert TOK.vocab_size == len(SPECIAL_TOKENS) + len(CHARSET) == 103
-    assert TOK.encode("0") == [len(SPECIAL_TOKENS) + CHARSET.index("0")]
-    assert TOK.encode("é") == [TOK.unk_token_id]
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The built-in tokenizer as transformers loads it back from a saved directory."""
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("char_tok")
+    save_char_tokenizer(directory)
+    return directory, AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
+def test_saved_directory_loads_with_auto_tokenizer(saved):
+    directory, tok = saved
+    assert sorted(p.name for p in directory.iterdir()) == ["tokenizer.json",
+                                                           "tokenizer_config.json"]
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == TOK.tok.chat_template and config["eos_token"] == "<|im_end|>"
+    assert tok.chat_template == TOK.tok.chat_template
+    assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("<|endoftext|>", "<|im_end|>",
+                                                           "<unk>")
+    assert len(tok) == len(SPECIAL_TOKENS) + len(MARKUP_TOKENS) + len(CHARSET) == 105
+    assert load_tokenizer(directory).hf_config_fields() == TOK.hf_config_fields()
+
+
+def test_ids_are_one_per_character(saved):
+    _, tok = saved
+    first_char = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
+    assert tok.encode(CHARSET, add_special_tokens=False) == list(range(first_char, 105))
+    assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS + MARKUP_TOKENS)) == list(
+        range(first_char))
+    assert tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+    assert tok.encode("12", add_special_tokens=True) == tok.encode("12", add_special_tokens=False)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=CHARSET + "".join(SPECIAL_TOKENS), max_size=60))
-def test_round_trip(text):
-    ids = TOK.encode(text)
-    assert TOK.decode(ids, skip_special_tokens=False) == text
-    assert all(0 <= i < TOK.vocab_size for i in ids)
+@given(st.lists(st.sampled_from(list(CHARSET) + list(SPECIAL_TOKENS[:3]) + list(MARKUP_TOKENS)),
+                max_size=60).map("".join))
+def test_round_trip_over_the_charset(saved, text):
+    _, tok = saved
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert all(0 <= i < len(tok) for i in ids)
+    # markup tags are not special: skipping specials drops only the ChatML markers
+    stripped = text
+    for t in SPECIAL_TOKENS:
+        stripped = stripped.replace(t, "")
+    assert tok.decode(ids, skip_special_tokens=True) == stripped
 
 
-def test_special_tokens_in_text_are_single_ids_and_skippable():
-    ids = TOK.encode("12<eos><pad>")
-    assert ids[-2:] == [TOK.eos_token_id, TOK.pad_token_id] and len(ids) == 4
-    assert TOK.decode(ids) == "12"
-    assert TOK.decode([TOK.bos_token_id] + TOK.encode("ab")) == "ab"
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        TOK.decode([TOK.vocab_size])
+def test_saved_and_built_tokenizers_agree(saved):
+    _, tok = saved
+    text = "<|im_start|>user\n12+34=<|im_end|>\n<tool_call>{\"a\": 1}</tool_call>\t~"
+    assert tok.encode(text, add_special_tokens=False) == TOK.tok.encode(
+        text, add_special_tokens=False)
 
 
-def test_chat_template_on_off():
-    on = TOK.encode_prompt("1+2=", chat_template=True)
-    off = TOK.encode_prompt("1+2=", chat_template=False)
-    user, assistant = SPECIAL_TOKENS.index("<|user|>"), SPECIAL_TOKENS.index("<|assistant|>")
-    assert on == [TOK.bos_token_id, user] + TOK.encode("1+2=") + [assistant]
-    assert off == [TOK.bos_token_id] + TOK.encode("1+2=")
+def test_prompt_and_response_go_through_the_chat_template():
+    ids = TOK.encode_prompt("1+2=", chat_template=True)
+    assert TOK.decode(ids, skip_special_tokens=False) == \
+        "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert TOK.encode_prompt("1+2=", chat_template=False) == TOK.tok.encode(
+        "1+2=", add_special_tokens=False)
+    assert TOK.encode_response("3")[-1] == TOK.tok.convert_tokens_to_ids("<|im_end|>")
+    assert TOK.eos_token_ids == [TOK.tok.convert_tokens_to_ids("<|im_end|>")]
 
 
-def test_save_load(tmp_path):
-    TOK.save(tmp_path)
-    again = CharTokenizer.load(tmp_path)
-    assert again.vocab_size == TOK.vocab_size and again.encode("a<eos>9") == TOK.encode("a<eos>9")
+def test_missing_tokenizer_is_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="model.path=.*cannot load its tokenizer"):
+        HFTokenizer(tmp_path)
 
 
 def test_builtin_config_carries_the_tokenizer_fields():
     cfg = hf_config("tiny-qwen2", TOK)
-    assert cfg["vocab_size"] == TOK.vocab_size and cfg["eos_token_id"] == TOK.eos_token_id
-    assert cfg["pad_token_id"] == TOK.pad_token_id and cfg["bos_token_id"] == TOK.bos_token_id
+    assert cfg["vocab_size"] == 105 and cfg["eos_token_id"] == TOK.eos_token_ids[0]
+    assert cfg["pad_token_id"] == TOK.tok.pad_token_id == 0
     assert set(BUILTIN_MODELS) >= {"tiny-qwen2"}
     with pytest.raises(ValueError, match="model.builtin"):
         hf_config("nope", TOK)
+
+
+def test_model_store_key_follows_the_tokenizer(tmp_path, monkeypatch):
+    """The built-in model's cache key hashes the tokenizer's serialization: a model built for
+    another vocabulary or template is never reused."""
+    from miles_like import model_store
+    from miles_like.recipe import ModelSection
+
+    monkeypatch.setenv("MILES_LIKE_CACHE", str(tmp_path))
+    first = model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in first.iterdir()}
+    assert model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0) == first
+
+    def other_template():
+        tok = builtin_tokenizer()
+        tok.tok.chat_template = tok.tok.chat_template.replace("# Tools", "# Functions")
+        return tok
+
+    monkeypatch.setattr(model_store, "builtin_tokenizer", other_template)
+    assert model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0) != first
 
 
 def test_engine_runs_a_tiny_model_built_for_the_tokenizer(tmp_path):
@@ -68,11 +130,12 @@ def test_engine_runs_a_tiny_model_built_for_the_tokenizer(tmp_path):
     from rollout.random_checkpoint import write_random_checkpoint
 
     write_random_checkpoint(tmp_path, hf_config("tiny-qwen2", TOK), seed=0)
-    TOK.save(tmp_path)
+    save_char_tokenizer(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == TOK.vocab_size
     engine = Engine(EngineConfig(model_path=str(tmp_path), kv_cache_tokens=256, page_size=4))
-    assert engine.eos_token_ids == {TOK.eos_token_id}  # the engine stops at the tokenizer's EOS
-    prompt = TOK.encode_prompt("12+34=", chat_template=True)
+    # the engine stops at the end-of-turn token
+    assert engine.eos_token_ids == {TOK.tok.convert_tokens_to_ids("<|im_end|>")}
+    prompt = load_tokenizer(tmp_path).encode_prompt("12+34=", chat_template=True)
     out = engine.generate([prompt], SamplingParams(n=2, max_new_tokens=5, seed=0))[0]
     for sample in out:
         assert 1 <= len(sample.token_ids) <= 5
