@@ -60,7 +60,7 @@ def death_reason(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def _is_death(error: BaseException) -> bool:
+def is_death(error: BaseException) -> bool:
     # A method that raised because *another* actor died is a RayTaskError (possibly also an
     # instance of RayActorError, through Ray's cause mixin): not this actor's death.
     return isinstance(error, RayActorError) and not isinstance(error, RayTaskError)
@@ -83,7 +83,7 @@ def gather(calls: Sequence[Call], timeout_s: float,
         try:
             results[i] = ray.get(ready[0])
         except Exception as e:
-            if not _is_death(e):
+            if not is_death(e):
                 raise
             died = ActorDied(calls[i].actor, calls[i].method, e)
             if on_death is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from miles_like.schema import RecipeError
 
-__all__ = ["RecipeError", "RunFailed"]
+__all__ = ["RecipeError", "RolloutFailed", "RunFailed"]
 
 
 class RunFailed(RuntimeError):
@@ -13,3 +13,8 @@ class RunFailed(RuntimeError):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class RolloutFailed(RunFailed):
+    """A rollout function raised, returned a malformed group, or hung (exit code 1). The
+    message names the function and the prompt."""

@@ -107,9 +107,16 @@ class RolloutSection(Section):
     speculative_draft_model_path: str | None = setting(
         None, "speculative_method=draft: local HF directory of a smaller model with the policy's "
               "vocabulary (its weights are not updated)")
-    tools: tuple[str, ...] = setting((), "tools of the tool loop: module:function of plain "
-                                     "Python functions (schema from the annotations and "
-                                     "docstring); each call runs in a worker process")
+    function: str = setting(
+        "single_turn", "rollout function: built-in single_turn | tool_loop, or module:function, "
+        "an async fn(ctx, problem) -> list[Trajectory] returning the prompt's n trajectories "
+        "(README, Rollout functions)")
+    max_turns: int = setting(1, "most model turns per trajectory a multi-turn rollout function "
+                             "takes (ctx.max_turns)", ge=1)
+    tools: tuple[str, ...] = setting((), "module:function tools a multi-turn rollout function "
+                                     "may call (ctx.tools): plain Python functions (schema from "
+                                     "the annotations and docstring), each call run in a worker "
+                                     "process (ctx.tool_pool)")
     tool_timeout_s: float = setting(10.0, "longest a tool call may run; past it the worker is "
                                     "killed and the model gets an error result", gt=0.0)
     tool_output_max_chars: int = setting(2000, "longest tool output; a longer one is refused "
@@ -123,7 +130,9 @@ class RolloutSection(Section):
               "results, template markers); null: what the context leaves", ge=1)
 
     def check(self) -> None:
+        from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here
         from miles_like.tools import check_spec  # tools imports nothing from here
+        check_rollout_spec(self.function)
         for i, spec in enumerate(self.tools):
             check_spec(spec, f"rollout.tools[{i}]")
 

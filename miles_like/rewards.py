@@ -113,7 +113,7 @@ class RewardResult(NamedTuple):
     num_nan: int          # calls that returned NaN or +-inf
 
 
-def _score_one(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float, str]:
+def score_one(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float, str]:
     try:
         value = float(fn(prompt, response, answer))
     except Exception:  # a user function's failure is a sample's score of 0, counted
@@ -134,7 +134,7 @@ def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[st
     if not prompts:
         return RewardResult([], 0, 0)
     with ThreadPoolExecutor(max_workers=min(max_workers, len(prompts))) as pool:
-        results = list(pool.map(lambda args: _score_one(fn, *args),
+        results = list(pool.map(lambda args: score_one(fn, *args),
                                 zip(prompts, responses, answers)))
     return RewardResult(scores=[v for v, _ in results],
                         num_errors=sum(status == "error" for _, status in results),

@@ -1,18 +1,27 @@
-"""One step's rollout: draw prompts, generate their groups on the engine replicas, score them,
-shape the rewards (DAPO's overlong penalty) and, with dynamic sampling, drop groups whose
-rewards are all equal and draw more prompts until the batch is full again.
+"""One step's rollout: draw prompts, run the rollout function (`rollout_context.py`) of every
+prompt concurrently, score the trajectories, shape the rewards (DAPO's overlong penalty) and,
+with dynamic sampling, drop groups whose rewards are all equal and draw more prompts until the
+batch is full again.
 
-Prompts are split into contiguous shares, one per engine replica, generated concurrently. Every
-prompt gets its own sampling seed, drawn from (run seed, step, round), so a step's samples do
-not depend on how prompts were split over engines, and a resumed run samples the same tokens.
-For the same reason an engine that dies mid-rollout loses nothing: its share is generated again,
-with the same seeds, on its replacement (`rollout/engine_restarts` counts them).
+The rollout functions run on the manager's own asyncio loop, in a thread, so a launched rollout
+proceeds while the controller trains (off-policy). Their requests reach the engine replicas
+through `dispatch.Dispatch`; prompt k's group lives on the replica of its contiguous share.
+Every prompt gets its own sampling seed, drawn from (run seed, step, round), so a step's samples
+do not depend on how prompts were split over engines, and a resumed run samples the same tokens.
+For the same reason an engine that dies mid-rollout loses nothing: its lost call is sent again,
+with the same seeds, to its replacement (`rollout/engine_restarts` counts them). Replacing an
+engine is done on the controller's thread, in `finish`, where today's loop expects it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import queue
 import random
+import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
@@ -20,16 +29,20 @@ from typing import NamedTuple
 import torch
 
 from miles_like.build_configs import sampling_params
-from miles_like.calls import ActorDied, Call, call, gather
+from miles_like.calls import ActorDied
 from miles_like.data import Problem, PromptSource
+from miles_like.dispatch import Dispatch
+from miles_like.errors import RolloutFailed
 from miles_like.reward_shaping import informative_groups, overlong_penalty
 from miles_like.rewards import compute_rewards
+from miles_like.rollout_context import RolloutContext
+from miles_like.trajectory import Trajectory
 
 
 class Group(NamedTuple):
     problem: Problem
-    samples: list            # rollout.SampleOutput, the n samples of this prompt
-    scores: list[float]      # the reward function's scores
+    trajectories: list[Trajectory]   # the n trajectories of this prompt
+    scores: list[float]      # the reward function's scores (or the trajectories' own rewards)
     rewards: list[float]     # what the advantages see: scores + shaping
 
 
@@ -41,9 +54,9 @@ class Rollout(NamedTuple):
 class PendingRollout(NamedTuple):
     step: int
     problems: list[Problem]
-    params: list             # SamplingParams per problem (its seed included)
-    calls: list[Call]        # engine i generates share i
-    shares: list[range]
+    future: concurrent.futures.Future   # -> (trajectories per problem, tallies)
+    inbox: queue.SimpleQueue            # engine replacements asked for; None when done
+    dispatch: Dispatch
     started: float
     consumed_before: int     # the prompt source's position before this rollout drew its prompts
 
@@ -58,20 +71,35 @@ def _split(n: int, parts: int) -> list[range]:
     return out
 
 
+# trajectory metrics summed over the step (counts); every other one is averaged
+COUNT_METRICS = ("tool_errors", "retokenize_mismatch")
+
+
 class RolloutManager:
     """`engines` is used as given (not copied): the owner replaces a dead engine in it.
     `restart_engine(i)` replaces engine i and returns the new one; without it an engine's death
-    raises `calls.ActorDied`."""
+    raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn)."""
 
-    def __init__(self, recipe, engines: list, tokenizer, reward_fn, source: PromptSource,
-                 restart_engine: Callable[[int], object] | None = None, log=print):
+    def __init__(self, recipe, engines: list, tokenizer, reward_fn, source: PromptSource, *,
+                 rollout_fn, context_len: int, vocab_size: int,
+                 restart_engine: Callable[[int], object] | None = None, log=print,
+                 base_url: str | None = None):
         self.recipe = recipe
         self.engines = engines
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.source = source
+        self.context_len, self.vocab_size = context_len, vocab_size
         self.restart_engine = restart_engine
         self.log = log
+        self.base_url = base_url
+        self.spec = recipe.rollout.function
+        self.rollout_fn = rollout_fn   # what the spec names (rollout_functions.py)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="rollouts", daemon=True).start()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
     # ------------------------------------------------------------------------------ generation
     def _params(self, step: int, round_: int, k: int) -> list:
@@ -80,66 +108,141 @@ class RolloutManager:
 
     def launch(self, step: int, problems: list[Problem] | None = None,
                round_: int = 0) -> PendingRollout:
-        """Start generating (non-blocking) for `problems`, default the next batch of prompts."""
+        """Start the rollout (non-blocking) of `problems`, default the next batch of prompts."""
         consumed_before = self.source.consumed
         if problems is None:
             problems = self.source.next_batch(self.recipe.rollout.prompts_per_step)
         params = self._params(step, round_, len(problems))
         # empty shares (fewer prompts than engines) are the last ones: share i is engine i's
-        shares = [s for s in _split(len(problems), len(self.engines)) if len(s)]
-        calls = [self._generate(i, problems, params, share) for i, share in enumerate(shares)]
-        return PendingRollout(step, problems, params, calls, shares, time.perf_counter(),
+        home = {k: i for i, share in enumerate(_split(len(problems), len(self.engines)))
+                for k in share}
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        dispatch = Dispatch(self.engines, self.recipe.cluster.call_timeout_s,
+                            replace=self._replacer(inbox))
+        future = asyncio.run_coroutine_threadsafe(
+            self._run(problems, params, home, dispatch), self._loop)
+        future.add_done_callback(lambda _: inbox.put(None))
+        return PendingRollout(step, problems, future, inbox, dispatch, time.perf_counter(),
                               consumed_before)
 
-    def _generate(self, i: int, problems: list[Problem], params: list, share: range) -> Call:
-        return call(f"engine {i}", self.engines[i], "generate",
-                    [problems[j].prompt_ids for j in share], [params[j] for j in share])
+    def _replacer(self, inbox: queue.SimpleQueue):
+        async def replace(i: int, died: ActorDied, requests: int) -> None:
+            if self.restart_engine is None:
+                raise died
+            done = asyncio.get_running_loop().create_future()
+            inbox.put((i, died, requests, done))
+            await done
+        return replace
+
+    async def _run(self, problems: list[Problem], params: list, home: dict[int, int],
+                   dispatch: Dispatch) -> tuple[list[list[Trajectory]], Counter]:
+        r = self.recipe.rollout
+        tallies: Counter = Counter()
+
+        async def group(k: int) -> list[Trajectory]:
+            ctx = RolloutContext(problem=problems[k], params=params[k], dispatch=dispatch,
+                                 replica=home[k], tokenizer=self.tokenizer,
+                                 context_len=self.context_len, vocab_size=self.vocab_size,
+                                 reward_fn=self.reward_fn, tools=r.tools, max_turns=r.max_turns,
+                                 base_url=self.base_url)
+            try:
+                out = await self.rollout_fn(ctx, problems[k])
+                self._check_group(out, ctx.n)
+            except Exception as e:
+                if dispatch.failure is not None:   # an engine's failure, not the function's
+                    raise dispatch.failure from None
+                raise RolloutFailed(f"{self._failure(problems[k])}: {_where(e)}"
+                                    f"{type(e).__name__}: {e}") from e
+            tallies.update(ctx.tallies)
+            return out
+
+        # created in prompt order: every group's first request is queued before any is sent
+        tasks = [asyncio.ensure_future(group(k)) for k in range(len(problems))]
+        try:
+            groups = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        if dispatch.failure is not None:
+            raise dispatch.failure
+        return list(groups), tallies + dispatch.tallies
+
+    def _failure(self, problem: Problem) -> str:
+        return f"rollout.function={self.spec!r} failed on the prompt {problem.prompt!r}"
+
+    def _check_group(self, out, n: int) -> None:
+        if not isinstance(out, list) or len(out) != n:
+            raise ValueError(f"returned {type(out).__name__} of "
+                             f"{len(out) if hasattr(out, '__len__') else '?'} items; return a "
+                             f"list of rollout.n={n} Trajectory")
+        for j, t in enumerate(out):
+            if not isinstance(t, Trajectory):
+                raise TypeError(f"item {j} is a {type(t).__name__}, not a Trajectory")
+            try:
+                t.check()
+                if len(t.token_ids) > self.context_len:
+                    raise ValueError(f"{len(t.token_ids)} tokens exceed the context of "
+                                     f"{self.context_len} (check ctx.room before a turn)")
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"trajectory {j}: {e}") from None
+
+    def _wait(self, pending: PendingRollout) -> tuple[list[list[Trajectory]], Counter]:
+        """Wait for `pending`, replacing the engines it reports dead on this thread. A rollout
+        with no engine answer (nor engine replaced) for `cluster.call_timeout_s` is hung."""
+        timeout = self.recipe.cluster.call_timeout_s
+        while True:
+            try:
+                msg = pending.inbox.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() - pending.dispatch.last_progress > timeout:
+                    pending.future.cancel()
+                    raise RolloutFailed(
+                        f"rollout.function={self.spec!r}: no progress within {timeout:g} s "
+                        "(cluster.call_timeout_s); a rollout function is hung, or the "
+                        "timeout is too small") from None
+                continue
+            if msg is None:
+                return pending.future.result()
+            i, died, requests, done = msg
+            self.log(f"{died}; restarting it and sending its {requests} requests again")
+            try:
+                self.restart_engine(i)
+            except BaseException as e:
+                self._loop.call_soon_threadsafe(_settle, done, e)
+                raise
+            pending.dispatch.last_progress = time.monotonic()
+            self._loop.call_soon_threadsafe(_settle, done, None)
 
     def _collect(self, pending: PendingRollout) -> tuple[list[Group], Counter]:
         """Wait for `pending` and score it: its groups, and its tallies (reward errors / NaN,
         generated tokens, prefill tokens computed and taken from the prefix cache, engine
-        restarts). A share whose engine died is generated again, with the same seeds, on the
-        engine's replacement."""
-        samples: list[list] = [None] * len(pending.problems)  # type: ignore[list-item]
-        tallies: Counter = Counter()
-
-        def regenerate(i: int, died: ActorDied) -> Call:
-            if self.restart_engine is None:
-                raise died
-            self.log(f"{died}; restarting it and generating its {len(pending.shares[i])} "
-                     "prompts again")
-            self.restart_engine(i)
-            tallies["engine_restarts"] += 1
-            return self._generate(i, pending.problems, pending.params, pending.shares[i])
-
-        results = gather(pending.calls, self.recipe.cluster.call_timeout_s, on_death=regenerate)
-        for share, (outs, cache) in zip(pending.shares, results):
-            tallies.update(cache)
-            for i, group in zip(share, outs):
-                samples[i] = group
-        groups, scored = self._score(pending.problems, samples)
+        restarts)."""
+        trajectories, tallies = self._wait(pending)
+        groups, scored = self._score(pending.problems, trajectories)
         tallies.update(scored)
-        tallies["generated_tokens"] += sum(len(s.token_ids) for g in samples for s in g)
         return groups, tallies
 
     # --------------------------------------------------------------------------------- scoring
-    def _score(self, problems: list[Problem], samples: list[list]) -> tuple[list[Group], dict]:
-        """Groups with scores and shaped rewards, and the reward function's failure counts."""
+    def _score(self, problems: list[Problem], trajectories: list[list[Trajectory]]
+               ) -> tuple[list[Group], dict]:
+        """Groups with scores and shaped rewards, and the reward function's failure counts. A
+        trajectory's own reward stands; the others are scored on their `response_text`."""
         r = self.recipe
-        prompts, responses, answers = [], [], []
-        for p, group in zip(problems, samples):
-            for s in group:
-                prompts.append(p.prompt)
-                responses.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
-                answers.append(p.answer)
-        result = compute_rewards(self.reward_fn, prompts, responses, answers,
-                                 max_workers=r.reward.max_workers)
-        lengths = torch.tensor([len(s.token_ids) for g in samples for s in g])
+        unscored = [(p, t) for p, group in zip(problems, trajectories) for t in group
+                    if t.reward is None]
+        result = compute_rewards(self.reward_fn, [p.prompt for p, _ in unscored],
+                                 [t.response_text for _, t in unscored],
+                                 [p.answer for p, _ in unscored], max_workers=r.reward.max_workers)
+        computed = iter(result.scores)
+        flat = [t.reward if t.reward is not None else next(computed)
+                for group in trajectories for t in group]
+        lengths = torch.tensor([t.sampled_tokens for g in trajectories for t in g])
         penalty = overlong_penalty(lengths, r.rollout.max_new_tokens,
                                    r.algorithm.overlong_buffer, r.algorithm.overlong_penalty)
         groups, k, n = [], 0, r.rollout.n
-        for p, group in zip(problems, samples):
-            scores = result.scores[k:k + n]
+        for p, group in zip(problems, trajectories):
+            scores = flat[k:k + n]
             rewards = [s + float(penalty[k + j]) for j, s in enumerate(scores)]
             groups.append(Group(p, group, scores, rewards))
             k += n
@@ -169,11 +272,15 @@ class RolloutManager:
         seconds = time.perf_counter() - pending.started
         metrics = self._metrics(generated)
         hits, computed = tallies["prefix_cache_hit_tokens"], tallies["prefill_tokens_computed"]
+        later_hits = tallies["prefix_cache_hit_tokens_turn2plus"]
+        later_computed = tallies["prefill_tokens_computed_turn2plus"]
         metrics.update(reward_errors=tallies["reward_errors"], reward_nan=tallies["reward_nan"],
                        generated_tokens=tallies["generated_tokens"],
                        tokens_per_s=tallies["generated_tokens"] / max(seconds, 1e-9),
                        prefix_cache_hit_rate=hits / max(hits + computed, 1),
-                       samples=sum(len(g.samples) for g in kept),
+                       prefix_cache_hit_rate_turn2plus=later_hits / max(
+                           later_hits + later_computed, 1),
+                       samples=sum(len(g.trajectories) for g in kept),
                        engine_restarts=tallies["engine_restarts"])
         if r.algorithm.dynamic_sampling:
             metrics.update(dynamic_rounds=rounds, dynamic_dropped_groups=tallies["dropped_groups"],
@@ -189,13 +296,16 @@ class RolloutManager:
 
     @staticmethod
     def _metrics(groups: list[Group]) -> dict:
-        """Reward and length metrics over every generated group of the step (kept or dropped)."""
+        """Reward, length and turn metrics over every generated group of the step (kept or
+        dropped). Trajectory metrics: COUNT_METRICS are summed, the others averaged (`_mean`);
+        turns, tool calls and the counts are always there (a single turn: 1, 0, 0)."""
         scores = torch.tensor([g.scores for g in groups], dtype=torch.float64)
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-        lengths = torch.tensor([[len(s.token_ids) for s in g.samples] for g in groups],
+        trajectories = [t for g in groups for t in g.trajectories]
+        lengths = torch.tensor([[t.response_len for t in g.trajectories] for g in groups],
                                dtype=torch.float64)
-        truncated = sum(s.finish_reason == "length" for g in groups for s in g.samples)
-        return {
+        truncated = sum(t.finish_reason == "length" for t in trajectories)
+        out = {
             "reward_mean": float(scores.mean()),
             "reward_std": float(scores.std(unbiased=False)),
             "reward_group_std_mean": float(scores.std(dim=1, unbiased=False).mean()),
@@ -203,4 +313,28 @@ class RolloutManager:
             "response_len_mean": float(lengths.mean()),
             "response_len_max": float(lengths.max()),
             "truncated_frac": truncated / lengths.numel(),
+            "loss_mask_frac": sum(t.sampled_tokens for t in trajectories) / float(lengths.sum()),
+            "turns_mean": 1.0, "tool_calls_mean": 0.0,
+            **{k: 0.0 for k in COUNT_METRICS},
         }
+        for key in sorted({k for t in trajectories for k in t.metrics}):
+            values = [float(t.metrics.get(key, 0.0)) for t in trajectories]
+            if key.startswith(COUNT_METRICS):
+                out[key] = sum(values)
+            else:
+                out[f"{key}_mean"] = sum(values) / len(values)
+        return out
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+
+def _where(error: BaseException) -> str:
+    """'file.py:12: ' for the innermost frame that raised `error` (user code, usually)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}: " if frames else ""

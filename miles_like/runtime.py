@@ -22,6 +22,7 @@ from miles_like.data import PromptSource
 from miles_like.model_store import base_model_dir, read_model_files, write_model_files
 from miles_like.rewards import resolve_reward
 from miles_like.schema import RecipeError
+from miles_like.rollout_functions import resolve_rollout_function
 from miles_like.rollout_manager import RolloutManager
 from miles_like.tokenizer import load_tokenizer
 from miles_like.warm_start import warm_start
@@ -83,6 +84,9 @@ class Runtime:
         hf = json.loads((base_dir / "config.json").read_text())
         context = min(hf.get("max_position_embeddings", 1 << 30),
                       recipe.trainer.max_tokens_per_micro_batch)
+        self.context_len, self.vocab_size = context, hf["vocab_size"]
+        # imported before any actor starts: a bad module fails in seconds, not minutes
+        self.rollout_fn = resolve_rollout_function(recipe.rollout.function)
         max_prompt = context - recipe.rollout.max_new_tokens
         if max_prompt < 1:
             raise RecipeError(f"rollout.max_new_tokens={recipe.rollout.max_new_tokens} leaves no "
@@ -148,6 +152,8 @@ class Runtime:
         # shares self.engines: a replaced engine is the rollouts' too
         self.rollouts = RolloutManager(recipe, self.engines, self.tokenizer,
                                        resolve_reward(recipe.reward.function), self.source,
+                                       rollout_fn=self.rollout_fn, context_len=self.context_len,
+                                       vocab_size=self.vocab_size,
                                        restart_engine=self.restart_engine, log=log)
         self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
 
@@ -285,4 +291,6 @@ class Runtime:
                 gather(each("trainer rank", self.trainers, "shutdown"), min(self.timeout_s, 60))
             except Exception:  # shutting down after a failure: the actors may be gone already
                 pass
+        if getattr(self, "rollouts", None) is not None:
+            self.rollouts.close()
         placement.release(self.pg, self.trainers + self.engines)

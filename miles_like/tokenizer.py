@@ -65,17 +65,16 @@ class HFTokenizer:
     `hf_config_fields` for a model built for it. `.tok` is the transformers tokenizer (for
     `rollout.chat` and agent code)."""
 
-    def __init__(self, directory_or_tokenizer):
-        if not isinstance(directory_or_tokenizer, (str, Path)):
-            self.tok = directory_or_tokenizer
-            return
-        from transformers import (
-            AutoTokenizer,  # imported when a run starts, not on `import`
-        )
+    def __init__(self, tok):
+        self.tok = tok
 
-        directory = directory_or_tokenizer
+    @classmethod
+    def load(cls, directory: str | Path) -> HFTokenizer:
+        # transformers is imported when a run starts, not on `import`
+        from transformers import AutoTokenizer
+
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            return cls(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
         except Exception as e:  # noqa: BLE001 (whatever AutoTokenizer raises, one clear line)
             raise ValueError(f"model.path={str(directory)!r}: cannot load its tokenizer "
                              f"({type(e).__name__}: {e}); the directory needs the tokenizer "
@@ -117,7 +116,7 @@ def builtin_tokenizer() -> HFTokenizer:
 
 def load_tokenizer(directory: str | Path) -> HFTokenizer:
     """The model directory's Hugging Face tokenizer (built-in models have one too)."""
-    return HFTokenizer(directory)
+    return HFTokenizer.load(directory)
 
 
 assert set(string.digits + "+-*=") <= set(CHARSET)  # the arithmetic task's alphabet

@@ -244,30 +244,89 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"serve": 512})
 class EngineWorker:
+    """One engine replica behind an `AsyncEngine` (its step loop is the only thread that runs the
+    engine's requests). The rollout window: `open()` admits requests (`generate_one`, the HTTP
+    endpoint of `serve`), `close()` stops admitting and waits for what is in flight. Lifecycle
+    calls (`release`, `resume`, `load_bucket`, `commit`, broadcasts, flushes) close the window
+    themselves first, so no request is ever served by half-updated weights. The batch `generate`
+    works either way (closed, it opens the window for its own duration).
+
+    Ray runs `generate_one` in its own concurrency group, so many concurrent calls are batched
+    together by the engine; every other method is in the default group, one at a time."""
+
     def __init__(self, engine_cfg, threads: int):
         from rollout import Engine
+        from rollout.async_engine import AsyncEngine
         from weight_sync import BucketReceiver
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         _set_threads(threads)
         self.engine = Engine(engine_cfg)
+        self.async_engine = AsyncEngine(self.engine, open=False)
         self.receiver = BucketReceiver(self.engine)
         self.on_gpu = engine_cfg.device.startswith("cuda")
+        self.model_path = engine_cfg.model_path
+        self._server = None
 
     def ready(self) -> bool:
         return True
 
     CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
+    # ------------------------------------------------------------------------ the rollout window
+    def open(self) -> None:
+        """Admit requests (after the weights of this rollout are in)."""
+        self.async_engine.resume()
+
+    def close(self, abort_running: bool = False) -> None:
+        """Stop admitting; returns once nothing is in flight (or all of it was aborted)."""
+        self.async_engine.pause(abort_running=abort_running)
+
+    def is_open(self) -> bool:
+        return self.async_engine.is_open
+
     def generate(self, prompts: list[list[int]], params: list) -> tuple[list, dict[str, int]]:
         """Samples for every prompt, and what this call added to the engine's prefill / prefix-
-        cache counters (returned with the samples: no extra round trip for the hit rate)."""
-        before = self.engine.stats()
-        outs = self.engine.generate(prompts, params)
-        after = self.engine.stats()
-        return outs, {k: after[k] - before[k] for k in self.CACHE_COUNTERS}
+        cache counters, plus the `weight_version` that sampled them (returned with the samples:
+        no extra round trip for the hit rate)."""
+        if not isinstance(params, Sequence):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                             "give one or one per prompt")
+        was_open = self.async_engine.is_open
+        self.async_engine.resume()
+        try:
+            before = self.engine.stats()
+            futures = [self.async_engine.submit(p, sp) for p, sp in zip(prompts, params)]
+            results = [f.result() for f in futures]
+            after = self.engine.stats()
+        finally:
+            if not was_open:
+                self.async_engine.pause()
+        # the window stays open for the whole call: no update can land between its requests
+        return [r.samples for r in results], {
+            **{k: after[k] - before[k] for k in self.CACHE_COUNTERS},
+            "weight_version": results[0].weight_version if results else after["weight_version"]}
+
+    @ray.method(concurrency_group="serve")
+    def generate_one(self, prompt_ids: list[int], params):
+        """One request, batched with every other concurrent call (the window must be open:
+        closed, it raises `EngineUnavailable`). Returns a `GenerationResult`."""
+        return self.async_engine.submit(prompt_ids, params).result()
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None) -> str:
+        """Start the OpenAI-compatible HTTP endpoint (`rollout.serve`) in a thread of this actor,
+        on this replica's AsyncEngine (it answers 503 while the window is closed). Returns its
+        base URL. The tokenizer comes from the model directory when it has one."""
+        from rollout.serve import build_app, load_tokenizer, start_server
+        if self._server is None:
+            app = build_app(self.async_engine, load_tokenizer(self.model_path),
+                            model_name or os.path.basename(os.path.normpath(self.model_path)))
+            self._server = start_server(app, host, port)
+        return self._server.url
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -275,15 +334,19 @@ class EngineWorker:
     def release(self) -> int:
         """Give the device to the trainer: the KV pool always; on GPU the weights too (the next
         sync refills every one of them)."""
+        self.close()
         return self.engine.release_memory(weights=self.on_gpu)
 
     def resume(self) -> None:
+        self.close()
         self.engine.resume_memory()
 
     def load_bucket(self, handle, manifest):
+        self.close()
         return self.receiver.load(handle, manifest)
 
     def commit(self) -> int:
+        self.close()
         self.receiver.commit()
         return self.engine.weight_version
 
@@ -296,12 +359,22 @@ class EngineWorker:
             self.engine, group, sources=list(range(num_engines, num_engines + num_stages)))
 
     def flush_prefix_cache(self) -> None:
+        self.close()
         self.engine.flush_prefix_cache()
 
     def set_weight_version(self, version: int) -> None:
         """Resume: the engine was built from a checkpoint holding weights of this version."""
+        self.close()
         self.engine.weight_version = version
 
     def receive_broadcast(self) -> int:
+        self.close()
         self.broadcast_receiver.receive()
         return self.engine.weight_version
+
+    def shutdown(self) -> None:
+        """Stop the HTTP endpoint and the step loop."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self.async_engine.close()

@@ -16,9 +16,14 @@ token (ChatML's "\\n") lies after the cut and so belongs to the delta, never to 
 `check_delta` compares a trajectory's tokens with the template's rendering of the whole
 conversation (the `rollout/retokenize_mismatch` count). A mismatch does not mean the trajectory
 is wrong: the engine may sample a token sequence that is not the tokenizer's canonical encoding
-of its text (with BPE, "1" then "2" where the encoder would give "12"; the text of a special
-token spelled in plain characters; an assistant turn not in the template's tool-call layout).
-The trajectory keeps what was sampled; the check only says the re-encoding would differ.
+of its text (with BPE, "a" then "b" where the encoder gives "ab"; the text of a special token
+spelled in plain characters; an assistant turn not in the template's tool-call layout; with a
+pre-tokenizer that merges runs of newlines, as Qwen's does, a turn starting with "\n" right
+after the generation prompt's "\n"). The trajectory keeps what was sampled; the check only says
+the re-encoding would differ. A tokenizer that adds a prefix space to the first piece of every
+text it encodes (SentencePiece with `add_prefix_space`) would make encoded deltas differ from a
+full re-encoding too; the check reports that as well (byte-level BPE and our character
+vocabulary add nothing).
 
 Tool calls use the Hermes / Qwen2.5 layout, which `CHATML_TOOLS_TEMPLATE` renders:
 

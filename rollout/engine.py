@@ -24,7 +24,7 @@ from rollout.model import CausalLM
 from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner
 from rollout.scheduler import Scheduler
-from rollout.sequence import Request, RequestOutput, SampleOutput
+from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
 from rollout.speculative import Proposer
 from rollout.suffix_lanes import SuffixLanes
 from rollout.weights import iter_safetensors, load_weights
@@ -128,8 +128,10 @@ class Engine:
         if self._uncommitted_update:
             raise RuntimeError("a weight update was loaded but not committed; call commit_weights()")
 
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams) -> int:
-        """Queue one prompt; returns its request id. Outputs come from `step()`."""
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
+                    stop_check: StopCheck | None = None) -> int:
+        """Queue one prompt; returns its request id. Outputs come from `step()`. `stop_check`
+        (e.g. stop strings) sees each sample's generated ids after every token it samples."""
         self._check_ready()
         prompt = [int(t) for t in prompt_token_ids]
         vocab = self.model_config.vocab_size
@@ -151,7 +153,7 @@ class Engine:
         request_id = self._next_request_id
         self._next_request_id += 1
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
-        self.scheduler.add(Request(request_id, prompt, params, base_seed))
+        self.scheduler.add(Request(request_id, prompt, params, base_seed, stop_check))
         return request_id
 
     def abort(self, request_id: int) -> None:

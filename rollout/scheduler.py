@@ -117,7 +117,7 @@ class Scheduler:
         done = [r for r in self.requests.values() if r.done]
         for r in done:
             del self.requests[r.request_id]
-        return [RequestOutput(r.request_id, r.prompt, list(r.samples)) for r in done]
+        return [RequestOutput(r.request_id, r.prompt, list(r.samples), r.cached_tokens or 0) for r in done]
 
     # -- pages ---------------------------------------------------------------------------------
     def _available_pages(self) -> int:
@@ -233,6 +233,8 @@ class Scheduler:
             seq.node, seq.pages, seq.num_tree_pages = match.node, list(match.pages), len(match.pages)
             seq.num_computed = cached
             self.stats.prefix_cache_hit_tokens += cached
+        if seq.request.cached_tokens is None:   # a re-admission after preemption is not a hit
+            seq.request.cached_tokens = cached
         seq.row = self._free_rows.pop()
         seq.extra_rows = [self._free_rows.pop() for _ in range(seq.num_forks - 1)]
         seq.status = Status.RUNNING
@@ -392,6 +394,9 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params: SamplingParams = seq.request.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        stop_check = seq.request.stop_check
+        if stop_check is not None and stop_check(seq.token_ids[seq.prompt_len:]):
             return "stop"
         if seq.num_generated >= params.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -28,6 +29,13 @@ class RequestOutput(NamedTuple):
     request_id: int
     prompt_token_ids: list[int]
     samples: list[SampleOutput]
+    cached_tokens: int = 0   # prompt tokens taken from the prefix cache at first admission
+
+
+# Called with a sample's generated token ids after each appended token; True ends the sample
+# with finish_reason "stop" (the token that completed the match is kept). Stop strings live here:
+# the engine never decodes text, its caller (the server) owns the tokenizer.
+StopCheck = Callable[[list[int]], bool]
 
 
 class Status(enum.Enum):
@@ -42,8 +50,10 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     base_seed: int            # sample j draws from torch.Generator seeded with base_seed + j
+    stop_check: StopCheck | None = None
     samples: list[SampleOutput | None] = field(init=False)
     aborted: bool = False
+    cached_tokens: int | None = None   # set when its first sequence is admitted
 
     def __post_init__(self) -> None:
         self.samples = [None] * self.params.n

@@ -92,7 +92,7 @@ def test_prompt_and_response_go_through_the_chat_template():
 
 def test_missing_tokenizer_is_one_clear_error(tmp_path):
     with pytest.raises(ValueError, match="model.path=.*cannot load its tokenizer"):
-        HFTokenizer(tmp_path)
+        HFTokenizer.load(tmp_path)
 
 
 def test_builtin_config_carries_the_tokenizer_fields():
