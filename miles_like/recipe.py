@@ -336,6 +336,9 @@ class Recipe(Section):
             raise RecipeError("checkpoint.every_steps: checkpoints of the deepspeed backend "
                               "need trainer.zero_stage 1 or 2; lower it or set "
                               "checkpoint.every_steps: 0")
+        if rollout.function == "tool_loop" and not self.data.chat_template:
+            raise RecipeError("rollout.function=tool_loop renders tool calls and results with "
+                              "the chat template; set data.chat_template: true")
         total = rollout.max_trajectory_tokens
         if total is not None and total < rollout.max_new_tokens:
             raise RecipeError(f"rollout.max_trajectory_tokens={total} is below "

@@ -83,6 +83,7 @@ def test_sft_batch_of_conversations_carries_the_masks():
 @pytest.mark.parametrize("override, fragment", [
     ("rollout.max_trajectory_tokens=50", "below rollout.max_new_tokens=96"),
     ("rollout.max_trajectory_tokens=4096", "leaves no room for a prompt"),
+    ("data.chat_template=false", "set data.chat_template: true"),
     ("rollout.tools=[calc]", "rollout.tools[0]='calc': name a tool as module:function"),
     ("rollout.tools=[miles_like.tasks.calc:nothing]", "has no function 'nothing'"),
 ])
@@ -90,3 +91,22 @@ def test_recipe_rules_of_the_tool_loop(override, fragment):
     with pytest.raises(RecipeError) as e:
         load_recipe(RECIPE, [override])
     assert fragment in str(e.value)
+
+
+def test_the_e2e_replay_accepts_a_true_conversation_and_rejects_a_corrupted_one():
+    from test_tool_loop_e2e import replay
+
+    from miles_like.tools import ToolPool
+    from miles_like.trajectory import Trajectory
+
+    p = problem("347*28=", "9716")
+    t = demonstration(TOK, p, calc.demonstration(p.prompt, p.answer, ("calculator",)), None)
+    with ToolPool(load_tools([calc.TOOL_SPEC]), workers=1) as pool:
+        assert replay(t, p, TOK, pool) == {"calls": 1, "final": "9716", "turns": 2}
+        response = list(t.token_ids[t.prompt_len:])
+        k = t.loss_mask.index(0) + 5                     # inside the tool result's tokens
+        response[k] = TOK.tok.convert_tokens_to_ids("7")
+        bad = Trajectory(t.token_ids[:t.prompt_len] + tuple(response), t.prompt_len,
+                         t.loss_mask, t.logprobs, t.weight_versions)
+        with pytest.raises(AssertionError, match="not the template's delta"):
+            replay(bad, p, TOK, pool)
