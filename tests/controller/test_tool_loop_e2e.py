@@ -80,7 +80,7 @@ def test_calc_agent_trajectories_are_token_exact(ray_local, cache, tmp_path):
     recipe = load_recipe(ROOT / "recipes/tiny_calc_agent_grpo.yaml", [
         f"tracking.output_dir={tmp_path}", "sft.steps=120", "sft.batch_size=32",
         "rollout.prompts_per_step=4", "rollout.n=4", "rollout.kv_cache_tokens=8192",
-        "trainer.updates_per_rollout=1"])
+        "trainer.updates_per_rollout=1", "model.dtype=float64"])
     rt = Runtime(recipe, log=print)
     try:
         rollout = rt.rollouts.finish(rt.rollouts.launch(0))
