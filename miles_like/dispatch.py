@@ -11,8 +11,8 @@ A call holds only first turns or only later turns (a request extending an earlie
 group), so the engine's prefix-cache counters of the call say how well later turns reuse the
 KV of the earlier ones (`rollout/prefix_cache_hit_rate_turn2plus`).
 
-An engine that dies is replaced by `replace(i, died, requests)` (awaited; the controller does it on its
-own thread) and the lost call is sent again, with the same seeds, to the replacement. A call
+An engine that dies is replaced by `replace(i, died, requests)` (awaited; the controller does it
+on its own thread) and the lost call is sent again, with the same seeds, to the replacement. A call
 that outlives `timeout_s`, or an engine that dies with no `replace`, fails every waiting request
 and is kept in `failure`, which the controller raises whatever the rollout functions did with it.
 """

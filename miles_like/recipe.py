@@ -128,6 +128,9 @@ class RolloutSection(Section):
     max_trajectory_tokens: int | None = setting(
         None, "tool_loop: most tokens after the prompt in a trajectory (sampled turns, tool "
               "results, template markers); null: what the context leaves", ge=1)
+    serve_http: bool = setting(False, "serve the engines as an OpenAI-compatible endpoint on "
+                               "127.0.0.1 behind a cache-aware router during rollouts "
+                               "(ctx.base_url, for agent code)")
 
     def check(self) -> None:
         from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
+import ray
 import torch
 
 from miles_like.build_configs import sampling_params
@@ -79,12 +80,13 @@ COUNT_METRICS = ("tool_errors", "retokenize_mismatch")
 class RolloutManager:
     """`engines` is used as given (not copied): the owner replaces a dead engine in it.
     `restart_engine(i)` replaces engine i and returns the new one; without it an engine's death
-    raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn)."""
+    raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn).
+    `tokenizer` is the run's `HFTokenizer`; rollout functions get its transformers `.tok`."""
 
     def __init__(self, recipe, engines: list, tokenizer, reward_fn, source: PromptSource, *,
                  rollout_fn, context_len: int, vocab_size: int,
                  restart_engine: Callable[[int], object] | None = None, log=print,
-                 base_url: str | None = None):
+                 front=None):
         self.recipe = recipe
         self.engines = engines
         self.tokenizer = tokenizer
@@ -93,7 +95,7 @@ class RolloutManager:
         self.context_len, self.vocab_size = context_len, vocab_size
         self.restart_engine = restart_engine
         self.log = log
-        self.base_url = base_url
+        self.front = front   # http_front.HttpFront with rollout.serve_http, else None
         self.spec = recipe.rollout.function
         self.rollout_fn = rollout_fn   # what the spec names (rollout_functions.py)
         r = recipe.rollout
@@ -150,10 +152,11 @@ class RolloutManager:
 
         async def group(k: int) -> list[Trajectory]:
             ctx = RolloutContext(problem=problems[k], params=params[k], dispatch=dispatch,
-                                 replica=home[k], tokenizer=self.tokenizer,
+                                 replica=home[k], tokenizer=self.tokenizer.tok,
                                  context_len=self.context_len, vocab_size=self.vocab_size,
                                  reward_fn=self.reward_fn, tools=r.tools, max_turns=r.max_turns,
-                                 base_url=self.base_url, tool_pool=self.tool_pool, settings=r)
+                                 base_url=self.front.base_url if self.front else None,
+                                 tool_pool=self.tool_pool, settings=r)
             try:
                 out = await self.rollout_fn(ctx, problems[k])
                 self._check_group(out, ctx.n)
@@ -165,6 +168,9 @@ class RolloutManager:
             tallies.update(ctx.tallies)
             return out
 
+        if self.front is not None:   # agent code may call the endpoints: open the window
+            await asyncio.gather(*(asyncio.wrap_future(e.open.remote().future())
+                                   for e in self.engines))
         # created in prompt order: every group's first request is queued before any is sent
         tasks = [asyncio.ensure_future(group(k)) for k in range(len(problems))]
         try:
@@ -216,7 +222,9 @@ class RolloutManager:
             i, died, requests, done = msg
             self.log(f"{died}; restarting it and sending its {requests} requests again")
             try:
-                self.restart_engine(i)
+                engine = self.restart_engine(i)
+                if self.front is not None:
+                    ray.get(engine.open.remote(), timeout=timeout)
             except BaseException as e:
                 self._loop.call_soon_threadsafe(_settle, done, e)
                 raise

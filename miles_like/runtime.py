@@ -19,6 +19,7 @@ from miles_like import checkpoint, placement
 from miles_like.calls import Call, call, each, gather
 from miles_like.build_configs import critic_config, engine_config, trainer_config
 from miles_like.data import PromptSource
+from miles_like.http_front import HttpFront
 from miles_like.model_store import base_model_dir, read_model_files, write_model_files
 from miles_like.rewards import resolve_reward
 from miles_like.schema import RecipeError
@@ -149,12 +150,17 @@ class Runtime:
         self.num_stages = recipe.trainer.pp
         if not self.layout.colocated:
             self._join_sync_group()
+        self.front = (HttpFront(self.engines, self.tokenizer.tok, self.timeout_s)
+                      if recipe.rollout.serve_http else None)
+        if self.front is not None:
+            log(f"rollout.serve_http: OpenAI-compatible router at {self.front.base_url}")
         # shares self.engines: a replaced engine is the rollouts' too
         self.rollouts = RolloutManager(recipe, self.engines, self.tokenizer,
                                        resolve_reward(recipe.reward.function), self.source,
                                        rollout_fn=self.rollout_fn, context_len=self.context_len,
                                        vocab_size=self.vocab_size,
-                                       restart_engine=self.restart_engine, log=log)
+                                       restart_engine=self.restart_engine, log=log,
+                                       front=self.front)
         self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
 
     def _engine_config(self, model_dir: Path):
@@ -243,6 +249,8 @@ class Runtime:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         self.engines[index] = engine
+        if getattr(self, "front", None) is not None:
+            self.front.replace(index, engine)
         self._wait([call(f"engine {index}", engine, "set_weight_version", self.weight_version)])
         if not self.layout.colocated:
             self._join_sync_group()
@@ -293,4 +301,6 @@ class Runtime:
                 pass
         if getattr(self, "rollouts", None) is not None:
             self.rollouts.close()
+        if getattr(self, "front", None) is not None:
+            self.front.close()
         placement.release(self.pg, self.trainers + self.engines)

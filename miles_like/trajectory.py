@@ -25,7 +25,7 @@ class Trajectory:
     token_ids: tuple[int, ...]
     prompt_len: int
     loss_mask: tuple[int, ...]           # per token after the prompt: 1 = the engine sampled it
-    logprobs: tuple[float, ...]          # the engine's, per token after the prompt; 0.0 if unsampled
+    logprobs: tuple[float, ...]          # the engine's, per token after the prompt; else 0.0
     weight_versions: tuple[int, ...]     # per token after the prompt; NOT_SAMPLED if unsampled
     reward: float | None = None          # None: the controller scores response_text
     response_text: str = ""              # what the reward function sees
@@ -41,8 +41,8 @@ class Trajectory:
         return sum(self.loss_mask)
 
     def check(self) -> None:
-        """Raise ValueError / TypeError (one line) unless the fields are consistent: a rollout function is
-        user code and may return anything."""
+        """Raise ValueError / TypeError (one line) unless the fields are consistent: a rollout
+        function is user code and may return anything."""
         if not isinstance(self.prompt_len, int) or not 1 <= self.prompt_len <= len(self.token_ids):
             raise ValueError(f"prompt_len={self.prompt_len!r} must be an int in [1, "
                              f"len(token_ids)={len(self.token_ids)}]")

@@ -55,6 +55,7 @@ class AsyncEngine:
         self._stopping = False
         self._failure: BaseException | None = None   # the step loop died: nothing is served
         self._futures: dict[int, Future] = {}         # request id -> future (thread-owned)
+        self._cancels: list[Future] = []
         self._thread = threading.Thread(target=self._loop, name="AsyncEngine", daemon=True)
         self._thread.start()
 
@@ -63,7 +64,15 @@ class AsyncEngine:
                stop_check: StopCheck | None = None) -> Future[GenerationResult]:
         """Queue one request (any thread). Raises `EngineUnavailable` while paused or closed;
         errors of the request itself (e.g. a prompt too long) reach the future."""
-        future: Future = Future()
+        (future,) = self.submit_many([(prompt_ids, params)], stop_check)
+        return future
+
+    def submit_many(self, requests: Seq[tuple[Seq[int], SamplingParams]],
+                    stop_check: StopCheck | None = None) -> list[Future[GenerationResult]]:
+        """Queue several requests at once, as `submit` does each: the step loop admits them
+        together, in order, as `Engine.generate` does, so the batches they are computed in do
+        not depend on thread timing (nor do the prefix-cache hits between them)."""
+        futures: list[Future] = [Future() for _ in requests]
         with self._cond:
             if self._failure is not None:
                 raise EngineUnavailable(f"engine step loop failed: {self._failure!r}")
@@ -71,15 +80,29 @@ class AsyncEngine:
                 raise EngineUnavailable("engine is closed")
             if not self._open:
                 raise EngineUnavailable("engine is updating weights; retry")
-            self._inbox.append(_Submission(list(prompt_ids), params, stop_check, future))
-            self._in_flight += 1
+            for (prompt_ids, params), future in zip(requests, futures):
+                self._inbox.append(_Submission(list(prompt_ids), params, stop_check, future))
+            self._in_flight += len(futures)
             self._cond.notify_all()
-        return future
+        return futures
 
     async def generate(self, prompt_ids: Seq[int], params: SamplingParams,
                        stop_check: StopCheck | None = None) -> GenerationResult:
-        """`submit` awaited from any asyncio loop."""
-        return await asyncio.wrap_future(self.submit(prompt_ids, params, stop_check))
+        """`submit` awaited from any asyncio loop. Cancelling the awaiting task (a timeout, a
+        client gone) aborts the request in the engine."""
+        future = self.submit(prompt_ids, params, stop_check)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.cancel(future)
+            raise
+
+    def cancel(self, future: Future) -> None:
+        """Abort the request behind `future` (any thread): it ends now with finish_reason
+        "abort" and the tokens it has (a finished request is left as it is)."""
+        with self._cond:
+            self._cancels.append(future)
+            self._cond.notify_all()
 
     # -- the serving window --------------------------------------------------------------------
     @property
@@ -126,11 +149,12 @@ class AsyncEngine:
                     return
                 new = list(self._inbox)
                 self._inbox.clear()
+                cancels, self._cancels = self._cancels, []
                 abort = self._abort_all
             for sub in new:
                 self._add(sub)
-            if abort:
-                for request_id in self._futures:
+            for request_id, future in self._futures.items():
+                if abort or any(future is c for c in cancels):
                     self.engine.abort(request_id)
             if not self._futures:
                 continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from rollout.async_engine import AsyncEngine, EngineUnavailable, GenerationResult
+from rollout.chat import ToolCallError, parse_tool_calls
 from rollout.config import SamplingParams
 from rollout.stop_strings import cut_at_stop, decode, make_stop_check
 
@@ -165,13 +167,12 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
     async def run(prompts: list[list[int]], params: SamplingParams, stops: list[str],
                   prompt_field: str) -> list[GenerationResult]:
         check = make_stop_check(tokenizer, stops) if stops else None
-        try:
-            futures = [async_engine.submit(p, params, check) for p in prompts]
+        try:   # a cancelled handler aborts its requests in the engine (AsyncEngine.generate)
+            return list(await asyncio.gather(*(async_engine.generate(p, params, check)
+                                               for p in prompts)))
         except EngineUnavailable as exc:
             raise APIError(503, PAUSED_MESSAGE if "updating" in str(exc) else str(exc),
                            type="service_unavailable") from None
-        try:
-            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except ValueError as exc:   # the engine's check of this request (ids, KV capacity)
             raise APIError(400, str(exc), prompt_field) from None
 
@@ -231,7 +232,9 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
         choices = []
         for s in result.samples:
             text, reason = text_of(s.token_ids, stops, s.finish_reason)
-            message = {"role": "assistant", "content": text}
+            message = chat_message(text)
+            if message.get("tool_calls") and reason == "stop":
+                reason = "tool_calls"
             choice = {"index": len(choices), "message": message, "finish_reason": reason,
                       "logprobs": None, "prompt_token_ids": result.prompt_token_ids,
                       "token_ids": s.token_ids}
@@ -246,6 +249,22 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
                 "usage": usage([result]), "weight_version": result.weight_version}
 
     return app
+
+
+def chat_message(text: str) -> dict[str, Any]:
+    """The assistant message of a sampled turn: its content and, in the template's tool-call
+    layout (`rollout.chat`), its tool calls with JSON-string arguments as OpenAI sends them. A
+    malformed call is not an error of the request: the text is returned as content, uncut."""
+    try:
+        content, calls = parse_tool_calls(text)
+    except ToolCallError:
+        return {"role": "assistant", "content": text}
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+        for c in calls]}
 
 
 def tokenize_prompts(prompt, tokenizer) -> list[list[int]]:

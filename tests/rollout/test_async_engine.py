@@ -140,6 +140,24 @@ def test_pause_with_abort_ends_running_requests(qwen2):
         async_engine.submit(PROMPTS[0], PARAMS[0])
 
 
+def test_cancelled_await_aborts_the_request_in_the_engine(qwen2):
+    engine = _engine(qwen2)
+    async_engine = AsyncEngine(engine)
+    try:
+        long = SamplingParams(max_new_tokens=400, ignore_eos=True)
+
+        async def impatient():
+            await asyncio.wait_for(async_engine.generate(PROMPTS[0], long), timeout=0.2)
+
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(impatient())
+        async_engine.pause()   # returns once the aborted request has left the engine
+        assert not engine.has_unfinished()
+        assert engine.stats()["generated_tokens"] < 400
+    finally:
+        async_engine.close()
+
+
 def test_cached_tokens_counts_the_reused_prefix(qwen2):
     async_engine = AsyncEngine(_engine(qwen2))   # page_size 4
     try:

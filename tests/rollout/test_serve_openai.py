@@ -19,7 +19,7 @@ from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import AsyncEngine
-from rollout.serve import build_app, load_tokenizer, start_server
+from rollout.serve import build_app, chat_message, load_tokenizer, start_server
 
 CORPUS = ["the cat sat on the mat and the dog ate the bone",
           "one two three four five six seven eight nine ten",
@@ -64,11 +64,11 @@ def test_models_and_health(served):
 
 
 def test_completion_seeded_n_logprobs_token_ids_equal_the_engine(served, reference):
-    async_engine, tokenizer, client, _ = served
+    _, tokenizer, client, _ = served
     prompt = "the cat sat on"
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    kwargs = dict(model="tiny", n=3, max_tokens=10, temperature=0.9, top_p=0.95, seed=7,
-                  logprobs=0, extra_body={"ignore_eos": True})
+    kwargs = {"model": "tiny", "n": 3, "max_tokens": 10, "temperature": 0.9, "top_p": 0.95,
+              "seed": 7, "logprobs": 0, "extra_body": {"ignore_eos": True}}
     first = client.completions.create(prompt=prompt, **kwargs)
     again = client.completions.create(prompt=ids, **kwargs)    # token ids in, same result
     want = reference.generate([ids], SamplingParams(n=3, max_new_tokens=10, temperature=0.9,
@@ -125,6 +125,27 @@ def test_chat_uses_the_template_and_equals_the_engine(served, reference):
         assert choice.finish_reason == ref.finish_reason
         torch.testing.assert_close([t.logprob for t in choice.logprobs.content], ref.logprobs,
                                    rtol=0, atol=1e-5)
+
+
+def test_tool_calls_in_the_template_layout_become_message_tool_calls():
+    """The message shape is checked by the `openai` client's own model of a chat message; the
+    calls by `rollout.chat`'s format (its inverse)."""
+    from openai.types.chat import ChatCompletionMessage
+
+    from rollout.chat import assistant_text
+    text = assistant_text("let me compute", [("calculator", {"expression": "12*34"}),
+                                             ("echo", {"text": "é"})])
+    message = ChatCompletionMessage.model_validate(chat_message(text))
+    assert message.content == "let me compute"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("calculator", {"expression": "12*34"}), ("echo", {"text": "é"})]
+    assert len({c.id for c in message.tool_calls}) == 2
+    only_call = ChatCompletionMessage.model_validate(
+        chat_message(assistant_text("", [("calculator", {"expression": "1+1"})])))
+    assert only_call.content is None and only_call.tool_calls[0].function.name == "calculator"
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert chat_message(broken) == {"role": "assistant", "content": broken}
+    assert chat_message("plain answer") == {"role": "assistant", "content": "plain answer"}
 
 
 BAD = [  # (route, body, status, field)
