@@ -29,7 +29,7 @@ from miles_like.tasks.arith import ArithSpec
 __all__ = ["Recipe", "RecipeError", "load_recipe", "parse_overrides", "apply_overrides",
            "recipe_to_yaml", "check_paths"]
 
-SYNTHETIC_TASKS = ("arith",)
+SYNTHETIC_TASKS = ("arith", "calc")  # calc: arith's problems, solved with the calculator tool
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -58,14 +58,17 @@ class DataSection(Section):
     PATH = "data"
     path: str | None = setting(None, "local .jsonl / .json / .parquet file read with HF "
                                "datasets; set this or synthetic")
-    synthetic: str | None = setting(None, "task generated on the fly: arith; set this or path")
+    synthetic: str | None = setting(None, "task generated on the fly: arith | calc (arith's "
+                                    "problems; the warm start demonstrates the calculator tool "
+                                    "when rollout.tools has it); set this or path")
     prompt_key: str = setting("prompt", "column holding the prompt text")
     answer_key: str = setting("answer", "column holding the reference answer given to the reward")
     chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template")
     shuffle_seed: int | None = setting(0, "seed of the epoch shuffle; null keeps file order")
-    arith_digits: int = setting(2, "synthetic arith: operands have up to this many digits", ge=1,
-                                le=9)
-    arith_ops: str = setting("+-", "synthetic arith: operators to draw from (subset of +-*)")
+    arith_digits: int = setting(2, "synthetic arith / calc: operands have up to this many "
+                                "digits", ge=1, le=9)
+    arith_ops: str = setting("+-", "synthetic arith / calc: operators to draw from (subset of "
+                             "+-*)")
 
     def check(self) -> None:
         if (self.path is None) == (self.synthetic is None):
@@ -111,20 +114,36 @@ class RolloutSection(Section):
         None, "pure decode steps at static shapes, captured as CUDA graphs on a GPU; null: on "
         "with the triton backend on CUDA")
     function: str = setting(
-        "single_turn", "rollout function: built-in single_turn, or module:function, an async "
-        "fn(ctx, problem) -> list[Trajectory] returning the prompt's n trajectories "
+        "single_turn", "rollout function: built-in single_turn | tool_loop, or module:function, "
+        "an async fn(ctx, problem) -> list[Trajectory] returning the prompt's n trajectories "
         "(README, Rollout functions)")
     max_turns: int = setting(1, "most model turns per trajectory a multi-turn rollout function "
                              "takes (ctx.max_turns)", ge=1)
     tools: tuple[str, ...] = setting((), "module:function tools a multi-turn rollout function "
-                                     "may call (ctx.tools)")
+                                     "may call (ctx.tools): plain Python functions (schema from "
+                                     "the annotations and docstring), each call run in a worker "
+                                     "process (ctx.tool_pool)")
+    tool_timeout_s: float = setting(10.0, "longest a tool call may run; past it the worker is "
+                                    "killed and the model gets an error result", gt=0.0)
+    tool_output_max_chars: int = setting(2000, "longest tool output; a longer one is refused "
+                                         "with an error result (never truncated silently)", ge=1)
+    tool_workers: int = setting(2, "worker processes running tool calls", ge=1)
+    tool_schemas_in_prompt: bool = setting(True, "tool_loop: the chat template shows the "
+                                           "tools' schemas in a system turn (false: the model "
+                                           "knows its tools from training, a shorter prompt)")
+    max_trajectory_tokens: int | None = setting(
+        None, "tool_loop: most tokens after the prompt in a trajectory (sampled turns, tool "
+              "results, template markers); null: what the context leaves", ge=1)
     serve_http: bool = setting(False, "serve the engines as an OpenAI-compatible endpoint on "
                                "127.0.0.1 behind a cache-aware router during rollouts "
                                "(ctx.base_url, for agent code)")
 
     def check(self) -> None:
         from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here
+        from miles_like.tools import check_spec  # tools imports nothing from here
         check_rollout_spec(self.function)
+        for i, spec in enumerate(self.tools):
+            check_spec(spec, f"rollout.tools[{i}]")
 
 
 @dataclass(frozen=True)
@@ -337,6 +356,18 @@ class Recipe(Section):
             raise RecipeError("checkpoint.every_steps: checkpoints of the deepspeed backend "
                               "need trainer.zero_stage 1 or 2; lower it or set "
                               "checkpoint.every_steps: 0")
+        if rollout.function == "tool_loop" and not self.data.chat_template:
+            raise RecipeError("rollout.function=tool_loop renders tool calls and results with "
+                              "the chat template; set data.chat_template: true")
+        total = rollout.max_trajectory_tokens
+        if total is not None and total < rollout.max_new_tokens:
+            raise RecipeError(f"rollout.max_trajectory_tokens={total} is below "
+                              f"rollout.max_new_tokens={rollout.max_new_tokens} (one turn); "
+                              "raise it or lower rollout.max_new_tokens")
+        if total is not None and total >= self.trainer.max_tokens_per_micro_batch:
+            raise RecipeError(f"rollout.max_trajectory_tokens={total} leaves no room for a "
+                              "prompt in trainer.max_tokens_per_micro_batch="
+                              f"{self.trainer.max_tokens_per_micro_batch}; raise the latter")
         if rollout.max_new_tokens >= self.trainer.max_tokens_per_micro_batch:
             raise RecipeError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for "
                               "a prompt in trainer.max_tokens_per_micro_batch="
@@ -408,6 +439,8 @@ def check_paths(recipe: Recipe) -> None:
     resolve_reward(recipe.reward.function)
     from miles_like.preflight import check_machine  # it imports nothing from here
     check_machine(recipe)
+    from miles_like.tools import load_tools
+    load_tools(recipe.rollout.tools)
     if recipe.checkpoint.resume not in (False, "auto"):
         from miles_like.checkpoint import check_checkpoint_dir  # it imports nothing from here
         check_checkpoint_dir(Path(recipe.checkpoint.resume).expanduser(), "checkpoint.resume")

@@ -43,7 +43,8 @@ class RolloutContext:
     def __init__(self, *, problem: Problem, params, dispatch: Dispatch, replica: int, tokenizer,
                  context_len: int, vocab_size: int, reward_fn: RewardFn,
                  reward_timeout_s: float = DEFAULT_TIMEOUT_S, reward_workers: int = 1,
-                 tools: Sequence[str] = (), max_turns: int = 1, base_url: str | None = None):
+                 tools: Sequence[str] = (), max_turns: int = 1, base_url: str | None = None,
+                 tool_pool=None, settings=None):
         self.problem = problem
         self._params = params                 # the group's SamplingParams (n, base seed)
         self._dispatch = dispatch
@@ -57,6 +58,8 @@ class RolloutContext:
         self.tools = tuple(tools)             # the recipe's rollout.tools (module:function)
         self.max_turns = max_turns
         self.base_url = base_url              # OpenAI-compatible URL for external agent code
+        self.tool_pool = tool_pool            # tools.ToolPool running rollout.tools, or None
+        self.settings = settings              # the recipe's rollout section (budgets, tools)
         self.tallies: Counter = Counter()     # reward_errors / _nan / _timeouts of ctx.reward
 
     @property

@@ -12,7 +12,8 @@ from typing import Any
 from miles_like.schema import RecipeError
 
 SPEC_FIELD = "rollout.function"
-BUILTIN_ROLLOUTS = {"single_turn": "miles_like.single_turn:single_turn"}
+BUILTIN_ROLLOUTS = {"single_turn": "miles_like.single_turn:single_turn",
+                    "tool_loop": "miles_like.tool_loop:tool_loop"}
 _SPEC_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 

@@ -37,6 +37,7 @@ from miles_like.errors import RolloutFailed
 from miles_like.reward_shaping import informative_groups, overlong_penalty
 from miles_like.rewards import compute_rewards
 from miles_like.rollout_context import RolloutContext
+from miles_like.tools import ToolPool, load_tools
 from miles_like.trajectory import Trajectory
 
 
@@ -97,11 +98,19 @@ class RolloutManager:
         self.front = front   # http_front.HttpFront with rollout.serve_http, else None
         self.spec = recipe.rollout.function
         self.rollout_fn = rollout_fn   # what the spec names (rollout_functions.py)
+        r = recipe.rollout
+        # one pool for the run: its worker processes outlive steps (tools.py)
+        self.tool_pool = (ToolPool(load_tools(r.tools), workers=r.tool_workers,
+                                   timeout_s=r.tool_timeout_s,
+                                   max_output_chars=r.tool_output_max_chars)
+                          if r.tools else None)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="rollouts", daemon=True).start()
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
+        if self.tool_pool is not None:
+            self.tool_pool.close()
 
     # ------------------------------------------------------------------------------ generation
     def _params(self, step: int, round_: int, k: int) -> list:
@@ -149,7 +158,8 @@ class RolloutManager:
                                  reward_timeout_s=self.recipe.reward.timeout_s,
                                  reward_workers=self.recipe.reward.max_workers,
                                  tools=r.tools, max_turns=r.max_turns,
-                                 base_url=self.front.base_url if self.front else None)
+                                 base_url=self.front.base_url if self.front else None,
+                                 tool_pool=self.tool_pool, settings=r)
             try:
                 out = await self.rollout_fn(ctx, problems[k])
                 self._check_group(out, ctx.n)

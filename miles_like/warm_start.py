@@ -12,38 +12,64 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
+import torch
 
+from miles_like import tool_loop
 from miles_like.build_configs import trainer_config
 from miles_like.calls import each, gather
 from miles_like.data import PromptSource
 from miles_like.model_store import cached_dir, content_key, copy_model_files
+from miles_like.tasks import calc
+from miles_like.tools import load_tools
 from trainer import RLBatch
 from trainer.config import LossConfig, OptimConfig
 
 SFT_DATA_SEED_OFFSET = 7919  # warm-start problems come from a stream other than RL's
 
 
-def sft_batch(problems, tokenizer) -> RLBatch:
-    tokens, prompt_lens = [], []
-    for p in problems:
-        tokens.append(list(p.prompt_ids) + tokenizer.encode_response(p.answer))
-        prompt_lens.append(len(p.prompt_ids))
-    return RLBatch(tokens=tokens, prompt_lens=prompt_lens)
+def sft_batch(problems, tokenizer, demonstrate=None, tools=None) -> RLBatch:
+    """(prompt, answer) pairs; with `demonstrate` (problem -> the messages that solve it) whole
+    conversations, tokenized as the tool loop tokenizes them (`tool_loop.demonstration`, the
+    prompt showing `tools`), the loss only on the assistant turns' tokens."""
+    if demonstrate is None:
+        tokens, prompt_lens = [], []
+        for p in problems:
+            tokens.append(list(p.prompt_ids) + tokenizer.encode_response(p.answer))
+            prompt_lens.append(len(p.prompt_ids))
+        return RLBatch(tokens=tokens, prompt_lens=prompt_lens)
+    samples = [tool_loop.demonstration(tokenizer, p, demonstrate(p), tools) for p in problems]
+    return RLBatch(tokens=[list(t.token_ids) for t in samples],
+                   prompt_lens=[t.prompt_len for t in samples],
+                   loss_masks=[torch.tensor(t.loss_mask, dtype=torch.float32) for t in samples])
+
+
+def demonstrations(recipe) -> tuple[Callable | None, list[dict] | None]:
+    """What `sft_batch` demonstrates for the recipe's task: (problem -> messages, the tools'
+    schemas the prompt shows), or (None, None) for plain (prompt, answer) pairs. The calculator
+    task demonstrates its tool when `rollout.tools` has it."""
+    if recipe.data.synthetic != "calc":
+        return None, None
+    tools = load_tools(recipe.rollout.tools)
+    names = tuple(t.name for t in tools)
+    return ((lambda p: calc.demonstration(p.prompt, p.answer, names)),
+            tool_loop.prompt_tools([t.schema for t in tools], recipe.rollout))
 
 
 def code_files() -> list[Path]:
     """The source a warm start's weights depend on besides the recipe: the trainer package (the
     backends, the objective, the optimizer), this file (the SFT batches), the prompt stream, the
-    tasks, the tokenizer and the trainer configuration built from the recipe."""
+    tasks, the tokenizer, the tool loop's demonstrations (and the tool schemas they render) and
+    the trainer configuration built from the recipe."""
     import miles_like
     import trainer
     pkg = Path(miles_like.__file__).parent
     return sorted([*Path(trainer.__file__).parent.rglob("*.py"), Path(__file__),
                    pkg / "data.py", pkg / "tokenizer.py", pkg / "build_configs.py",
-                   *(pkg / "tasks").rglob("*.py")])
+                   pkg / "tool_loop.py", pkg / "tools.py", *(pkg / "tasks").rglob("*.py")])
 
 
 def code_version() -> str:
@@ -63,7 +89,8 @@ def _identity(recipe, base_dir: Path) -> list:
     return [code_version(), str(base_dir.resolve()), weights, dataclasses.asdict(recipe.sft),
             dataclasses.asdict(recipe.data), recipe.seed, recipe.model.dtype,
             recipe.trainer.backend, recipe.trainer.tp, recipe.trainer.pp,
-            recipe.trainer.max_tokens_per_micro_batch, recipe.rollout.max_new_tokens]
+            recipe.trainer.max_tokens_per_micro_batch, recipe.rollout.max_new_tokens,
+            recipe.rollout.tools, recipe.rollout.tool_schemas_in_prompt]  # calc's demonstrations
 
 
 def warm_start(recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tokens: int,
@@ -83,9 +110,11 @@ def warm_start(recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tok
         gather(each("trainer rank", trainers, "build", cfg), timeout_s)
         source = PromptSource(recipe.data, tokenizer, seed=recipe.seed + SFT_DATA_SEED_OFFSET,
                               max_prompt_tokens=max_prompt_tokens)
+        demonstrate, tools = demonstrations(recipe)
         start, losses = time.perf_counter(), []
         for step in range(sft.steps):
-            batch = ray.put(sft_batch(source.next_batch(sft.batch_size), tokenizer))
+            batch = ray.put(sft_batch(source.next_batch(sft.batch_size), tokenizer, demonstrate,
+                                      tools))
             metrics = gather(each("trainer rank", trainers, "train", batch, 1), timeout_s)[0]
             losses.append(metrics["loss"])
             if step % max(1, sft.steps // 10) == 0 or step == sft.steps - 1:
