@@ -37,10 +37,11 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint
-from rollout.router import Router, RouterConfig
-from rollout.router_app import build_router_app
-from rollout.serve import start_server
+# Run as a script: the repository's packages import only once it is on sys.path (above).
+from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
+from rollout.router import Router, RouterConfig  # noqa: E402
+from rollout.router_app import build_router_app  # noqa: E402
+from rollout.serve import start_server  # noqa: E402
 
 
 def free_port() -> int:
@@ -53,11 +54,30 @@ def launch_replica(model_dir: str, args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout.serve", model_dir, "--port", str(port),
-         "--model-name", "tiny", "--page-size", str(args.page_size),
-         "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", "2048",
-         "--max-running-requests", "128"],
-        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "rollout.serve",
+            model_dir,
+            "--port",
+            str(port),
+            "--model-name",
+            "tiny",
+            "--page-size",
+            str(args.page_size),
+            "--kv-cache-tokens",
+            str(args.kv_cache_tokens),
+            "--max-model-len",
+            "2048",
+            "--max-running-requests",
+            "128",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -87,9 +107,18 @@ async def run_sessions(front_url: str, policy: str, args, vocab: int) -> dict:
         nonlocal cached, prompt_tokens
         prompt = [rng.randrange(1, vocab) for _ in range(args.first_tokens)]
         for turn in range(args.turns):
-            r = await client.post("/v1/completions", headers={"X-Session-Id": sid}, json={
-                "model": "tiny", "prompt": prompt, "max_tokens": args.completion_tokens,
-                "temperature": 1.0, "seed": turn, "ignore_eos": True})
+            r = await client.post(
+                "/v1/completions",
+                headers={"X-Session-Id": sid},
+                json={
+                    "model": "tiny",
+                    "prompt": prompt,
+                    "max_tokens": args.completion_tokens,
+                    "temperature": 1.0,
+                    "seed": turn,
+                    "ignore_eos": True,
+                },
+            )
             r.raise_for_status()
             out = r.json()
             replicas.setdefault(sid, set()).add(out["replica"])
@@ -99,16 +128,21 @@ async def run_sessions(front_url: str, policy: str, args, vocab: int) -> dict:
             if turn > 0:
                 cached += usage["prompt_tokens_details"]["cached_tokens"]
                 prompt_tokens += usage["prompt_tokens"]
-            prompt = (prompt + out["choices"][0]["token_ids"]
-                      + [rng.randrange(1, vocab) for _ in range(args.turn_tokens)])
+            prompt = (
+                prompt
+                + out["choices"][0]["token_ids"]
+                + [rng.randrange(1, vocab) for _ in range(args.turn_tokens)]
+            )
 
     start = time.perf_counter()
     async with httpx.AsyncClient(base_url=front_url, timeout=600) as client:
         await asyncio.gather(*(session(client, f"{policy}-{i}") for i in range(args.sessions)))
-    return {"hit_rate_turns_ge_2": cached / prompt_tokens,
-            "hit_rate_by_turn": [c / p for c, p in per_turn],
-            "seconds": time.perf_counter() - start,
-            "sessions_on_one_replica": sum(len(r) == 1 for r in replicas.values())}
+    return {
+        "hit_rate_turns_ge_2": cached / prompt_tokens,
+        "hit_rate_by_turn": [c / p for c, p in per_turn],
+        "seconds": time.perf_counter() - start,
+        "sessions_on_one_replica": sum(len(r) == 1 for r in replicas.values()),
+    }
 
 
 async def run_load(url: str, args, vocab: int) -> dict:
@@ -125,11 +159,19 @@ async def run_load(url: str, args, vocab: int) -> dict:
             sent += 1
             t0 = time.perf_counter()
             try:
-                r = await client.post("/v1/completions", json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": args.load_max_tokens,
-                    "ignore_eos": True})
-                ok = (r.status_code == 200 and len(r.json()["choices"][0]["token_ids"])
-                      == args.load_max_tokens)
+                r = await client.post(
+                    "/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": prompt,
+                        "max_tokens": args.load_max_tokens,
+                        "ignore_eos": True,
+                    },
+                )
+                ok = (
+                    r.status_code == 200
+                    and len(r.json()["choices"][0]["token_ids"]) == args.load_max_tokens
+                )
                 if not ok:
                     errors.append(f"{r.status_code}: {r.text[:200]}")
                     continue
@@ -148,12 +190,19 @@ async def run_load(url: str, args, vocab: int) -> dict:
     def pct(q: float) -> float:
         return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else 0.0
 
-    return {"clients": args.clients, "seconds": elapsed, "requests_sent": sent,
-            "requests_ok": len(latencies), "errors": len(errors), "error_examples": errors[:3],
-            "lost": sent - len(latencies) - len(errors),
-            "latency_p50_s": pct(0.50), "latency_p99_s": pct(0.99),
-            "requests_per_s": len(latencies) / elapsed,
-            "generated_tokens_per_s": len(latencies) * args.load_max_tokens / elapsed}
+    return {
+        "clients": args.clients,
+        "seconds": elapsed,
+        "requests_sent": sent,
+        "requests_ok": len(latencies),
+        "errors": len(errors),
+        "error_examples": errors[:3],
+        "lost": sent - len(latencies) - len(errors),
+        "latency_p50_s": pct(0.50),
+        "latency_p99_s": pct(0.99),
+        "requests_per_s": len(latencies) / elapsed,
+        "generated_tokens_per_s": len(latencies) * args.load_max_tokens / elapsed,
+    }
 
 
 def main() -> None:
@@ -179,10 +228,24 @@ def main() -> None:
 
     config = {**TINY_QWEN2}
     vocab = config["vocab_size"]
-    result: dict = {"load_average_start": os.getloadavg(), "workload": {
-        k: getattr(args, k) for k in ("sessions", "turns", "first_tokens", "turn_tokens",
-                                      "completion_tokens", "clients", "seconds", "page_size",
-                                      "threads", "quick")}}
+    result: dict = {
+        "load_average_start": os.getloadavg(),
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "sessions",
+                "turns",
+                "first_tokens",
+                "turn_tokens",
+                "completion_tokens",
+                "clients",
+                "seconds",
+                "page_size",
+                "threads",
+                "quick",
+            )
+        },
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_random_checkpoint(Path(tmp) / "tiny", config))
         launched = [launch_replica(model_dir, args) for _ in range(2)]
@@ -202,7 +265,8 @@ def main() -> None:
             for proc in procs:
                 proc.wait(30)
     result["cache_aware_over_round_robin_hit_rate"] = (
-        result["cache_aware"]["hit_rate_turns_ge_2"] - result["round_robin"]["hit_rate_turns_ge_2"])
+        result["cache_aware"]["hit_rate_turns_ge_2"] - result["round_robin"]["hit_rate_turns_ge_2"]
+    )
     result["load_average_end"] = os.getloadavg()
     print(json.dumps(result, indent=2))
 

@@ -8,7 +8,8 @@ The engine is brought to a steady state where all B sequences decode (distinct r
 no K/V is shared), then `--steps` whole `Engine.step()` calls are timed: scheduling, attention,
 sampling and Python overhead included, as a user sees it.
 
-    python benchmarks/decode_roofline.py --device cuda --preset qwen2.5-0.5b --batch 64 --peak-gbps 4800
+    python benchmarks/decode_roofline.py --device cuda --preset qwen2.5-0.5b --batch 64
+                                         --peak-gbps 4800
     python benchmarks/decode_roofline.py --quick        # CPU, tiny model: checks the script
 
 Prints one JSON object (`frac_of_roofline` only when the peak bandwidth is known).
@@ -43,13 +44,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
     ap.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
-    ap.add_argument("--decode-graphs", default="auto", choices=["auto", "on", "off"],
-                    help="static-shape decode steps (CUDA graphs on a GPU); auto: on with triton on CUDA")
-    ap.add_argument("--peak-gbps", type=float, default=None, help="peak memory bandwidth (GB/s) of the device")
+    ap.add_argument(
+        "--decode-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="static-shape decode steps (CUDA graphs on a GPU); auto: on with triton on CUDA",
+    )
+    ap.add_argument(
+        "--peak-gbps", type=float, default=None, help="peak memory bandwidth (GB/s) of the device"
+    )
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model, small sizes")
     args = ap.parse_args(argv)
     if args.quick:
-        args.device, args.dtype, args.preset, args.batch, args.context, args.steps = "cpu", "float32", "tiny", [4], 32, 4
+        args.device, args.dtype, args.preset, args.batch, args.context, args.steps = (
+            "cpu",
+            "float32",
+            "tiny",
+            [4],
+            32,
+            4,
+        )
     return args
 
 
@@ -62,19 +76,31 @@ def measure(model_dir: str, args, batch: int) -> dict:
     device = torch.device(args.device)
     warm_steps = 2
     max_new = warm_steps + args.steps + 2
-    engine = Engine(EngineConfig(model_path=model_dir, device=args.device, dtype=args.dtype,
-                                 kv_cache_tokens=batch * (args.context + max_new + 16), max_running_requests=batch,
-                                 max_prefill_tokens=max(4096, args.context), max_model_len=args.context + max_new + 16,
-                                 attention_backend=args.attention_backend,
-                                 decode_graphs={"auto": None, "on": True, "off": False}[args.decode_graphs]))
+    engine = Engine(
+        EngineConfig(
+            model_path=model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_tokens=batch * (args.context + max_new + 16),
+            max_running_requests=batch,
+            max_prefill_tokens=max(4096, args.context),
+            max_model_len=args.context + max_new + 16,
+            attention_backend=args.attention_backend,
+            decode_graphs={"auto": None, "on": True, "off": False}[args.decode_graphs],
+        )
+    )
     g = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     for _ in range(batch):
         prompt = torch.randint(1, vocab, (args.context,), generator=g).tolist()
-        engine.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True))
+        engine.add_request(
+            prompt, SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
+        )
     scheduler = engine.scheduler
     # Steady state: nothing waiting, nothing prefilling, every sequence decodes one token per step.
-    while scheduler.waiting or any(len(s.token_ids) - s.num_computed > 1 for s in scheduler.running):
+    while scheduler.waiting or any(
+        len(s.token_ids) - s.num_computed > 1 for s in scheduler.running
+    ):
         engine.step()
     for _ in range(warm_steps):
         engine.step()
@@ -89,27 +115,49 @@ def measure(model_dir: str, args, batch: int) -> dict:
     mc = engine.model_config
     # Each step reads the K/V of every computed token plus the one it writes.
     mean_context = context_before / batch + (args.steps + 1) / 2
-    kv_bytes = batch * mean_context * KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
-                       if "embed_tokens" not in name or mc.tie_word_embeddings)
+    kv_bytes = (
+        batch
+        * mean_context
+        * KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.dtype)
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for name, p in engine.model.named_parameters()
+        if "embed_tokens" not in name or mc.tie_word_embeddings
+    )
     graphs = engine.decode_graphs
-    row = {"batch": batch, "decode_graphs": graphs is not None and graphs.replays > 0,
-           "context": round(mean_context, 1), "step_ms": round(step_s * 1e3, 3),
-           "weight_bytes": weight_bytes, "kv_bytes": int(kv_bytes),
-           "achieved_gbps": round((weight_bytes + kv_bytes) / step_s / 1e9, 1)}
+    row = {
+        "batch": batch,
+        "decode_graphs": graphs is not None and graphs.replays > 0,
+        "context": round(mean_context, 1),
+        "step_ms": round(step_s * 1e3, 3),
+        "weight_bytes": weight_bytes,
+        "kv_bytes": int(kv_bytes),
+        "achieved_gbps": round((weight_bytes + kv_bytes) / step_s / 1e9, 1),
+    }
     if args.peak_gbps:
         roofline_s = (weight_bytes + kv_bytes) / (args.peak_gbps * 1e9)
-        row.update(roofline_ms=round(roofline_s * 1e3, 4), frac_of_roofline=round(roofline_s / step_s, 3))
+        row.update(
+            roofline_ms=round(roofline_s * 1e3, 4), frac_of_roofline=round(roofline_s / step_s, 3)
+        )
     return row
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    report = {"device": args.device, "dtype": args.dtype, "preset": args.preset,
-              "attention_backend": args.attention_backend, "decode_graphs": args.decode_graphs,
-              "peak_gbps": args.peak_gbps, "rows": []}
+    report = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "preset": args.preset,
+        "attention_backend": args.attention_backend,
+        "decode_graphs": args.decode_graphs,
+        "peak_gbps": args.peak_gbps,
+        "rows": [],
+    }
     with tempfile.TemporaryDirectory() as model_dir:
-        write_random_checkpoint(model_dir, PRESETS[args.preset], seed=0, dtype=getattr(torch, args.dtype))
+        write_random_checkpoint(
+            model_dir, PRESETS[args.preset], seed=0, dtype=getattr(torch, args.dtype)
+        )
         for batch in args.batch:
             report["rows"].append(measure(model_dir, args, batch))
     return report

@@ -35,9 +35,15 @@ def build_model(directory: Path, args) -> None:
     import transformers
 
     config = transformers.Qwen2Config(
-        hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
-        vocab_size=args.vocab, max_position_embeddings=4096, tie_word_embeddings=False)
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=max(1, args.heads // 2),
+        vocab_size=args.vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory, safe_serialization=True)
@@ -70,9 +76,13 @@ def measure(trainers: dict, batch, steps: int) -> dict:
     out = {}
     for name, ts in times.items():
         per_step = statistics.median(ts)
-        out[name] = {"steps": steps, "s_per_step_median": per_step,
-                     "s_per_step_min": min(ts), "tokens_per_step": tokens,
-                     "train_tokens_per_s": tokens / per_step}
+        out[name] = {
+            "steps": steps,
+            "s_per_step_median": per_step,
+            "s_per_step_min": min(ts),
+            "tokens_per_step": tokens,
+            "train_tokens_per_s": tokens / per_step,
+        }
     return out
 
 
@@ -113,9 +123,13 @@ def run(args) -> dict:
         batch = make_batch(args)
         trainers = {}
         for backend, cls in (("megatron", MegatronTrainer), ("deepspeed", DeepSpeedTrainer)):
-            cfg = TrainerConfig(model_path=tmp, backend=backend,
-                                max_tokens_per_micro_batch=args.micro_batch_tokens,
-                                optim=OptimConfig(lr=1e-5), loss=LossConfig(policy_loss="ppo"))
+            cfg = TrainerConfig(
+                model_path=tmp,
+                backend=backend,
+                max_tokens_per_micro_batch=args.micro_batch_tokens,
+                optim=OptimConfig(lr=1e-5),
+                loss=LossConfig(policy_loss="ppo"),
+            )
             trainers[backend] = cls(cfg)
         return measure(trainers, batch, args.steps)
 
@@ -127,14 +141,25 @@ def report(args, results: dict) -> dict:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
-        "model": {"family": "qwen2", "hidden": args.hidden, "layers": args.layers,
-                  "heads": args.heads, "vocab": args.vocab, "dtype": "float32"},
-        "workload": {"batch": args.batch, "prompt": args.prompt, "response": args.response,
-                     "max_tokens_per_micro_batch": args.micro_batch_tokens,
-                     "loss": "ppo (old-logprob recompute + fwd/bwd + AdamW)"},
+        "model": {
+            "family": "qwen2",
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "vocab": args.vocab,
+            "dtype": "float32",
+        },
+        "workload": {
+            "batch": args.batch,
+            "prompt": args.prompt,
+            "response": args.response,
+            "max_tokens_per_micro_batch": args.micro_batch_tokens,
+            "loss": "ppo (old-logprob recompute + fwd/bwd + AdamW)",
+        },
         **results,
-        "megatron_over_deepspeed": (results["megatron"]["train_tokens_per_s"]
-                                    / results["deepspeed"]["train_tokens_per_s"]),
+        "megatron_over_deepspeed": (
+            results["megatron"]["train_tokens_per_s"] / results["deepspeed"]["train_tokens_per_s"]
+        ),
     }
 
 

@@ -31,14 +31,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout import Engine, EngineConfig  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.weights import iter_safetensors  # noqa: E402
-from weight_sync import BroadcastReceiver, BroadcastSender, BucketReceiver, ColocatedSender, SyncGroup  # noqa: E402
+from weight_sync import (  # noqa: E402
+    BroadcastReceiver,
+    BroadcastSender,
+    BucketReceiver,
+    ColocatedSender,
+    SyncGroup,
+)
 from weight_sync.checksum import algorithm_for, checksum  # noqa: E402
 
 
 def _config(args) -> dict:
-    return {**TINY_QWEN2, "hidden_size": args.hidden, "intermediate_size": args.hidden * 11 // 4,
-            "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 64,
-            "num_key_value_heads": max(1, args.hidden // 256), "vocab_size": args.vocab}
+    return {
+        **TINY_QWEN2,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 11 // 4,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.hidden // 64,
+        "num_key_value_heads": max(1, args.hidden // 256),
+        "vocab_size": args.vocab,
+    }
 
 
 def _trainer_weights(model_dir: str, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -47,11 +59,14 @@ def _trainer_weights(model_dir: str, device: str = "cpu") -> dict[str, torch.Ten
 
 
 def _engine(model_dir: str, device: str = "cpu") -> Engine:
-    return Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=64, max_model_len=64, device=device))
+    return Engine(
+        EngineConfig(model_path=model_dir, kv_cache_tokens=64, max_model_len=64, device=device)
+    )
 
 
 def _digests(named_tensors) -> dict[str, int]:
-    """Byte checksums (xxh3 on CPU, wsum64 on GPU): equal digests = the same bytes, for the bitwise check."""
+    """Byte checksums (xxh3 on CPU, wsum64 on GPU): equal digests = the same bytes, for the bitwise
+    check."""
     return {name: checksum(t) for name, t in named_tensors}
 
 
@@ -82,8 +97,14 @@ def _colocated_engine(model_dir: str, conn, verify: bool, device: str) -> None:
             conn.send(receiver.load(*msg))
 
 
-def run_colocated(model_dir: str, weights: dict, bucket_bytes: int, verify: bool, syncs: int = 3,
-                  device: str = "cpu") -> dict:
+def run_colocated(
+    model_dir: str,
+    weights: dict,
+    bucket_bytes: int,
+    verify: bool,
+    syncs: int = 3,
+    device: str = "cpu",
+) -> dict:
     """Several syncs in a row, as in training; the first also pays for mapping fresh shared
     memory. Returns the first and the best later report, and whether the engine's weights then
     equal the trainer's bitwise."""
@@ -120,7 +141,9 @@ def _broadcast_rank(rank: int, port: int, model_dir: str, bucket_bytes: int, que
     if rank == 0:
         weights = _trainer_weights(model_dir)
         dist.barrier()
-        report = BroadcastSender(SyncGroup.default(), [0], bucket_bytes=bucket_bytes).send(weights.items())
+        report = BroadcastSender(SyncGroup.default(), [0], bucket_bytes=bucket_bytes).send(
+            weights.items()
+        )
         queue.put(("sender", report._asdict()))
     else:
         engine = _engine(model_dir)
@@ -136,31 +159,47 @@ def run_broadcast(model_dir: str, bucket_bytes: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, model_dir, bucket_bytes, queue)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_broadcast_rank, args=(r, port, model_dir, bucket_bytes, queue))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
-    return {"sender": results["sender"], "receiver": results["receiver"],
-            "total_s": max(results["sender"]["total_s"], results["receiver"]["total_s"])}
+    return {
+        "sender": results["sender"],
+        "receiver": results["receiver"],
+        "total_s": max(results["sender"]["total_s"], results["receiver"]["total_s"]),
+    }
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda: CUDA IPC buckets between the processes")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda: CUDA IPC buckets between the processes"
+    )
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mb", type=int, default=512)
-    parser.add_argument("--syncs", type=int, default=3, help="colocated syncs per setting (the first is not counted)")
-    parser.add_argument("--skip-broadcast", action="store_true",
-                        help="skip the gloo broadcast (CPU only: NCCL needs a GPU per rank)")
+    parser.add_argument(
+        "--syncs",
+        type=int,
+        default=3,
+        help="colocated syncs per setting (the first is not counted)",
+    )
+    parser.add_argument(
+        "--skip-broadcast",
+        action="store_true",
+        help="skip the gloo broadcast (CPU only: NCCL needs a GPU per rank)",
+    )
     args = parser.parse_args(argv)
     device = args.device
     skip_broadcast = args.skip_broadcast or torch.device(device).type == "cuda"
     bucket_bytes = args.bucket_mb << 20
-    loadavg = [os.getloadavg()]   # the box is shared: a figure means little without its load
+    loadavg = [os.getloadavg()]  # the box is shared: a figure means little without its load
     with tempfile.TemporaryDirectory() as model_dir:
         write_random_checkpoint(model_dir, _config(args))
         weights = _trainer_weights(model_dir, device)
@@ -182,24 +221,43 @@ def main(argv=None) -> dict:
         # The baseline is measured before and after the colocated runs and the best kept: the
         # box is shared, and the fastest copy is the hardest reference.
         copy_s = [best_copy_s()]
-        colocated = run_colocated(model_dir, weights, bucket_bytes, verify=True, syncs=args.syncs, device=device)
-        colocated_noverify = run_colocated(model_dir, weights, bucket_bytes, verify=False, syncs=args.syncs,
-                                           device=device)
+        colocated = run_colocated(
+            model_dir, weights, bucket_bytes, verify=True, syncs=args.syncs, device=device
+        )
+        colocated_noverify = run_colocated(
+            model_dir, weights, bucket_bytes, verify=False, syncs=args.syncs, device=device
+        )
         copy_s.append(best_copy_s())
         best_copy = min(copy_s)
         broadcast = None if skip_broadcast else run_broadcast(model_dir, bucket_bytes)
     gb = nbytes / 1e9
     return {
-        "device": device, "params": params, "bytes": nbytes, "bucket_bytes": bucket_bytes, "torch_num_threads": torch.get_num_threads(),
-        "copy_s": best_copy, "copy_GBps": gb / best_copy,
-        "colocated": {**colocated, "GBps": gb / colocated["total_s"], "x_copy": colocated["total_s"] / best_copy},
-        "colocated_no_checksum": {**colocated_noverify, "GBps": gb / colocated_noverify["total_s"],
-                                  "x_copy": colocated_noverify["total_s"] / best_copy},
+        "device": device,
+        "params": params,
+        "bytes": nbytes,
+        "bucket_bytes": bucket_bytes,
+        "torch_num_threads": torch.get_num_threads(),
+        "copy_s": best_copy,
+        "copy_GBps": gb / best_copy,
+        "colocated": {
+            **colocated,
+            "GBps": gb / colocated["total_s"],
+            "x_copy": colocated["total_s"] / best_copy,
+        },
+        "colocated_no_checksum": {
+            **colocated_noverify,
+            "GBps": gb / colocated_noverify["total_s"],
+            "x_copy": colocated_noverify["total_s"] / best_copy,
+        },
         "copy_s_before_after": copy_s,
         "checksum_algorithm": algorithm_for(torch.empty(1, device=device)),
         "loadavg_1_5_15_start_end": loadavg + [os.getloadavg()],
-        "broadcast": broadcast and {**broadcast, "GBps": gb / broadcast["total_s"],
-                                    "x_copy": broadcast["total_s"] / best_copy},
+        "broadcast": broadcast
+        and {
+            **broadcast,
+            "GBps": gb / broadcast["total_s"],
+            "x_copy": broadcast["total_s"] / best_copy,
+        },
     }
 
 

@@ -19,8 +19,9 @@ import torch
 
 def _groups(rewards: torch.Tensor, min_n: int = 2) -> torch.Tensor:
     if rewards.dim() != 2 or rewards.shape[1] < min_n:
-        raise ValueError(f"rewards must have shape [groups, n] with n >= {min_n}; got "
-                         f"{tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must have shape [groups, n] with n >= {min_n}; got {tuple(rewards.shape)}"
+        )
     return rewards.float()
 
 
@@ -53,8 +54,9 @@ def per_token(advantages: torch.Tensor, lengths: Sequence[int]) -> list[torch.Te
     return [flat[i].expand(int(n)).clone() for i, n in enumerate(lengths)]
 
 
-def token_rewards(reward: float | torch.Tensor, length: int, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
+def token_rewards(
+    reward: float | torch.Tensor, length: int, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """Per-token rewards of one sample: `reward` at the last token, `-kl_coef * kl` everywhere."""
     if length < 1:
         raise ValueError("a sample needs at least one response token to carry its reward")
@@ -93,26 +95,39 @@ def _check_samples(rewards: torch.Tensor, n: int, what: str) -> torch.Tensor:
     return r
 
 
-def reinforce_pp(rewards: torch.Tensor, lengths: Sequence[int],
-                 kl: Sequence[torch.Tensor] | None = None, kl_coef: float = 0.0,
-                 gamma: float = 1.0, eps: float = 1e-8) -> list[torch.Tensor]:
+def reinforce_pp(
+    rewards: torch.Tensor,
+    lengths: Sequence[int],
+    kl: Sequence[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> list[torch.Tensor]:
     """REINFORCE++: per-token discounted returns of (reward at the end, -kl_coef * KL per token),
     normalised over the whole batch (`whiten`). No critic, no group baseline."""
     r = _check_samples(rewards, len(lengths), "samples")
-    returns = [discounted_returns(
-        token_rewards(r[i], int(n), None if kl is None else kl[i], kl_coef), gamma)
-        for i, n in enumerate(lengths)]
+    returns = [
+        discounted_returns(
+            token_rewards(r[i], int(n), None if kl is None else kl[i], kl_coef), gamma
+        )
+        for i, n in enumerate(lengths)
+    ]
     return whiten(returns, eps)
 
 
 class GAEResult(NamedTuple):
     advantages: list[torch.Tensor]  # per response token
-    returns: list[torch.Tensor]     # advantages + values: the critic's targets
+    returns: list[torch.Tensor]  # advantages + values: the critic's targets
 
 
-def gae(rewards: torch.Tensor, values: Sequence[torch.Tensor], gamma: float = 1.0,
-        lam: float = 1.0, kl: Sequence[torch.Tensor] | None = None,
-        kl_coef: float = 0.0) -> GAEResult:
+def gae(
+    rewards: torch.Tensor,
+    values: Sequence[torch.Tensor],
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    kl: Sequence[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+) -> GAEResult:
     """Generalised advantage estimation per sample. `values[i][t]` is V of the state before
     response token t; the state after the last token is terminal (V = 0).
 

@@ -35,8 +35,9 @@ def samples_batch(groups: Sequence[Group]) -> RLBatch:
             # float64 holds the engine's values exactly, whether it ran in float32 or float64
             engine_lp.append(torch.tensor(t.logprobs, dtype=torch.float64))
             masks.append(torch.tensor(t.loss_mask, dtype=torch.float32))
-    return RLBatch(tokens=tokens, prompt_lens=prompt_lens, rollout_logprobs=engine_lp,
-                   loss_masks=masks)
+    return RLBatch(
+        tokens=tokens, prompt_lens=prompt_lens, rollout_logprobs=engine_lp, loss_masks=masks
+    )
 
 
 def _sampled(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -57,14 +58,19 @@ def rewards_matrix(groups: Sequence[Group]) -> torch.Tensor:
     return torch.tensor([g.rewards for g in groups], dtype=torch.float32)
 
 
-def with_advantages(batch: RLBatch, groups: Sequence[Group], algorithm, *,
-                    values: list[torch.Tensor] | None = None,
-                    ref_logprobs: list[torch.Tensor] | None = None
-                    ) -> tuple[RLBatch, dict[str, float]]:
+def with_advantages(
+    batch: RLBatch,
+    groups: Sequence[Group],
+    algorithm,
+    *,
+    values: list[torch.Tensor] | None = None,
+    ref_logprobs: list[torch.Tensor] | None = None,
+) -> tuple[RLBatch, dict[str, float]]:
     """The batch with per-token advantages (and, for GAE, the critic's returns)."""
     rewards = rewards_matrix(groups)
-    masks = batch.loss_masks or [torch.ones(batch.response_len(i))
-                                 for i in range(len(batch.tokens))]
+    masks = batch.loss_masks or [
+        torch.ones(batch.response_len(i)) for i in range(len(batch.tokens))
+    ]
     lengths = [int((m > 0).sum()) for m in masks]
     kl = None
     if algorithm.kl_reward_coef > 0:
@@ -78,13 +84,24 @@ def with_advantages(batch: RLBatch, groups: Sequence[Group], algorithm, *,
         per_sample = {"grpo": adv.grpo, "dr_grpo": adv.dr_grpo, "rloo": adv.rloo}[name](rewards)
         token_adv = adv.per_token(per_sample, lengths)
     elif name == "reinforce_pp":
-        token_adv = adv.reinforce_pp(rewards.reshape(-1), lengths, kl=kl,
-                                     kl_coef=algorithm.kl_reward_coef, gamma=algorithm.gamma)
+        token_adv = adv.reinforce_pp(
+            rewards.reshape(-1),
+            lengths,
+            kl=kl,
+            kl_coef=algorithm.kl_reward_coef,
+            gamma=algorithm.gamma,
+        )
     elif name == "gae":
         if values is None:
             raise ValueError("algorithm.advantage=gae needs the critic's values")
-        result = adv.gae(rewards.reshape(-1), _sampled(values, masks), gamma=algorithm.gamma,
-                         lam=algorithm.gae_lambda, kl=kl, kl_coef=algorithm.kl_reward_coef)
+        result = adv.gae(
+            rewards.reshape(-1),
+            _sampled(values, masks),
+            gamma=algorithm.gamma,
+            lam=algorithm.gae_lambda,
+            kl=kl,
+            kl_coef=algorithm.kl_reward_coef,
+        )
         # PPO practice (verl, OpenRLHF): whiten GAE advantages over the batch; returns stay raw.
         token_adv, returns = adv.whiten(result.advantages), _spread(result.returns, masks)
     else:  # the recipe schema admits only the names above
@@ -93,6 +110,9 @@ def with_advantages(batch: RLBatch, groups: Sequence[Group], algorithm, *,
     metrics = {"advantage_mean": float(flat.mean()), "advantage_abs_mean": float(flat.abs().mean())}
     if kl is not None:
         metrics["kl_in_reward"] = float(torch.cat(kl).mean())
-    batch = dataclasses.replace(batch, advantages=[a.float() for a in _spread(token_adv, masks)],
-                                returns=None if returns is None else [r.float() for r in returns])
+    batch = dataclasses.replace(
+        batch,
+        advantages=[a.float() for a in _spread(token_adv, masks)],
+        returns=None if returns is None else [r.float() for r in returns],
+    )
     return batch, metrics

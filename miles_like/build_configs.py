@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from miles_like.recipe import Recipe, device_type
@@ -48,8 +48,9 @@ FIELD_NAMES: dict[str, str] = {
     "EngineConfig.attention_backend": "rollout.attention_backend",
     "EngineConfig.decode_graphs": "rollout.decode_graphs",
 }
-_FIELD_RE = re.compile("|".join(re.escape(k) + r"(?![A-Za-z0-9_])"
-                                for k in sorted(FIELD_NAMES, key=len, reverse=True)))
+_FIELD_RE = re.compile(
+    "|".join(re.escape(k) + r"(?![A-Za-z0-9_])" for k in sorted(FIELD_NAMES, key=len, reverse=True))
+)
 
 T = TypeVar("T")
 
@@ -80,34 +81,56 @@ PLACEHOLDER_MODEL_PATH = "<model.path>"
 def trainer_config(recipe: Recipe, model_path: str) -> TrainerConfig:
     """The policy trainer's config. A reference model is kept when any KL term is on."""
     alg, tr = recipe.algorithm, recipe.trainer
-    return _build(lambda: TrainerConfig(
-        model_path=model_path,
-        backend=tr.backend,
-        tensor_model_parallel_size=tr.tp,
-        pipeline_model_parallel_size=tr.pp,
-        max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch,
-        dtype=recipe.model.dtype,
-        optim=OptimConfig(lr=tr.lr, min_lr=tr.min_lr, weight_decay=tr.weight_decay,
-                          grad_clip=tr.grad_clip, lr_schedule=tr.lr_schedule,
-                          warmup_steps=tr.warmup_steps,
-                          total_steps=recipe.steps * tr.updates_per_rollout),
-        loss=LossConfig(policy_loss="gspo" if alg.gspo else "ppo", clip_low=alg.clip_low,
-                        clip_high=alg.clip_high, dual_clip=alg.dual_clip, agg_mode=alg.loss_agg,
-                        kl_coef=alg.kl_coef, kl_kind=alg.kl_type, entropy_coef=alg.entropy_coef,
-                        is_correction=alg.is_correction, is_cap=alg.is_cap,
-                        # the trainer's log-probs must be of the distribution the engine sampled
-                        temperature=recipe.rollout.temperature),
-        use_reference=alg.kl_coef > 0 or alg.kl_reward_coef > 0,
-        zero_stage=tr.zero_stage,
-    ), "trainer")
+    return _build(
+        lambda: TrainerConfig(
+            model_path=model_path,
+            backend=tr.backend,
+            tensor_model_parallel_size=tr.tp,
+            pipeline_model_parallel_size=tr.pp,
+            max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch,
+            dtype=recipe.model.dtype,
+            optim=OptimConfig(
+                lr=tr.lr,
+                min_lr=tr.min_lr,
+                weight_decay=tr.weight_decay,
+                grad_clip=tr.grad_clip,
+                lr_schedule=tr.lr_schedule,
+                warmup_steps=tr.warmup_steps,
+                total_steps=recipe.steps * tr.updates_per_rollout,
+            ),
+            loss=LossConfig(
+                policy_loss="gspo" if alg.gspo else "ppo",
+                clip_low=alg.clip_low,
+                clip_high=alg.clip_high,
+                dual_clip=alg.dual_clip,
+                agg_mode=alg.loss_agg,
+                kl_coef=alg.kl_coef,
+                kl_kind=alg.kl_type,
+                entropy_coef=alg.entropy_coef,
+                is_correction=alg.is_correction,
+                is_cap=alg.is_cap,
+                # the trainer's log-probs must be of the distribution the engine sampled
+                temperature=recipe.rollout.temperature,
+            ),
+            use_reference=alg.kl_coef > 0 or alg.kl_reward_coef > 0,
+            zero_stage=tr.zero_stage,
+        ),
+        "trainer",
+    )
 
 
 def critic_config(recipe: Recipe, model_path: str) -> TrainerConfig:
     """The PPO critic's config: the policy's, with the critic's learning rate, no reference."""
     policy = trainer_config(recipe, model_path)
-    return _build(lambda: dataclasses.replace(
-        policy, optim=dataclasses.replace(policy.optim, lr=recipe.trainer.critic_lr),
-        use_reference=False, loss=dataclasses.replace(policy.loss, kl_coef=0.0)), "trainer")
+    return _build(
+        lambda: dataclasses.replace(
+            policy,
+            optim=dataclasses.replace(policy.optim, lr=recipe.trainer.critic_lr),
+            use_reference=False,
+            loss=dataclasses.replace(policy.loss, kl_coef=0.0),
+        ),
+        "trainer",
+    )
 
 
 def engine_config(recipe: Recipe, model_path: str, device: str = "cpu") -> EngineConfig:
@@ -115,22 +138,42 @@ def engine_config(recipe: Recipe, model_path: str, device: str = "cpu") -> Engin
     backend = r.attention_backend
     if backend == "auto":
         backend = "triton" if device.startswith("cuda") else "torch"
-    return _build(lambda: EngineConfig(
-        model_path=model_path, device=device, dtype=recipe.model.dtype,
-        attention_backend=backend, decode_graphs=r.decode_graphs,
-        kv_cache_tokens=r.kv_cache_tokens, page_size=r.page_size,
-        max_running_requests=r.max_running_requests, speculative_method=r.speculative_method,
-        num_speculative_tokens=r.num_speculative_tokens,
-        speculative_draft_model_path=(str(Path(r.speculative_draft_model_path).expanduser())
-                                      if r.speculative_draft_model_path else None),
-        seed=recipe.seed), "rollout")
+    return _build(
+        lambda: EngineConfig(
+            model_path=model_path,
+            device=device,
+            dtype=recipe.model.dtype,
+            attention_backend=backend,
+            decode_graphs=r.decode_graphs,
+            kv_cache_tokens=r.kv_cache_tokens,
+            page_size=r.page_size,
+            max_running_requests=r.max_running_requests,
+            speculative_method=r.speculative_method,
+            num_speculative_tokens=r.num_speculative_tokens,
+            speculative_draft_model_path=(
+                str(Path(r.speculative_draft_model_path).expanduser())
+                if r.speculative_draft_model_path
+                else None
+            ),
+            seed=recipe.seed,
+        ),
+        "rollout",
+    )
 
 
 def sampling_params(recipe: Recipe, seed: int | None = None) -> SamplingParams:
     r = recipe.rollout
-    return _build(lambda: SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                         top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                                         seed=seed), "rollout")
+    return _build(
+        lambda: SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            seed=seed,
+        ),
+        "rollout",
+    )
 
 
 def check_configs(recipe: Recipe) -> None:

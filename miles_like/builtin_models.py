@@ -13,16 +13,33 @@ from typing import Any
 from miles_like.tokenizer import HFTokenizer
 
 _QWEN2_BASE: dict[str, Any] = dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_eps=1e-6,
-    rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu", torch_dtype="float32",
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    torch_dtype="float32",
     max_position_embeddings=512,
 )
 
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    "tiny-qwen2": dict(_QWEN2_BASE, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2),
-    "small-qwen2": dict(_QWEN2_BASE, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2),
+    "tiny-qwen2": dict(
+        _QWEN2_BASE,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small-qwen2": dict(
+        _QWEN2_BASE,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
 
 

@@ -22,9 +22,9 @@ from ray.exceptions import RayActorError, RayTaskError
 
 
 class Call(NamedTuple):
-    actor: str        # e.g. "trainer rank 0", "engine 1"
+    actor: str  # e.g. "trainer rank 0", "engine 1"
     method: str
-    ref: Any          # ray.ObjectRef
+    ref: Any  # ray.ObjectRef
 
 
 def call(actor: str, handle, method: str, *args) -> Call:
@@ -47,8 +47,10 @@ class CallTimeout(RuntimeError):
     def __init__(self, calls: Sequence[Call], timeout_s: float):
         self.calls = list(calls)
         names = ", ".join(f"{c.actor} {c.method}" for c in calls)
-        super().__init__(f"{names}: no answer within {timeout_s:g} s (cluster.call_timeout_s); "
-                         "the actor is hung, or the call needs a larger timeout")
+        super().__init__(
+            f"{names}: no answer within {timeout_s:g} s (cluster.call_timeout_s); "
+            "the actor is hung, or the call needs a larger timeout"
+        )
 
 
 def death_reason(error: BaseException) -> str:
@@ -66,8 +68,11 @@ def is_death(error: BaseException) -> bool:
     return isinstance(error, RayActorError) and not isinstance(error, RayTaskError)
 
 
-def gather(calls: Sequence[Call], timeout_s: float,
-           on_death: Callable[[int, ActorDied], Call] | None = None) -> list:
+def gather(
+    calls: Sequence[Call],
+    timeout_s: float,
+    on_death: Callable[[int, ActorDied], Call] | None = None,
+) -> list:
     """The results of `calls`, in order. Waits at most `timeout_s` in all, extended to
     `timeout_s` from now whenever a replacement call starts."""
     calls = list(calls)

@@ -61,8 +61,11 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _STEP_DIR.match(p.name)) and is_complete(p)]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if p.is_dir() and (m := _STEP_DIR.match(p.name)) and is_complete(p)
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -72,10 +75,12 @@ def check_checkpoint_dir(path: Path, field: str) -> None:
     if not path.is_dir():
         raise RecipeError(f"{field}={str(path)!r}: no such checkpoint directory; {hint}")
     if not is_complete(path):
-        raise RecipeError(f"{field}={str(path)!r} is not a complete checkpoint (no {STATE_FILE}: "
-                          f"its writing was interrupted, or it predates resumable checkpoints); "
-                          f"{hint}")
-    read_state(path)   # a damaged state.json is found before anything starts
+        raise RecipeError(
+            f"{field}={str(path)!r} is not a complete checkpoint (no {STATE_FILE}: "
+            f"its writing was interrupted, or it predates resumable checkpoints); "
+            f"{hint}"
+        )
+    read_state(path)  # a damaged state.json is found before anything starts
 
 
 def resolve_resume(recipe, log: Callable[[str], None] = print) -> Path | None:
@@ -86,8 +91,10 @@ def resolve_resume(recipe, log: Callable[[str], None] = print) -> Path | None:
     if resume == "auto":
         found = complete_checkpoints(Path(recipe.tracking.output_dir))
         if not found:
-            log(f"resume: no complete checkpoint in "
-                f"{checkpoints_dir(Path(recipe.tracking.output_dir))}; starting fresh")
+            log(
+                f"resume: no complete checkpoint in "
+                f"{checkpoints_dir(Path(recipe.tracking.output_dir))}; starting fresh"
+            )
             return None
         log(f"resume: continuing from {found[-1]}")
         return found[-1]
@@ -102,9 +109,11 @@ def refuse_earlier_run(output_dir: Path) -> None:
     would later pick whichever has the higher step."""
     found = complete_checkpoints(output_dir)
     if found:
-        raise RecipeError(f"tracking.output_dir={str(output_dir)!r} already holds checkpoints of "
-                          f"an earlier run (latest {found[-1].name}); set checkpoint.resume: auto "
-                          "to continue it, or use another output_dir (or delete them)")
+        raise RecipeError(
+            f"tracking.output_dir={str(output_dir)!r} already holds checkpoints of "
+            f"an earlier run (latest {found[-1].name}); set checkpoint.resume: auto "
+            "to continue it, or use another output_dir (or delete them)"
+        )
 
 
 def read_state(directory: Path) -> dict[str, Any]:
@@ -112,17 +121,23 @@ def read_state(directory: Path) -> dict[str, Any]:
     try:
         state = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecipeError(f"checkpoint.resume: {file} cannot be read ({type(e).__name__}: {e}): "
-                          "the checkpoint is damaged; resume from an earlier one "
-                          "(checkpoint.resume=.../step_N) or move this one away") from None
+        raise RecipeError(
+            f"checkpoint.resume: {file} cannot be read ({type(e).__name__}: {e}): "
+            "the checkpoint is damaged; resume from an earlier one "
+            "(checkpoint.resume=.../step_N) or move this one away"
+        ) from None
     if not isinstance(state, dict):
-        raise RecipeError(f"checkpoint.resume: {file} is not a JSON object: the checkpoint is "
-                          "damaged; resume from an earlier one (checkpoint.resume=.../step_N) or "
-                          "move this one away")
+        raise RecipeError(
+            f"checkpoint.resume: {file} is not a JSON object: the checkpoint is "
+            "damaged; resume from an earlier one (checkpoint.resume=.../step_N) or "
+            "move this one away"
+        )
     if state.get("format") != FORMAT:
-        raise RecipeError(f"checkpoint.resume: {directory} has checkpoint format "
-                          f"{state.get('format')}, this version reads {FORMAT}; resume it with "
-                          "the version that wrote it")
+        raise RecipeError(
+            f"checkpoint.resume: {directory} has checkpoint format "
+            f"{state.get('format')}, this version reads {FORMAT}; resume it with "
+            "the version that wrote it"
+        )
     return state
 
 
@@ -149,7 +164,7 @@ def commit(tmp: Path, state: dict[str, Any], keep_last: int) -> Path:
     tmp.rename(final)
     for old in complete_checkpoints(tmp.parent.parent)[:-keep_last]:
         _delete(old)
-    for leftover in tmp.parent.glob(".del-*"):   # deletions a killed run left unfinished
+    for leftover in tmp.parent.glob(".del-*"):  # deletions a killed run left unfinished
         shutil.rmtree(leftover, ignore_errors=True)
     return final
 

@@ -24,9 +24,11 @@ PROG = "python -m miles_like.train"
 
 def fields_help(width: int = 100) -> str:
     """Every recipe field as `name (type, default ...)` plus its doc, grouped by section."""
-    lines = ["recipe fields (YAML sections; override any as section.field=value; the model and",
-             "data sections are required: set model.path or model.builtin, data.path or",
-             "data.synthetic):"]
+    lines = [
+        "recipe fields (YAML sections; override any as section.field=value; the model and",
+        "data sections are required: set model.path or model.builtin, data.path or",
+        "data.synthetic):",
+    ]
     section = None
     for name, type_text, default, doc in describe(Recipe):
         head = name.split(".")[0] if "." in name else ""
@@ -36,8 +38,9 @@ def fields_help(width: int = 100) -> str:
             lines.append(f"{head}:" if head else "top level:")
         lines.append(f"  {name}  ({type_text}; default {default})")
         if doc:
-            lines.extend(textwrap.wrap(doc, width=width, initial_indent="      ",
-                                       subsequent_indent="      "))
+            lines.extend(
+                textwrap.wrap(doc, width=width, initial_indent="      ", subsequent_indent="      ")
+            )
     return "\n".join(lines)
 
 
@@ -52,30 +55,38 @@ def fields_markdown() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="RL post-training from a YAML recipe. Values in overrides are YAML scalars "
-                    "(rollout.n=4, trainer.lr=1e-5, cluster.address=null).",
-        epilog=fields_help())
+        "(rollout.n=4, trainer.lr=1e-5, cluster.address=null).",
+        epilog=fields_help(),
+    )
     parser.add_argument("recipe", help="recipe YAML file, e.g. recipes/tiny_arith_grpo.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted overrides applied on top of the recipe")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate, print the resolved recipe as YAML, exit 0")
-    parser.add_argument("--no-path-check", action="store_true",
-                        help="skip checks that need the local files (model.path, data.path, a "
-                             "user reward module): check a recipe meant for another machine")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides applied on top of the recipe",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate, print the resolved recipe as YAML, exit 0"
+    )
+    parser.add_argument(
+        "--no-path-check",
+        action="store_true",
+        help="skip checks that need the local files (model.path, data.path, a "
+        "user reward module): check a recipe meant for another machine",
+    )
     return parser
 
 
-def main(argv: Sequence[str] | None = None,
-         run: Callable[[Recipe], int] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, run: Callable[[Recipe], int] | None = None) -> int:
     """Parse, load, validate; then print (dry run) or hand the recipe to `run`. Returns the exit
     code. `run` is the RL loop (`loop.run` unless a caller passes another)."""
     # intermixed: overrides may come before and after flags (RECIPE --dry-run rollout.n=4)
     args = build_parser().parse_intermixed_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides,
-                             check_paths_exist=not args.no_path_check)
+        recipe = load_recipe(args.recipe, args.overrides, check_paths_exist=not args.no_path_check)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

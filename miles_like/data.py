@@ -21,7 +21,7 @@ from miles_like.tasks import arith
 
 
 class Problem(NamedTuple):
-    prompt: str            # as in the data, before the chat template (what rewards see)
+    prompt: str  # as in the data, before the chat template (what rewards see)
     prompt_ids: list[int]  # what the engine sees
     answer: str
 
@@ -41,12 +41,16 @@ def read_table(data):
     try:
         table = datasets.load_dataset(kind, data_files=str(path), split="train")
     except Exception as e:  # a malformed file: name it and the reason, not a deep traceback
-        raise RecipeError(f"data.path={str(path)!r}: cannot read it as {kind} "
-                          f"({type(e).__name__}: {e}); fix the file") from None
+        raise RecipeError(
+            f"data.path={str(path)!r}: cannot read it as {kind} "
+            f"({type(e).__name__}: {e}); fix the file"
+        ) from None
     for field, key in (("data.prompt_key", data.prompt_key), ("data.answer_key", data.answer_key)):
         if key not in table.column_names:
-            raise RecipeError(f"{field}={key!r}: {path.name} has no such column; its columns "
-                              f"are {', '.join(table.column_names)}")
+            raise RecipeError(
+                f"{field}={key!r}: {path.name} has no such column; its columns "
+                f"are {', '.join(table.column_names)}"
+            )
     return table
 
 
@@ -75,8 +79,10 @@ class PromptSource:
             if problem is not None:
                 rows.append(problem)
         if not rows:
-            raise RecipeError(f"data.path={str(path)!r}: no usable rows ({self.skipped}); check "
-                              "data.prompt_key / data.answer_key and the prompt lengths")
+            raise RecipeError(
+                f"data.path={str(path)!r}: no usable rows ({self.skipped}); check "
+                "data.prompt_key / data.answer_key and the prompt lengths"
+            )
         return rows
 
     def _skip(self, reason: str) -> None:
@@ -104,8 +110,10 @@ class PromptSource:
             for p in arith.problems(self.seed, spec):
                 problem = self._make(p.prompt, p.answer)
                 if problem is None:
-                    raise RecipeError("rollout.max_new_tokens leaves no room for the synthetic "
-                                      "prompts in the model's context; lower it")
+                    raise RecipeError(
+                        "rollout.max_new_tokens leaves no room for the synthetic "
+                        "prompts in the model's context; lower it"
+                    )
                 yield problem
         epoch = 0
         while True:

@@ -32,15 +32,16 @@ COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
 class Generation(NamedTuple):
     """One sample the engine returned for a request."""
+
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    weight_version: int     # the engine's weight version that sampled every token of it
+    weight_version: int  # the engine's weight version that sampled every token of it
 
 
 class _Request(NamedTuple):
     prompt_ids: list[int]
-    params: Any             # rollout.SamplingParams
+    params: Any  # rollout.SamplingParams
     later_turn: bool
     future: asyncio.Future  # -> list[Generation], one per sample of params.n
 
@@ -48,20 +49,25 @@ class _Request(NamedTuple):
 class Dispatch:
     """`engines` is read at every call (the owner replaces a dead engine in it)."""
 
-    def __init__(self, engines: list, timeout_s: float,
-                 replace: Callable[[int, ActorDied, int], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        engines: list,
+        timeout_s: float,
+        replace: Callable[[int, ActorDied, int], Awaitable[None]] | None = None,
+    ):
         self.engines = engines
         self.timeout_s = timeout_s
         self.replace = replace
-        self.tallies: Counter = Counter()   # COUNTERS (+ "_turn2plus"), generated_tokens, ...
+        self.tallies: Counter = Counter()  # COUNTERS (+ "_turn2plus"), generated_tokens, ...
         self.failure: BaseException | None = None
         self.last_progress = time.monotonic()
         self._queues: list[list[_Request]] = [[] for _ in engines]
         self._busy = [False] * len(engines)
         self._tasks: set[asyncio.Task] = set()
 
-    async def generate(self, replica: int, prompt_ids: Sequence[int], params,
-                       later_turn: bool) -> list[Generation]:
+    async def generate(
+        self, replica: int, prompt_ids: Sequence[int], params, later_turn: bool
+    ) -> list[Generation]:
         if self.failure is not None:
             raise self.failure
         future = asyncio.get_running_loop().create_future()
@@ -92,8 +98,9 @@ class Dispatch:
 
     async def _send(self, i: int, part: list[_Request]) -> None:
         try:
-            outs, counters = await self._call(i, [r.prompt_ids for r in part],
-                                              [r.params for r in part])
+            outs, counters = await self._call(
+                i, [r.prompt_ids for r in part], [r.params for r in part]
+            )
         except BaseException as e:
             self.failure = self.failure or e
             for r in part:
@@ -111,9 +118,13 @@ class Dispatch:
                 self.tallies[k + suffix] += counters[k]
         for r, samples in zip(part, outs):
             self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
-            if not r.future.done():   # a cancelled waiter (its group failed) takes nothing
-                r.future.set_result([Generation(list(s.token_ids), list(s.logprobs),
-                                                s.finish_reason, version) for s in samples])
+            if not r.future.done():  # a cancelled waiter (its group failed) takes nothing
+                r.future.set_result(
+                    [
+                        Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version)
+                        for s in samples
+                    ]
+                )
 
     async def _call(self, i: int, prompts: list[list[int]], params: list):
         """One `generate` on engine i, sent again to its replacement if it dies."""
@@ -122,8 +133,7 @@ class Dispatch:
             try:
                 return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
             except TimeoutError:
-                raise CallTimeout([Call(f"engine {i}", "generate", ref)],
-                                  self.timeout_s) from None
+                raise CallTimeout([Call(f"engine {i}", "generate", ref)], self.timeout_s) from None
             except Exception as e:
                 if not is_death(e):
                     raise

@@ -21,10 +21,12 @@ class HttpFront:
     def __init__(self, engines: list, tokenizer, timeout_s: float):
         from rollout.router import Router
         from rollout.router_app import Sessions
+
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
-        self.urls = gather([call(f"engine {i}", e, "serve") for i, e in enumerate(engines)],
-                           timeout_s)
+        self.urls = gather(
+            [call(f"engine {i}", e, "serve") for i, e in enumerate(engines)], timeout_s
+        )
         self.router, self.sessions = Router(len(self.urls)), Sessions()
         self._server = None
         self._start(port=0)
@@ -32,8 +34,10 @@ class HttpFront:
     def _start(self, port: int) -> None:
         from rollout.router_app import build_router_app
         from rollout.serve import start_server
-        app = build_router_app(self.urls, self.router, self.tokenizer, self.sessions,
-                               timeout_s=self.timeout_s)
+
+        app = build_router_app(
+            self.urls, self.router, self.tokenizer, self.sessions, timeout_s=self.timeout_s
+        )
         self._server = start_server(app, "127.0.0.1", port)
         self.base_url = f"{self._server.url}/v1"
 

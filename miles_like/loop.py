@@ -60,10 +60,22 @@ def run(recipe: Recipe) -> int:
         rt = Runtime(recipe, log=tqdm.write, resume=resume, state=state)
     first = state["next_step"] if state else 0
     try:
-        tracker = Tracker(out, to_plain(recipe), wandb_project=recipe.tracking.wandb_project,
-                          wandb_mode=recipe.tracking.wandb_mode, print_fn=tqdm.write,
-                          **({"resume_step": first, "last_row": state["last_row"],
-                              "wandb_run_id": state["wandb_run_id"]} if state else {}))
+        tracker = Tracker(
+            out,
+            to_plain(recipe),
+            wandb_project=recipe.tracking.wandb_project,
+            wandb_mode=recipe.tracking.wandb_mode,
+            print_fn=tqdm.write,
+            **(
+                {
+                    "resume_step": first,
+                    "last_row": state["last_row"],
+                    "wandb_run_id": state["wandb_run_id"],
+                }
+                if state
+                else {}
+            ),
+        )
     except BaseException:
         rt.shutdown()
         raise
@@ -72,8 +84,10 @@ def run(recipe: Recipe) -> int:
     if rt.source.skipped:
         tqdm.write(f"data: skipped rows {rt.source.skipped}")
     if first >= recipe.steps:
-        tqdm.write(f"resume: the checkpoint is at step {first} of steps={recipe.steps}; nothing "
-                   "to do (raise steps to train further)")
+        tqdm.write(
+            f"resume: the checkpoint is at step {first} of steps={recipe.steps}; nothing "
+            "to do (raise steps to train further)"
+        )
     failed = True
     try:
         with _stops_cleanly(out):
@@ -96,8 +110,11 @@ def _stops_cleanly(out: Path):
     except (ActorDied, CallTimeout) as e:
         what = f"{e.actor} died: {e.reason}" if isinstance(e, ActorDied) else str(e)
         found = checkpoint.complete_checkpoints(out)
-        then = ("resume with checkpoint.resume=auto" if found else
-                "no checkpoint to resume from yet (checkpoint.every_steps); run it again")
+        then = (
+            "resume with checkpoint.resume=auto"
+            if found
+            else "no checkpoint to resume from yet (checkpoint.every_steps); run it again"
+        )
         raise RunFailed(f"{what}; {then}") from None
 
 
@@ -106,8 +123,9 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
     off_policy = recipe.cluster.off_policy_steps == 1
     every = recipe.checkpoint.every_steps
     pending = rt.rollouts.launch(first) if first < recipe.steps else None
-    for step in tqdm(range(first, recipe.steps), initial=first, total=recipe.steps,
-                     desc="RL steps", unit="step"):
+    for step in tqdm(
+        range(first, recipe.steps), initial=first, total=recipe.steps, desc="RL steps", unit="step"
+    ):
         timer, start = PhaseTimer(), time.perf_counter()
         sync_bytes = 0.0
         ckpt = checkpoint.begin(out, step + 1) if every and (step + 1) % every == 0 else None
@@ -129,8 +147,9 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
             ref = ray.put(batch)
             values = rt.values(ref) if recipe.algorithm.advantage == "gae" else None
             ref_lp = rt.ref_logprobs(ref) if recipe.algorithm.kl_reward_coef > 0 else None
-            batch, adv_metrics = with_advantages(batch, rollout.groups, recipe.algorithm,
-                                                 values=values, ref_logprobs=ref_lp)
+            batch, adv_metrics = with_advantages(
+                batch, rollout.groups, recipe.algorithm, values=values, ref_logprobs=ref_lp
+            )
         with timer("train"):
             train_metrics = rt.train(batch)
         if not off_policy:
@@ -143,12 +162,15 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
             with timer("checkpoint"):
                 rt.save_checkpoint(ckpt)
         step_s = time.perf_counter() - start
-        row = {"step": step,
-               **{f"rollout/{k}": v for k, v in rollout.metrics.items()},
-               **{f"rollout/{k}": v for k, v in adv_metrics.items()},
-               **{f"train/{k}": v for k, v in train_metrics.items()},
-               **{f"perf/{k}_s": v for k, v in timer.seconds.items()},
-               "perf/step_s": step_s, "perf/weight_sync_bytes": sync_bytes}
+        row = {
+            "step": step,
+            **{f"rollout/{k}": v for k, v in rollout.metrics.items()},
+            **{f"rollout/{k}": v for k, v in adv_metrics.items()},
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+            **{f"perf/{k}_s": v for k, v in timer.seconds.items()},
+            "perf/step_s": step_s,
+            "perf/weight_sync_bytes": sync_bytes,
+        }
         row.setdefault("perf/weight_sync_s", 0.0)
         row["perf/idle_s"] = max(0.0, step_s - sum(timer.seconds.values()))
         row["perf/idle_frac"] = row["perf/idle_s"] / step_s
@@ -162,10 +184,12 @@ def _controller_state(rt: Runtime, tracker: Tracker, next_step: int, pending, ro
     """state.json: where the loop stands before `next_step`. The data position is the one
     before the pending rollout drew its prompts: a resumed run draws them again."""
     consumed = pending.consumed_before if pending else rt.source.consumed
-    return {"next_step": next_step,
-            "data_consumed": consumed,
-            "data_epoch": rt.source.epoch_at(consumed),
-            "weight_version": rt.weight_version,
-            "wandb_run_id": tracker.wandb_run_id,
-            **rt.layout_state(),
-            "last_row": json_row(row)}
+    return {
+        "next_step": next_step,
+        "data_consumed": consumed,
+        "data_epoch": rt.source.epoch_at(consumed),
+        "weight_version": rt.weight_version,
+        "wandb_run_id": tracker.wandb_run_id,
+        **rt.layout_state(),
+        "last_row": json_row(row),
+    }

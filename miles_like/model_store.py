@@ -69,14 +69,22 @@ def base_model_dir(model_section, seed: int) -> Path:
 
     # The tokenizer's full serialization (vocabulary, added tokens, chat template) is part of
     # the key: a model built for another tokenizer is never reused.
-    key = content_key(config, seed, INIT_STD, tokenizer.tok.backend_tokenizer.to_str(),
-                      tokenizer.tok.chat_template)
+    key = content_key(
+        config,
+        seed,
+        INIT_STD,
+        tokenizer.tok.backend_tokenizer.to_str(),
+        tokenizer.tok.chat_template,
+    )
     return cached_dir(f"builtin-{model_section.builtin}-{key}", build)
 
 
 def _is_model_file(f: Path) -> bool:
-    return f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth")) \
+    return (
+        f.is_file()
+        and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth"))
         and f.name != "model.safetensors.index.json"
+    )
 
 
 def copy_model_files(src: Path, dst: Path) -> None:
@@ -88,8 +96,9 @@ def copy_model_files(src: Path, dst: Path) -> None:
 
 def read_model_files(src: Path, skip: frozenset[str] = frozenset()) -> dict[str, bytes]:
     """What `copy_model_files` copies (less the names in `skip`), read into memory."""
-    return {f.name: f.read_bytes() for f in src.iterdir() if _is_model_file(f)
-            and f.name not in skip}
+    return {
+        f.name: f.read_bytes() for f in src.iterdir() if _is_model_file(f) and f.name not in skip
+    }
 
 
 def write_model_files(files: dict[str, bytes], dst: Path) -> None:

@@ -22,12 +22,12 @@ from miles_like.workers import EngineWorker, TrainerWorker
 
 
 class Layout(NamedTuple):
-    accelerator: str            # "cpu" | "cuda"
+    accelerator: str  # "cpu" | "cuda"
     devices: int
     trainer_bundles: list[int]  # bundle of each trainer rank
-    engine_bundles: list[int]   # bundle of each engine replica
+    engine_bundles: list[int]  # bundle of each engine replica
     colocated: bool
-    threads: int                # torch threads per worker on CPU
+    threads: int  # torch threads per worker on CPU
 
 
 def plan(cluster) -> Layout:
@@ -50,22 +50,36 @@ def start_ray(cluster, layout: Layout) -> None:
     by Ray's token authentication."""
     if ray.is_initialized():
         return
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
-        p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}}
+    env = {
+        "env_vars": {
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p
+            )
+        }
+    }
     if cluster.address is not None:
         ray.init(address=cluster.address, runtime_env=env, log_to_driver=True)
         return
-    ray.init(num_cpus=max(layout.devices, os.cpu_count() or 1),
-             num_gpus=layout.devices if layout.accelerator == "cuda" else 0,
-             include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env,
-             log_to_driver=True, configure_logging=False)
+    ray.init(
+        num_cpus=max(layout.devices, os.cpu_count() or 1),
+        num_gpus=layout.devices if layout.accelerator == "cuda" else 0,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        log_to_driver=True,
+        configure_logging=False,
+    )
 
 
 def _options(layout: Layout, pg, bundle: int):
     share = 0.5 if layout.colocated else 1.0
-    return dict(num_cpus=share, num_gpus=share if layout.accelerator == "cuda" else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle))
+    return dict(
+        num_cpus=share,
+        num_gpus=share if layout.accelerator == "cuda" else 0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle
+        ),
+    )
 
 
 def reserve(layout: Layout, timeout_s: float = 300.0, strategy: str = "PACK"):
@@ -75,8 +89,10 @@ def reserve(layout: Layout, timeout_s: float = 300.0, strategy: str = "PACK"):
         bundle["GPU"] = 1.0
     pg = placement_group([dict(bundle) for _ in range(layout.devices)], strategy=strategy)
     if not pg.wait(timeout_seconds=timeout_s):
-        raise RuntimeError(f"Ray could not reserve {layout.devices} x {bundle} within "
-                           f"{timeout_s:.0f} s; lower cluster.devices or add resources")
+        raise RuntimeError(
+            f"Ray could not reserve {layout.devices} x {bundle} within "
+            f"{timeout_s:.0f} s; lower cluster.devices or add resources"
+        )
     return pg
 
 
@@ -85,9 +101,12 @@ def create_trainers(layout: Layout, pg, tag: str, timeout_s: float) -> list:
     `TrainerWorker.build`). Actors are named `miles_like.{tag}.trainer.{rank}`. The world meets
     at an address and port rank 0 chose on its own node (it may not be the controller's)."""
     world = len(layout.trainer_bundles)
-    trainers = [TrainerWorker.options(name=f"miles_like.{tag}.trainer.{rank}",
-                                      **_options(layout, pg, b)).remote(
-        rank, world, layout.threads) for rank, b in enumerate(layout.trainer_bundles)]
+    trainers = [
+        TrainerWorker.options(
+            name=f"miles_like.{tag}.trainer.{rank}", **_options(layout, pg, b)
+        ).remote(rank, world, layout.threads)
+        for rank, b in enumerate(layout.trainer_bundles)
+    ]
     gather(each("trainer rank", trainers, "ready"), timeout_s)
     ((host, port),) = gather([call("trainer rank 0", trainers[0], "rendezvous")], timeout_s)
     gather(each("trainer rank", trainers, "set_rendezvous", host, port), timeout_s)
@@ -98,13 +117,22 @@ def engine_name(tag: str, index: int, restarts: int = 0) -> str:
     return f"miles_like.{tag}.engine.{index}" + (f".restart{restarts}" if restarts else "")
 
 
-def create_engines(layout: Layout, pg, engine_cfg, names: list[str], timeout_s: float,
-                   indices: list[int] | None = None) -> list:
+def create_engines(
+    layout: Layout,
+    pg,
+    engine_cfg,
+    names: list[str],
+    timeout_s: float,
+    indices: list[int] | None = None,
+) -> list:
     """EngineWorkers `indices` (default all) in their bundles, named `names`, ready."""
     indices = list(range(len(layout.engine_bundles))) if indices is None else indices
-    engines = [EngineWorker.options(name=name, **_options(layout, pg, layout.engine_bundles[i])
-                                    ).remote(engine_cfg, layout.threads)
-               for i, name in zip(indices, names, strict=True)]
+    engines = [
+        EngineWorker.options(name=name, **_options(layout, pg, layout.engine_bundles[i])).remote(
+            engine_cfg, layout.threads
+        )
+        for i, name in zip(indices, names, strict=True)
+    ]
     gather([call(f"engine {i}", e, "ready") for i, e in zip(indices, engines)], timeout_s)
     return engines
 

@@ -19,11 +19,19 @@ def check_model_weights(field: str, path: str, *, sharded_names: tuple[str, ...]
     if any(next(p.glob(name), None) for name in sharded_names):
         return
     pickles = sorted(x.name for x in p.glob("*.bin"))
-    hint = (f"; {pickles[0]} is a PyTorch pickle, which is not read: save the model with "
-            "save_pretrained(..., safe_serialization=True)") if pickles else ""
-    raise RecipeError(f"{field}={path!r} has config.json but no weights "
-                      f"({' or '.join(sharded_names)}){hint}; point it at a complete Hugging Face "
-                      "model directory")
+    hint = (
+        (
+            f"; {pickles[0]} is a PyTorch pickle, which is not read: save the model with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
+        if pickles
+        else ""
+    )
+    raise RecipeError(
+        f"{field}={path!r} has config.json but no weights "
+        f"({' or '.join(sharded_names)}){hint}; point it at a complete Hugging Face "
+        "model directory"
+    )
 
 
 def read_config(field: str, path: str) -> dict[str, Any]:
@@ -31,8 +39,10 @@ def read_config(field: str, path: str) -> dict[str, Any]:
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecipeError(f"{field}={path!r}: cannot read {file.name} ({type(e).__name__}: {e}); "
-                          "fix or replace the file") from None
+        raise RecipeError(
+            f"{field}={path!r}: cannot read {file.name} ({type(e).__name__}: {e}); "
+            "fix or replace the file"
+        ) from None
     if not isinstance(config, dict):
         raise RecipeError(f"{field}={path!r}: {file.name} is not a JSON object; fix or replace it")
     return config
@@ -45,8 +55,10 @@ def check_output_dir(path: str) -> None:
         if part.exists():
             if not part.is_dir():
                 what = "is a file" if part == p else f"runs through the file {str(part)!r}"
-                raise RecipeError(f"tracking.output_dir={path!r} {what}, not a directory; give "
-                                  "a directory (it is created if missing)")
+                raise RecipeError(
+                    f"tracking.output_dir={path!r} {what}, not a directory; give "
+                    "a directory (it is created if missing)"
+                )
             return
 
 
@@ -61,12 +73,15 @@ def check_draft_vocab(recipe) -> None:
         target = f"model.path {recipe.model.path!r}'s"
     else:
         from miles_like.tokenizer import CharTokenizer  # the built-ins' vocabulary
+
         target_vocab = CharTokenizer().vocab_size
         target = f"model.builtin={recipe.model.builtin}'s"
     if draft_vocab is not None and target_vocab is not None and draft_vocab != target_vocab:
-        raise RecipeError(f"rollout.speculative_draft_model_path={draft!r}: its vocab_size "
-                          f"{draft_vocab} differs from {target} {target_vocab}; a draft model "
-                          "must share the model's tokenizer")
+        raise RecipeError(
+            f"rollout.speculative_draft_model_path={draft!r}: its vocab_size "
+            f"{draft_vocab} differs from {target} {target_vocab}; a draft model "
+            "must share the model's tokenizer"
+        )
 
 
 def check_accelerator(cluster) -> None:
@@ -74,24 +89,32 @@ def check_accelerator(cluster) -> None:
     if cluster.accelerator != "cuda" or cluster.address is not None:
         return
     import torch  # only for this check: --dry-run stays light otherwise
+
     if not torch.cuda.is_available():
-        raise RecipeError("cluster.accelerator=cuda: this machine has no usable CUDA device "
-                          "(torch.cuda.is_available() is False); use auto or cpu, or set "
-                          "cluster.address to a Ray cluster with GPUs")
+        raise RecipeError(
+            "cluster.accelerator=cuda: this machine has no usable CUDA device "
+            "(torch.cuda.is_available() is False); use auto or cpu, or set "
+            "cluster.address to a Ray cluster with GPUs"
+        )
 
 
 def check_machine(recipe) -> None:
     """Every check above that applies to `recipe` (its paths are known to exist)."""
     if recipe.model.path is not None:
-        check_model_weights("model.path", recipe.model.path,
-                            sharded_names=("model.safetensors", "model.safetensors.index.json"))
+        check_model_weights(
+            "model.path",
+            recipe.model.path,
+            sharded_names=("model.safetensors", "model.safetensors.index.json"),
+        )
     draft = recipe.rollout.speculative_draft_model_path
     if draft is not None:
-        check_model_weights("rollout.speculative_draft_model_path", draft,
-                            sharded_names=("*.safetensors",))
+        check_model_weights(
+            "rollout.speculative_draft_model_path", draft, sharded_names=("*.safetensors",)
+        )
     check_draft_vocab(recipe)
     check_output_dir(recipe.tracking.output_dir)
     check_accelerator(recipe.cluster)
     if recipe.data.path is not None:
         from miles_like.data import read_table  # HF datasets: only for a data file
+
         read_table(recipe.data)

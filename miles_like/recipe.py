@@ -26,8 +26,15 @@ from miles_like.builtin_models import BUILTIN_MODELS
 from miles_like.schema import RecipeError, Section, from_dict, setting, to_plain
 from miles_like.tasks.arith import ArithSpec
 
-__all__ = ["Recipe", "RecipeError", "load_recipe", "parse_overrides", "apply_overrides",
-           "recipe_to_yaml", "check_paths"]
+__all__ = [
+    "Recipe",
+    "RecipeError",
+    "load_recipe",
+    "parse_overrides",
+    "apply_overrides",
+    "recipe_to_yaml",
+    "check_paths",
+]
 
 SYNTHETIC_TASKS = ("arith", "calc")  # calc: arith's problems, solved with the calculator tool
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -36,47 +43,67 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 @dataclass(frozen=True)
 class ModelSection(Section):
     PATH = "model"
-    path: str | None = setting(None, "local Hugging Face model directory (config.json, "
-                               "*.safetensors, tokenizer files); set this or builtin")
-    builtin: str | None = setting(None, f"built-in tiny model with the character tokenizer: "
-                                  f"{' | '.join(BUILTIN_MODELS)}; set this or path")
+    path: str | None = setting(
+        None,
+        "local Hugging Face model directory (config.json, "
+        "*.safetensors, tokenizer files); set this or builtin",
+    )
+    builtin: str | None = setting(
+        None,
+        f"built-in tiny model with the character tokenizer: "
+        f"{' | '.join(BUILTIN_MODELS)}; set this or path",
+    )
     dtype: Literal["float32", "bfloat16", "float64"] = setting(
-        "float32", "compute dtype of trainer and engine; float64 (megatron backend) makes the "
-        "engine-vs-trainer log-prob gap exact to ~1e-12 for tiny CPU models")
+        "float32",
+        "compute dtype of trainer and engine; float64 (megatron backend) makes the "
+        "engine-vs-trainer log-prob gap exact to ~1e-12 for tiny CPU models",
+    )
 
     def check(self) -> None:
         if (self.path is None) == (self.builtin is None):
-            raise RecipeError("model: set exactly one of model.path (a local Hugging Face "
-                              f"directory) or model.builtin ({' | '.join(BUILTIN_MODELS)})")
+            raise RecipeError(
+                "model: set exactly one of model.path (a local Hugging Face "
+                f"directory) or model.builtin ({' | '.join(BUILTIN_MODELS)})"
+            )
         if self.builtin is not None and self.builtin not in BUILTIN_MODELS:
-            raise RecipeError(f"model.builtin={self.builtin!r} is not a built-in model; use one "
-                              f"of {' | '.join(BUILTIN_MODELS)}")
+            raise RecipeError(
+                f"model.builtin={self.builtin!r} is not a built-in model; use one "
+                f"of {' | '.join(BUILTIN_MODELS)}"
+            )
 
 
 @dataclass(frozen=True)
 class DataSection(Section):
     PATH = "data"
-    path: str | None = setting(None, "local .jsonl / .json / .parquet file read with HF "
-                               "datasets; set this or synthetic")
-    synthetic: str | None = setting(None, "task generated on the fly: arith | calc (arith's "
-                                    "problems; the warm start demonstrates the calculator tool "
-                                    "when rollout.tools has it); set this or path")
+    path: str | None = setting(
+        None, "local .jsonl / .json / .parquet file read with HF datasets; set this or synthetic"
+    )
+    synthetic: str | None = setting(
+        None,
+        "task generated on the fly: arith | calc (arith's "
+        "problems; the warm start demonstrates the calculator tool "
+        "when rollout.tools has it); set this or path",
+    )
     prompt_key: str = setting("prompt", "column holding the prompt text")
     answer_key: str = setting("answer", "column holding the reference answer given to the reward")
     chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template")
     shuffle_seed: int | None = setting(0, "seed of the epoch shuffle; null keeps file order")
-    arith_digits: int = setting(2, "synthetic arith / calc: operands have up to this many "
-                                "digits", ge=1, le=9)
-    arith_ops: str = setting("+-", "synthetic arith / calc: operators to draw from (subset of "
-                             "+-*)")
+    arith_digits: int = setting(
+        2, "synthetic arith / calc: operands have up to this many digits", ge=1, le=9
+    )
+    arith_ops: str = setting("+-", "synthetic arith / calc: operators to draw from (subset of +-*)")
 
     def check(self) -> None:
         if (self.path is None) == (self.synthetic is None):
-            raise RecipeError("data: set exactly one of data.path (a local .jsonl / .parquet "
-                              f"file) or data.synthetic ({' | '.join(SYNTHETIC_TASKS)})")
+            raise RecipeError(
+                "data: set exactly one of data.path (a local .jsonl / .parquet "
+                f"file) or data.synthetic ({' | '.join(SYNTHETIC_TASKS)})"
+            )
         if self.synthetic is not None and self.synthetic not in SYNTHETIC_TASKS:
-            raise RecipeError(f"data.synthetic={self.synthetic!r} is not a synthetic task; use "
-                              f"one of {' | '.join(SYNTHETIC_TASKS)}")
+            raise RecipeError(
+                f"data.synthetic={self.synthetic!r} is not a synthetic task; use "
+                f"one of {' | '.join(SYNTHETIC_TASKS)}"
+            )
         if self.path is not None and not self.path.endswith(DATA_SUFFIXES):
             raise RecipeError(f"data.path={self.path!r}: use a {' / '.join(DATA_SUFFIXES)} file")
         try:
@@ -88,59 +115,98 @@ class DataSection(Section):
 @dataclass(frozen=True)
 class RolloutSection(Section):
     PATH = "rollout"
-    ALIASES = {"group_size": "n", "n_samples_per_prompt": "n", "batch_size": "prompts_per_step",
-               "rollout_batch_size": "prompts_per_step", "max_tokens": "max_new_tokens",
-               "max_response_length": "max_new_tokens"}
+    ALIASES = {
+        "group_size": "n",
+        "n_samples_per_prompt": "n",
+        "batch_size": "prompts_per_step",
+        "rollout_batch_size": "prompts_per_step",
+        "max_tokens": "max_new_tokens",
+        "max_response_length": "max_new_tokens",
+    }
     prompts_per_step: int = setting(32, "prompts drawn per RL step", ge=1)
     n: int = setting(8, "samples per prompt (the group size)", ge=1)
     temperature: float = setting(1.0, "sampling temperature (> 0: RL samples)", gt=0.0)
     top_p: float = setting(1.0, "nucleus sampling mass, in (0, 1]")
     top_k: int = setting(-1, "top-k sampling; -1 disables it")
     max_new_tokens: int = setting(64, "longest response in tokens")
-    kv_cache_tokens: int | None = setting(None, "engine KV pool size in tokens; null: a fraction "
-                                          "of free device memory")
+    kv_cache_tokens: int | None = setting(
+        None, "engine KV pool size in tokens; null: a fraction of free device memory"
+    )
     page_size: int = setting(16, "engine KV page size in tokens (prefix-sharing unit)")
     max_running_requests: int = setting(256, "most sequences the engine decodes at once")
     speculative_method: Literal["ngram", "group", "draft"] | None = setting(
-        None, "exact speculative decoding: ngram | group | draft | null (off)")
+        None, "exact speculative decoding: ngram | group | draft | null (off)"
+    )
     num_speculative_tokens: int = setting(4, "tokens drafted per speculative step", ge=1)
     speculative_draft_model_path: str | None = setting(
-        None, "speculative_method=draft: local HF directory of a smaller model with the policy's "
-              "vocabulary (its weights are not updated)")
+        None,
+        "speculative_method=draft: local HF directory of a smaller model with the policy's "
+        "vocabulary (its weights are not updated)",
+    )
     attention_backend: Literal["auto", "torch", "triton"] = setting(
-        "auto", "engine attention: torch (every device) | triton (CUDA kernels) | auto (triton "
-        "on CUDA, else torch)")
+        "auto",
+        "engine attention: torch (every device) | triton (CUDA kernels) | auto (triton "
+        "on CUDA, else torch)",
+    )
     decode_graphs: bool | None = setting(
-        None, "pure decode steps at static shapes, captured as CUDA graphs on a GPU; null: on "
-        "with the triton backend on CUDA")
+        None,
+        "pure decode steps at static shapes, captured as CUDA graphs on a GPU; null: on "
+        "with the triton backend on CUDA",
+    )
     function: str = setting(
-        "single_turn", "rollout function: built-in single_turn | tool_loop, or module:function, "
+        "single_turn",
+        "rollout function: built-in single_turn | tool_loop, or module:function, "
         "an async fn(ctx, problem) -> list[Trajectory] returning the prompt's n trajectories "
-        "(README, Rollout functions)")
-    max_turns: int = setting(1, "most model turns per trajectory a multi-turn rollout function "
-                             "takes (ctx.max_turns)", ge=1)
-    tools: tuple[str, ...] = setting((), "module:function tools a multi-turn rollout function "
-                                     "may call (ctx.tools): plain Python functions (schema from "
-                                     "the annotations and docstring), each call run in a worker "
-                                     "process (ctx.tool_pool)")
-    tool_timeout_s: float = setting(10.0, "longest a tool call may run; past it the worker is "
-                                    "killed and the model gets an error result", gt=0.0)
-    tool_output_max_chars: int = setting(2000, "longest tool output; a longer one is refused "
-                                         "with an error result (never truncated silently)", ge=1)
+        "(README, Rollout functions)",
+    )
+    max_turns: int = setting(
+        1,
+        "most model turns per trajectory a multi-turn rollout function takes (ctx.max_turns)",
+        ge=1,
+    )
+    tools: tuple[str, ...] = setting(
+        (),
+        "module:function tools a multi-turn rollout function "
+        "may call (ctx.tools): plain Python functions (schema from "
+        "the annotations and docstring), each call run in a worker "
+        "process (ctx.tool_pool)",
+    )
+    tool_timeout_s: float = setting(
+        10.0,
+        "longest a tool call may run; past it the worker is "
+        "killed and the model gets an error result",
+        gt=0.0,
+    )
+    tool_output_max_chars: int = setting(
+        2000,
+        "longest tool output; a longer one is refused "
+        "with an error result (never truncated silently)",
+        ge=1,
+    )
     tool_workers: int = setting(2, "worker processes running tool calls", ge=1)
-    tool_schemas_in_prompt: bool = setting(True, "tool_loop: the chat template shows the "
-                                           "tools' schemas in a system turn (false: the model "
-                                           "knows its tools from training, a shorter prompt)")
+    tool_schemas_in_prompt: bool = setting(
+        True,
+        "tool_loop: the chat template shows the "
+        "tools' schemas in a system turn (false: the model "
+        "knows its tools from training, a shorter prompt)",
+    )
     max_trajectory_tokens: int | None = setting(
-        None, "tool_loop: most tokens after the prompt in a trajectory (sampled turns, tool "
-              "results, template markers); null: what the context leaves", ge=1)
-    serve_http: bool = setting(False, "serve the engines as an OpenAI-compatible endpoint on "
-                               "127.0.0.1 behind a cache-aware router during rollouts "
-                               "(ctx.base_url, for agent code)")
+        None,
+        "tool_loop: most tokens after the prompt in a trajectory (sampled turns, tool "
+        "results, template markers); null: what the context leaves",
+        ge=1,
+    )
+    serve_http: bool = setting(
+        False,
+        "serve the engines as an OpenAI-compatible endpoint on "
+        "127.0.0.1 behind a cache-aware router during rollouts "
+        "(ctx.base_url, for agent code)",
+    )
 
     def check(self) -> None:
         from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here
         from miles_like.tools import check_spec  # tools imports nothing from here
+
         check_rollout_spec(self.function)
         for i, spec in enumerate(self.tools):
             check_spec(spec, f"rollout.tools[{i}]")
@@ -149,56 +215,83 @@ class RolloutSection(Section):
 @dataclass(frozen=True)
 class AlgorithmSection(Section):
     PATH = "algorithm"
-    ALIASES = {"advantage_estimator": "advantage", "eps_clip": "clip_low",
-               "eps_clip_high": "clip_high", "kl_loss_coef": "kl_coef", "kl_loss_type": "kl_type",
-               "loss_agg_mode": "loss_agg"}
+    ALIASES = {
+        "advantage_estimator": "advantage",
+        "eps_clip": "clip_low",
+        "eps_clip_high": "clip_high",
+        "kl_loss_coef": "kl_coef",
+        "kl_loss_type": "kl_type",
+        "loss_agg_mode": "loss_agg",
+    }
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = setting(
-        "grpo", "advantage estimator (gae trains a critic: PPO)")
+        "grpo", "advantage estimator (gae trains a critic: PPO)"
+    )
     clip_low: float = setting(0.2, "PPO ratio clip below: 1 - clip_low", ge=0.0)
-    clip_high: float = setting(0.2, "PPO ratio clip above: 1 + clip_high (> clip_low: DAPO's "
-                               "clip-higher)", ge=0.0)
-    dual_clip: float | None = setting(None, "dual-clip constant c > 1 for negative advantages; "
-                                      "null disables it", gt=1.0)
-    gspo: bool = setting(False, "sequence-level ratios (GSPO); use a far smaller clip range, "
-                         "e.g. 3e-4 / 4e-4")
-    loss_agg: str = setting("token-mean", "loss aggregation: token-mean | seq-mean | "
-                            "seq-mean-token-sum")
-    kl_coef: float = setting(0.0, "KL-to-reference loss coefficient (> 0 keeps a reference "
-                             "model)", ge=0.0)
+    clip_high: float = setting(
+        0.2, "PPO ratio clip above: 1 + clip_high (> clip_low: DAPO's clip-higher)", ge=0.0
+    )
+    dual_clip: float | None = setting(
+        None, "dual-clip constant c > 1 for negative advantages; null disables it", gt=1.0
+    )
+    gspo: bool = setting(
+        False, "sequence-level ratios (GSPO); use a far smaller clip range, e.g. 3e-4 / 4e-4"
+    )
+    loss_agg: str = setting(
+        "token-mean", "loss aggregation: token-mean | seq-mean | seq-mean-token-sum"
+    )
+    kl_coef: float = setting(
+        0.0, "KL-to-reference loss coefficient (> 0 keeps a reference model)", ge=0.0
+    )
     kl_type: str = setting("low-var-kl", "KL estimator: k1 | k2 | k3 | low-var-kl")
-    kl_reward_coef: float = setting(0.0, "per-token KL penalty folded into the reward "
-                                    "(reinforce_pp, gae); > 0 keeps a reference model", ge=0.0)
+    kl_reward_coef: float = setting(
+        0.0,
+        "per-token KL penalty folded into the reward "
+        "(reinforce_pp, gae); > 0 keeps a reference model",
+        ge=0.0,
+    )
     entropy_coef: float = setting(0.0, "entropy bonus coefficient", ge=0.0)
     gamma: float = setting(1.0, "discount (reinforce_pp, gae)", ge=0.0, le=1.0)
     gae_lambda: float = setting(1.0, "GAE lambda (gae)", ge=0.0, le=1.0)
     value_clip: float | None = setting(0.2, "critic value clip (gae); null disables it", gt=0.0)
-    dynamic_sampling: bool = setting(False, "drop groups whose rewards are all equal and "
-                                     "oversample prompts to refill the batch (DAPO)")
-    dynamic_sampling_max_rounds: int = setting(4, "most extra generation rounds to refill a "
-                                               "batch before training on what there is", ge=1)
-    overlong_buffer: int = setting(0, "DAPO soft overlong penalty: responses longer than "
-                                   "max_new_tokens - buffer lose reward linearly; 0 disables it",
-                                   ge=0)
-    overlong_penalty: float = setting(1.0, "reward lost at max_new_tokens (the penalty factor)",
-                                      ge=0.0)
+    dynamic_sampling: bool = setting(
+        False,
+        "drop groups whose rewards are all equal and oversample prompts to refill the batch (DAPO)",
+    )
+    dynamic_sampling_max_rounds: int = setting(
+        4, "most extra generation rounds to refill a batch before training on what there is", ge=1
+    )
+    overlong_buffer: int = setting(
+        0,
+        "DAPO soft overlong penalty: responses longer than "
+        "max_new_tokens - buffer lose reward linearly; 0 disables it",
+        ge=0,
+    )
+    overlong_penalty: float = setting(
+        1.0, "reward lost at max_new_tokens (the penalty factor)", ge=0.0
+    )
     is_correction: Literal["tis", "mis"] | None = setting(
-        None, "engine-vs-trainer importance correction: tis | mis | null")
+        None, "engine-vs-trainer importance correction: tis | mis | null"
+    )
     is_cap: float = setting(2.0, "tis / mis: cap of the importance weight", gt=0.0)
 
 
 @dataclass(frozen=True)
 class TrainerSection(Section):
     PATH = "trainer"
-    ALIASES = {"learning_rate": "lr", "tensor_model_parallel_size": "tp",
-               "pipeline_model_parallel_size": "pp", "micro_batch_tokens":
-               "max_tokens_per_micro_batch"}
+    ALIASES = {
+        "learning_rate": "lr",
+        "tensor_model_parallel_size": "tp",
+        "pipeline_model_parallel_size": "pp",
+        "micro_batch_tokens": "max_tokens_per_micro_batch",
+    }
     backend: str = setting("megatron", "megatron | deepspeed")
     tp: int = setting(1, "tensor-parallel size", ge=1)
     pp: int = setting(1, "pipeline-parallel size", ge=1)
     lr: float = setting(1e-6, "peak learning rate", gt=0.0)
     min_lr: float = setting(0.0, "cosine schedule: final learning rate", ge=0.0)
-    lr_schedule: str = setting("constant", "constant | cosine (decays over steps x "
-                               "updates_per_rollout optimizer steps)")
+    lr_schedule: str = setting(
+        "constant", "constant | cosine (decays over steps x updates_per_rollout optimizer steps)"
+    )
     warmup_steps: int = setting(0, "linear warmup, in optimizer steps")
     weight_decay: float = setting(0.0, "AdamW weight decay (not on 1-D params)", ge=0.0)
     grad_clip: float | None = setting(1.0, "max global grad norm; null disables clipping", gt=0.0)
@@ -211,61 +304,92 @@ class TrainerSection(Section):
 @dataclass(frozen=True)
 class SFTSection(Section):
     PATH = "sft"
-    steps: int = setting(0, "supervised warm start: optimizer steps on (prompt, answer) pairs of "
-                         "the data before RL; 0 skips it", ge=0)
+    steps: int = setting(
+        0,
+        "supervised warm start: optimizer steps on (prompt, answer) pairs of "
+        "the data before RL; 0 skips it",
+        ge=0,
+    )
     batch_size: int = setting(64, "pairs per warm-start step", ge=1)
     lr: float = setting(1e-3, "warm-start learning rate (constant)", gt=0.0)
-    cache: bool = setting(True, "reuse a finished warm start with the same model, data, settings "
-                          "and seed from $MILES_LIKE_CACHE (default ~/.cache/miles_like)")
+    cache: bool = setting(
+        True,
+        "reuse a finished warm start with the same model, data, settings "
+        "and seed from $MILES_LIKE_CACHE (default ~/.cache/miles_like)",
+    )
 
 
 @dataclass(frozen=True)
 class ClusterSection(Section):
     PATH = "cluster"
-    devices: int = setting(1, "devices (GPUs; CPU slots without CUDA) in the placement group",
-                           ge=1)
+    devices: int = setting(1, "devices (GPUs; CPU slots without CUDA) in the placement group", ge=1)
     accelerator: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when available")
     colocate: bool = setting(True, "trainer rank i and engine i share device i; phases alternate")
-    rollout_devices: int | None = setting(None, "disaggregated only: devices for engines (the "
-                                          "rest train); null: half", ge=1)
-    off_policy_steps: Literal[0, 1] = setting(0, "1: rollout k+1 overlaps training k "
-                                              "(disaggregated only)")
-    address: str | None = setting(None, "Ray cluster address (e.g. auto, ray://host:10001); "
-                                  "null starts a local Ray")
+    rollout_devices: int | None = setting(
+        None, "disaggregated only: devices for engines (the rest train); null: half", ge=1
+    )
+    off_policy_steps: Literal[0, 1] = setting(
+        0, "1: rollout k+1 overlaps training k (disaggregated only)"
+    )
+    address: str | None = setting(
+        None, "Ray cluster address (e.g. auto, ray://host:10001); null starts a local Ray"
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = setting(
-        "PACK", "Ray placement-group strategy for the device bundles: PACK fills a node before "
-        "the next; SPREAD deals bundles across nodes (bundle i = trainer rank / engine i)")
-    call_timeout_s: float = setting(1800.0, "longest wait for one actor call (a rollout, a train "
-                                    "step, a weight sync, a checkpoint) and for the weight-sync "
-                                    "collectives; past it the run stops, naming the call", gt=0.0)
+        "PACK",
+        "Ray placement-group strategy for the device bundles: PACK fills a node before "
+        "the next; SPREAD deals bundles across nodes (bundle i = trainer rank / engine i)",
+    )
+    call_timeout_s: float = setting(
+        1800.0,
+        "longest wait for one actor call (a rollout, a train "
+        "step, a weight sync, a checkpoint) and for the weight-sync "
+        "collectives; past it the run stops, naming the call",
+        gt=0.0,
+    )
 
     def check(self) -> None:
         if self.off_policy_steps == 1 and self.colocate:
-            raise RecipeError("cluster.off_policy_steps=1 needs disaggregated placement; set "
-                              "cluster.colocate: false or cluster.off_policy_steps: 0")
+            raise RecipeError(
+                "cluster.off_policy_steps=1 needs disaggregated placement; set "
+                "cluster.colocate: false or cluster.off_policy_steps: 0"
+            )
         if self.colocate and self.rollout_devices is not None:
-            raise RecipeError("cluster.rollout_devices applies to disaggregated placement; "
-                              "remove it or set cluster.colocate: false")
+            raise RecipeError(
+                "cluster.rollout_devices applies to disaggregated placement; "
+                "remove it or set cluster.colocate: false"
+            )
         if not self.colocate:
             if self.devices < 2:
-                raise RecipeError(f"cluster.devices={self.devices}: disaggregated placement "
-                                  "needs >= 2 devices; raise it or set cluster.colocate: true")
+                raise RecipeError(
+                    f"cluster.devices={self.devices}: disaggregated placement "
+                    "needs >= 2 devices; raise it or set cluster.colocate: true"
+                )
             if self.rollout_devices is not None and self.rollout_devices >= self.devices:
-                raise RecipeError(f"cluster.rollout_devices={self.rollout_devices} leaves no "
-                                  f"trainer device; use a value in [1, {self.devices - 1}]")
+                raise RecipeError(
+                    f"cluster.rollout_devices={self.rollout_devices} leaves no "
+                    f"trainer device; use a value in [1, {self.devices - 1}]"
+                )
 
 
 @dataclass(frozen=True)
 class RewardSection(Section):
     PATH = "reward"
-    function: str = setting("arith", "built-in (math | exact_match | arith) or module:function "
-                            "with signature fn(prompt: str, response: str, answer: str) -> float")
+    function: str = setting(
+        "arith",
+        "built-in (math | exact_match | arith) or module:function "
+        "with signature fn(prompt: str, response: str, answer: str) -> float",
+    )
     max_workers: int = setting(8, "worker processes computing rewards concurrently", ge=1)
-    timeout_s: float = setting(30.0, "seconds one reward call may take; past it the worker is "
-                               "killed and replaced and the sample scores 0", gt=0)
+    timeout_s: float = setting(
+        30.0,
+        "seconds one reward call may take; past it the worker is "
+        "killed and replaced and the sample scores 0",
+        gt=0,
+    )
 
     def check(self) -> None:
         from miles_like.rewards import check_spec  # rewards imports nothing from here
+
         check_spec(self.function)
 
 
@@ -275,7 +399,8 @@ class TrackingSection(Section):
     output_dir: str = setting("outputs/run", "metrics.jsonl, reward_curve.png, checkpoints")
     wandb_project: str | None = setting(None, "wandb project; null: no wandb")
     wandb_mode: Literal["offline", "online", "disabled"] = setting(
-        "offline", "offline writes a local run directory (sync it later)")
+        "offline", "offline writes a local run directory (sync it later)"
+    )
 
 
 @dataclass(frozen=True)
@@ -284,13 +409,17 @@ class CheckpointSection(Section):
     every_steps: int = setting(0, "save every this many steps; 0 disables checkpoints", ge=0)
     keep_last: int = setting(2, "checkpoints kept on disk", ge=1)
     resume: Literal[False, "auto"] | str = setting(
-        False, "false: start fresh | auto: continue from the latest complete checkpoint in "
-        "tracking.output_dir/checkpoints (fresh if there is none) | a checkpoint directory")
+        False,
+        "false: start fresh | auto: continue from the latest complete checkpoint in "
+        "tracking.output_dir/checkpoints (fresh if there is none) | a checkpoint directory",
+    )
 
     def check(self) -> None:
         if isinstance(self.resume, str) and not self.resume.strip():
-            raise RecipeError("checkpoint.resume: empty; use false, auto or the path of a "
-                              "checkpoint directory (tracking.output_dir/checkpoints/step_N)")
+            raise RecipeError(
+                "checkpoint.resume: empty; use false, auto or the path of a "
+                "checkpoint directory (tracking.output_dir/checkpoints/step_N)"
+            )
 
 
 @dataclass(frozen=True)
@@ -312,72 +441,111 @@ class Recipe(Section):
         """Rules that span sections, after the trainer / engine configs the recipe maps onto have
         accepted it (their errors name the recipe's fields)."""
         from miles_like.build_configs import check_configs  # it imports this module
+
         check_configs(self)
         alg, rollout = self.algorithm, self.rollout
         if alg.advantage in ("grpo", "dr_grpo", "rloo") and rollout.n < 2:
-            raise RecipeError(f"rollout.n={rollout.n}: algorithm.advantage={alg.advantage} "
-                              "compares samples of a prompt; use rollout.n >= 2")
+            raise RecipeError(
+                f"rollout.n={rollout.n}: algorithm.advantage={alg.advantage} "
+                "compares samples of a prompt; use rollout.n >= 2"
+            )
         if alg.dynamic_sampling and rollout.n < 2:
-            raise RecipeError("algorithm.dynamic_sampling needs groups; set rollout.n >= 2 or "
-                              "algorithm.dynamic_sampling: false")
+            raise RecipeError(
+                "algorithm.dynamic_sampling needs groups; set rollout.n >= 2 or "
+                "algorithm.dynamic_sampling: false"
+            )
         if alg.overlong_buffer >= rollout.max_new_tokens:
-            raise RecipeError(f"algorithm.overlong_buffer={alg.overlong_buffer} must be below "
-                              f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it")
+            raise RecipeError(
+                f"algorithm.overlong_buffer={alg.overlong_buffer} must be below "
+                f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it"
+            )
         if alg.kl_reward_coef > 0 and alg.advantage not in ("reinforce_pp", "gae"):
-            raise RecipeError(f"algorithm.kl_reward_coef applies to reinforce_pp and gae, not "
-                              f"{alg.advantage}; use algorithm.kl_coef (KL as a loss term)")
+            raise RecipeError(
+                f"algorithm.kl_reward_coef applies to reinforce_pp and gae, not "
+                f"{alg.advantage}; use algorithm.kl_coef (KL as a loss term)"
+            )
         if self.cluster.colocate and self.cluster.devices % (self.trainer.tp * self.trainer.pp):
-            raise RecipeError(f"cluster.devices={self.cluster.devices} is not a multiple of "
-                              f"trainer.tp x trainer.pp = {self.trainer.tp * self.trainer.pp}; "
-                              "change one of them")
-        trainer_devices = (self.cluster.devices if self.cluster.colocate else
-                           self.cluster.devices - (self.cluster.rollout_devices
-                                                   or self.cluster.devices // 2))
+            raise RecipeError(
+                f"cluster.devices={self.cluster.devices} is not a multiple of "
+                f"trainer.tp x trainer.pp = {self.trainer.tp * self.trainer.pp}; "
+                "change one of them"
+            )
+        trainer_devices = (
+            self.cluster.devices
+            if self.cluster.colocate
+            else self.cluster.devices - (self.cluster.rollout_devices or self.cluster.devices // 2)
+        )
         if not self.cluster.colocate and trainer_devices % (self.trainer.tp * self.trainer.pp):
-            raise RecipeError(f"cluster: {trainer_devices} trainer devices (cluster.devices - "
-                              "cluster.rollout_devices) is not a multiple of trainer.tp x "
-                              f"trainer.pp = {self.trainer.tp * self.trainer.pp}; change one")
+            raise RecipeError(
+                f"cluster: {trainer_devices} trainer devices (cluster.devices - "
+                "cluster.rollout_devices) is not a multiple of trainer.tp x "
+                f"trainer.pp = {self.trainer.tp * self.trainer.pp}; change one"
+            )
         samples = rollout.prompts_per_step * rollout.n
         if self.trainer.updates_per_rollout > samples:
-            raise RecipeError(f"trainer.updates_per_rollout={self.trainer.updates_per_rollout} "
-                              f"exceeds the {samples} samples per step (rollout.prompts_per_step "
-                              "x rollout.n); lower it")
+            raise RecipeError(
+                f"trainer.updates_per_rollout={self.trainer.updates_per_rollout} "
+                f"exceeds the {samples} samples per step (rollout.prompts_per_step "
+                "x rollout.n); lower it"
+            )
         if alg.advantage == "gae" and self.trainer.backend != "megatron":
-            raise RecipeError("algorithm.advantage=gae trains a critic, which the megatron "
-                              "backend provides; set trainer.backend: megatron")
-        if (self.trainer.backend == "deepspeed" and self.trainer.zero_stage == 3
-                and self.cluster.colocate and device_type(self.cluster.accelerator) == "cuda"):
-            raise RecipeError("trainer.zero_stage=3: colocated on GPU the trainer must offload "
-                              "its state for the engine, which deepspeed's ZeRO-3 cannot do with "
-                              "torch's Adam; use trainer.zero_stage 1 or 2, or "
-                              "cluster.colocate: false")
-        if (self.checkpoint.every_steps and self.trainer.backend == "deepspeed"
-                and self.trainer.zero_stage == 3):
-            raise RecipeError("checkpoint.every_steps: checkpoints of the deepspeed backend "
-                              "need trainer.zero_stage 1 or 2; lower it or set "
-                              "checkpoint.every_steps: 0")
+            raise RecipeError(
+                "algorithm.advantage=gae trains a critic, which the megatron "
+                "backend provides; set trainer.backend: megatron"
+            )
+        if (
+            self.trainer.backend == "deepspeed"
+            and self.trainer.zero_stage == 3
+            and self.cluster.colocate
+            and device_type(self.cluster.accelerator) == "cuda"
+        ):
+            raise RecipeError(
+                "trainer.zero_stage=3: colocated on GPU the trainer must offload "
+                "its state for the engine, which deepspeed's ZeRO-3 cannot do with "
+                "torch's Adam; use trainer.zero_stage 1 or 2, or "
+                "cluster.colocate: false"
+            )
+        if (
+            self.checkpoint.every_steps
+            and self.trainer.backend == "deepspeed"
+            and self.trainer.zero_stage == 3
+        ):
+            raise RecipeError(
+                "checkpoint.every_steps: checkpoints of the deepspeed backend "
+                "need trainer.zero_stage 1 or 2; lower it or set "
+                "checkpoint.every_steps: 0"
+            )
         if rollout.function == "tool_loop" and not self.data.chat_template:
-            raise RecipeError("rollout.function=tool_loop renders tool calls and results with "
-                              "the chat template; set data.chat_template: true")
+            raise RecipeError(
+                "rollout.function=tool_loop renders tool calls and results with "
+                "the chat template; set data.chat_template: true"
+            )
         total = rollout.max_trajectory_tokens
         if total is not None and total < rollout.max_new_tokens:
-            raise RecipeError(f"rollout.max_trajectory_tokens={total} is below "
-                              f"rollout.max_new_tokens={rollout.max_new_tokens} (one turn); "
-                              "raise it or lower rollout.max_new_tokens")
+            raise RecipeError(
+                f"rollout.max_trajectory_tokens={total} is below "
+                f"rollout.max_new_tokens={rollout.max_new_tokens} (one turn); "
+                "raise it or lower rollout.max_new_tokens"
+            )
         if total is not None and total >= self.trainer.max_tokens_per_micro_batch:
-            raise RecipeError(f"rollout.max_trajectory_tokens={total} leaves no room for a "
-                              "prompt in trainer.max_tokens_per_micro_batch="
-                              f"{self.trainer.max_tokens_per_micro_batch}; raise the latter")
+            raise RecipeError(
+                f"rollout.max_trajectory_tokens={total} leaves no room for a "
+                "prompt in trainer.max_tokens_per_micro_batch="
+                f"{self.trainer.max_tokens_per_micro_batch}; raise the latter"
+            )
         if rollout.max_new_tokens >= self.trainer.max_tokens_per_micro_batch:
-            raise RecipeError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for "
-                              "a prompt in trainer.max_tokens_per_micro_batch="
-                              f"{self.trainer.max_tokens_per_micro_batch}; raise the latter")
+            raise RecipeError(
+                f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for "
+                "a prompt in trainer.max_tokens_per_micro_batch="
+                f"{self.trainer.max_tokens_per_micro_batch}; raise the latter"
+            )
 
 
 def device_type(accelerator: str) -> str:
     """What `cluster.accelerator` resolves to on this machine: "cuda" or "cpu"."""
     if accelerator == "auto":
         import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return accelerator
 
@@ -398,8 +566,9 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
     return parsed
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[tuple[str, Any]]
-                    ) -> dict[str, Any]:
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Sequence[tuple[str, Any]]
+) -> dict[str, Any]:
     """A copy of the recipe mapping with each dotted key set (sections created as needed)."""
     out = copy.deepcopy(dict(data))
     for key, value in overrides:
@@ -410,9 +579,11 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[tuple[str, Any]
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                where = ".".join(parts[:depth + 1])
-                raise RecipeError(f"override {key}: {where} is a value, not a section; "
-                                  f"override {where}=... instead")
+                where = ".".join(parts[: depth + 1])
+                raise RecipeError(
+                    f"override {key}: {where} is a value, not a section; "
+                    f"override {where}=... instead"
+                )
             node = child
         node[parts[-1]] = value
     return out
@@ -423,26 +594,38 @@ def check_paths(recipe: Recipe) -> None:
     if recipe.model.path is not None:
         p = Path(recipe.model.path).expanduser()
         if not p.is_dir():
-            raise RecipeError(f"model.path={recipe.model.path!r}: no such directory; give a local "
-                              "Hugging Face model directory (or --no-path-check for a dry run)")
+            raise RecipeError(
+                f"model.path={recipe.model.path!r}: no such directory; give a local "
+                "Hugging Face model directory (or --no-path-check for a dry run)"
+            )
         if not (p / "config.json").is_file():
-            raise RecipeError(f"model.path={recipe.model.path!r} has no config.json; point it at "
-                              "a Hugging Face model directory")
+            raise RecipeError(
+                f"model.path={recipe.model.path!r} has no config.json; point it at "
+                "a Hugging Face model directory"
+            )
     draft = recipe.rollout.speculative_draft_model_path
     if draft is not None and not (Path(draft).expanduser() / "config.json").is_file():
-        raise RecipeError(f"rollout.speculative_draft_model_path={draft!r}: no Hugging Face model directory "
-                          "(config.json) there; give the local directory of the draft model")
+        raise RecipeError(
+            f"rollout.speculative_draft_model_path={draft!r}: no Hugging Face model directory "
+            "(config.json) there; give the local directory of the draft model"
+        )
     if recipe.data.path is not None and not Path(recipe.data.path).expanduser().is_file():
-        raise RecipeError(f"data.path={recipe.data.path!r}: no such file; give a local .jsonl / "
-                          ".parquet file (or --no-path-check for a dry run)")
+        raise RecipeError(
+            f"data.path={recipe.data.path!r}: no such file; give a local .jsonl / "
+            ".parquet file (or --no-path-check for a dry run)"
+        )
     from miles_like.rewards import resolve_reward
+
     resolve_reward(recipe.reward.function)
     from miles_like.preflight import check_machine  # it imports nothing from here
+
     check_machine(recipe)
     from miles_like.tools import load_tools
+
     load_tools(recipe.rollout.tools)
     if recipe.checkpoint.resume not in (False, "auto"):
         from miles_like.checkpoint import check_checkpoint_dir  # it imports nothing from here
+
         check_checkpoint_dir(Path(recipe.checkpoint.resume).expanduser(), "checkpoint.resume")
 
 
@@ -450,8 +633,9 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
     return from_dict(Recipe, data)
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = (), *,
-                check_paths_exist: bool = True) -> Recipe:
+def load_recipe(
+    path: str | Path, overrides: Sequence[str] = (), *, check_paths_exist: bool = True
+) -> Recipe:
     """Read a recipe YAML, apply dotted `key=value` overrides, validate. One RecipeError line on
     any problem. `check_paths_exist=False` skips the filesystem (model / data paths, user reward
     modules): for checking a recipe on a machine that lacks them."""
@@ -459,8 +643,10 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = (), *,
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise RecipeError(f"recipe {str(path)!r}: no such file; give the path of a recipe "
-                          "YAML, e.g. recipes/tiny_arith_grpo.yaml") from None
+        raise RecipeError(
+            f"recipe {str(path)!r}: no such file; give the path of a recipe "
+            "YAML, e.g. recipes/tiny_arith_grpo.yaml"
+        ) from None
     except OSError as e:
         raise RecipeError(f"recipe {str(path)!r}: cannot read it ({e.strerror})") from None
     try:
@@ -469,13 +655,16 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = (), *,
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or "syntax error"
-        raise RecipeError(f"recipe {str(path)!r}: invalid YAML{where}: {problem}; fix the "
-                          "syntax") from None
+        raise RecipeError(
+            f"recipe {str(path)!r}: invalid YAML{where}: {problem}; fix the syntax"
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(f"recipe {str(path)!r}: the top level must be a mapping of sections "
-                          "(model:, data:, rollout:, ...)")
+        raise RecipeError(
+            f"recipe {str(path)!r}: the top level must be a mapping of sections "
+            "(model:, data:, rollout:, ...)"
+        )
     recipe = recipe_from_dict(apply_overrides(data, parse_overrides(overrides)))
     if check_paths_exist:
         check_paths(recipe)

@@ -38,8 +38,8 @@ _READY = "ready"
 
 
 class Scored(NamedTuple):
-    value: float   # 0.0 unless status == "ok"
-    status: str    # "ok" | "error" (raised, not a number, or the worker died) | "nan" | "timeout"
+    value: float  # 0.0 unless status == "ok"
+    status: str  # "ok" | "error" (raised, not a number, or the worker died) | "nan" | "timeout"
 
 
 def score_value(value: object) -> Scored:
@@ -49,7 +49,7 @@ def score_value(value: object) -> Scored:
         return Scored(0.0, "error")
     try:
         x = float(value)
-    except (OverflowError, ValueError, TypeError):   # e.g. an int too large for a float
+    except (OverflowError, ValueError, TypeError):  # e.g. an int too large for a float
         return Scored(0.0, "error")
     if not math.isfinite(x) or abs(x) > MAX_ABS_REWARD:
         return Scored(0.0, "nan")
@@ -61,23 +61,24 @@ def _serve(conn: Connection, spec: str, preload: str | None) -> None:
     import importlib
 
     from miles_like.rewards import resolve_reward
+
     try:
         fn = resolve_reward(spec)
         if preload is not None:
             importlib.import_module(preload)
-    except BaseException as e:   # reported to the controller, which raises it there
+    except BaseException as e:  # reported to the controller, which raises it there
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(_READY)
     while True:
         try:
             job = conn.recv()
-        except (EOFError, OSError):   # the controller closed the pool or died
+        except (EOFError, OSError):  # the controller closed the pool or died
             return
         index, prompt, response, answer = job
         try:
             scored = score_value(fn(prompt, response, answer))
-        except (Exception, SystemExit):   # a user function's failure is a sample's 0, counted
+        except (Exception, SystemExit):  # a user function's failure is a sample's 0, counted
             scored = Scored(0.0, "error")
         conn.send((index, *scored))
 
@@ -85,13 +86,14 @@ def _serve(conn: Connection, spec: str, preload: str | None) -> None:
 class _Worker:
     def __init__(self, ctx, spec: str, preload: str | None):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec, preload), daemon=True,
-                                name="reward-worker")
+        self.proc = ctx.Process(
+            target=_serve, args=(child, spec, preload), daemon=True, name="reward-worker"
+        )
         self.proc.start()
-        child.close()   # the child holds the other end: its exit is EOF here
+        child.close()  # the child holds the other end: its exit is EOF here
         self.ready = False
         self.started = time.monotonic()
-        self.job: tuple[int, float] | None = None   # (sample index, deadline) while busy
+        self.job: tuple[int, float] | None = None  # (sample index, deadline) while busy
 
     def kill(self) -> None:
         # Our child is never reaped by anyone else, so its pid cannot have been reused: the
@@ -113,13 +115,14 @@ class RewardPool:
 
     def __init__(self, spec: str, size: int, timeout_s: float, preload: str | None = None):
         if size < 1 or timeout_s <= 0:
-            raise ValueError(f"RewardPool: size={size}, timeout_s={timeout_s}; use size >= 1 "
-                             "and timeout_s > 0")
+            raise ValueError(
+                f"RewardPool: size={size}, timeout_s={timeout_s}; use size >= 1 and timeout_s > 0"
+            )
         self.spec, self.size, self.timeout_s, self.preload = spec, size, timeout_s, preload
         self._ctx = multiprocessing.get_context("spawn")
         self._workers = [self._start() for _ in range(size)]
-        self._lock = threading.Lock()   # one batch at a time: replies are matched by index
-        self.replaced = 0               # workers killed (timeout) or dead (crash), replaced
+        self._lock = threading.Lock()  # one batch at a time: replies are matched by index
+        self.replaced = 0  # workers killed (timeout) or dead (crash), replaced
 
     def _start(self) -> _Worker:
         return _Worker(self._ctx, self.spec, self.preload)
@@ -134,20 +137,23 @@ class RewardPool:
             w.kill()
         self._workers = []
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str],
-              answers: Sequence[str]) -> PoolCounts:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str]
+    ) -> PoolCounts:
         with self._lock:
             if not self._workers:
                 raise RuntimeError("RewardPool.score after close()")
             try:
                 results = self._run(list(zip(prompts, responses, answers)))
             except BaseException:
-                self.close()   # replies still in flight must not reach another batch
+                self.close()  # replies still in flight must not reach another batch
                 raise
-        return PoolCounts([r.value for r in results],
-                          sum(r.status == "error" for r in results),
-                          sum(r.status == "nan" for r in results),
-                          sum(r.status == "timeout" for r in results))
+        return PoolCounts(
+            [r.value for r in results],
+            sum(r.status == "error" for r in results),
+            sum(r.status == "nan" for r in results),
+            sum(r.status == "timeout" for r in results),
+        )
 
     def _run(self, jobs: list[tuple[str, str, str]]) -> list[Scored]:
         results: list[Scored | None] = [None] * len(jobs)
@@ -159,13 +165,16 @@ class RewardPool:
                     index = todo[0]
                     try:
                         w.conn.send((index, *jobs[index]))
-                    except OSError:   # it died idle (killed from outside): replace it, retry
+                    except OSError:  # it died idle (killed from outside): replace it, retry
                         self._replace(i)
                         continue
                     todo.popleft()
                     w.job = (index, now + self.timeout_s)
-            deadlines = [w.job[1] if w.job else w.started + STARTUP_TIMEOUT_S
-                         for w in self._workers if w.job or not w.ready]
+            deadlines = [
+                w.job[1] if w.job else w.started + STARTUP_TIMEOUT_S
+                for w in self._workers
+                if w.job or not w.ready
+            ]
             wait_s = max(0.0, min(deadlines) - now) if deadlines else None
             ready = set(wait([w.conn for w in self._workers], wait_s))
             for i, w in enumerate(self._workers):
@@ -173,19 +182,22 @@ class RewardPool:
                     continue
                 try:
                     message = w.conn.recv()
-                except (EOFError, OSError):   # the worker died: a crash in the function
+                except (EOFError, OSError):  # the worker died: a crash in the function
                     if w.job is not None:
                         results[w.job[0]] = Scored(0.0, "error")
                     elif not w.ready:
-                        raise RuntimeError(f"reward.function={self.spec!r}: a reward worker "
-                                           "died while starting") from None
+                        raise RuntimeError(
+                            f"reward.function={self.spec!r}: a reward worker died while starting"
+                        ) from None
                     self._replace(i)
                     continue
                 if message == _READY:
                     w.ready = True
                 elif message[0] == "failed":
-                    raise RuntimeError(f"reward.function={self.spec!r}: a reward worker could "
-                                       f"not load it: {message[1]}")
+                    raise RuntimeError(
+                        f"reward.function={self.spec!r}: a reward worker could "
+                        f"not load it: {message[1]}"
+                    )
                 else:
                     index, value, status = message
                     results[index] = Scored(value, status)
@@ -196,9 +208,11 @@ class RewardPool:
                     results[w.job[0]] = Scored(0.0, "timeout")
                     self._replace(i)
                 elif not w.ready and now >= w.started + STARTUP_TIMEOUT_S:
-                    raise RuntimeError(f"reward.function={self.spec!r}: a reward worker did not "
-                                       f"start within {STARTUP_TIMEOUT_S:.0f} s")
-        return results   # type: ignore[return-value]
+                    raise RuntimeError(
+                        f"reward.function={self.spec!r}: a reward worker did not "
+                        f"start within {STARTUP_TIMEOUT_S:.0f} s"
+                    )
+        return results  # type: ignore[return-value]
 
 
 _pool: RewardPool | None = None
@@ -210,8 +224,11 @@ def shared_pool(spec: str, size: int, timeout_s: float, preload: str | None) -> 
     is closed first (one set of workers at a time)."""
     global _pool
     with _pool_lock:
-        if _pool is not None and (_pool.spec, _pool.size, _pool.timeout_s) != (spec, size,
-                                                                               timeout_s):
+        if _pool is not None and (_pool.spec, _pool.size, _pool.timeout_s) != (
+            spec,
+            size,
+            timeout_s,
+        ):
             _pool.close()
             _pool = None
         if _pool is None or not _pool._workers:

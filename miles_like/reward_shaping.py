@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int,
-                     factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
     """DAPO soft overlong punishment, added to the reward: 0 up to `max_new_tokens - buffer`
     tokens, then falling linearly to `-factor` at `max_new_tokens` (and staying there).
     `buffer == 0` disables it."""
@@ -17,8 +18,9 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int,
     if buffer == 0:
         return torch.zeros_like(lengths)
     if not 0 < buffer < max_new_tokens:
-        raise ValueError(f"overlong buffer={buffer}: use a value in [0, max_new_tokens="
-                         f"{max_new_tokens})")
+        raise ValueError(
+            f"overlong buffer={buffer}: use a value in [0, max_new_tokens={max_new_tokens})"
+        )
     start = max_new_tokens - buffer
     return -factor * ((lengths - start) / buffer).clamp(min=0.0, max=1.0)
 

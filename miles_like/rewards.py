@@ -43,7 +43,7 @@ def arith_reward(prompt: str, response: str, answer: str) -> float:
     return arith.score(response, answer)
 
 
-MATH_VERIFY_TIMEOUT_S = 5   # per parse and per comparison (math-verify's own default)
+MATH_VERIFY_TIMEOUT_S = 5  # per parse and per comparison (math-verify's own default)
 
 
 def math_reward(prompt: str, response: str, answer: str) -> float:
@@ -80,8 +80,10 @@ def check_spec(spec: str) -> None:
     near = closest(spec, list(BUILTIN_REWARDS)) if ":" not in spec else None
     if near is not None:
         raise RecipeError(f"{SPEC_FIELD}={spec!r} is not a built-in; did you mean {near}?")
-    raise RecipeError(f"{SPEC_FIELD}={spec!r}: use a built-in ({' | '.join(BUILTIN_REWARDS)}) "
-                      "or module:function, e.g. my_rewards:score")
+    raise RecipeError(
+        f"{SPEC_FIELD}={spec!r}: use a built-in ({' | '.join(BUILTIN_REWARDS)}) "
+        "or module:function, e.g. my_rewards:score"
+    )
 
 
 def resolve_reward(spec: str) -> RewardFn:
@@ -94,27 +96,35 @@ def resolve_reward(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise RecipeError(f"{SPEC_FIELD}={spec!r}: cannot import module {e.name!r}; put it on "
-                          "PYTHONPATH or fix the name") from None
+        raise RecipeError(
+            f"{SPEC_FIELD}={spec!r}: cannot import module {e.name!r}; put it on "
+            "PYTHONPATH or fix the name"
+        ) from None
     except Exception as e:  # the user's module failed while importing
-        raise RecipeError(f"{SPEC_FIELD}={spec!r}: importing {module_name!r} raised "
-                          f"{type(e).__name__}: {e}; fix that module") from None
+        raise RecipeError(
+            f"{SPEC_FIELD}={spec!r}: importing {module_name!r} raised "
+            f"{type(e).__name__}: {e}; fix that module"
+        ) from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise RecipeError(f"{SPEC_FIELD}={spec!r}: module {module_name!r} has no {attr!r}; "
-                              "fix the function name")
+            raise RecipeError(
+                f"{SPEC_FIELD}={spec!r}: module {module_name!r} has no {attr!r}; "
+                "fix the function name"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
-        raise RecipeError(f"{SPEC_FIELD}={spec!r}: {attr!r} is not callable; name a function "
-                          "fn(prompt, response, answer) -> float")
+        raise RecipeError(
+            f"{SPEC_FIELD}={spec!r}: {attr!r} is not callable; name a function "
+            "fn(prompt, response, answer) -> float"
+        )
     return obj
 
 
 class RewardResult(NamedTuple):
-    scores: list[float]   # one per sample, in input order; 0.0 where the function failed
-    num_errors: int       # calls that raised, returned something not a number, or crashed
-    num_nan: int          # calls that returned NaN, +-inf or beyond +-MAX_ABS_REWARD
+    scores: list[float]  # one per sample, in input order; 0.0 where the function failed
+    num_errors: int  # calls that raised, returned something not a number, or crashed
+    num_nan: int  # calls that returned NaN, +-inf or beyond +-MAX_ABS_REWARD
     num_timeouts: int = 0  # calls that outlived timeout_s (their worker killed and replaced)
 
 
@@ -127,12 +137,16 @@ def spec_of(fn: RewardFn) -> str:
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     spec = f"{module}:{qualname}"
     if module is None or module == "__main__" or not _SPEC_RE.fullmatch(spec):
-        raise ValueError(f"reward function {fn!r} runs in worker processes, which import it by "
-                         "name: define it at module level in an importable module (not a "
-                         "closure, lambda or __main__) and name it module:function")
+        raise ValueError(
+            f"reward function {fn!r} runs in worker processes, which import it by "
+            "name: define it at module level in an importable module (not a "
+            "closure, lambda or __main__) and name it module:function"
+        )
     if resolve_reward(spec) is not fn:
-        raise ValueError(f"reward function {fn!r}: {spec} names another object (a bound method?); "
-                         "give a module-level function")
+        raise ValueError(
+            f"reward function {fn!r}: {spec} names another object (a bound method?); "
+            "give a module-level function"
+        )
     return spec
 
 
@@ -141,14 +155,21 @@ _PRELOAD = {"math": "math_verify"}
 DEFAULT_TIMEOUT_S = 30.0
 
 
-def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
-                    answers: Sequence[str], max_workers: int = 8,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardResult:
+def compute_rewards(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    answers: Sequence[str],
+    max_workers: int = 8,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> RewardResult:
     """Score every (prompt, response, answer) on a persistent pool of `max_workers` worker
     processes (`reward_pool.py`), each call bounded by `timeout_s`."""
     if not len(prompts) == len(responses) == len(answers):
-        raise ValueError(f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses, "
-                         f"{len(answers)} answers; give one of each per sample")
+        raise ValueError(
+            f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses, "
+            f"{len(answers)} answers; give one of each per sample"
+        )
     if max_workers < 1:
         raise ValueError(f"compute_rewards: max_workers={max_workers}; use >= 1")
     if not prompts:

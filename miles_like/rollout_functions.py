@@ -12,16 +12,20 @@ from typing import Any
 from miles_like.schema import RecipeError
 
 SPEC_FIELD = "rollout.function"
-BUILTIN_ROLLOUTS = {"single_turn": "miles_like.single_turn:single_turn",
-                    "tool_loop": "miles_like.tool_loop:tool_loop"}
+BUILTIN_ROLLOUTS = {
+    "single_turn": "miles_like.single_turn:single_turn",
+    "tool_loop": "miles_like.tool_loop:tool_loop",
+}
 _SPEC_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 def check_rollout_spec(spec: str) -> None:
     if spec in BUILTIN_ROLLOUTS or _SPEC_RE.fullmatch(spec):
         return
-    raise RecipeError(f"{SPEC_FIELD}={spec!r}: use a built-in ({' | '.join(BUILTIN_ROLLOUTS)}) "
-                      "or module:function, e.g. my_agent:rollout")
+    raise RecipeError(
+        f"{SPEC_FIELD}={spec!r}: use a built-in ({' | '.join(BUILTIN_ROLLOUTS)}) "
+        "or module:function, e.g. my_agent:rollout"
+    )
 
 
 def resolve_rollout_function(spec: str) -> Callable[..., Any]:
@@ -31,18 +35,26 @@ def resolve_rollout_function(spec: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise RecipeError(f"{SPEC_FIELD}={spec!r}: cannot import module {e.name!r}; put it on "
-                          "PYTHONPATH or fix the name") from None
+        raise RecipeError(
+            f"{SPEC_FIELD}={spec!r}: cannot import module {e.name!r}; put it on "
+            "PYTHONPATH or fix the name"
+        ) from None
     except Exception as e:  # noqa: BLE001 (the user's module failed while importing)
-        raise RecipeError(f"{SPEC_FIELD}={spec!r}: importing {module_name!r} raised "
-                          f"{type(e).__name__}: {e}; fix that module") from None
+        raise RecipeError(
+            f"{SPEC_FIELD}={spec!r}: importing {module_name!r} raised "
+            f"{type(e).__name__}: {e}; fix that module"
+        ) from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise RecipeError(f"{SPEC_FIELD}={spec!r}: module {module_name!r} has no {attr!r}; "
-                              "fix the function name")
+            raise RecipeError(
+                f"{SPEC_FIELD}={spec!r}: module {module_name!r} has no {attr!r}; "
+                "fix the function name"
+            )
         obj = getattr(obj, part)
     if not asyncio.iscoroutinefunction(obj):
-        raise RecipeError(f"{SPEC_FIELD}={spec!r}: {attr!r} is not an async function; define "
-                          "async def fn(ctx, problem) -> list[Trajectory]")
+        raise RecipeError(
+            f"{SPEC_FIELD}={spec!r}: {attr!r} is not an async function; define "
+            "async def fn(ctx, problem) -> list[Trajectory]"
+        )
     return obj

@@ -43,9 +43,9 @@ from miles_like.trajectory import Trajectory
 
 class Group(NamedTuple):
     problem: Problem
-    trajectories: list[Trajectory]   # the n trajectories of this prompt
-    scores: list[float]      # the reward function's scores (or the trajectories' own rewards)
-    rewards: list[float]     # what the advantages see: scores + shaping
+    trajectories: list[Trajectory]  # the n trajectories of this prompt
+    scores: list[float]  # the reward function's scores (or the trajectories' own rewards)
+    rewards: list[float]  # what the advantages see: scores + shaping
 
 
 class Rollout(NamedTuple):
@@ -56,11 +56,11 @@ class Rollout(NamedTuple):
 class PendingRollout(NamedTuple):
     step: int
     problems: list[Problem]
-    future: concurrent.futures.Future   # -> (trajectories per problem, tallies)
-    inbox: queue.SimpleQueue            # engine replacements asked for; None when done
+    future: concurrent.futures.Future  # -> (trajectories per problem, tallies)
+    inbox: queue.SimpleQueue  # engine replacements asked for; None when done
     dispatch: Dispatch
     started: float
-    consumed_before: int     # the prompt source's position before this rollout drew its prompts
+    consumed_before: int  # the prompt source's position before this rollout drew its prompts
 
 
 def _split(n: int, parts: int) -> list[range]:
@@ -83,10 +83,21 @@ class RolloutManager:
     raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn).
     `tokenizer` is the run's `HFTokenizer`; rollout functions get its transformers `.tok`."""
 
-    def __init__(self, recipe, engines: list, tokenizer, reward_fn, source: PromptSource, *,
-                 rollout_fn, context_len: int, vocab_size: int,
-                 restart_engine: Callable[[int], object] | None = None, log=print,
-                 front=None):
+    def __init__(
+        self,
+        recipe,
+        engines: list,
+        tokenizer,
+        reward_fn,
+        source: PromptSource,
+        *,
+        rollout_fn,
+        context_len: int,
+        vocab_size: int,
+        restart_engine: Callable[[int], object] | None = None,
+        log=print,
+        front=None,
+    ):
         self.recipe = recipe
         self.engines = engines
         self.tokenizer = tokenizer
@@ -95,15 +106,21 @@ class RolloutManager:
         self.context_len, self.vocab_size = context_len, vocab_size
         self.restart_engine = restart_engine
         self.log = log
-        self.front = front   # http_front.HttpFront with rollout.serve_http, else None
+        self.front = front  # http_front.HttpFront with rollout.serve_http, else None
         self.spec = recipe.rollout.function
-        self.rollout_fn = rollout_fn   # what the spec names (rollout_functions.py)
+        self.rollout_fn = rollout_fn  # what the spec names (rollout_functions.py)
         r = recipe.rollout
         # one pool for the run: its worker processes outlive steps (tools.py)
-        self.tool_pool = (ToolPool(load_tools(r.tools), workers=r.tool_workers,
-                                   timeout_s=r.tool_timeout_s,
-                                   max_output_chars=r.tool_output_max_chars)
-                          if r.tools else None)
+        self.tool_pool = (
+            ToolPool(
+                load_tools(r.tools),
+                workers=r.tool_workers,
+                timeout_s=r.tool_timeout_s,
+                max_output_chars=r.tool_output_max_chars,
+            )
+            if r.tools
+            else None
+        )
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="rollouts", daemon=True).start()
 
@@ -117,24 +134,29 @@ class RolloutManager:
         rng = random.Random(f"{self.recipe.seed}/{step}/{round_}")
         return [sampling_params(self.recipe, seed=rng.getrandbits(62)) for _ in range(k)]
 
-    def launch(self, step: int, problems: list[Problem] | None = None,
-               round_: int = 0) -> PendingRollout:
+    def launch(
+        self, step: int, problems: list[Problem] | None = None, round_: int = 0
+    ) -> PendingRollout:
         """Start the rollout (non-blocking) of `problems`, default the next batch of prompts."""
         consumed_before = self.source.consumed
         if problems is None:
             problems = self.source.next_batch(self.recipe.rollout.prompts_per_step)
         params = self._params(step, round_, len(problems))
         # empty shares (fewer prompts than engines) are the last ones: share i is engine i's
-        home = {k: i for i, share in enumerate(_split(len(problems), len(self.engines)))
-                for k in share}
+        home = {
+            k: i for i, share in enumerate(_split(len(problems), len(self.engines))) for k in share
+        }
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        dispatch = Dispatch(self.engines, self.recipe.cluster.call_timeout_s,
-                            replace=self._replacer(inbox))
+        dispatch = Dispatch(
+            self.engines, self.recipe.cluster.call_timeout_s, replace=self._replacer(inbox)
+        )
         future = asyncio.run_coroutine_threadsafe(
-            self._run(problems, params, home, dispatch), self._loop)
+            self._run(problems, params, home, dispatch), self._loop
+        )
         future.add_done_callback(lambda _: inbox.put(None))
-        return PendingRollout(step, problems, future, inbox, dispatch, time.perf_counter(),
-                              consumed_before)
+        return PendingRollout(
+            step, problems, future, inbox, dispatch, time.perf_counter(), consumed_before
+        )
 
     def _replacer(self, inbox: queue.SimpleQueue):
         async def replace(i: int, died: ActorDied, requests: int) -> None:
@@ -143,37 +165,49 @@ class RolloutManager:
             done = asyncio.get_running_loop().create_future()
             inbox.put((i, died, requests, done))
             await done
+
         return replace
 
-    async def _run(self, problems: list[Problem], params: list, home: dict[int, int],
-                   dispatch: Dispatch) -> tuple[list[list[Trajectory]], Counter]:
+    async def _run(
+        self, problems: list[Problem], params: list, home: dict[int, int], dispatch: Dispatch
+    ) -> tuple[list[list[Trajectory]], Counter]:
         r = self.recipe.rollout
         tallies: Counter = Counter()
 
         async def group(k: int) -> list[Trajectory]:
-            ctx = RolloutContext(problem=problems[k], params=params[k], dispatch=dispatch,
-                                 replica=home[k], tokenizer=self.tokenizer.tok,
-                                 context_len=self.context_len, vocab_size=self.vocab_size,
-                                 reward_fn=self.reward_fn,
-                                 reward_timeout_s=self.recipe.reward.timeout_s,
-                                 reward_workers=self.recipe.reward.max_workers,
-                                 tools=r.tools, max_turns=r.max_turns,
-                                 base_url=self.front.base_url if self.front else None,
-                                 tool_pool=self.tool_pool, settings=r)
+            ctx = RolloutContext(
+                problem=problems[k],
+                params=params[k],
+                dispatch=dispatch,
+                replica=home[k],
+                tokenizer=self.tokenizer.tok,
+                context_len=self.context_len,
+                vocab_size=self.vocab_size,
+                reward_fn=self.reward_fn,
+                reward_timeout_s=self.recipe.reward.timeout_s,
+                reward_workers=self.recipe.reward.max_workers,
+                tools=r.tools,
+                max_turns=r.max_turns,
+                base_url=self.front.base_url if self.front else None,
+                tool_pool=self.tool_pool,
+                settings=r,
+            )
             try:
                 out = await self.rollout_fn(ctx, problems[k])
                 self._check_group(out, ctx.n)
             except Exception as e:
-                if dispatch.failure is not None:   # an engine's failure, not the function's
+                if dispatch.failure is not None:  # an engine's failure, not the function's
                     raise dispatch.failure from None
-                raise RolloutFailed(f"{self._failure(problems[k])}: {_where(e)}"
-                                    f"{type(e).__name__}: {e}") from e
+                raise RolloutFailed(
+                    f"{self._failure(problems[k])}: {_where(e)}{type(e).__name__}: {e}"
+                ) from e
             tallies.update(ctx.tallies)
             return out
 
-        if self.front is not None:   # agent code may call the endpoints: open the window
-            await asyncio.gather(*(asyncio.wrap_future(e.open.remote().future())
-                                   for e in self.engines))
+        if self.front is not None:  # agent code may call the endpoints: open the window
+            await asyncio.gather(
+                *(asyncio.wrap_future(e.open.remote().future()) for e in self.engines)
+            )
         # created in prompt order: every group's first request is queued before any is sent
         tasks = [asyncio.ensure_future(group(k)) for k in range(len(problems))]
         try:
@@ -191,17 +225,21 @@ class RolloutManager:
 
     def _check_group(self, out, n: int) -> None:
         if not isinstance(out, list) or len(out) != n:
-            raise ValueError(f"returned {type(out).__name__} of "
-                             f"{len(out) if hasattr(out, '__len__') else '?'} items; return a "
-                             f"list of rollout.n={n} Trajectory")
+            raise ValueError(
+                f"returned {type(out).__name__} of "
+                f"{len(out) if hasattr(out, '__len__') else '?'} items; return a "
+                f"list of rollout.n={n} Trajectory"
+            )
         for j, t in enumerate(out):
             if not isinstance(t, Trajectory):
                 raise TypeError(f"item {j} is a {type(t).__name__}, not a Trajectory")
             try:
                 t.check()
                 if len(t.token_ids) > self.context_len:
-                    raise ValueError(f"{len(t.token_ids)} tokens exceed the context of "
-                                     f"{self.context_len} (check ctx.room before a turn)")
+                    raise ValueError(
+                        f"{len(t.token_ids)} tokens exceed the context of "
+                        f"{self.context_len} (check ctx.room before a turn)"
+                    )
             except (TypeError, ValueError) as e:
                 raise type(e)(f"trajectory {j}: {e}") from None
 
@@ -218,7 +256,8 @@ class RolloutManager:
                     raise RolloutFailed(
                         f"rollout.function={self.spec!r}: no progress within {timeout:g} s "
                         "(cluster.call_timeout_s); a rollout function is hung, or the "
-                        "timeout is too small") from None
+                        "timeout is too small"
+                    ) from None
                 continue
             if msg is None:
                 return pending.future.result()
@@ -244,31 +283,47 @@ class RolloutManager:
         return groups, tallies
 
     # --------------------------------------------------------------------------------- scoring
-    def _score(self, problems: list[Problem], trajectories: list[list[Trajectory]]
-               ) -> tuple[list[Group], dict]:
+    def _score(
+        self, problems: list[Problem], trajectories: list[list[Trajectory]]
+    ) -> tuple[list[Group], dict]:
         """Groups with scores and shaped rewards, and the reward function's failure counts. A
         trajectory's own reward stands; the others are scored on their `response_text`."""
         r = self.recipe
-        unscored = [(p, t) for p, group in zip(problems, trajectories) for t in group
-                    if t.reward is None]
-        result = compute_rewards(self.reward_fn, [p.prompt for p, _ in unscored],
-                                 [t.response_text for _, t in unscored],
-                                 [p.answer for p, _ in unscored], max_workers=r.reward.max_workers,
-                                 timeout_s=r.reward.timeout_s)
+        unscored = [
+            (p, t) for p, group in zip(problems, trajectories) for t in group if t.reward is None
+        ]
+        result = compute_rewards(
+            self.reward_fn,
+            [p.prompt for p, _ in unscored],
+            [t.response_text for _, t in unscored],
+            [p.answer for p, _ in unscored],
+            max_workers=r.reward.max_workers,
+            timeout_s=r.reward.timeout_s,
+        )
         computed = iter(result.scores)
-        flat = [t.reward if t.reward is not None else next(computed)
-                for group in trajectories for t in group]
+        flat = [
+            t.reward if t.reward is not None else next(computed)
+            for group in trajectories
+            for t in group
+        ]
         lengths = torch.tensor([t.sampled_tokens for g in trajectories for t in g])
-        penalty = overlong_penalty(lengths, r.rollout.max_new_tokens,
-                                   r.algorithm.overlong_buffer, r.algorithm.overlong_penalty)
+        penalty = overlong_penalty(
+            lengths,
+            r.rollout.max_new_tokens,
+            r.algorithm.overlong_buffer,
+            r.algorithm.overlong_penalty,
+        )
         groups, k, n = [], 0, r.rollout.n
         for p, group in zip(problems, trajectories):
-            scores = flat[k:k + n]
+            scores = flat[k : k + n]
             rewards = [s + float(penalty[k + j]) for j, s in enumerate(scores)]
             groups.append(Group(p, group, scores, rewards))
             k += n
-        return groups, {"reward_errors": result.num_errors, "reward_nan": result.num_nan,
-                        "reward_timeouts": result.num_timeouts}
+        return groups, {
+            "reward_errors": result.num_errors,
+            "reward_nan": result.num_nan,
+            "reward_timeouts": result.num_timeouts,
+        }
 
     # ---------------------------------------------------------------------------------- finish
     def finish(self, pending: PendingRollout) -> Rollout:
@@ -279,10 +334,15 @@ class RolloutManager:
         if r.algorithm.dynamic_sampling:
             kept = self._informative(generated)
             tallies["dropped_groups"] += len(generated) - len(kept)
-            while (len(kept) < r.rollout.prompts_per_step
-                   and rounds <= r.algorithm.dynamic_sampling_max_rounds):
-                more = self.launch(pending.step, self.source.next_batch(
-                    r.rollout.prompts_per_step - len(kept)), round_=rounds)
+            while (
+                len(kept) < r.rollout.prompts_per_step
+                and rounds <= r.algorithm.dynamic_sampling_max_rounds
+            ):
+                more = self.launch(
+                    pending.step,
+                    self.source.next_batch(r.rollout.prompts_per_step - len(kept)),
+                    round_=rounds,
+                )
                 extra, t = self._collect(more)
                 tallies.update(t)
                 informative = self._informative(extra)
@@ -290,24 +350,29 @@ class RolloutManager:
                 generated, kept = generated + extra, kept + informative
                 rounds += 1
             # nothing informative after every round: train on what there is (zero advantages)
-            kept = kept[:r.rollout.prompts_per_step] or generated[:r.rollout.prompts_per_step]
+            kept = kept[: r.rollout.prompts_per_step] or generated[: r.rollout.prompts_per_step]
         seconds = time.perf_counter() - pending.started
         metrics = self._metrics(generated)
         hits, computed = tallies["prefix_cache_hit_tokens"], tallies["prefill_tokens_computed"]
         later_hits = tallies["prefix_cache_hit_tokens_turn2plus"]
         later_computed = tallies["prefill_tokens_computed_turn2plus"]
-        metrics.update(reward_errors=tallies["reward_errors"], reward_nan=tallies["reward_nan"],
-                       reward_timeouts=tallies["reward_timeouts"],
-                       generated_tokens=tallies["generated_tokens"],
-                       tokens_per_s=tallies["generated_tokens"] / max(seconds, 1e-9),
-                       prefix_cache_hit_rate=hits / max(hits + computed, 1),
-                       prefix_cache_hit_rate_turn2plus=later_hits / max(
-                           later_hits + later_computed, 1),
-                       samples=sum(len(g.trajectories) for g in kept),
-                       engine_restarts=tallies["engine_restarts"])
+        metrics.update(
+            reward_errors=tallies["reward_errors"],
+            reward_nan=tallies["reward_nan"],
+            reward_timeouts=tallies["reward_timeouts"],
+            generated_tokens=tallies["generated_tokens"],
+            tokens_per_s=tallies["generated_tokens"] / max(seconds, 1e-9),
+            prefix_cache_hit_rate=hits / max(hits + computed, 1),
+            prefix_cache_hit_rate_turn2plus=later_hits / max(later_hits + later_computed, 1),
+            samples=sum(len(g.trajectories) for g in kept),
+            engine_restarts=tallies["engine_restarts"],
+        )
         if r.algorithm.dynamic_sampling:
-            metrics.update(dynamic_rounds=rounds, dynamic_dropped_groups=tallies["dropped_groups"],
-                           dynamic_kept_groups=len(kept))
+            metrics.update(
+                dynamic_rounds=rounds,
+                dynamic_dropped_groups=tallies["dropped_groups"],
+                dynamic_kept_groups=len(kept),
+            )
         return Rollout(kept, metrics)
 
     @staticmethod
@@ -325,8 +390,9 @@ class RolloutManager:
         scores = torch.tensor([g.scores for g in groups], dtype=torch.float64)
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
         trajectories = [t for g in groups for t in g.trajectories]
-        lengths = torch.tensor([[t.response_len for t in g.trajectories] for g in groups],
-                               dtype=torch.float64)
+        lengths = torch.tensor(
+            [[t.response_len for t in g.trajectories] for g in groups], dtype=torch.float64
+        )
         truncated = sum(t.finish_reason == "length" for t in trajectories)
         out = {
             "reward_mean": float(scores.mean()),
@@ -337,7 +403,8 @@ class RolloutManager:
             "response_len_max": float(lengths.max()),
             "truncated_frac": truncated / lengths.numel(),
             "loss_mask_frac": sum(t.sampled_tokens for t in trajectories) / float(lengths.sum()),
-            "turns_mean": 1.0, "tool_calls_mean": 0.0,
+            "turns_mean": 1.0,
+            "tool_calls_mean": 0.0,
             **{k: 0.0 for k in COUNT_METRICS},
         }
         for key in sorted({k for t in trajectories for k in t.metrics}):

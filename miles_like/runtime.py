@@ -16,15 +16,15 @@ from pathlib import Path
 import ray
 
 from miles_like import checkpoint, placement
-from miles_like.calls import Call, call, each, gather
 from miles_like.build_configs import critic_config, engine_config, trainer_config
+from miles_like.calls import Call, call, each, gather
 from miles_like.data import PromptSource
 from miles_like.http_front import HttpFront
 from miles_like.model_store import base_model_dir, read_model_files, write_model_files
 from miles_like.rewards import resolve_reward
-from miles_like.schema import RecipeError
 from miles_like.rollout_functions import resolve_rollout_function
 from miles_like.rollout_manager import RolloutManager
+from miles_like.schema import RecipeError
 from miles_like.tokenizer import load_tokenizer
 from miles_like.warm_start import warm_start
 from weight_sync import DEFAULT_BUCKET_BYTES
@@ -46,9 +46,11 @@ def _check_same_layout(recipe, state: dict, ranks: int) -> None:
     now = _trainer_layout(recipe, ranks)
     then = {k: state[k] for k in now}
     if now != then:
-        raise RecipeError(f"checkpoint.resume: the checkpoint was written with {then}, this "
-                          f"recipe gives {now}; resume with the same cluster.devices, "
-                          "cluster.rollout_devices and trainer.tp / pp / backend")
+        raise RecipeError(
+            f"checkpoint.resume: the checkpoint was written with {then}, this "
+            f"recipe gives {now}; resume with the same cluster.devices, "
+            "cluster.rollout_devices and trainer.tp / pp / backend"
+        )
 
 
 def _bucket_bytes(model_dir: Path) -> int:
@@ -65,13 +67,12 @@ class Runtime:
     engine that dies during a rollout is replaced (`restart_engine`); any other actor death
     raises `calls.ActorDied` for the loop to stop the run."""
 
-    def __init__(self, recipe, log=print, resume: Path | None = None,
-                 state: dict | None = None):
+    def __init__(self, recipe, log=print, resume: Path | None = None, state: dict | None = None):
         self.recipe = recipe
         self.log = log
         self.timeout_s = recipe.cluster.call_timeout_s
         self.layout = placement.plan(recipe.cluster)
-        self.tag = uuid.uuid4().hex[:8]   # this run's actor names: miles_like.{tag}.*
+        self.tag = uuid.uuid4().hex[:8]  # this run's actor names: miles_like.{tag}.*
         self.resume, self.state = resume, state
         self.weight_version = state["weight_version"] if state else 0  # syncs into the engines
         self.engine_restarts = 0
@@ -83,23 +84,29 @@ class Runtime:
         except ValueError as e:
             raise RecipeError(str(e)) from None
         hf = json.loads((base_dir / "config.json").read_text())
-        context = min(hf.get("max_position_embeddings", 1 << 30),
-                      recipe.trainer.max_tokens_per_micro_batch)
+        context = min(
+            hf.get("max_position_embeddings", 1 << 30), recipe.trainer.max_tokens_per_micro_batch
+        )
         self.context_len, self.vocab_size = context, hf["vocab_size"]
         # imported before any actor starts: a bad module fails in seconds, not minutes
         self.rollout_fn = resolve_rollout_function(recipe.rollout.function)
         max_prompt = context - recipe.rollout.max_new_tokens
         if max_prompt < 1:
-            raise RecipeError(f"rollout.max_new_tokens={recipe.rollout.max_new_tokens} leaves no "
-                             f"room for a prompt in the model's context of {context}; lower it")
+            raise RecipeError(
+                f"rollout.max_new_tokens={recipe.rollout.max_new_tokens} leaves no "
+                f"room for a prompt in the model's context of {context}; lower it"
+            )
         # The data is read before any actor starts: a bad file fails in seconds, not minutes.
-        self.source = PromptSource(recipe.data, self.tokenizer, seed=recipe.seed,
-                                   max_prompt_tokens=max_prompt)
+        self.source = PromptSource(
+            recipe.data, self.tokenizer, seed=recipe.seed, max_prompt_tokens=max_prompt
+        )
         if state is not None:
             if self.source.num_rows != state["data_rows"]:
-                raise RecipeError(f"data.path: {self.source.num_rows} usable rows now, "
-                                  f"{state['data_rows']} when the checkpoint was written; resume "
-                                  "with the same data")
+                raise RecipeError(
+                    f"data.path: {self.source.num_rows} usable rows now, "
+                    f"{state['data_rows']} when the checkpoint was written; resume "
+                    "with the same data"
+                )
             self.source.skip_to(state["data_consumed"])
         placement.start_ray(recipe.cluster, self.layout)
         self.pg = placement.reserve(self.layout, strategy=recipe.cluster.placement_strategy)
@@ -114,8 +121,9 @@ class Runtime:
         recipe, log = self.recipe, self.log
         self.trainers = placement.create_trainers(self.layout, self.pg, self.tag, self.timeout_s)
         if self.resume is None:
-            self.model_dir = warm_start(recipe, base_dir, self.trainers, self.tokenizer,
-                                        max_prompt, log=log)
+            self.model_dir = warm_start(
+                recipe, base_dir, self.trainers, self.tokenizer, max_prompt, log=log
+            )
             # the weights the run started from: the frozen reference of a KL term
             self.reference_dir: Path | None = self.model_dir
             engine_dir = self.model_dir
@@ -130,39 +138,68 @@ class Runtime:
         self.use_reference = policy.use_reference
         if policy.use_reference:
             if self.reference_dir is None:
-                raise RecipeError(f"checkpoint.resume: {self.resume} holds no reference model "
-                                  "(its run had no KL term); resume with algorithm.kl_coef and "
-                                  "kl_reward_coef at 0")
+                raise RecipeError(
+                    f"checkpoint.resume: {self.resume} holds no reference model "
+                    "(its run had no KL term); resume with algorithm.kl_coef and "
+                    "kl_reward_coef at 0"
+                )
             policy = dataclasses.replace(policy, reference_path=str(self.reference_dir))
         critic = critic_config(recipe, str(self.model_dir)) if alg.advantage == "gae" else None
         off_policy = recipe.cluster.off_policy_steps == 1
-        self._on_trainers("build", policy, critic, alg.value_clip, off_policy,
-                          str(engine_dir) if off_policy and self.resume is not None else None)
+        self._on_trainers(
+            "build",
+            policy,
+            critic,
+            alg.value_clip,
+            off_policy,
+            str(engine_dir) if off_policy and self.resume is not None else None,
+        )
         if self.resume is not None:
-            self._wait([call(f"trainer rank {rank}", t, "load_state",
-                             str(checkpoint.rank_file(self.resume, rank)))
-                        for rank, t in enumerate(self.trainers)])
+            self._wait(
+                [
+                    call(
+                        f"trainer rank {rank}",
+                        t,
+                        "load_state",
+                        str(checkpoint.rank_file(self.resume, rank)),
+                    )
+                    for rank, t in enumerate(self.trainers)
+                ]
+            )
         self.engines = placement.create_engines(
-            self.layout, self.pg, self._engine_config(engine_dir),
+            self.layout,
+            self.pg,
+            self._engine_config(engine_dir),
             [placement.engine_name(self.tag, i) for i in range(len(self.layout.engine_bundles))],
-            self.timeout_s)
+            self.timeout_s,
+        )
         if self.weight_version:
             self._on_engines("set_weight_version", self.weight_version)
         self.bucket_bytes = _bucket_bytes(self.model_dir)
         self.num_stages = recipe.trainer.pp
         if not self.layout.colocated:
             self._join_sync_group()
-        self.front = (HttpFront(self.engines, self.tokenizer.tok, self.timeout_s)
-                      if recipe.rollout.serve_http else None)
+        self.front = (
+            HttpFront(self.engines, self.tokenizer.tok, self.timeout_s)
+            if recipe.rollout.serve_http
+            else None
+        )
         if self.front is not None:
             log(f"rollout.serve_http: OpenAI-compatible router at {self.front.base_url}")
         # shares self.engines: a replaced engine is the rollouts' too
-        self.rollouts = RolloutManager(recipe, self.engines, self.tokenizer,
-                                       resolve_reward(recipe.reward.function), self.source,
-                                       rollout_fn=self.rollout_fn, context_len=self.context_len,
-                                       vocab_size=self.vocab_size,
-                                       restart_engine=self.restart_engine, log=log,
-                                       front=self.front)
+        self.rollouts = RolloutManager(
+            recipe,
+            self.engines,
+            self.tokenizer,
+            resolve_reward(recipe.reward.function),
+            self.source,
+            rollout_fn=self.rollout_fn,
+            context_len=self.context_len,
+            vocab_size=self.vocab_size,
+            restart_engine=self.restart_engine,
+            log=log,
+            front=self.front,
+        )
         self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
 
     def _engine_config(self, model_dir: Path):
@@ -174,10 +211,32 @@ class Runtime:
         rank 0 is engine 0, so it meets on engine 0's node."""
         ((host, port),) = self._wait([call("engine 0", self.engines[0], "rendezvous")])
         e = len(self.engines)
-        self._wait([call(f"engine {i}", eng, "join_sync_group", host, port, i, e,
-                         self.num_stages, self.timeout_s) for i, eng in enumerate(self.engines)]
-                   + each("trainer rank", self.trainers, "join_sync_group", host, port, e,
-                          self.num_stages, self.timeout_s))
+        self._wait(
+            [
+                call(
+                    f"engine {i}",
+                    eng,
+                    "join_sync_group",
+                    host,
+                    port,
+                    i,
+                    e,
+                    self.num_stages,
+                    self.timeout_s,
+                )
+                for i, eng in enumerate(self.engines)
+            ]
+            + each(
+                "trainer rank",
+                self.trainers,
+                "join_sync_group",
+                host,
+                port,
+                e,
+                self.num_stages,
+                self.timeout_s,
+            )
+        )
 
     # ---------------------------------------------------------------------------- waiting
     def _wait(self, calls: list[Call]) -> list:
@@ -208,8 +267,12 @@ class Runtime:
         updates = self.recipe.trainer.updates_per_rollout
         metrics = self._on_trainers("train", ref, updates)
         if batch.returns is not None:
-            metrics.update({f"critic_{k}": v for k, v in
-                            self._on_trainers("train_critic", ref, updates).items()})
+            metrics.update(
+                {
+                    f"critic_{k}": v
+                    for k, v in self._on_trainers("train_critic", ref, updates).items()
+                }
+            )
         return metrics
 
     def sync_weights(self) -> float:
@@ -218,14 +281,24 @@ class Runtime:
         if self.layout.colocated:
             self._on_engines("resume")
             nodes = self._on_engines("node_id")
-            reports = self._wait(each("trainer rank", self.trainers, "push_colocated",
-                                      self.engines, nodes, self.bucket_bytes, self.timeout_s))
+            reports = self._wait(
+                each(
+                    "trainer rank",
+                    self.trainers,
+                    "push_colocated",
+                    self.engines,
+                    nodes,
+                    self.bucket_bytes,
+                    self.timeout_s,
+                )
+            )
             self._on_engines("commit")
         else:  # sources and engines meet in the broadcasts: one wait for all of them
-            reports = self._wait(each("trainer rank", self.trainers, "push_broadcast",
-                                      self.bucket_bytes)
-                                 + each("engine", self.engines, "receive_broadcast"))
-            reports = reports[:len(self.trainers)]
+            reports = self._wait(
+                each("trainer rank", self.trainers, "push_broadcast", self.bucket_bytes)
+                + each("engine", self.engines, "receive_broadcast")
+            )
+            reports = reports[: len(self.trainers)]
         if self.staged_memory:
             self._on_trainers("offload")
         self.weight_version += 1
@@ -242,15 +315,19 @@ class Runtime:
         trainer's current weights (written to a scratch HF directory), at the current weight
         version; disaggregated, every member rejoins a new broadcast group. Returns it."""
         self.engine_restarts += 1
-        ray.kill(self.engines[index])   # already dead; make sure its resources are free
+        ray.kill(self.engines[index])  # already dead; make sure its resources are free
         scratch = Path(self.recipe.tracking.output_dir) / f".engine-restart-{self.tag}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
             self._save_hf(scratch)
             (engine,) = placement.create_engines(
-                self.layout, self.pg, self._engine_config(scratch),
-                [placement.engine_name(self.tag, index, self.engine_restarts)], self.timeout_s,
-                indices=[index])
+                self.layout,
+                self.pg,
+                self._engine_config(scratch),
+                [placement.engine_name(self.tag, index, self.engine_restarts)],
+                self.timeout_s,
+                indices=[index],
+            )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         self.engines[index] = engine
@@ -275,12 +352,23 @@ class Runtime:
         """The policy (HF files in `directory`), every rank's training state and, with a KL
         term, the reference. The controller's state is the loop's (`checkpoint.commit`)."""
         self._save_hf(directory)
-        self._wait([call(f"trainer rank {rank}", t, "save_state",
-                         str(checkpoint.rank_file(directory, rank)))
-                    for rank, t in enumerate(self.trainers)])
+        self._wait(
+            [
+                call(
+                    f"trainer rank {rank}",
+                    t,
+                    "save_state",
+                    str(checkpoint.rank_file(directory, rank)),
+                )
+                for rank, t in enumerate(self.trainers)
+            ]
+        )
         if self.use_reference:
-            checkpoint.save_reference(self.reference_dir, directory / checkpoint.REFERENCE_DIR,
-                                      Path(self.recipe.tracking.output_dir))
+            checkpoint.save_reference(
+                self.reference_dir,
+                directory / checkpoint.REFERENCE_DIR,
+                Path(self.recipe.tracking.output_dir),
+            )
 
     def commit_checkpoint(self, tmp: Path, state: dict) -> Path:
         """Complete the checkpoint written into `tmp` (`checkpoint.commit`). The next one takes
@@ -292,8 +380,10 @@ class Runtime:
 
     def layout_state(self) -> dict:
         """What a resumed run must match: the trainer layout and the data's row count."""
-        return {**_trainer_layout(self.recipe, len(self.trainers)),
-                "data_rows": self.source.num_rows}
+        return {
+            **_trainer_layout(self.recipe, len(self.trainers)),
+            "data_rows": self.source.num_rows,
+        }
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release every actor and the placement group. `graceful` first lets the trainer

@@ -27,9 +27,16 @@ class RecipeError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-def setting(default: Any = dataclasses.MISSING, doc: str = "", *, ge: float | None = None,
-            gt: float | None = None, le: float | None = None, lt: float | None = None,
-            default_factory: Any = dataclasses.MISSING) -> Any:
+def setting(
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field with help text and an optional range (checked when not None)."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt}
     if default_factory is not dataclasses.MISSING:
@@ -63,8 +70,10 @@ def yaml_repr(value: Any) -> str:
 
 
 def _fail_type(path: str, hint: Any, value: Any) -> RecipeError:
-    return RecipeError(f"{path}: expected {type_name(hint)}, got {yaml_repr(value)} "
-                       f"({type(value).__name__}); give {path} a value of type {type_name(hint)}")
+    return RecipeError(
+        f"{path}: expected {type_name(hint)}, got {yaml_repr(value)} "
+        f"({type(value).__name__}); give {path} a value of type {type_name(hint)}"
+    )
 
 
 def coerce(hint: Any, value: Any, path: str) -> Any:
@@ -89,8 +98,7 @@ def coerce(hint: Any, value: Any, path: str) -> Any:
         for a in typing.get_args(hint):
             if a == value and type(a) is type(value):
                 return value
-        raise RecipeError(f"{path}={yaml_repr(value)} is not allowed; use one of "
-                         f"{type_name(hint)}")
+        raise RecipeError(f"{path}={yaml_repr(value)} is not allowed; use one of {type_name(hint)}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise _fail_type(path, hint, value)
@@ -103,8 +111,10 @@ def coerce(hint: Any, value: Any, path: str) -> Any:
             return from_dict(hint, {}, path)
         if isinstance(value, Mapping):
             return from_dict(hint, value, path)
-        raise RecipeError(f"{path}: expected a section (a mapping of keys), got {value!r}; "
-                          f"write {path}: followed by indented key: value lines")
+        raise RecipeError(
+            f"{path}: expected a section (a mapping of keys), got {value!r}; "
+            f"write {path}: followed by indented key: value lines"
+        )
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -134,14 +144,26 @@ def _check_range(path: str, value: Any, meta: Mapping[str, Any]) -> None:
         return
     if isinstance(value, float) and math.isnan(value):
         raise RecipeError(f"{path}=nan; give a number")
-    lo = (f"[{meta['ge']}" if meta.get("ge") is not None
-          else f"({meta['gt']}" if meta.get("gt") is not None else "(-inf")
-    hi = (f"{meta['le']}]" if meta.get("le") is not None
-          else f"{meta['lt']})" if meta.get("lt") is not None else "inf)")
-    ok = ((meta.get("ge") is None or value >= meta["ge"])
-          and (meta.get("gt") is None or value > meta["gt"])
-          and (meta.get("le") is None or value <= meta["le"])
-          and (meta.get("lt") is None or value < meta["lt"]))
+    lo = (
+        f"[{meta['ge']}"
+        if meta.get("ge") is not None
+        else f"({meta['gt']}"
+        if meta.get("gt") is not None
+        else "(-inf"
+    )
+    hi = (
+        f"{meta['le']}]"
+        if meta.get("le") is not None
+        else f"{meta['lt']})"
+        if meta.get("lt") is not None
+        else "inf)"
+    )
+    ok = (
+        (meta.get("ge") is None or value >= meta["ge"])
+        and (meta.get("gt") is None or value > meta["gt"])
+        and (meta.get("le") is None or value <= meta["le"])
+        and (meta.get("lt") is None or value < meta["lt"])
+    )
     if not ok:
         raise RecipeError(f"{path}={value!r} is out of range; use a value in {lo}, {hi}")
 
@@ -151,15 +173,17 @@ def closest(key: str, valid: list[str]) -> str | None:
     return match[0] if match else None
 
 
-def unknown_key_error(path: str, key: str, valid: list[str],
-                      aliases: Mapping[str, str] | None = None) -> RecipeError:
+def unknown_key_error(
+    path: str, key: str, valid: list[str], aliases: Mapping[str, str] | None = None
+) -> RecipeError:
     full = f"{path}.{key}" if path else str(key)
     near = (aliases or {}).get(str(key)) or closest(str(key), valid)
     prefix = f"{path}." if path else ""
     if near is not None:
         return RecipeError(f"{full}: unknown key; did you mean {prefix}{near}?")
-    return RecipeError(f"{full}: unknown key; valid keys{' of ' + path if path else ''} are "
-                       f"{', '.join(valid)}")
+    return RecipeError(
+        f"{full}: unknown key; valid keys{' of ' + path if path else ''} are {', '.join(valid)}"
+    )
 
 
 def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
@@ -231,7 +255,12 @@ def describe(cls: type, path: str = "") -> list[tuple[str, str, str, str]]:
             default = to_plain(f.default_factory())
         else:
             default = "(required)"
-        default_text = ("null" if default is None else str(default).lower()
-                        if isinstance(default, bool) else str(default))
+        default_text = (
+            "null"
+            if default is None
+            else str(default).lower()
+            if isinstance(default, bool)
+            else str(default)
+        )
         rows.append((name, type_name(hint), default_text, f.metadata.get("doc", "")))
     return rows

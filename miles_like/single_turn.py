@@ -11,6 +11,14 @@ from miles_like.rollout_context import RolloutContext
 
 async def single_turn(ctx: RolloutContext, problem: Problem) -> list[trajectory.Trajectory]:
     samples = await ctx.generate_group(problem.prompt_ids)
-    return [trajectory.single_turn(
-        problem.prompt_ids, s.token_ids, s.logprobs, s.weight_version, s.finish_reason,
-        ctx.tokenizer.decode(s.token_ids, skip_special_tokens=True)) for s in samples]
+    return [
+        trajectory.single_turn(
+            problem.prompt_ids,
+            s.token_ids,
+            s.logprobs,
+            s.weight_version,
+            s.finish_reason,
+            ctx.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+        )
+        for s in samples
+    ]

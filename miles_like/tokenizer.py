@@ -42,12 +42,16 @@ def build_char_tokenizer():
     # No pre-tokenizer and no merges: the text (between added tokens) is split into characters.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tok.decoder = decoders.Fuse()  # characters are joined as they are, with no separator
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD,
-                                   unk_token=UNK, additional_special_tokens=[IM_START],
-                                   clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHATML_TOOLS_TEMPLATE
     return fast
 
@@ -76,9 +80,11 @@ class HFTokenizer:
         try:
             return cls(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
         except Exception as e:  # noqa: BLE001 (whatever AutoTokenizer raises, one clear line)
-            raise ValueError(f"model.path={str(directory)!r}: cannot load its tokenizer "
-                             f"({type(e).__name__}: {e}); the directory needs the tokenizer "
-                             "files of the model") from None
+            raise ValueError(
+                f"model.path={str(directory)!r}: cannot load its tokenizer "
+                f"({type(e).__name__}: {e}); the directory needs the tokenizer "
+                "files of the model"
+            ) from None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -91,8 +97,10 @@ class HFTokenizer:
     def encode_prompt(self, prompt: str, chat_template: bool) -> list[int]:
         if chat_template:
             if self.tok.chat_template is None:
-                raise ValueError("data.chat_template=true but the tokenizer has no chat "
-                                 "template; set data.chat_template: false")
+                raise ValueError(
+                    "data.chat_template=true but the tokenizer has no chat "
+                    "template; set data.chat_template: false"
+                )
             return render_ids(self.tok, [{"role": "user", "content": prompt}])
         return self.tok.encode(prompt, add_special_tokens=True)
 
@@ -106,8 +114,12 @@ class HFTokenizer:
 
     def hf_config_fields(self) -> dict[str, int | None]:
         """The `config.json` entries a model built for this tokenizer needs."""
-        return {"vocab_size": self.vocab_size, "bos_token_id": self.tok.bos_token_id,
-                "eos_token_id": self.tok.eos_token_id, "pad_token_id": self.tok.pad_token_id}
+        return {
+            "vocab_size": self.vocab_size,
+            "bos_token_id": self.tok.bos_token_id,
+            "eos_token_id": self.tok.eos_token_id,
+            "pad_token_id": self.tok.pad_token_id,
+        }
 
 
 def builtin_tokenizer() -> HFTokenizer:

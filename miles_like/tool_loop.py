@@ -38,7 +38,7 @@ from miles_like.tools import ERROR_KINDS, ToolResult
 from miles_like.trajectory import Trajectory, TrajectoryBuilder
 from rollout import chat
 
-BAD_CALL = "bad_call"   # the model's call did not parse (chat.ToolCallError)
+BAD_CALL = "bad_call"  # the model's call did not parse (chat.ToolCallError)
 ERROR_METRICS = tuple(f"tool_errors_{k}" for k in (*ERROR_KINDS, BAD_CALL))
 
 
@@ -51,8 +51,14 @@ class Conversation:
     """A trajectory and the messages it renders, kept in step: `assistant` appends a sampled
     turn, `append` the template's tokens for new messages."""
 
-    def __init__(self, tokenizer, prompt: str, prompt_ids: list[int], tools: list[dict] | None,
-                 max_response_tokens: int):
+    def __init__(
+        self,
+        tokenizer,
+        prompt: str,
+        prompt_ids: list[int],
+        tools: list[dict] | None,
+        max_response_tokens: int,
+    ):
         self.tok = hf_tokenizer(tokenizer)
         self.tools = tools
         self.messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
@@ -65,8 +71,12 @@ class Conversation:
     def assistant(self, generation) -> tuple[str, list[chat.ToolCall] | None, str | None]:
         """Append a sampled turn: (content, calls, parse error). `calls` is None when the turn
         was cut (no end-of-turn token: nothing in it is read as a call)."""
-        self.builder.sampled(generation.token_ids, generation.logprobs,
-                             generation.weight_version, generation.finish_reason)
+        self.builder.sampled(
+            generation.token_ids,
+            generation.logprobs,
+            generation.weight_version,
+            generation.finish_reason,
+        )
         text = self.tok.decode(generation.token_ids, skip_special_tokens=True)
         if generation.finish_reason != "stop":
             self.messages.append(chat.assistant_message(text))
@@ -82,8 +92,10 @@ class Conversation:
     def demonstrated(self, message: dict[str, Any]) -> None:
         """Append an assistant message as the model should sample it (a warm-start target):
         its text in the template's layout, then the end-of-turn token; mask 1."""
-        calls = [chat.ToolCall(c["function"]["name"], c["function"]["arguments"])
-                 for c in message.get("tool_calls") or []]
+        calls = [
+            chat.ToolCall(c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls") or []
+        ]
         ids = chat.encode_text(self.tok, chat.assistant_text(message["content"], calls))
         ids.append(self.tok.eos_token_id)
         self.builder.sampled(ids, [0.0] * len(ids), 0)
@@ -104,9 +116,8 @@ class Conversation:
         of a finished conversation goes on after the last end-of-turn token (ChatML's "\\n"),
         so the tokens must be its prefix."""
         tokens = self.builder.token_ids
-        expected = chat.render_ids(self.tok, self.messages, self.tools,
-                                   add_generation_prompt=False)
-        return expected[:len(tokens)] != tokens
+        expected = chat.render_ids(self.tok, self.messages, self.tools, add_generation_prompt=False)
+        return expected[: len(tokens)] != tokens
 
 
 def prompt_ids(tokenizer, problem: Problem, tools: list[dict] | None) -> list[int]:
@@ -114,12 +125,14 @@ def prompt_ids(tokenizer, problem: Problem, tools: list[dict] | None) -> list[in
     schemas in the system turn."""
     if tools is None:
         return list(problem.prompt_ids)
-    return chat.render_ids(hf_tokenizer(tokenizer), [{"role": "user", "content": problem.prompt}],
-                           tools)
+    return chat.render_ids(
+        hf_tokenizer(tokenizer), [{"role": "user", "content": problem.prompt}], tools
+    )
 
 
-def demonstration(tokenizer, problem: Problem, messages: list[dict[str, Any]],
-                  tools: list[dict] | None) -> Trajectory:
+def demonstration(
+    tokenizer, problem: Problem, messages: list[dict[str, Any]], tools: list[dict] | None
+) -> Trajectory:
     """A warm-start sample: the prompt, then `messages` (the solution's assistant turns, mask 1,
     and the tool results between them, mask 0) tokenized exactly as `tool_loop` would."""
     ids = prompt_ids(tokenizer, problem, tools)
@@ -145,8 +158,13 @@ def _tool_message(call: chat.ToolCall, result: ToolResult) -> dict[str, Any]:
 async def _sample(ctx, problem: Problem, j: int, settings) -> Trajectory:
     pool = ctx.tool_pool
     tools = prompt_tools(pool.schemas if pool is not None else [], settings)
-    conv = Conversation(ctx.tokenizer, problem.prompt, prompt_ids(ctx.tokenizer, problem, tools),
-                        tools, settings.max_trajectory_tokens or 1 << 30)
+    conv = Conversation(
+        ctx.tokenizer,
+        problem.prompt,
+        prompt_ids(ctx.tokenizer, problem, tools),
+        tools,
+        settings.max_trajectory_tokens or 1 << 30,
+    )
     errors: Counter = Counter()
     calls_made, final = 0, None
     for turn in range(ctx.max_turns):
@@ -159,12 +177,12 @@ async def _sample(ctx, problem: Problem, j: int, settings) -> Trajectory:
         generation = await ctx.generate(conv.builder.token_ids, params)
         content, calls, parse_error = conv.assistant(generation)
         if calls is None:
-            break                      # cut by the budget: no final answer
+            break  # cut by the budget: no final answer
         if not calls and parse_error is None:
             final = content
             break
         if turn == ctx.max_turns - 1:
-            break                      # no turn left to read the results
+            break  # no turn left to read the results
         if parse_error is not None:
             errors[BAD_CALL] += 1
             replies = [{"role": "tool", "name": "error", "content": f"error: {parse_error}"}]
@@ -177,9 +195,12 @@ async def _sample(ctx, problem: Problem, j: int, settings) -> Trajectory:
             conv.builder.finish_reason = "length"
             break
     reward = await ctx.reward(problem, final if final is not None else "")
-    metrics = {"tool_calls": float(calls_made), "tool_errors": float(sum(errors.values())),
-               **{f"tool_errors_{k}": float(errors[k]) for k in (*ERROR_KINDS, BAD_CALL)},
-               "retokenize_mismatch": float(conv.retokenize_mismatch())}
+    metrics = {
+        "tool_calls": float(calls_made),
+        "tool_errors": float(sum(errors.values())),
+        **{f"tool_errors_{k}": float(errors[k]) for k in (*ERROR_KINDS, BAD_CALL)},
+        "retokenize_mismatch": float(conv.retokenize_mismatch()),
+    }
     return conv.builder.build(response_text=final or "", reward=reward, metrics=metrics)
 
 
@@ -197,6 +218,5 @@ def prompt_tools(schemas: list[dict], rollout) -> list[dict] | None:
 
 async def tool_loop(ctx, problem: Problem) -> list[Trajectory]:
     """The group's n trajectories, sampled concurrently (their requests batch in the engine)."""
-    settings = ctx.settings   # the recipe's rollout section
-    return list(await asyncio.gather(*(_sample(ctx, problem, j, settings)
-                                       for j in range(ctx.n))))
+    settings = ctx.settings  # the recipe's rollout section
+    return list(await asyncio.gather(*(_sample(ctx, problem, j, settings) for j in range(ctx.n))))

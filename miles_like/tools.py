@@ -38,30 +38,39 @@ import jsonschema
 
 from miles_like.schema import RecipeError
 
-__all__ = ["ERROR_KINDS", "Tool", "ToolPool", "ToolResult", "check_spec", "function_schema",
-           "load_tool", "load_tools"]
+__all__ = [
+    "ERROR_KINDS",
+    "Tool",
+    "ToolPool",
+    "ToolResult",
+    "check_spec",
+    "function_schema",
+    "load_tool",
+    "load_tools",
+]
 
-ToolErrorKind = Literal["raised", "timeout", "crashed", "flood", "bad_args", "unknown",
-                        "unavailable"]
+ToolErrorKind = Literal[
+    "raised", "timeout", "crashed", "flood", "bad_args", "unknown", "unavailable"
+]
 ERROR_KINDS: tuple[str, ...] = typing.get_args(ToolErrorKind)
 FIELD = "rollout.tools"
-WORKER_START_TIMEOUT_S = 120.0   # a fresh interpreter importing the tool modules
-MAX_ERROR_CHARS = 300            # an exception's message as the model sees it
+WORKER_START_TIMEOUT_S = 120.0  # a fresh interpreter importing the tool modules
+MAX_ERROR_CHARS = 300  # an exception's message as the model sees it
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _SPEC_RE = re.compile(rf"(?P<module>{_DOTTED}):(?P<function>[A-Za-z_][A-Za-z0-9_]*)")
 
 
 class ToolResult(NamedTuple):
-    content: str                        # the tool message's content: output or error string
+    content: str  # the tool message's content: output or error string
     error: ToolErrorKind | None = None  # None: the tool returned normally
 
 
 @dataclass(frozen=True)
 class Tool:
-    name: str                  # what the model calls it by
-    spec: str                  # module:fn, imported again in each worker process
-    schema: dict[str, Any]     # OpenAI format: {"type": "function", "function": {...}}
+    name: str  # what the model calls it by
+    spec: str  # module:fn, imported again in each worker process
+    schema: dict[str, Any]  # OpenAI format: {"type": "function", "function": {...}}
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -69,8 +78,15 @@ class Tool:
 
 
 # ------------------------------------------------------------------------------------ schemas
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean",
-               list: "array", dict: "object", type(None): "null"}
+_JSON_TYPES = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+    type(None): "null",
+}
 
 
 def _json_type(hint: Any, where: str) -> dict[str, Any]:
@@ -86,11 +102,15 @@ def _json_type(hint: Any, where: str) -> dict[str, Any]:
     if origin is list and len(args) <= 1:
         return {"type": "array", **({"items": _json_type(args[0], where)} if args else {})}
     if origin is dict and (not args or args[0] is str):
-        return {"type": "object",
-                **({"additionalProperties": _json_type(args[1], where)} if args else {})}
-    raise TypeError(f"{where}: annotation {hint!r} has no JSON schema; use str, int, float, "
-                    "bool, list[...], dict[str, ...], Literal[...], or give the function a "
-                    "`schema` attribute")
+        return {
+            "type": "object",
+            **({"additionalProperties": _json_type(args[1], where)} if args else {}),
+        }
+    raise TypeError(
+        f"{where}: annotation {hint!r} has no JSON schema; use str, int, float, "
+        "bool, list[...], dict[str, ...], Literal[...], or give the function a "
+        "`schema` attribute"
+    )
 
 
 _ARGS_HEADER = re.compile(r"^(?:Args|Arguments|Parameters):[ \t]*$", re.MULTILINE)
@@ -131,8 +151,11 @@ def function_schema(fn: Callable, name: str | None = None) -> dict[str, Any]:
     if explicit is not None:
         if not isinstance(explicit, Mapping):
             raise TypeError(f"{name}.schema must be a dict in the OpenAI tools format")
-        entry = dict(explicit) if "function" in explicit else {"type": "function",
-                                                               "function": dict(explicit)}
+        entry = (
+            dict(explicit)
+            if "function" in explicit
+            else {"type": "function", "function": dict(explicit)}
+        )
         function = entry["function"]
         function.setdefault("name", name)
         function.setdefault("parameters", {"type": "object", "properties": {}})
@@ -149,8 +172,10 @@ def function_schema(fn: Callable, name: str | None = None) -> dict[str, Any]:
     for p in signature.parameters.values():
         where = f"{name}({p.name})"
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
-            raise TypeError(f"{where}: tools take named arguments only (no *args, **kwargs or "
-                            "positional-only parameters)")
+            raise TypeError(
+                f"{where}: tools take named arguments only (no *args, **kwargs or "
+                "positional-only parameters)"
+            )
         if p.name not in hints:
             raise TypeError(f"{where}: annotate the parameter's type (str, int, ...)")
         prop = _json_type(hints[p.name], where)
@@ -159,10 +184,16 @@ def function_schema(fn: Callable, name: str | None = None) -> dict[str, Any]:
         properties[p.name] = prop
         if p.default is p.empty:
             required.append(p.name)
-    parameters = {"type": "object", "properties": properties, "required": required,
-                  "additionalProperties": False}
-    return {"type": "function",
-            "function": {"name": name, "description": description, "parameters": parameters}}
+    parameters = {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
 
 
 def _import_tool(spec: str) -> Callable:
@@ -176,8 +207,10 @@ def _import_tool(spec: str) -> Callable:
 def check_spec(spec: str, field: str = FIELD) -> None:
     """The spec has the `module:function` form (nothing imported)."""
     if not isinstance(spec, str) or not _SPEC_RE.fullmatch(spec):
-        raise RecipeError(f"{field}={spec!r}: name a tool as module:function, e.g. "
-                          "miles_like.tasks.calc:calculator")
+        raise RecipeError(
+            f"{field}={spec!r}: name a tool as module:function, e.g. "
+            "miles_like.tasks.calc:calculator"
+        )
 
 
 def load_tool(spec: str, field: str = FIELD) -> Tool:
@@ -187,15 +220,20 @@ def load_tool(spec: str, field: str = FIELD) -> Tool:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise RecipeError(f"{field}={spec!r}: cannot import module {e.name!r}; put it on "
-                          "PYTHONPATH or fix the name") from None
+        raise RecipeError(
+            f"{field}={spec!r}: cannot import module {e.name!r}; put it on "
+            "PYTHONPATH or fix the name"
+        ) from None
     except Exception as e:  # noqa: BLE001 (the user's module failed while importing)
-        raise RecipeError(f"{field}={spec!r}: importing {module_name!r} raised "
-                          f"{type(e).__name__}: {e}; fix that module") from None
+        raise RecipeError(
+            f"{field}={spec!r}: importing {module_name!r} raised "
+            f"{type(e).__name__}: {e}; fix that module"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise RecipeError(f"{field}={spec!r}: module {module_name!r} has no function {attr!r}; "
-                          "fix the name")
+        raise RecipeError(
+            f"{field}={spec!r}: module {module_name!r} has no function {attr!r}; fix the name"
+        )
     try:
         schema = function_schema(fn)
     except (TypeError, ValueError, jsonschema.SchemaError) as e:
@@ -208,8 +246,10 @@ def load_tools(specs: Sequence[str], field: str = FIELD) -> list[Tool]:
     names = [t.name for t in tools]
     for i, n in enumerate(names):
         if n in names[:i]:
-            raise RecipeError(f"{field}[{i}]={specs[i]!r}: a second tool named {n!r}; tool "
-                              "names must be unique (rename one or give it a schema name)")
+            raise RecipeError(
+                f"{field}[{i}]={specs[i]!r}: a second tool named {n!r}; tool "
+                "names must be unique (rename one or give it a schema name)"
+            )
     return tools
 
 
@@ -250,7 +290,7 @@ def _worker_main(conn, specs: list[str], max_output_chars: int) -> None:
 
 class _Worker(NamedTuple):
     process: multiprocessing.process.BaseProcess
-    conn: Any   # multiprocessing.connection.Connection, the pool's end
+    conn: Any  # multiprocessing.connection.Connection, the pool's end
 
 
 def _kill(worker: _Worker) -> None:
@@ -264,15 +304,20 @@ class ToolPool:
     """`workers` spawned processes running `tools`. `call` is thread-safe and blocking;
     `acall` is its asyncio form. Use as a context manager, or `close()` it."""
 
-    def __init__(self, tools: Sequence[Tool], *, workers: int = 2, timeout_s: float = 5.0,
-                 max_output_chars: int = 4000):
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        *,
+        workers: int = 2,
+        timeout_s: float = 5.0,
+        max_output_chars: int = 4000,
+    ):
         if workers < 1 or timeout_s <= 0 or max_output_chars < 1:
             raise ValueError("ToolPool: workers >= 1, timeout_s > 0 and max_output_chars >= 1")
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
-        self._validators = {t.name: jsonschema.Draft202012Validator(t.parameters)
-                            for t in tools}
+        self._validators = {t.name: jsonschema.Draft202012Validator(t.parameters) for t in tools}
         self._ctx = multiprocessing.get_context("spawn")
         self._specs = [t.spec for t in tools]
         self._idle: queue.Queue[_Worker] = queue.Queue()
@@ -292,9 +337,12 @@ class ToolPool:
     # --------------------------------------------------------------------------- processes
     def _start(self) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, name="miles_like-tool-worker",
-                                    args=(theirs, self._specs, self.max_output_chars),
-                                    daemon=True)
+        process = self._ctx.Process(
+            target=_worker_main,
+            name="miles_like-tool-worker",
+            args=(theirs, self._specs, self.max_output_chars),
+            daemon=True,
+        )
         process.start()
         theirs.close()
         worker = _Worker(process, ours)
@@ -311,9 +359,11 @@ class ToolPool:
             ok = False
         if not ok:
             self._discard(worker)
-            raise RuntimeError(f"a tool worker did not start within {WORKER_START_TIMEOUT_S} s "
-                               f"(tools {self._specs}); import them in a fresh interpreter to "
-                               "see why")
+            raise RuntimeError(
+                f"a tool worker did not start within {WORKER_START_TIMEOUT_S} s "
+                f"(tools {self._specs}); import them in a fresh interpreter to "
+                "see why"
+            )
         self._idle.put(worker)
 
     def _discard(self, worker: _Worker) -> None:
@@ -333,6 +383,7 @@ class ToolPool:
                 self._await_ready(self._start())
             except RuntimeError:
                 pass  # callers waiting for a worker get "unavailable" after their timeout
+
         threading.Thread(target=restart, name="tool-worker-restart", daemon=True).start()
 
     @staticmethod
@@ -361,16 +412,23 @@ class ToolPool:
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as e:
-                return ToolResult(f"error: the arguments of {name} are not valid JSON "
-                                  f"({e.msg} at column {e.colno})", "bad_args")
+                return ToolResult(
+                    f"error: the arguments of {name} are not valid JSON "
+                    f"({e.msg} at column {e.colno})",
+                    "bad_args",
+                )
         if not isinstance(arguments, dict):
-            return ToolResult(f"error: the arguments of {name} must be a JSON object, not "
-                              f"{type(arguments).__name__}", "bad_args")
+            return ToolResult(
+                f"error: the arguments of {name} must be a JSON object, not "
+                f"{type(arguments).__name__}",
+                "bad_args",
+            )
         error = jsonschema.exceptions.best_match(self._validators[name].iter_errors(arguments))
         if error is not None:
             where = ".".join(str(p) for p in error.absolute_path) or "arguments"
-            return ToolResult(f"error: {name} {where}: {error.message}"[:MAX_ERROR_CHARS],
-                              "bad_args")
+            return ToolResult(
+                f"error: {name} {where}: {error.message}"[:MAX_ERROR_CHARS], "bad_args"
+            )
         return arguments
 
     def call(self, name: str, arguments: Mapping[str, Any] | str) -> ToolResult:
@@ -389,19 +447,23 @@ class ToolPool:
             worker.conn.send((name, checked))
             if not worker.conn.poll(self.timeout_s):
                 self._replace(worker)
-                return ToolResult(f"error: {name} timed out after {self.timeout_s:g} s",
-                                  "timeout")
+                return ToolResult(f"error: {name} timed out after {self.timeout_s:g} s", "timeout")
             kind, payload = worker.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             self._replace(worker)
-            return ToolResult(f"error: {name} crashed its process (exit code "
-                              f"{worker.process.exitcode})", "crashed")
+            return ToolResult(
+                f"error: {name} crashed its process (exit code {worker.process.exitcode})",
+                "crashed",
+            )
         self._idle.put(worker)
         if kind == "ok":
             return ToolResult(payload)
         if kind == "flood":
-            return ToolResult(f"error: {name} returned {payload} characters, over the "
-                              f"{self.max_output_chars} limit", "flood")
+            return ToolResult(
+                f"error: {name} returned {payload} characters, over the "
+                f"{self.max_output_chars} limit",
+                "flood",
+            )
         return ToolResult(f"error: {name} raised {payload}", "raised")
 
     async def acall(self, name: str, arguments: Mapping[str, Any] | str) -> ToolResult:

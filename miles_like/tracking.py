@@ -15,17 +15,35 @@ from typing import Any
 
 # The keys DESIGN.md promises in every metrics.jsonl row (tests and benchmarks read them).
 REQUIRED_KEYS = (
-    "step", "rollout/reward_mean", "rollout/response_len_mean", "rollout/tokens_per_s",
-    "rollout/prefix_cache_hit_rate", "train/loss", "train/kl", "train/entropy", "train/grad_norm",
-    "train/logprob_diff_max", "train/logprob_diff_mean", "perf/step_s", "perf/rollout_s",
-    "perf/train_s", "perf/weight_sync_s", "perf/weight_sync_bytes", "perf/idle_s",
+    "step",
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "rollout/tokens_per_s",
+    "rollout/prefix_cache_hit_rate",
+    "train/loss",
+    "train/kl",
+    "train/entropy",
+    "train/grad_norm",
+    "train/logprob_diff_max",
+    "train/logprob_diff_mean",
+    "perf/step_s",
+    "perf/rollout_s",
+    "perf/train_s",
+    "perf/weight_sync_s",
+    "perf/weight_sync_bytes",
+    "perf/idle_s",
 )
 
-CONSOLE_COLUMNS = (("step", "step", "{:>4d}"), ("rollout/reward_mean", "reward", "{:>6.3f}"),
-                   ("rollout/response_len_mean", "len", "{:>5.1f}"),
-                   ("train/loss", "loss", "{:>8.4f}"), ("train/entropy", "entropy", "{:>7.3f}"),
-                   ("train/logprob_diff_max", "lp_diff", "{:>8.1e}"),
-                   ("perf/step_s", "step_s", "{:>6.2f}"), ("perf/idle_frac", "idle", "{:>5.1%}"))
+CONSOLE_COLUMNS = (
+    ("step", "step", "{:>4d}"),
+    ("rollout/reward_mean", "reward", "{:>6.3f}"),
+    ("rollout/response_len_mean", "len", "{:>5.1f}"),
+    ("train/loss", "loss", "{:>8.4f}"),
+    ("train/entropy", "entropy", "{:>7.3f}"),
+    ("train/logprob_diff_max", "lp_diff", "{:>8.1e}"),
+    ("perf/step_s", "step_s", "{:>6.2f}"),
+    ("perf/idle_frac", "idle", "{:>5.1%}"),
+)
 
 
 class Tracker:
@@ -34,10 +52,18 @@ class Tracker:
     last checkpoint: they are dropped), `last_row` (the checkpoint's copy of the row of step
     `resume_step - 1`) replaces or restores that row, and wandb continues `wandb_run_id`."""
 
-    def __init__(self, output_dir: str | Path, config: dict[str, Any], *,
-                 wandb_project: str | None = None, wandb_mode: str = "offline", print_fn=print,
-                 resume_step: int | None = None, last_row: dict[str, Any] | None = None,
-                 wandb_run_id: str | None = None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        config: dict[str, Any],
+        *,
+        wandb_project: str | None = None,
+        wandb_mode: str = "offline",
+        print_fn=print,
+        resume_step: int | None = None,
+        last_row: dict[str, Any] | None = None,
+        wandb_run_id: str | None = None,
+    ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -53,10 +79,17 @@ class Tracker:
         self.wandb_run = None
         if wandb_project is not None:
             import wandb
+
             mode = os.environ.get("WANDB_MODE", wandb_mode)
             resume = {"id": wandb_run_id, "resume": "allow"} if wandb_run_id else {}
-            self.wandb_run = wandb.init(project=wandb_project, mode=mode, dir=str(self.dir),
-                                        config=config, reinit="finish_previous", **resume)
+            self.wandb_run = wandb.init(
+                project=wandb_project,
+                mode=mode,
+                dir=str(self.dir),
+                config=config,
+                reinit="finish_previous",
+                **resume,
+            )
             if relog is not None:  # the killed run stopped before logging it anywhere
                 self._wandb_log(relog)
         self._header_printed = False
@@ -78,16 +111,21 @@ class Tracker:
 
     def _wandb_log(self, row: dict[str, Any]) -> None:
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step"},
-                               step=int(row["step"]))
+            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
     def _console(self, row: dict[str, Any]) -> None:
         widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in CONSOLE_COLUMNS]
         if not self._header_printed:
-            self.print("  ".join(f"{title:>{w}}" for (_, title, _), w in zip(CONSOLE_COLUMNS, widths)))
+            self.print(
+                "  ".join(f"{title:>{w}}" for (_, title, _), w in zip(CONSOLE_COLUMNS, widths))
+            )
             self._header_printed = True
-        self.print("  ".join("-".rjust(w) if row.get(key) is None else fmt.format(row[key])
-                             for (key, _, fmt), w in zip(CONSOLE_COLUMNS, widths)))
+        self.print(
+            "  ".join(
+                "-".rjust(w) if row.get(key) is None else fmt.format(row[key])
+                for (key, _, fmt), w in zip(CONSOLE_COLUMNS, widths)
+            )
+        )
 
     def finish(self) -> Path | None:
         self._file.close()
@@ -96,8 +134,9 @@ class Tracker:
         return plot_reward_curve(self.rows, self.dir / "reward_curve.png") if self.rows else None
 
 
-def _rows_before(path: Path, step: int, last_row: dict[str, Any] | None
-                 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def _rows_before(
+    path: Path, step: int, last_row: dict[str, Any] | None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The rows of `path` for steps before `step`, the one of step - 1 taken from `last_row`;
     and `last_row` again when `path` lacked it (it still has to go to wandb), else None."""
     rows = []
@@ -124,6 +163,7 @@ def _json_number(v: Any) -> Any:
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
@@ -133,8 +173,13 @@ def plot_reward_curve(rows: list[dict[str, Any]], path: Path) -> Path:
     length = [r["rollout/response_len_mean"] for r in rows]
     fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax_r.plot(steps, mean, label="reward mean")
-    ax_r.fill_between(steps, [m - s for m, s in zip(mean, std)],
-                      [m + s for m, s in zip(mean, std)], alpha=0.25, label="± std")
+    ax_r.fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std)],
+        [m + s for m, s in zip(mean, std)],
+        alpha=0.25,
+        label="± std",
+    )
     ax_r.set_ylabel("reward")
     ax_r.legend(loc="lower right")
     ax_r.grid(alpha=0.3)

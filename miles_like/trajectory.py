@@ -17,20 +17,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-NOT_SAMPLED = -1   # weight version of a token the engine did not sample
+NOT_SAMPLED = -1  # weight version of a token the engine did not sample
 
 
 @dataclass(frozen=True)
 class Trajectory:
     token_ids: tuple[int, ...]
     prompt_len: int
-    loss_mask: tuple[int, ...]           # per token after the prompt: 1 = the engine sampled it
-    logprobs: tuple[float, ...]          # the engine's, per token after the prompt; else 0.0
-    weight_versions: tuple[int, ...]     # per token after the prompt; NOT_SAMPLED if unsampled
-    reward: float | None = None          # None: the controller scores response_text
-    response_text: str = ""              # what the reward function sees
-    finish_reason: str = "stop"          # of the last turn: "stop" | "length" | "abort" | ...
-    metrics: Mapping[str, float] = field(default_factory=dict)   # e.g. turns, tool_calls
+    loss_mask: tuple[int, ...]  # per token after the prompt: 1 = the engine sampled it
+    logprobs: tuple[float, ...]  # the engine's, per token after the prompt; else 0.0
+    weight_versions: tuple[int, ...]  # per token after the prompt; NOT_SAMPLED if unsampled
+    reward: float | None = None  # None: the controller scores response_text
+    response_text: str = ""  # what the reward function sees
+    finish_reason: str = "stop"  # of the last turn: "stop" | "length" | "abort" | ...
+    metrics: Mapping[str, float] = field(default_factory=dict)  # e.g. turns, tool_calls
 
     @property
     def response_len(self) -> int:
@@ -44,35 +44,45 @@ class Trajectory:
         """Raise ValueError / TypeError (one line) unless the fields are consistent: a rollout
         function is user code and may return anything."""
         if not isinstance(self.prompt_len, int) or not 1 <= self.prompt_len <= len(self.token_ids):
-            raise ValueError(f"prompt_len={self.prompt_len!r} must be an int in [1, "
-                             f"len(token_ids)={len(self.token_ids)}]")
+            raise ValueError(
+                f"prompt_len={self.prompt_len!r} must be an int in [1, "
+                f"len(token_ids)={len(self.token_ids)}]"
+            )
         if not all(isinstance(t, int) and t >= 0 for t in self.token_ids):
             raise ValueError("token_ids must be non-negative ints")
         n = self.response_len
         for name in ("loss_mask", "logprobs", "weight_versions"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries for the {n} "
-                                 "tokens after the prompt; give one per token")
+                raise ValueError(
+                    f"{name} has {len(getattr(self, name))} entries for the {n} "
+                    "tokens after the prompt; give one per token"
+                )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask must hold only 0 and 1")
         if not any(self.loss_mask):
             raise ValueError("loss_mask has no sampled token; a trajectory needs at least one")
         for m, lp, v in zip(self.loss_mask, self.logprobs, self.weight_versions):
             if m and not (isinstance(lp, float) and math.isfinite(lp) and lp <= 0.0):
-                raise ValueError(f"logprobs of a sampled token is {lp!r}; give the engine's "
-                                 "(a finite float <= 0)")
+                raise ValueError(
+                    f"logprobs of a sampled token is {lp!r}; give the engine's "
+                    "(a finite float <= 0)"
+                )
             if m and (not isinstance(v, int) or v < 0):
-                raise ValueError(f"weight_versions of a sampled token is {v!r}; give the "
-                                 "engine's weight version (an int >= 0)")
+                raise ValueError(
+                    f"weight_versions of a sampled token is {v!r}; give the "
+                    "engine's weight version (an int >= 0)"
+                )
             if not m and (lp != 0.0 or v != NOT_SAMPLED):
-                raise ValueError(f"a token outside the loss mask has logprob {lp!r} and weight "
-                                 f"version {v!r}; they must be 0.0 and {NOT_SAMPLED}")
-        if self.reward is not None and not (isinstance(self.reward, (int, float))
-                                            and math.isfinite(self.reward)):
+                raise ValueError(
+                    f"a token outside the loss mask has logprob {lp!r} and weight "
+                    f"version {v!r}; they must be 0.0 and {NOT_SAMPLED}"
+                )
+        if self.reward is not None and not (
+            isinstance(self.reward, (int, float)) and math.isfinite(self.reward)
+        ):
             raise ValueError(f"reward={self.reward!r} must be a finite number or None")
         if not isinstance(self.response_text, str):
-            raise TypeError("response_text must be a str, not "
-                            f"{type(self.response_text).__name__}")
+            raise TypeError(f"response_text must be a str, not {type(self.response_text).__name__}")
         if not isinstance(self.finish_reason, str):
             raise TypeError("finish_reason must be a str")
         for k, v in self.metrics.items():
@@ -99,8 +109,13 @@ class TrajectoryBuilder:
     def token_ids(self) -> list[int]:
         return list(self._tokens)
 
-    def sampled(self, token_ids: Sequence[int], logprobs: Sequence[float], weight_version: int,
-                finish_reason: str = "stop") -> None:
+    def sampled(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        weight_version: int,
+        finish_reason: str = "stop",
+    ) -> None:
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} sampled tokens but {len(logprobs)} logprobs")
         self._tokens += [int(t) for t in token_ids]
@@ -116,17 +131,35 @@ class TrajectoryBuilder:
         self._logprobs += [0.0] * len(token_ids)
         self._versions += [NOT_SAMPLED] * len(token_ids)
 
-    def build(self, *, response_text: str, reward: float | None = None,
-              metrics: Mapping[str, float] | None = None) -> Trajectory:
+    def build(
+        self,
+        *,
+        response_text: str,
+        reward: float | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> Trajectory:
         """The trajectory so far; `metrics` gets `turns` unless it has its own."""
-        return Trajectory(tuple(self._tokens), self.prompt_len, tuple(self._mask),
-                          tuple(self._logprobs), tuple(self._versions), reward=reward,
-                          response_text=response_text, finish_reason=self.finish_reason,
-                          metrics={"turns": float(self.turns), **(metrics or {})})
+        return Trajectory(
+            tuple(self._tokens),
+            self.prompt_len,
+            tuple(self._mask),
+            tuple(self._logprobs),
+            tuple(self._versions),
+            reward=reward,
+            response_text=response_text,
+            finish_reason=self.finish_reason,
+            metrics={"turns": float(self.turns), **(metrics or {})},
+        )
 
 
-def single_turn(prompt_ids: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float],
-                weight_version: int, finish_reason: str, response_text: str) -> Trajectory:
+def single_turn(
+    prompt_ids: Sequence[int],
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    weight_version: int,
+    finish_reason: str,
+    response_text: str,
+) -> Trajectory:
     """A one-turn trajectory: the prompt, then the sampled tokens."""
     b = TrajectoryBuilder(prompt_ids)
     b.sampled(token_ids, logprobs, weight_version, finish_reason)

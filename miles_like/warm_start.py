@@ -42,9 +42,11 @@ def sft_batch(problems, tokenizer, demonstrate=None, tools=None) -> RLBatch:
             prompt_lens.append(len(p.prompt_ids))
         return RLBatch(tokens=tokens, prompt_lens=prompt_lens)
     samples = [tool_loop.demonstration(tokenizer, p, demonstrate(p), tools) for p in problems]
-    return RLBatch(tokens=[list(t.token_ids) for t in samples],
-                   prompt_lens=[t.prompt_len for t in samples],
-                   loss_masks=[torch.tensor(t.loss_mask, dtype=torch.float32) for t in samples])
+    return RLBatch(
+        tokens=[list(t.token_ids) for t in samples],
+        prompt_lens=[t.prompt_len for t in samples],
+        loss_masks=[torch.tensor(t.loss_mask, dtype=torch.float32) for t in samples],
+    )
 
 
 def demonstrations(recipe) -> tuple[Callable | None, list[dict] | None]:
@@ -55,8 +57,10 @@ def demonstrations(recipe) -> tuple[Callable | None, list[dict] | None]:
         return None, None
     tools = load_tools(recipe.rollout.tools)
     names = tuple(t.name for t in tools)
-    return ((lambda p: calc.demonstration(p.prompt, p.answer, names)),
-            tool_loop.prompt_tools([t.schema for t in tools], recipe.rollout))
+    return (
+        (lambda p: calc.demonstration(p.prompt, p.answer, names)),
+        tool_loop.prompt_tools([t.schema for t in tools], recipe.rollout),
+    )
 
 
 def code_files() -> list[Path]:
@@ -66,10 +70,20 @@ def code_files() -> list[Path]:
     the trainer configuration built from the recipe."""
     import miles_like
     import trainer
+
     pkg = Path(miles_like.__file__).parent
-    return sorted([*Path(trainer.__file__).parent.rglob("*.py"), Path(__file__),
-                   pkg / "data.py", pkg / "tokenizer.py", pkg / "build_configs.py",
-                   pkg / "tool_loop.py", pkg / "tools.py", *(pkg / "tasks").rglob("*.py")])
+    return sorted(
+        [
+            *Path(trainer.__file__).parent.rglob("*.py"),
+            Path(__file__),
+            pkg / "data.py",
+            pkg / "tokenizer.py",
+            pkg / "build_configs.py",
+            pkg / "tool_loop.py",
+            pkg / "tools.py",
+            *(pkg / "tasks").rglob("*.py"),
+        ]
+    )
 
 
 def code_version() -> str:
@@ -84,17 +98,30 @@ def code_version() -> str:
 
 def _identity(recipe, base_dir: Path) -> list:
     """What the warm start's result depends on."""
-    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                     for f in base_dir.glob("*.safetensors"))
-    return [code_version(), str(base_dir.resolve()), weights, dataclasses.asdict(recipe.sft),
-            dataclasses.asdict(recipe.data), recipe.seed, recipe.model.dtype,
-            recipe.trainer.backend, recipe.trainer.tp, recipe.trainer.pp,
-            recipe.trainer.max_tokens_per_micro_batch, recipe.rollout.max_new_tokens,
-            recipe.rollout.tools, recipe.rollout.tool_schemas_in_prompt]  # calc's demonstrations
+    weights = sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in base_dir.glob("*.safetensors")
+    )
+    return [
+        code_version(),
+        str(base_dir.resolve()),
+        weights,
+        dataclasses.asdict(recipe.sft),
+        dataclasses.asdict(recipe.data),
+        recipe.seed,
+        recipe.model.dtype,
+        recipe.trainer.backend,
+        recipe.trainer.tp,
+        recipe.trainer.pp,
+        recipe.trainer.max_tokens_per_micro_batch,
+        recipe.rollout.max_new_tokens,
+        recipe.rollout.tools,
+        recipe.rollout.tool_schemas_in_prompt,
+    ]  # calc's demonstrations
 
 
-def warm_start(recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tokens: int,
-               log=print) -> Path:
+def warm_start(
+    recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tokens: int, log=print
+) -> Path:
     """The directory RL starts from: `base_dir` itself when `sft.steps == 0`, else the cached
     (or freshly trained) warm start of it."""
     sft, timeout_s = recipe.sft, recipe.cluster.call_timeout_s
@@ -104,26 +131,41 @@ def warm_start(recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tok
     def build(out: Path) -> None:
         cfg = trainer_config(recipe, str(base_dir))
         cfg = dataclasses.replace(
-            cfg, use_reference=False,
+            cfg,
+            use_reference=False,
             loss=LossConfig(policy_loss="sft", agg_mode="token-mean"),
-            optim=OptimConfig(lr=sft.lr, grad_clip=cfg.optim.grad_clip, total_steps=sft.steps))
+            optim=OptimConfig(lr=sft.lr, grad_clip=cfg.optim.grad_clip, total_steps=sft.steps),
+        )
         gather(each("trainer rank", trainers, "build", cfg), timeout_s)
-        source = PromptSource(recipe.data, tokenizer, seed=recipe.seed + SFT_DATA_SEED_OFFSET,
-                              max_prompt_tokens=max_prompt_tokens)
+        source = PromptSource(
+            recipe.data,
+            tokenizer,
+            seed=recipe.seed + SFT_DATA_SEED_OFFSET,
+            max_prompt_tokens=max_prompt_tokens,
+        )
         demonstrate, tools = demonstrations(recipe)
         start, losses = time.perf_counter(), []
         for step in range(sft.steps):
-            batch = ray.put(sft_batch(source.next_batch(sft.batch_size), tokenizer, demonstrate,
-                                      tools))
+            batch = ray.put(
+                sft_batch(source.next_batch(sft.batch_size), tokenizer, demonstrate, tools)
+            )
             metrics = gather(each("trainer rank", trainers, "train", batch, 1), timeout_s)[0]
             losses.append(metrics["loss"])
             if step % max(1, sft.steps // 10) == 0 or step == sft.steps - 1:
                 log(f"warm start: step {step + 1}/{sft.steps}  loss {metrics['loss']:.4f}")
         gather(each("trainer rank", trainers, "save_hf", str(out)), timeout_s)
         copy_model_files(base_dir, out)
-        (out / "warm_start.json").write_text(json.dumps(
-            {"steps": sft.steps, "losses": losses, "seconds": time.perf_counter() - start,
-             "base": str(base_dir)}, indent=2))
+        (out / "warm_start.json").write_text(
+            json.dumps(
+                {
+                    "steps": sft.steps,
+                    "losses": losses,
+                    "seconds": time.perf_counter() - start,
+                    "base": str(base_dir),
+                },
+                indent=2,
+            )
+        )
 
     if not sft.cache:  # recomputed every run, kept with the run's outputs
         out = Path(recipe.tracking.output_dir) / "warm_start"

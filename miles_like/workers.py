@@ -33,6 +33,7 @@ def node_rendezvous() -> tuple[str, int]:
     rank 0 lives in this process rendezvous. Chosen on that node, never on the controller's
     (which may be another machine)."""
     import socket
+
     host = ray.util.get_node_ip_address()
     with socket.socket() as s:
         s.bind((host, 0))
@@ -49,6 +50,7 @@ def use_node_interface() -> None:
     peer on another machine cannot reach. A user's own GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
     wins."""
     import psutil
+
     ip = ray.util.get_node_ip_address()
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.address == ip for a in addresses):
@@ -84,19 +86,27 @@ class TrainerWorker:
         self.policy = None
         self.critic = None
 
-    def build(self, policy_cfg, critic_cfg=None, value_clip: float | None = None,
-              off_policy: bool = False, sampling_path: str | None = None) -> int:
+    def build(
+        self,
+        policy_cfg,
+        critic_cfg=None,
+        value_clip: float | None = None,
+        off_policy: bool = False,
+        sampling_path: str | None = None,
+    ) -> int:
         """Load the policy (and critic) from `policy_cfg.model_path`. Returns the vocab size.
         `off_policy`: the engines sample each batch with the weights of the step before (keep a
         copy of those to tell the precision mismatch from the policy lag); `sampling_path`: a
         resumed run's engine-side weights, what its pending rollout is sampled with."""
         from trainer import make_trainer
+
         self.policy = make_trainer(policy_cfg)
         self.off_policy = off_policy
         if off_policy and sampling_path is not None:
             self.policy.keep_sampling_weights(sampling_path)
         if critic_cfg is not None:
             from trainer.critic import MegatronCritic
+
             self.critic = MegatronCritic(critic_cfg, value_clip=value_clip)
         return self.policy.vocab_size
 
@@ -123,6 +133,7 @@ class TrainerWorker:
         trainer's before any update."""
         from trainer import objective
         from trainer.mismatch import MISMATCH_KEYS, lag_metrics, mismatch_metrics
+
         p = self.policy
         minis = _mini_batches(len(batch.tokens), updates)
 
@@ -166,13 +177,17 @@ class TrainerWorker:
 
     def train_critic(self, batch, updates: int) -> dict[str, float]:
         from trainer.critic import explained_variance
+
         batch = dataclasses.replace(batch, old_values=self.critic.compute_values(batch))
-        per_update = [self.critic.train_step(batch.subset(idx))
-                      for idx in _mini_batches(len(batch.tokens), updates)]
+        per_update = [
+            self.critic.train_step(batch.subset(idx))
+            for idx in _mini_batches(len(batch.tokens), updates)
+        ]
         metrics = {k: sum(m[k] for m in per_update) / len(per_update) for k in per_update[0]}
         # of the values the advantages were computed from, on samples not yet trained on
-        metrics["explained_var"] = explained_variance(batch.old_values, batch.returns,
-                                                      batch.loss_masks)
+        metrics["explained_var"] = explained_variance(
+            batch.old_values, batch.returns, batch.loss_masks
+        )
         return metrics
 
     def offload(self) -> int:
@@ -185,13 +200,15 @@ class TrainerWorker:
     def sync_role(self) -> tuple[bool, int]:
         """(is this rank a sync source, its pipeline stage)."""
         from megatron.core import parallel_state as ps
+
         if self.policy.cfg.backend == "megatron":
             source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
             return source, ps.get_pipeline_model_parallel_rank()
         return self.rank == 0, 0  # deepspeed: every rank can export the whole model
 
-    def push_colocated(self, engines: Sequence, engine_nodes: Sequence[str], bucket_bytes: int,
-                       timeout_s: float) -> dict[str, float]:
+    def push_colocated(
+        self, engines: Sequence, engine_nodes: Sequence[str], bucket_bytes: int, timeout_s: float
+    ) -> dict[str, float]:
         """Stream this rank's export into every engine of `engines`: through shared memory to
         those on this node, as bytes in Ray's object store to those on other nodes (`engine_nodes`
         are their node ids; shared memory and CUDA IPC do not cross machines). Returns the
@@ -200,71 +217,91 @@ class TrainerWorker:
         would cost more than the copy. It delivers to this call's engines (an engine may have
         been replaced since the last one)."""
         from weight_sync import ColocatedSender
+
         source, _ = self.sync_role()
         if not source:
             for _ in self.policy.export_hf_weights():
                 pass
             return {"bytes": 0.0}
         here = node_id()
-        self._push_to = ([e for e, n in zip(engines, engine_nodes, strict=True) if n == here],
-                         [e for e, n in zip(engines, engine_nodes, strict=True) if n != here],
-                         timeout_s)
+        self._push_to = (
+            [e for e, n in zip(engines, engine_nodes, strict=True) if n == here],
+            [e for e, n in zip(engines, engine_nodes, strict=True) if n != here],
+            timeout_s,
+        )
         if getattr(self, "_sender", None) is None:
-            self._sender = ColocatedSender(self._deliver, bucket_bytes=bucket_bytes,
-                                           device=_device())
+            self._sender = ColocatedSender(
+                self._deliver, bucket_bytes=bucket_bytes, device=_device()
+            )
         report = self._sender.send(self.policy.export_hf_weights())
         remote = len(self._push_to[1])
-        return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets),
-                "remote_bytes": float(report.nbytes * remote / max(1, len(engines)))}
+        return {
+            "bytes": float(report.nbytes),
+            "buckets": float(report.num_buckets),
+            "remote_bytes": float(report.nbytes * remote / max(1, len(engines))),
+        }
 
     def _deliver(self, handle, manifest) -> _AllAcked:
         local, remote, timeout_s = self._push_to
         refs = [e.load_bucket.remote(handle, manifest) for e in local]
-        if remote:   # one copy into the object store, fetched by each remote node
+        if remote:  # one copy into the object store, fetched by each remote node
             data = ray.put(self._sender.allocator.buffer(handle).cpu().clone())
             refs += [e.load_bucket_bytes.remote(data, manifest) for e in remote]
         return _AllAcked(refs, timeout_s)
 
-    def join_sync_group(self, host: str, port: int, num_engines: int, num_stages: int,
-                        timeout_s: float) -> bool:
+    def join_sync_group(
+        self, host: str, port: int, num_engines: int, num_stages: int, timeout_s: float
+    ) -> bool:
         """Disaggregated: sources join the standalone sync group with the engines (engines are
         ranks 0..E-1, the source of stage s is rank E+s): at start, and again with every member
         when an engine was replaced. Its collectives fail after `timeout_s`. Returns whether
         this rank joined."""
         from weight_sync import SyncGroup
+
         source, stage = self.sync_role()
         if source:
-            self.sync_group = SyncGroup.create(host, port, rank=num_engines + stage,
-                                               size=num_engines + num_stages, backend=_backend(),
-                                               timeout_s=timeout_s)
+            self.sync_group = SyncGroup.create(
+                host,
+                port,
+                rank=num_engines + stage,
+                size=num_engines + num_stages,
+                backend=_backend(),
+                timeout_s=timeout_s,
+            )
             self.sync_sources = list(range(num_engines, num_engines + num_stages))
         return source
 
     def push_broadcast(self, bucket_bytes: int) -> dict[str, float]:
         """Broadcast this stage's export over the sync group (see `join_sync_group`)."""
         from weight_sync import BroadcastSender
+
         source, _ = self.sync_role()
         if not source:
             for _ in self.policy.export_hf_weights():
                 pass
             return {"bytes": 0.0}
-        report = BroadcastSender(self.sync_group, self.sync_sources,
-                                 bucket_bytes=bucket_bytes).send(self.policy.export_hf_weights())
+        report = BroadcastSender(
+            self.sync_group, self.sync_sources, bucket_bytes=bucket_bytes
+        ).send(self.policy.export_hf_weights())
         return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets)}
 
     def save_hf(self, directory: str) -> None:
         """Write the policy as a Hugging Face checkpoint (rank 0 writes; all ranks gather)."""
         from safetensors.torch import save_file
+
         state = self.policy.hf_state_dict()
         if self.rank == 0:
             os.makedirs(directory, exist_ok=True)
-            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
-                      os.path.join(directory, "model.safetensors"))
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in state.items()},
+                os.path.join(directory, "model.safetensors"),
+            )
 
     def save_state(self, path: str) -> None:
         """This rank's training state (optimizer, schedule, critic, RNG states): see
         `checkpoint.py`. Every rank writes its own file."""
         from miles_like import rng_state
+
         state = {"policy": self.policy.train_state(), "rng": rng_state.capture()}
         if self.critic is not None:
             state["critic"] = self.critic.train_state()
@@ -274,6 +311,7 @@ class TrainerWorker:
     def load_state(self, path: str) -> None:
         """Inverse of `save_state`, after `build` from the checkpoint's weights."""
         from miles_like import rng_state
+
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.policy.load_train_state(state["policy"])
         if (self.critic is None) != ("critic" not in state):
@@ -286,14 +324,17 @@ class TrainerWorker:
         if getattr(self, "_sender", None) is not None:
             self._sender.close()
         from trainer.parallel import destroy_parallel
+
         destroy_parallel()
 
 
 def _mini_batches(n: int, updates: int) -> list[list[int]]:
     """`updates` consecutive, near-equal slices of range(n) (the first ones one larger)."""
     if not 1 <= updates <= n:
-        raise ValueError(f"trainer.updates_per_rollout={updates} needs at least that many "
-                         f"samples per step; the batch has {n}")
+        raise ValueError(
+            f"trainer.updates_per_rollout={updates} needs at least that many "
+            f"samples per step; the batch has {n}"
+        )
     size, extra = divmod(n, updates)
     out, start = [], 0
     for u in range(updates):
@@ -327,6 +368,7 @@ class EngineWorker:
         from rollout import Engine
         from rollout.async_engine import AsyncEngine
         from weight_sync import BucketReceiver
+
         use_node_interface()
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
@@ -363,8 +405,10 @@ class EngineWorker:
         if not isinstance(params, Sequence):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                             "give one or one per prompt")
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                "give one or one per prompt"
+            )
         was_open = self.async_engine.is_open
         self.async_engine.resume()
         try:
@@ -379,7 +423,8 @@ class EngineWorker:
         # the window stays open for the whole call: no update can land between its requests
         return [r.samples for r in results], {
             **{k: after[k] - before[k] for k in self.CACHE_COUNTERS},
-            "weight_version": results[0].weight_version if results else after["weight_version"]}
+            "weight_version": results[0].weight_version if results else after["weight_version"],
+        }
 
     @ray.method(concurrency_group="serve")
     def generate_one(self, prompt_ids: list[int], params):
@@ -392,9 +437,13 @@ class EngineWorker:
         on this replica's AsyncEngine (it answers 503 while the window is closed). Returns its
         base URL. The tokenizer comes from the model directory when it has one."""
         from rollout.serve import build_app, load_tokenizer, start_server
+
         if self._server is None:
-            app = build_app(self.async_engine, load_tokenizer(self.model_path),
-                            model_name or os.path.basename(os.path.normpath(self.model_path)))
+            app = build_app(
+                self.async_engine,
+                load_tokenizer(self.model_path),
+                model_name or os.path.basename(os.path.normpath(self.model_path)),
+            )
             self._server = start_server(app, host, port)
         return self._server.url
 
@@ -434,17 +483,30 @@ class EngineWorker:
     def weight_digests(self) -> dict[str, str]:
         """sha256 of every parameter's bytes, by HF name: to check a sync bitwise from outside."""
         import hashlib
-        return {name: hashlib.sha256(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                                     .tobytes()).hexdigest()
-                for name, p in self.engine.model.named_parameters()}
 
-    def join_sync_group(self, host: str, port: int, rank: int, num_engines: int, num_stages: int,
-                        timeout_s: float) -> None:
+        return {
+            name: hashlib.sha256(
+                p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            ).hexdigest()
+            for name, p in self.engine.model.named_parameters()
+        }
+
+    def join_sync_group(
+        self, host: str, port: int, rank: int, num_engines: int, num_stages: int, timeout_s: float
+    ) -> None:
         from weight_sync import BroadcastReceiver, SyncGroup
-        group = SyncGroup.create(host, port, rank=rank, size=num_engines + num_stages,
-                                 backend=_backend(), timeout_s=timeout_s)
+
+        group = SyncGroup.create(
+            host,
+            port,
+            rank=rank,
+            size=num_engines + num_stages,
+            backend=_backend(),
+            timeout_s=timeout_s,
+        )
         self.broadcast_receiver = BroadcastReceiver(
-            self.engine, group, sources=list(range(num_engines, num_engines + num_stages)))
+            self.engine, group, sources=list(range(num_engines, num_engines + num_stages))
+        )
 
     def flush_prefix_cache(self) -> None:
         self.close()

@@ -33,8 +33,8 @@ class EngineUnavailable(RuntimeError):
 class GenerationResult(NamedTuple):
     prompt_token_ids: list[int]
     samples: list[SampleOutput]
-    weight_version: int     # the engine's weights that sampled every token of `samples`
-    cached_tokens: int      # prompt tokens taken from the prefix cache at admission
+    weight_version: int  # the engine's weights that sampled every token of `samples`
+    cached_tokens: int  # prompt tokens taken from the prefix cache at admission
 
 
 class _Submission(NamedTuple):
@@ -49,26 +49,28 @@ class AsyncEngine:
         self.engine = engine
         self._cond = threading.Condition()
         self._inbox: deque[_Submission] = deque()
-        self._in_flight = 0          # submitted and not yet resolved (inbox + engine)
+        self._in_flight = 0  # submitted and not yet resolved (inbox + engine)
         self._open = open
         self._abort_all = False
         self._stopping = False
-        self._failure: BaseException | None = None   # the step loop died: nothing is served
-        self._futures: dict[int, Future] = {}         # request id -> future (thread-owned)
+        self._failure: BaseException | None = None  # the step loop died: nothing is served
+        self._futures: dict[int, Future] = {}  # request id -> future (thread-owned)
         self._cancels: list[Future] = []
         self._thread = threading.Thread(target=self._loop, name="AsyncEngine", daemon=True)
         self._thread.start()
 
     # -- submitting ----------------------------------------------------------------------------
-    def submit(self, prompt_ids: Seq[int], params: SamplingParams,
-               stop_check: StopCheck | None = None) -> Future[GenerationResult]:
+    def submit(
+        self, prompt_ids: Seq[int], params: SamplingParams, stop_check: StopCheck | None = None
+    ) -> Future[GenerationResult]:
         """Queue one request (any thread). Raises `EngineUnavailable` while paused or closed;
         errors of the request itself (e.g. a prompt too long) reach the future."""
         (future,) = self.submit_many([(prompt_ids, params)], stop_check)
         return future
 
-    def submit_many(self, requests: Seq[tuple[Seq[int], SamplingParams]],
-                    stop_check: StopCheck | None = None) -> list[Future[GenerationResult]]:
+    def submit_many(
+        self, requests: Seq[tuple[Seq[int], SamplingParams]], stop_check: StopCheck | None = None
+    ) -> list[Future[GenerationResult]]:
         """Queue several requests at once, as `submit` does each: the step loop admits them
         together, in order, as `Engine.generate` does, so the batches they are computed in do
         not depend on thread timing (nor do the prefix-cache hits between them)."""
@@ -86,8 +88,9 @@ class AsyncEngine:
             self._cond.notify_all()
         return futures
 
-    async def generate(self, prompt_ids: Seq[int], params: SamplingParams,
-                       stop_check: StopCheck | None = None) -> GenerationResult:
+    async def generate(
+        self, prompt_ids: Seq[int], params: SamplingParams, stop_check: StopCheck | None = None
+    ) -> GenerationResult:
         """`submit` awaited from any asyncio loop. Cancelling the awaiting task (a timeout, a
         client gone) aborts the request in the engine."""
         future = self.submit(prompt_ids, params, stop_check)
@@ -120,8 +123,9 @@ class AsyncEngine:
                 self._cond.notify_all()
             try:
                 if not self._cond.wait_for(lambda: self._in_flight == 0, timeout):
-                    raise TimeoutError(f"{self._in_flight} requests still in flight after "
-                                       f"{timeout} s")
+                    raise TimeoutError(
+                        f"{self._in_flight} requests still in flight after {timeout} s"
+                    )
             finally:
                 self._abort_all = False
 
@@ -163,22 +167,28 @@ class AsyncEngine:
                 continue
             try:
                 finished = self.engine.step()
-            except BaseException as exc:   # noqa: BLE001 -- delivered to every waiting caller
+            except BaseException as exc:  # noqa: BLE001 -- delivered to every waiting caller
                 self._fail_all(exc)
                 continue
             for out in finished:
                 future = self._futures.pop(out.request_id)
-                future.set_result(GenerationResult(out.prompt_token_ids, out.samples,
-                                                   self.engine.weight_version, out.cached_tokens))
+                future.set_result(
+                    GenerationResult(
+                        out.prompt_token_ids,
+                        out.samples,
+                        self.engine.weight_version,
+                        out.cached_tokens,
+                    )
+                )
                 self._resolved(1)
 
     def _add(self, sub: _Submission) -> None:
-        if not sub.future.set_running_or_notify_cancel():   # cancelled while queued
+        if not sub.future.set_running_or_notify_cancel():  # cancelled while queued
             self._resolved(1)
             return
         try:
             request_id = self.engine.add_request(sub.prompt_ids, sub.params, sub.stop_check)
-        except Exception as exc:   # noqa: BLE001 -- the request's own error, e.g. too long
+        except Exception as exc:  # noqa: BLE001 -- the request's own error, e.g. too long
             sub.future.set_exception(exc)
             self._resolved(1)
             return
@@ -193,7 +203,7 @@ class AsyncEngine:
         try:
             while self.engine.has_unfinished():
                 self.engine.step()
-        except BaseException as again:   # noqa: BLE001
+        except BaseException as again:  # noqa: BLE001
             with self._cond:
                 self._failure = again
         for future in futures.values():

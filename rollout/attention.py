@@ -36,10 +36,10 @@ from rollout.suffix_lanes import SuffixLanes
 
 @dataclass(frozen=True)
 class PrefillSegment:
-    token_start: int              # first row of this chunk in the flat batch
-    num_new: int                  # tokens computed in this chunk
-    context_slots: torch.Tensor   # [C] slots of the whole visible context (cached prefix + chunk)
-    mask: torch.Tensor            # [num_new, C] bool, True = may attend (causal, offset by the prefix)
+    token_start: int  # first row of this chunk in the flat batch
+    num_new: int  # tokens computed in this chunk
+    context_slots: torch.Tensor  # [C] slots of the whole visible context (cached prefix + chunk)
+    mask: torch.Tensor  # [num_new, C] bool, True = may attend (causal, offset by the prefix)
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,15 @@ class DecodeMetadata:
     Contexts are read a page at a time (a page is `page_size` consecutive slots): group prefixes
     are whole pages, and each suffix starts on a page boundary. Query tokens sit in a padded
     [D, Q] grid; a padding cell repeats a real query of its sequence and is never read back."""
-    prefix_pages: torch.Tensor    # [G, Np] pages of each group's shared prefix (padded with page 0)
-    prefix_bias: torch.Tensor     # [G, Np * page_size] float, 0 = real token, -inf = padding
-    member_index: torch.Tensor    # [D] position of each sequence in the flattened [G, M] grid
-    group_size: int               # M
-    suffix_pages: torch.Tensor    # [D, Ns] each sequence's own pages after its group prefix
-    suffix_bias: torch.Tensor     # [D, Q, Ns * page_size] float: 0 = visible to that query (causal)
-    query_index: torch.Tensor     # [D * Q] batch row of the query in each grid cell
-    token_cell: torch.Tensor      # [num_tokens] grid cell of each decode token, in batch order
+
+    prefix_pages: torch.Tensor  # [G, Np] pages of each group's shared prefix (padded with page 0)
+    prefix_bias: torch.Tensor  # [G, Np * page_size] float, 0 = real token, -inf = padding
+    member_index: torch.Tensor  # [D] position of each sequence in the flattened [G, M] grid
+    group_size: int  # M
+    suffix_pages: torch.Tensor  # [D, Ns] each sequence's own pages after its group prefix
+    suffix_bias: torch.Tensor  # [D, Q, Ns * page_size] float: 0 = visible to that query (causal)
+    query_index: torch.Tensor  # [D * Q] batch row of the query in each grid cell
+    token_cell: torch.Tensor  # [num_tokens] grid cell of each decode token, in batch order
     # Set when the grid order is the lane order of `SuffixLanes`: where each decode token's K/V
     # is mirrored (flat lane * capacity + offset, batch order); the suffix is then read from the
     # lanes instead of `suffix_pages`.
@@ -70,7 +71,7 @@ class DecodeMetadata:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    out_slots: torch.Tensor       # [T] where each token's K/V is written
+    out_slots: torch.Tensor  # [T] where each token's K/V is written
     decode: DecodeMetadata | None  # the first decode.num_seqs tokens are decode tokens
     prefill: tuple[PrefillSegment, ...]
 
@@ -89,10 +90,11 @@ class TorchAttention:
         self.pool = pool
         self.suffix_lanes = suffix_lanes
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]    # [Hkv, slots, D]
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, D]
         k_cache.index_copy_(1, meta.out_slots, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
         out = torch.empty_like(q)
@@ -101,24 +103,36 @@ class TorchAttention:
             if meta.decode.lane_write is not None:
                 lanes = self.suffix_lanes
                 lanes.mirror(layer, meta.decode.lane_write, k[:num_decode], v[:num_decode])
-                suffix = lanes.views(layer, meta.decode.suffix_bias.shape[0], meta.decode.suffix_bias.shape[-1])
-            out[:num_decode] = cascade_decode_attention(q[:num_decode], k_cache, v_cache, meta.decode,
-                                                        self.pool.page_size, suffix)
+                suffix = lanes.views(
+                    layer, meta.decode.suffix_bias.shape[0], meta.decode.suffix_bias.shape[-1]
+                )
+            out[:num_decode] = cascade_decode_attention(
+                q[:num_decode], k_cache, v_cache, meta.decode, self.pool.page_size, suffix
+            )
         prefill_attention(q, k_cache, v_cache, meta.prefill, out)
         return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      segments: tuple[PrefillSegment, ...], out: torch.Tensor) -> None:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    segments: tuple[PrefillSegment, ...],
+    out: torch.Tensor,
+) -> None:
     """Each chunk attends causally over its cached prefix and itself; writes rows of `out`."""
     for seg in segments:
         rows = slice(seg.token_start, seg.token_start + seg.num_new)
-        keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)      # [1, Hkv, C, D]
+        keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)  # [1, Hkv, C, D]
         values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
-        queries = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, n, D]
-        out[rows] = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=seg.mask, enable_gqa=True
-        ).squeeze(0).transpose(0, 1)
+        queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        out[rows] = (
+            F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=seg.mask, enable_gqa=True
+            )
+            .squeeze(0)
+            .transpose(0, 1)
+        )
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -128,7 +142,9 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.T
     num_kv_heads, _, head_dim = cache.shape
     paged = cache.view(num_kv_heads, -1, page_size * head_dim)
     gathered = paged.index_select(1, pages.reshape(-1))
-    return gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).to(accum_dtype(cache.dtype))
+    return gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).to(
+        accum_dtype(cache.dtype)
+    )
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -140,32 +156,43 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             meta: DecodeMetadata, page_size: int,
-                             suffix_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def cascade_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    page_size: int,
+    suffix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Exact softmax attention of each decode query over (group prefix ++ own suffix).
 
     q: [T, H, Dh] decode tokens in batch order -> [T, H, Dh]. Heads are grouped GQA-style:
     query head h reads KV head h // (H / Hkv). `suffix_kv`: the suffix K, V already laid out as
-    [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the pool."""
+    [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the
+    pool."""
     num_heads, head_dim = q.shape[1:]
     out_dtype = q.dtype
     num_seqs, num_queries = meta.suffix_bias.shape[:2]
     num_kv_heads = k_cache.shape[0]
     per_kv = num_heads // num_kv_heads
-    rows = num_queries * per_kv     # score rows per sequence, ordered (query, head in KV group)
+    rows = num_queries * per_kv  # score rows per sequence, ordered (query, head in KV group)
     # float32 (at least) scores and softmax whatever the model dtype (a no-op for float32)
     q = (q.to(accum_dtype(q.dtype)) * (1.0 / math.sqrt(head_dim))).index_select(0, meta.query_index)
     q = q.view(num_seqs, num_queries, num_kv_heads, per_kv, head_dim).permute(2, 0, 1, 3, 4)
-    q = q.reshape(num_kv_heads, num_seqs, rows, head_dim)                               # [Hkv, D, Q*g, Dh]
+    q = q.reshape(num_kv_heads, num_seqs, rows, head_dim)  # [Hkv, D, Q*g, Dh]
 
     # Own suffix, causal among this step's queries: [Hkv, D, Q*g, Ls]
-    suffix_bias = meta.suffix_bias.unsqueeze(2).expand(-1, -1, per_kv, -1).reshape(1, num_seqs, rows, -1)
+    suffix_bias = (
+        meta.suffix_bias.unsqueeze(2).expand(-1, -1, per_kv, -1).reshape(1, num_seqs, rows, -1)
+    )
     if suffix_kv is None:
-        suffix_kv = _gather(k_cache, meta.suffix_pages, page_size), _gather(v_cache, meta.suffix_pages, page_size)
+        suffix_kv = (
+            _gather(k_cache, meta.suffix_pages, page_size),
+            _gather(v_cache, meta.suffix_pages, page_size),
+        )
     suffix_k, suffix_v = suffix_kv
     suffix_scores = _bmm(q, suffix_k.transpose(-1, -2)) + suffix_bias
-    row_max = suffix_scores.amax(-1, keepdim=True)   # finite: a query always sees its own token
+    row_max = suffix_scores.amax(-1, keepdim=True)  # finite: a query always sees its own token
 
     has_prefix = meta.prefix_pages.shape[1] > 0
     if has_prefix:
@@ -174,21 +201,31 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         grid_q = q.new_zeros(num_kv_heads, groups * members, rows, head_dim)
         grid_q.index_copy_(1, meta.member_index, q)
         grid_q = grid_q.view(num_kv_heads, groups, members * rows, head_dim)
-        prefix_k = _gather(k_cache, meta.prefix_pages, page_size)                     # [Hkv, G, Lp, Dh]
+        prefix_k = _gather(k_cache, meta.prefix_pages, page_size)  # [Hkv, G, Lp, Dh]
         grid_scores = grid_q @ prefix_k.transpose(-1, -2) + meta.prefix_bias[None, :, None, :]
-        prefix_scores = grid_scores.view(num_kv_heads, groups * members, rows, -1).index_select(1, meta.member_index)
+        prefix_scores = grid_scores.view(num_kv_heads, groups * members, rows, -1).index_select(
+            1, meta.member_index
+        )
         row_max = torch.maximum(row_max, prefix_scores.amax(-1, keepdim=True))
 
     suffix_p = torch.exp(suffix_scores - row_max)
     denom = suffix_p.sum(-1, keepdim=True)
-    out = _bmm(suffix_p, suffix_v)                                                      # [Hkv, D, Q*g, Dh]
+    out = _bmm(suffix_p, suffix_v)  # [Hkv, D, Q*g, Dh]
     if has_prefix:
         prefix_p = torch.exp(prefix_scores - row_max)
         denom = denom + prefix_p.sum(-1, keepdim=True)
         grid_p = prefix_p.new_zeros(num_kv_heads, groups * members, rows, prefix_p.shape[-1])
         grid_p.index_copy_(1, meta.member_index, prefix_p)
-        grid_out = grid_p.view(num_kv_heads, groups, members * rows, -1) @ _gather(v_cache, meta.prefix_pages, page_size)
-        out = out + grid_out.view(num_kv_heads, groups * members, rows, head_dim).index_select(1, meta.member_index)
-    out = (out / denom).view(num_kv_heads, num_seqs, num_queries, per_kv, head_dim).permute(1, 2, 0, 3, 4)
+        grid_out = grid_p.view(num_kv_heads, groups, members * rows, -1) @ _gather(
+            v_cache, meta.prefix_pages, page_size
+        )
+        out = out + grid_out.view(num_kv_heads, groups * members, rows, head_dim).index_select(
+            1, meta.member_index
+        )
+    out = (
+        (out / denom)
+        .view(num_kv_heads, num_seqs, num_queries, per_kv, head_dim)
+        .permute(1, 2, 0, 3, 4)
+    )
     out = out.reshape(num_seqs * num_queries, num_heads, head_dim).index_select(0, meta.token_cell)
     return out.to(out_dtype)

@@ -88,15 +88,24 @@ CHATML_TOOLS_TEMPLATE = (
 )
 
 
-def render_text(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                add_generation_prompt: bool = True) -> str:
+def render_text(
+    tokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
     """The chat template's rendering of `messages` (and `tools`) as text."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the tokenizer has no chat_template; give the model directory a "
-                         "tokenizer_config.json with one")
-    return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+        raise ValueError(
+            "the tokenizer has no chat_template; give the model directory a "
+            "tokenizer_config.json with one"
+        )
+    return tokenizer.apply_chat_template(
+        list(messages),
+        tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -104,8 +113,12 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def render_ids(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-               add_generation_prompt: bool = True) -> list[int]:
+def render_ids(
+    tokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """The chat template's tokens for `messages`: rendered to text, then encoded without adding
     specials (the return type of `apply_chat_template(tokenize=True)` varies across
     transformers versions; this does not)."""
@@ -127,32 +140,45 @@ def _last_special_end(tokenizer, text: str) -> int:
         if i >= 0 and i + len(tok) > best:
             best = i + len(tok)
     if best < 0:
-        raise ValueError("delta_ids: the rendered conversation holds no special token to cut "
-                         "at; the chat template must end each turn with one (e.g. <|im_end|>)")
+        raise ValueError(
+            "delta_ids: the rendered conversation holds no special token to cut "
+            "at; the chat template must end each turn with one (e.g. <|im_end|>)"
+        )
     return best
 
 
-def delta_text(tokenizer, messages: Sequence[dict], new_messages: Sequence[dict],
-               tools: Sequence[dict] | None = None) -> str:
+def delta_text(
+    tokenizer,
+    messages: Sequence[dict],
+    new_messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+) -> str:
     """The text the template adds for `new_messages` (and the generation prompt) after the
     last special token of the rendering of `messages` (see the module docstring)."""
     if not messages:
         raise ValueError("delta_ids: messages is empty; render the first turn with render_ids")
     before = render_text(tokenizer, messages, tools, add_generation_prompt=False)
-    after = render_text(tokenizer, list(messages) + list(new_messages), tools,
-                        add_generation_prompt=True)
+    after = render_text(
+        tokenizer, list(messages) + list(new_messages), tools, add_generation_prompt=True
+    )
     cut = _last_special_end(tokenizer, before)
     if after[:cut] != before[:cut]:
         at = next(i for i in range(cut) if i >= len(after) or after[i] != before[i])
-        raise ValueError(f"delta_ids: the chat template renders the earlier turns differently "
-                         f"once new messages follow (first difference at character {at}: "
-                         f"{before[at:at + 30]!r} vs {after[at:at + 30]!r}); token-exact "
-                         "deltas need a template whose history does not change")
+        raise ValueError(
+            f"delta_ids: the chat template renders the earlier turns differently "
+            f"once new messages follow (first difference at character {at}: "
+            f"{before[at : at + 30]!r} vs {after[at : at + 30]!r}); token-exact "
+            "deltas need a template whose history does not change"
+        )
     return after[cut:]
 
 
-def delta_ids(tokenizer, messages: Sequence[dict], new_messages: Sequence[dict],
-              tools: Sequence[dict] | None = None) -> list[int]:
+def delta_ids(
+    tokenizer,
+    messages: Sequence[dict],
+    new_messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+) -> list[int]:
     """The template's tokens for `new_messages` plus the generation prompt, to append after the
     tokens of `messages` (whose last turn, sampled by the engine, ends with the end-of-turn
     token)."""
@@ -162,20 +188,25 @@ def delta_ids(tokenizer, messages: Sequence[dict], new_messages: Sequence[dict],
 class DeltaCheck(NamedTuple):
     matches: bool
     first_difference: int | None  # token index where the two sequences first differ
-    expected: list[int]           # the template's rendering of the whole conversation
+    expected: list[int]  # the template's rendering of the whole conversation
 
 
-def check_delta(tokenizer, token_ids: Sequence[int], messages: Sequence[dict],
-                tools: Sequence[dict] | None = None,
-                add_generation_prompt: bool = True) -> DeltaCheck:
+def check_delta(
+    tokenizer,
+    token_ids: Sequence[int],
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> DeltaCheck:
     """Compare a trajectory's tokens (prompt + sampled turns + deltas) with `render_ids` of the
     whole conversation; a mismatch counts one `rollout/retokenize_mismatch`."""
     expected = render_ids(tokenizer, messages, tools, add_generation_prompt)
     got = list(token_ids)
     if got == expected:
         return DeltaCheck(True, None, expected)
-    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
-                 min(len(got), len(expected)))
+    first = next(
+        (i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
+    )
     return DeltaCheck(False, first, expected)
 
 
@@ -195,8 +226,9 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     if not isinstance(name, str) or not name:
         raise ToolCallError(f"tool call name={name!r}: use a non-empty string")
     if not isinstance(arguments, dict):
-        raise ToolCallError(f"tool call {name!r}: arguments must be a dict, "
-                            f"not {type(arguments).__name__}")
+        raise ToolCallError(
+            f"tool call {name!r}: arguments must be a dict, not {type(arguments).__name__}"
+        )
     body = {"name": name, "arguments": arguments}
     return f"{TOOL_CALL_OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
 
@@ -213,9 +245,10 @@ def assistant_message(content: str, calls: Sequence[ToolCall] = ()) -> dict[str,
     `assistant_text(content, calls)`)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
-        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name,
-                                                               "arguments": c.arguments}}
-                             for c in calls]
+        msg["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
     return msg
 
 
@@ -227,23 +260,30 @@ def _parse_call(index: int, body: str) -> ToolCall:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
-        raise ToolCallError(f"{where}: invalid JSON ({e.msg} at character {e.pos}) in "
-                            f"{body.strip()[:80]!r}") from None
+        raise ToolCallError(
+            f"{where}: invalid JSON ({e.msg} at character {e.pos}) in {body.strip()[:80]!r}"
+        ) from None
     if not isinstance(obj, dict):
-        raise ToolCallError(f"{where}: expected a JSON object with 'name' and 'arguments', "
-                            f"got {type(obj).__name__}")
+        raise ToolCallError(
+            f"{where}: expected a JSON object with 'name' and 'arguments', got {type(obj).__name__}"
+        )
     extra = set(obj) - {"name", "arguments"}
     if extra:
-        raise ToolCallError(f"{where}: unexpected keys {sorted(extra)}; a call has only "
-                            "'name' and 'arguments'")
+        raise ToolCallError(
+            f"{where}: unexpected keys {sorted(extra)}; a call has only 'name' and 'arguments'"
+        )
     name = obj.get("name")
     if not isinstance(name, str) or not name:
-        raise ToolCallError(f"{where}: missing 'name' (a non-empty string)" if name is None
-                            else f"{where}: 'name' must be a non-empty string, got {name!r}")
+        raise ToolCallError(
+            f"{where}: missing 'name' (a non-empty string)"
+            if name is None
+            else f"{where}: 'name' must be a non-empty string, got {name!r}"
+        )
     arguments = obj.get("arguments", {})
     if not isinstance(arguments, dict):
-        raise ToolCallError(f"{where} ({name}): 'arguments' must be a JSON object, "
-                            f"got {type(arguments).__name__}")
+        raise ToolCallError(
+            f"{where} ({name}): 'arguments' must be a JSON object, got {type(arguments).__name__}"
+        )
     return ToolCall(name, arguments)
 
 
@@ -260,21 +300,26 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     for m in _CALL.finditer(text):
         if first is None:
             first = m.start()
-        elif text[pos:m.start()].strip():
-            raise ToolCallError(f"tool call {len(calls)}: text between tool calls "
-                                f"{text[pos:m.start()].strip()[:40]!r}; put content first")
+        elif text[pos : m.start()].strip():
+            raise ToolCallError(
+                f"tool call {len(calls)}: text between tool calls "
+                f"{text[pos : m.start()].strip()[:40]!r}; put content first"
+            )
         calls.append(_parse_call(len(calls) + 1, m.group(1)))
         pos = m.end()
     rest = text[pos:]
     if TOOL_CALL_OPEN in rest:
-        raise ToolCallError(f"tool call {len(calls) + 1}: {TOOL_CALL_OPEN} without "
-                            f"{TOOL_CALL_CLOSE}")
+        raise ToolCallError(
+            f"tool call {len(calls) + 1}: {TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}"
+        )
     if first is None:
         if TOOL_CALL_CLOSE in text:
             raise ToolCallError(f"tool call 1: {TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN}")
         return text, []
     if TOOL_CALL_CLOSE in rest or rest.strip():
-        raise ToolCallError(f"tool call {len(calls)}: text after the last tool call "
-                            f"{rest.strip()[:40]!r}; a turn ends with its calls")
+        raise ToolCallError(
+            f"tool call {len(calls)}: text after the last tool call "
+            f"{rest.strip()[:40]!r}; a turn ends with its calls"
+        )
     content = text[:first]
     return content.removesuffix("\n"), calls

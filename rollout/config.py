@@ -19,7 +19,10 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-ATTENTION_BACKENDS = ("torch", "triton")  # triton: GPU kernels for KV store and decode (rollout/kernels)
+ATTENTION_BACKENDS = (
+    "torch",
+    "triton",
+)  # triton: GPU kernels for KV store and decode (rollout/kernels)
 SPECULATIVE_METHODS = (None, "ngram", "group", "draft")
 
 
@@ -40,7 +43,8 @@ class EngineConfig:
     page_size: int = 16
     """Tokens per KV page: the unit of allocation, of prefix sharing across requests (the radix
     cache matches whole pages) and of attention reads (whole pages gather at near-memcpy speed).
-    Samples of one prompt share it entirely whatever the page size (a partial last page is copied)."""
+    Samples of one prompt share it entirely whatever the page size (a partial last page is
+    copied)."""
     max_running_requests: int = 256
     """Most sequences decoding at once (each sample of a request counts)."""
     max_prefill_tokens: int = 4096
@@ -88,57 +92,111 @@ class EngineConfig:
     the torch attention backend without suffix lanes, decode graphs or speculation."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.model_path, str) and self.model_path != "",
-                 "EngineConfig.model_path: give the local directory holding config.json and *.safetensors")
+        _require(
+            isinstance(self.model_path, str) and self.model_path != "",
+            "EngineConfig.model_path: give the local directory holding config.json and "
+            "*.safetensors",
+        )
         _require(self.dtype in DTYPES, f"EngineConfig.dtype={self.dtype!r}: choose one of {DTYPES}")
-        _require(self.kv_cache_tokens is None or (isinstance(self.kv_cache_tokens, int) and self.kv_cache_tokens > 0),
-                 f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens!r}: must be a positive int or None")
-        _require(0.0 < self.kv_memory_fraction <= 0.95,
-                 f"EngineConfig.kv_memory_fraction={self.kv_memory_fraction!r}: must be in (0, 0.95]")
-        _require(isinstance(self.page_size, int) and self.page_size >= 1,
-                 f"EngineConfig.page_size={self.page_size!r}: must be an int >= 1")
-        _require(isinstance(self.max_running_requests, int) and self.max_running_requests >= 1,
-                 f"EngineConfig.max_running_requests={self.max_running_requests!r}: must be an int >= 1")
-        _require(isinstance(self.max_prefill_tokens, int) and self.max_prefill_tokens >= 1,
-                 f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r}: must be an int >= 1")
-        _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
-                 f"EngineConfig.max_model_len={self.max_model_len!r}: must be an int >= 2 or None")
-        _require(self.speculative_method in SPECULATIVE_METHODS,
-                 f"EngineConfig.speculative_method={self.speculative_method!r}: choose one of {SPECULATIVE_METHODS}")
-        _require(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
-                 f"EngineConfig.num_speculative_tokens={self.num_speculative_tokens!r}: must be an int >= 1")
-        _require(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
-                 "EngineConfig.speculative_ngram_min/max: need 1 <= min <= max")
-        _require(self.speculative_method != "draft" or isinstance(self.speculative_draft_model_path, str),
-                 "EngineConfig.speculative_method='draft' needs EngineConfig.speculative_draft_model_path: the "
-                 "local directory of a smaller model with the target's vocabulary")
-        _require(self.speculative_draft_model_path is None or self.speculative_method == "draft",
-                 f"EngineConfig.speculative_draft_model_path is set but EngineConfig.speculative_method="
-                 f"{self.speculative_method!r}; set it to 'draft' or drop the path")
-        _require(self.speculative_draft_kv_tokens is None
-                 or (isinstance(self.speculative_draft_kv_tokens, int) and self.speculative_draft_kv_tokens > 0),
-                 f"EngineConfig.speculative_draft_kv_tokens={self.speculative_draft_kv_tokens!r}: "
-                 "must be a positive int or None")
-        _require(isinstance(self.speculative_min_acceptance, (int, float)) and 0 <= self.speculative_min_acceptance <= 1,
-                 f"EngineConfig.speculative_min_acceptance={self.speculative_min_acceptance!r}: must be in [0, 1]")
-        _require(self.decode_graphs in (None, True, False),
-                 f"EngineConfig.decode_graphs={self.decode_graphs!r}: must be true, false or null (auto)")
-        _require(self.attention_backend in ATTENTION_BACKENDS,
-                 f"EngineConfig.attention_backend={self.attention_backend!r}: choose one of {ATTENTION_BACKENDS}")
-        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-                 f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r}: "
-                 "must be an int >= 1")
+        _require(
+            self.kv_cache_tokens is None
+            or (isinstance(self.kv_cache_tokens, int) and self.kv_cache_tokens > 0),
+            f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens!r}: "
+            "must be a positive int or None",
+        )
+        _require(
+            0.0 < self.kv_memory_fraction <= 0.95,
+            f"EngineConfig.kv_memory_fraction={self.kv_memory_fraction!r}: must be in (0, 0.95]",
+        )
+        _require(
+            isinstance(self.page_size, int) and self.page_size >= 1,
+            f"EngineConfig.page_size={self.page_size!r}: must be an int >= 1",
+        )
+        _require(
+            isinstance(self.max_running_requests, int) and self.max_running_requests >= 1,
+            f"EngineConfig.max_running_requests={self.max_running_requests!r}: must be an int >= 1",
+        )
+        _require(
+            isinstance(self.max_prefill_tokens, int) and self.max_prefill_tokens >= 1,
+            f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r}: must be an int >= 1",
+        )
+        _require(
+            self.max_model_len is None
+            or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+            f"EngineConfig.max_model_len={self.max_model_len!r}: must be an int >= 2 or None",
+        )
+        _require(
+            self.speculative_method in SPECULATIVE_METHODS,
+            f"EngineConfig.speculative_method={self.speculative_method!r}: "
+            f"choose one of {SPECULATIVE_METHODS}",
+        )
+        _require(
+            isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+            f"EngineConfig.num_speculative_tokens={self.num_speculative_tokens!r}: "
+            "must be an int >= 1",
+        )
+        _require(
+            1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
+            "EngineConfig.speculative_ngram_min/max: need 1 <= min <= max",
+        )
+        _require(
+            self.speculative_method != "draft"
+            or isinstance(self.speculative_draft_model_path, str),
+            "EngineConfig.speculative_method='draft' needs "
+            "EngineConfig.speculative_draft_model_path: the "
+            "local directory of a smaller model with the target's vocabulary",
+        )
+        _require(
+            self.speculative_draft_model_path is None or self.speculative_method == "draft",
+            f"EngineConfig.speculative_draft_model_path is set but EngineConfig.speculative_method="
+            f"{self.speculative_method!r}; set it to 'draft' or drop the path",
+        )
+        _require(
+            self.speculative_draft_kv_tokens is None
+            or (
+                isinstance(self.speculative_draft_kv_tokens, int)
+                and self.speculative_draft_kv_tokens > 0
+            ),
+            f"EngineConfig.speculative_draft_kv_tokens={self.speculative_draft_kv_tokens!r}: "
+            "must be a positive int or None",
+        )
+        _require(
+            isinstance(self.speculative_min_acceptance, (int, float))
+            and 0 <= self.speculative_min_acceptance <= 1,
+            f"EngineConfig.speculative_min_acceptance={self.speculative_min_acceptance!r}: "
+            "must be in [0, 1]",
+        )
+        _require(
+            self.decode_graphs in (None, True, False),
+            f"EngineConfig.decode_graphs={self.decode_graphs!r}: "
+            "must be true, false or null (auto)",
+        )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"EngineConfig.attention_backend={self.attention_backend!r}: "
+            f"choose one of {ATTENTION_BACKENDS}",
+        )
+        _require(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size!r}: must be an int >= 1",
+        )
         if self.tensor_parallel_size > 1:
             k = self.tensor_parallel_size
             for name, ok, fix in (
-                    ("attention_backend", self.attention_backend == "torch", "'torch'"),
-                    ("decode_graphs", not self.decode_graphs, "false or null"),
-                    ("speculative_method", self.speculative_method is None, "null")):
-                _require(ok, f"EngineConfig.{name}={getattr(self, name)!r} is not supported with "
-                             f"tensor_parallel_size={k} yet; set it to {fix}")
-        _require(self.attention_backend != "triton" or self.device.startswith("cuda"),
-                 f"EngineConfig.attention_backend='triton' needs a CUDA device (device={self.device!r}); "
-                 "use 'torch' on CPU")
+                ("attention_backend", self.attention_backend == "torch", "'torch'"),
+                ("decode_graphs", not self.decode_graphs, "false or null"),
+                ("speculative_method", self.speculative_method is None, "null"),
+            ):
+                _require(
+                    ok,
+                    f"EngineConfig.{name}={getattr(self, name)!r} is not supported with "
+                    f"tensor_parallel_size={k} yet; set it to {fix}",
+                )
+        _require(
+            self.attention_backend != "triton" or self.device.startswith("cuda"),
+            "EngineConfig.attention_backend='triton' needs a CUDA device "
+            f"(device={self.device!r}); use 'torch' on CPU",
+        )
 
 
 @dataclass(frozen=True)
@@ -158,17 +216,33 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.n, int) and self.n >= 1, f"SamplingParams.n={self.n!r}: must be an int >= 1")
-        _require(self.temperature >= 0.0, f"SamplingParams.temperature={self.temperature!r}: must be >= 0 (0 = greedy)")
+        _require(
+            isinstance(self.n, int) and self.n >= 1,
+            f"SamplingParams.n={self.n!r}: must be an int >= 1",
+        )
+        _require(
+            self.temperature >= 0.0,
+            f"SamplingParams.temperature={self.temperature!r}: must be >= 0 (0 = greedy)",
+        )
         _require(0.0 < self.top_p <= 1.0, f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
-        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
-                 f"SamplingParams.top_k={self.top_k!r}: must be -1 (off) or an int >= 0")
+        _require(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
+            f"SamplingParams.top_k={self.top_k!r}: must be -1 (off) or an int >= 0",
+        )
         _require(0.0 <= self.min_p < 1.0, f"SamplingParams.min_p={self.min_p!r}: must be in [0, 1)")
-        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-                 f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: must be non-negative token ids")
-        _require(self.seed is None or isinstance(self.seed, int), f"SamplingParams.seed={self.seed!r}: must be an int or None")
+        _require(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be an int >= 1",
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: "
+            "must be non-negative token ids",
+        )
+        _require(
+            self.seed is None or isinstance(self.seed, int),
+            f"SamplingParams.seed={self.seed!r}: must be an int or None",
+        )
         # Stored as a tuple so the params stay hashable and immutable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

@@ -46,21 +46,25 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class _StaticBatch:
     """The fixed buffers of one bucket, and (on CUDA) its graph and output."""
 
-    input_ids: torch.Tensor     # [P]
-    positions: torch.Tensor     # [P]
-    out_slots: torch.Tensor     # [P]
-    page_table: torch.Tensor    # [P, N]
-    lengths: torch.Tensor       # [P] tokens each row attends to (its new token included)
-    bias: torch.Tensor          # [P, 1, N * page_size]: 0 below the row's length, -inf from there
-    rows: torch.Tensor          # [P] arange: one query per row, in row order
+    input_ids: torch.Tensor  # [P]
+    positions: torch.Tensor  # [P]
+    out_slots: torch.Tensor  # [P]
+    page_table: torch.Tensor  # [P, N]
+    lengths: torch.Tensor  # [P] tokens each row attends to (its new token included)
+    bias: torch.Tensor  # [P, 1, N * page_size]: 0 below the row's length, -inf from there
+    rows: torch.Tensor  # [P] arange: one query per row, in row order
     graph: object | None = None
     logits: torch.Tensor | None = None
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, attention, pool: KVPool, slot_table: torch.Tensor, max_batch: int):
+    def __init__(
+        self, model: CausalLM, attention, pool: KVPool, slot_table: torch.Tensor, max_batch: int
+    ):
         if pool.scratch_page is None:
-            raise ValueError("static decode needs a KV pool with a scratch page (KVPool(scratch_page=True))")
+            raise ValueError(
+                "static decode needs a KV pool with a scratch page (KVPool(scratch_page=True))"
+            )
         self.model = model
         self.attention = attention
         self.pool = pool
@@ -71,14 +75,18 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda"
         self._static: dict[int, _StaticBatch] = {}
         self._mempool = None
-        self.replays = 0      # decode steps served by this path (captured or eager)
+        self.replays = 0  # decode steps served by this path (captured or eager)
 
     def accepts(self, batch: ScheduledBatch) -> bool:
-        return (not batch.prefill and 0 < len(batch.decode) <= self.buckets[-1]
-                and not any(seq.draft for seq in batch.decode))
+        return (
+            not batch.prefill
+            and 0 < len(batch.decode) <= self.buckets[-1]
+            and not any(seq.draft for seq in batch.decode)
+        )
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] of each sequence's pending token, as `ModelRunner.run` would return them."""
+        """Logits [B, V] of each sequence's pending token, as `ModelRunner.run` would return
+        them."""
         size = next(b for b in self.buckets if b >= len(seqs))
         static = self._static.get(size) or self._allocate(size)
         self._fill(static, seqs)
@@ -90,7 +98,7 @@ class DecodeGraphs:
         else:
             logits = self._forward(static)
         self.replays += 1
-        return logits[:len(seqs)]
+        return logits[: len(seqs)]
 
     def reset(self) -> None:
         """Forget every graph and buffer (after the pool or the parameters were re-allocated)."""
@@ -99,14 +107,21 @@ class DecodeGraphs:
 
     # -- buffers -------------------------------------------------------------------------------
     def _allocate(self, size: int) -> _StaticBatch:
-        num_pages = self.slot_table.shape[1] // self.page_size + (self.slot_table.shape[1] % self.page_size > 0)
+        num_pages = self.slot_table.shape[1] // self.page_size + (
+            self.slot_table.shape[1] % self.page_size > 0
+        )
         kw = dict(dtype=torch.int64, device=self.device)
         static = _StaticBatch(
-            input_ids=torch.zeros(size, **kw), positions=torch.zeros(size, **kw),
-            out_slots=torch.zeros(size, **kw), page_table=torch.zeros(size, num_pages, **kw),
+            input_ids=torch.zeros(size, **kw),
+            positions=torch.zeros(size, **kw),
+            out_slots=torch.zeros(size, **kw),
+            page_table=torch.zeros(size, num_pages, **kw),
             lengths=torch.ones(size, **kw),
-            bias=torch.zeros(size, 1, num_pages * self.page_size, dtype=torch.float32, device=self.device),
-            rows=torch.arange(size, **kw))
+            bias=torch.zeros(
+                size, 1, num_pages * self.page_size, dtype=torch.float32, device=self.device
+            ),
+            rows=torch.arange(size, **kw),
+        )
         self._static[size] = static
         return static
 
@@ -114,8 +129,12 @@ class DecodeGraphs:
         """Write this step's batch into the bucket's buffers, in place; rows past it are padding."""
         count, page = len(seqs), self.page_size
         rows = torch.tensor([s.row for s in seqs], dtype=torch.int64, device=self.device)
-        computed = torch.tensor([s.num_computed for s in seqs], dtype=torch.int64, device=self.device)
-        pending = torch.tensor([s.token_ids[s.num_computed] for s in seqs], dtype=torch.int64, device=self.device)
+        computed = torch.tensor(
+            [s.num_computed for s in seqs], dtype=torch.int64, device=self.device
+        )
+        pending = torch.tensor(
+            [s.token_ids[s.num_computed] for s in seqs], dtype=torch.int64, device=self.device
+        )
         scratch = self.pool.scratch_page
         static.input_ids.zero_()[:count] = pending
         static.positions.zero_()[:count] = computed
@@ -130,9 +149,15 @@ class DecodeGraphs:
     def _forward(self, static: _StaticBatch) -> torch.Tensor:
         size = static.rows.shape[0]
         decode = DecodeMetadata(
-            prefix_pages=static.page_table[:, :0], prefix_bias=static.bias[:, 0, :0], member_index=static.rows,
-            group_size=1, suffix_pages=static.page_table, suffix_bias=static.bias, query_index=static.rows,
-            token_cell=static.rows)
+            prefix_pages=static.page_table[:, :0],
+            prefix_bias=static.bias[:, 0, :0],
+            member_index=static.rows,
+            group_size=1,
+            suffix_pages=static.page_table,
+            suffix_bias=static.bias,
+            query_index=static.rows,
+            token_cell=static.rows,
+        )
         meta = AttentionMetadata(out_slots=static.out_slots, decode=decode, prefill=())
         assert meta.num_decode == size
         hidden = self.model(static.input_ids, static.positions, self.attention, meta)

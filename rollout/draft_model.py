@@ -32,12 +32,15 @@ from rollout.weights import iter_safetensors, load_weights
 
 @dataclass(eq=False)
 class _DraftState:
-    """The draft model's view of one sequence, with the fields `ModelRunner` reads from a Sequence."""
+    """The draft model's view of one sequence, with the fields `ModelRunner` reads from a
+    Sequence."""
 
     row: int
-    token_ids: list[int] = field(default_factory=list)   # the sequence's tokens, then this step's drafts
-    num_computed: int = 0     # draft K/V is valid for token_ids[:num_computed]
-    synced: int = 0           # token_ids[:synced] are known to equal the sequence's
+    token_ids: list[int] = field(
+        default_factory=list
+    )  # the sequence's tokens, then this step's drafts
+    num_computed: int = 0  # draft K/V is valid for token_ids[:num_computed]
+    synced: int = 0  # token_ids[:synced] are known to equal the sequence's
     pages: list[int] = field(default_factory=list)
     # As a Sequence that verifies nothing and shares no cached prefix.
     draft = ()
@@ -46,31 +49,65 @@ class _DraftState:
 
 
 class DraftModelProposer:
-    def __init__(self, model_dir: str, *, vocab_size: int, max_model_len: int, max_sequences: int,
-                 kv_tokens: int, page_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_sequences: int,
+        kv_tokens: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         path = Path(model_dir)
         if not path.is_dir():
-            raise FileNotFoundError(f"EngineConfig.speculative_draft_model_path={model_dir!r} is not a directory; "
-                                    "give the local Hugging Face directory of the draft model")
+            raise FileNotFoundError(
+                f"EngineConfig.speculative_draft_model_path={model_dir!r} is not a directory; "
+                "give the local Hugging Face directory of the draft model"
+            )
         self.model_config = mc = ModelConfig.from_dir(path)
         if mc.vocab_size != vocab_size:
-            raise ValueError(f"EngineConfig.speculative_draft_model_path: the draft model's vocab_size "
-                             f"{mc.vocab_size} differs from the target's {vocab_size}; a draft model must share "
-                             "the target's tokenizer")
+            raise ValueError(
+                f"EngineConfig.speculative_draft_model_path: the draft model's vocab_size "
+                f"{mc.vocab_size} differs from the target's {vocab_size}; a draft model must share "
+                "the target's tokenizer"
+            )
         if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"EngineConfig.speculative_draft_model_path: the draft model's max_position_embeddings "
-                             f"{mc.max_position_embeddings} is below max_model_len={max_model_len}; lower max_model_len")
+            raise ValueError(
+                "EngineConfig.speculative_draft_model_path: the draft model's "
+                f"max_position_embeddings {mc.max_position_embeddings} is below "
+                f"max_model_len={max_model_len}; lower max_model_len"
+            )
         self.model = CausalLM.build(mc, max_model_len, dtype, device)
-        load_weights(self.model, iter_safetensors(path), tied_embeddings=mc.tie_word_embeddings, require_all=True)
+        load_weights(
+            self.model,
+            iter_safetensors(path),
+            tied_embeddings=mc.tie_word_embeddings,
+            require_all=True,
+        )
         self.page_size = page_size
-        self.pool = KVPool(num_layers=mc.num_layers, num_pages=max(1, -(-kv_tokens // page_size)),
-                           page_size=page_size, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                           dtype=dtype, device=device)
-        self.slot_table = torch.zeros((max_sequences, max_model_len), dtype=torch.int64, device=device)
+        self.pool = KVPool(
+            num_layers=mc.num_layers,
+            num_pages=max(1, -(-kv_tokens // page_size)),
+            page_size=page_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.slot_table = torch.zeros(
+            (max_sequences, max_model_len), dtype=torch.int64, device=device
+        )
         self.runner = ModelRunner(self.model, TorchAttention(self.pool), self.slot_table, page_size)
-        self._states: OrderedDict[Sequence, _DraftState] = OrderedDict()   # least recently drafted first
+        self._states: OrderedDict[Sequence, _DraftState] = (
+            OrderedDict()
+        )  # least recently drafted first
         self._free_rows = list(range(max_sequences - 1, -1, -1))
-        self.evictions = 0     # draft K/V dropped to make room (recomputed if that sequence drafts again)
+        self.evictions = (
+            0  # draft K/V dropped to make room (recomputed if that sequence drafts again)
+        )
 
     # -- proposing -----------------------------------------------------------------------------
     def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -86,7 +123,8 @@ class DraftModelProposer:
             if state is None:
                 continue
             self._sync(state, seq.token_ids)
-            # K/V for every known token and the first k - 1 drafts (the last draft is never fed back).
+            # K/V for every known token and the first k - 1 drafts (the last draft is never fed
+            # back).
             if self._reserve(state, len(seq.token_ids) + k - 1, in_use):
                 work.append((i, seq, state, k))
         tokens: dict[int, list[int]] = {i: [] for i, *_ in work}
@@ -94,16 +132,27 @@ class DraftModelProposer:
         active = work
         while active:
             decode = [st for _, _, st, _ in active if len(st.token_ids) - st.num_computed == 1]
-            prefill = [(st, len(st.token_ids) - st.num_computed) for _, _, st, _ in active
-                       if len(st.token_ids) - st.num_computed > 1]
+            prefill = [
+                (st, len(st.token_ids) - st.num_computed)
+                for _, _, st, _ in active
+                if len(st.token_ids) - st.num_computed > 1
+            ]
             logits = self.runner.run(ScheduledBatch(decode, prefill))
             # Logits rows come in batch order: decodes, then prefills.
             row_of = {id(st): r for r, st in enumerate(decode + [st for st, _ in prefill])}
-            logits = logits[torch.tensor([row_of[id(st)] for _, _, st, _ in active], device=logits.device)]
+            logits = logits[
+                torch.tensor([row_of[id(st)] for _, _, st, _ in active], device=logits.device)
+            ]
             params = [seq.request.params for _, seq, _, _ in active]
             _, q = sampling_distribution(logits, params)
             greedy = logits.argmax(dim=-1).tolist()
-            drawn = draw(q, [0.0 if p.greedy else draw_uniform(seq) for (_, seq, _, _), p in zip(active, params)])
+            drawn = draw(
+                q,
+                [
+                    0.0 if p.greedy else draw_uniform(seq)
+                    for (_, seq, _, _), p in zip(active, params)
+                ],
+            )
             for j, ((i, _, state, _), p) in enumerate(zip(active, params)):
                 state.num_computed = len(state.token_ids)
                 token = greedy[j] if p.greedy else drawn[j]
@@ -112,8 +161,8 @@ class DraftModelProposer:
                 if not p.greedy:
                     dists[i].append(q[j])
             active = [w for w in active if len(tokens[w[0]]) < w[3]]
-        for i, seq, _, _ in work:
-            probs = torch.stack(dists[i]) if dists[i] else None   # greedy drafts are point masses
+        for i, _, _, _ in work:
+            probs = torch.stack(dists[i]) if dists[i] else None  # greedy drafts are point masses
             drafts[i] = Draft(tokens[i], probs)
         return drafts
 
@@ -186,8 +235,12 @@ class DraftModelProposer:
         """free + held pages == total, each page in one place; rows likewise."""
         held = [p for state in self._states.values() for p in state.pages]
         everything = self.pool.free_page_ids() + held
-        assert sorted(everything) == list(range(self.pool.num_pages)), "draft KV pages leaked or doubly held"
+        assert sorted(everything) == list(range(self.pool.num_pages)), (
+            "draft KV pages leaked or doubly held"
+        )
         for state in self._states.values():
-            assert len(state.pages) * self.page_size >= state.num_computed, "draft K/V without pages"
+            assert len(state.pages) * self.page_size >= state.num_computed, (
+                "draft K/V without pages"
+            )
         rows = self._free_rows + [state.row for state in self._states.values()]
         assert sorted(rows) == list(range(self.slot_table.shape[0])), "draft slot-table rows leaked"

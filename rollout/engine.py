@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,7 +38,7 @@ from rollout.weights import iter_safetensors, load_weights
 class LoadedModel(NamedTuple):
     model_config: ModelConfig
     max_model_len: int
-    model: CausalLM           # this rank's shard under tensor parallelism
+    model: CausalLM  # this rank's shard under tensor parallelism
     shards: dict[str, Shard]  # how each sliced parameter comes from the full tensor ({} without TP)
 
 
@@ -45,20 +46,30 @@ def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
     """The model (or this TP rank's shard of it) with the checkpoint's weights loaded."""
     model_dir = Path(config.model_path)
     if not model_dir.is_dir():
-        raise FileNotFoundError(f"EngineConfig.model_path={config.model_path!r} is not a "
-                                "directory; give a local Hugging Face model directory")
+        raise FileNotFoundError(
+            f"EngineConfig.model_path={config.model_path!r} is not a "
+            "directory; give a local Hugging Face model directory"
+        )
     mc = ModelConfig.from_dir(model_dir)
     if tp is not None:
         check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, tp.size)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
-        raise ValueError(f"EngineConfig.max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={mc.max_position_embeddings}; lower it")
-    model = CausalLM.build(mc, max_model_len, getattr(torch, config.dtype),
-                           torch.device(config.device), tp)
+        raise ValueError(
+            f"EngineConfig.max_model_len={max_model_len} exceeds the model's "
+            f"max_position_embeddings={mc.max_position_embeddings}; lower it"
+        )
+    model = CausalLM.build(
+        mc, max_model_len, getattr(torch, config.dtype), torch.device(config.device), tp
+    )
     shards = shard_spec(model)
-    load_weights(model, iter_safetensors(model_dir), tied_embeddings=mc.tie_word_embeddings,
-                 require_all=True, shards=shards)
+    load_weights(
+        model,
+        iter_safetensors(model_dir),
+        tied_embeddings=mc.tie_word_embeddings,
+        require_all=True,
+        shards=shards,
+    )
     return LoadedModel(mc, max_model_len, model, shards)
 
 
@@ -75,10 +86,13 @@ def kv_pages(config: EngineConfig, mc: ModelConfig, max_model_len: int, tp: TPGr
             free = torch.cuda.mem_get_info(device)[0]
         else:
             import psutil
+
             free = psutil.virtual_memory().available
         # No point holding more than every running sequence at full length.
-        tokens = min(int(config.kv_memory_fraction * free) // per_token,
-                     config.max_running_requests * max_model_len)
+        tokens = min(
+            int(config.kv_memory_fraction * free) // per_token,
+            config.max_running_requests * max_model_len,
+        )
     pages = max(1, -(-tokens // config.page_size))
     return tp.min_int(pages, device) if tp is not None else pages
 
@@ -90,15 +104,21 @@ class Engine:
         self.config = config
         self.tp = TPGroup(tp_group) if config.tensor_parallel_size > 1 else None
         if self.tp is not None and (self.tp.size, self.tp.rank) != (config.tensor_parallel_size, 0):
-            raise ValueError(f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: "
-                             "the Engine is rank 0 of a group of that size, got rank "
-                             f"{self.tp.rank} of {self.tp.size}; start every rank with "
-                             "rollout.tp_follower.run_rank")
+            raise ValueError(
+                f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: "
+                "the Engine is rank 0 of a group of that size, got rank "
+                f"{self.tp.rank} of {self.tp.size}; start every rank with "
+                "rollout.tp_follower.run_rank"
+            )
         loaded = load_model(config, self.tp)
         self.model_config, self.max_model_len, self.model, self._shards = loaded
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        eos = config.eos_token_ids if config.eos_token_ids is not None else self.model_config.eos_token_ids
+        eos = (
+            config.eos_token_ids
+            if config.eos_token_ids is not None
+            else self.model_config.eos_token_ids
+        )
         self.eos_token_ids = frozenset(eos)
 
         self.weight_version = 0
@@ -108,43 +128,76 @@ class Engine:
         self._weights_reloaded: set[str] | None = None
         self._uncommitted_update = False
 
-        use_graphs = (config.decode_graphs if config.decode_graphs is not None
-                      else self.device.type == "cuda" and config.attention_backend == "triton")
-        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads   # this rank's, under TP
-        self.pool = KVPool(num_layers=self.model_config.num_layers,
-                           num_pages=kv_pages(config, self.model_config, self.max_model_len,
-                                              self.tp),
-                           page_size=config.page_size, num_kv_heads=local_kv_heads,
-                           head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
-                           scratch_page=use_graphs)
-        self.draft_model = self._draft_model()    # None unless speculative_method="draft"
-        proposer = self.draft_model or (Proposer(config.speculative_method, config.speculative_ngram_min,
-                                                 config.speculative_ngram_max) if config.speculative_method else None)
-        self.scheduler = Scheduler(pool=self.pool, max_running_requests=config.max_running_requests,
-                                   max_prefill_tokens=config.max_prefill_tokens, max_model_len=self.max_model_len,
-                                   enable_prefix_cache=config.enable_prefix_cache, eos_token_ids=self.eos_token_ids,
-                                   proposer=proposer,
-                                   num_speculative_tokens=config.num_speculative_tokens,
-                                   speculative_min_acceptance=config.speculative_min_acceptance)
+        use_graphs = (
+            config.decode_graphs
+            if config.decode_graphs is not None
+            else self.device.type == "cuda" and config.attention_backend == "triton"
+        )
+        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's, under TP
+        self.pool = KVPool(
+            num_layers=self.model_config.num_layers,
+            num_pages=kv_pages(config, self.model_config, self.max_model_len, self.tp),
+            page_size=config.page_size,
+            num_kv_heads=local_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            scratch_page=use_graphs,
+        )
+        self.draft_model = self._draft_model()  # None unless speculative_method="draft"
+        proposer = self.draft_model or (
+            Proposer(
+                config.speculative_method,
+                config.speculative_ngram_min,
+                config.speculative_ngram_max,
+            )
+            if config.speculative_method
+            else None
+        )
+        self.scheduler = Scheduler(
+            pool=self.pool,
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_cache=config.enable_prefix_cache,
+            eos_token_ids=self.eos_token_ids,
+            proposer=proposer,
+            num_speculative_tokens=config.num_speculative_tokens,
+            speculative_min_acceptance=config.speculative_min_acceptance,
+        )
         if self.tp is not None:
             self.pool.copy_log = []
         self.suffix_lanes: SuffixLanes | None = None
         if config.attention_backend == "triton":
-            from rollout.kernels import TritonAttention   # lazy: triton decides interpret vs compile at import
+            from rollout.kernels import (
+                TritonAttention,
+            )  # lazy: triton decides interpret vs compile at import
+
             attention = TritonAttention(self.pool)
         else:
             # Static steps would not update lanes; under TP their bookkeeping would need
             # replaying on every rank.
             if config.decode_suffix_lanes and not use_graphs and self.tp is None:
-                # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in model dtype).
+                # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in model
+                # dtype).
                 lane_bytes = torch.empty((), dtype=accum_dtype(self.dtype)).element_size()
                 max_tokens = self.pool.num_slots * self.pool.k.element_size() // lane_bytes
                 self.suffix_lanes = SuffixLanes(self.pool, max_tokens)
             attention = TorchAttention(self.pool, self.suffix_lanes)
-        self.runner = ModelRunner(self.model, attention, self.scheduler.slot_table, config.page_size,
-                                  self.suffix_lanes)
-        self.decode_graphs = (DecodeGraphs(self.model, attention, self.pool, self.scheduler.slot_table,
-                                           config.max_running_requests) if use_graphs else None)
+        self.runner = ModelRunner(
+            self.model, attention, self.scheduler.slot_table, config.page_size, self.suffix_lanes
+        )
+        self.decode_graphs = (
+            DecodeGraphs(
+                self.model,
+                attention,
+                self.pool,
+                self.scheduler.slot_table,
+                config.max_running_requests,
+            )
+            if use_graphs
+            else None
+        )
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()
@@ -156,23 +209,36 @@ class Engine:
         if cfg.speculative_method != "draft":
             return None
         return DraftModelProposer(
-            cfg.speculative_draft_model_path, vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len, max_sequences=cfg.max_running_requests,
-            kv_tokens=cfg.speculative_draft_kv_tokens or self.pool.num_slots, page_size=cfg.page_size,
-            dtype=self.dtype, device=self.device)
+            cfg.speculative_draft_model_path,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_sequences=cfg.max_running_requests,
+            kv_tokens=cfg.speculative_draft_kv_tokens or self.pool.num_slots,
+            page_size=cfg.page_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     # -- requests ------------------------------------------------------------------------------
     def _check_ready(self) -> None:
         if not self.pool.allocated:
             raise RuntimeError("engine memory is released; call resume_memory() before generating")
         if self._weights_reloaded is not None:
-            raise RuntimeError("engine weights are incomplete (released, or an update failed midway); "
-                               "call update_weights() with every weight before generating")
+            raise RuntimeError(
+                "engine weights are incomplete (released, or an update failed midway); "
+                "call update_weights() with every weight before generating"
+            )
         if self._uncommitted_update:
-            raise RuntimeError("a weight update was loaded but not committed; call commit_weights()")
+            raise RuntimeError(
+                "a weight update was loaded but not committed; call commit_weights()"
+            )
 
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
-                    stop_check: StopCheck | None = None) -> int:
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        stop_check: StopCheck | None = None,
+    ) -> int:
         """Queue one prompt; returns its request id. Outputs come from `step()`. `stop_check`
         (e.g. stop strings) sees each sample's generated ids after every token it samples."""
         self._check_ready()
@@ -184,15 +250,23 @@ class Engine:
             raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab})")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                             f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_new_tokens")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{total} exceeds max_model_len={self.max_model_len}; shorten the prompt or lower "
+                "max_new_tokens"
+            )
         pages = -(-total // self.config.page_size)
         if pages > self.pool.num_pages:
-            raise ValueError(f"one sequence of {total} tokens needs {pages * self.config.page_size} KV slots but "
-                             f"kv_cache_tokens holds {self.pool.num_slots}; raise kv_cache_tokens")
+            raise ValueError(
+                f"one sequence of {total} tokens needs {pages * self.config.page_size} KV slots "
+                "but "
+                f"kv_cache_tokens holds {self.pool.num_slots}; raise kv_cache_tokens"
+            )
         if params.n > self.config.max_running_requests:
-            raise ValueError(f"SamplingParams.n={params.n} exceeds max_running_requests="
-                             f"{self.config.max_running_requests}; raise max_running_requests")
+            raise ValueError(
+                f"SamplingParams.n={params.n} exceeds max_running_requests="
+                f"{self.config.max_running_requests}; raise max_running_requests"
+            )
         request_id = self._next_request_id
         self._next_request_id += 1
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
@@ -230,12 +304,17 @@ class Engine:
             raise RuntimeError("scheduler made no progress with requests waiting (engine bug)")
         return self.scheduler.pop_finished()
 
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[list[SampleOutput]]:
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[list[SampleOutput]]:
         """Generate for every prompt; result[i][j] is sample j of prompt i."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                "give one or one per prompt"
+            )
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         wanted = set(ids)
         results: dict[int, list[SampleOutput]] = {}
@@ -264,12 +343,17 @@ class Engine:
         weights, so generation then waits for a complete set."""
         self._require_idle("load_weights")
         self._uncommitted_update = True
-        if self.tp is not None:   # every rank takes its slice of the same full tensors
+        if self.tp is not None:  # every rank takes its slice of the same full tensors
             named_tensors = list(named_tensors)
             self.tp.send(LoadWeights(named_tensors))
         try:
-            loaded = load_weights(self.model, named_tensors, tied_embeddings=self.model_config.tie_word_embeddings,
-                                  require_all=False, shards=self._shards)
+            loaded = load_weights(
+                self.model,
+                named_tensors,
+                tied_embeddings=self.model_config.tie_word_embeddings,
+                require_all=False,
+                shards=self._shards,
+            )
         except BaseException:
             self._weights_reloaded = set()
             raise
@@ -308,7 +392,7 @@ class Engine:
                 self.suffix_lanes.release()
         if self.draft_model is not None:
             released += self.draft_model.release()
-        if self.decode_graphs is not None:   # graphs hold the addresses of what is freed here
+        if self.decode_graphs is not None:  # graphs hold the addresses of what is freed here
             self.decode_graphs.reset()
         if weights and self._weights_reloaded is None:
             for p in self.model.parameters():
@@ -345,7 +429,9 @@ class Engine:
             weight_version=self.weight_version,
             kv_pool_tokens=self.pool.num_slots,
             kv_free_tokens=self.pool.num_free_pages * self.pool.page_size,
-            prefix_cache_tokens=(cache.cached_pages * self.pool.page_size) if cache is not None else 0,
+            prefix_cache_tokens=(cache.cached_pages * self.pool.page_size)
+            if cache is not None
+            else 0,
             running_sequences=len(self.scheduler.running),
             waiting_sequences=len(self.scheduler.waiting),
         )

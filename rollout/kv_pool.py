@@ -12,8 +12,18 @@ import torch
 
 
 class KVPool:
-    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, scratch_page: bool = False):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scratch_page: bool = False,
+    ):
         self.num_layers = num_layers
         self.num_pages = num_pages
         # One more page past the allocatable ones, never handed out: static-shape decode steps
@@ -33,8 +43,12 @@ class KVPool:
         self.allocate()
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
 
     @property
     def num_slots(self) -> int:
@@ -88,11 +102,13 @@ class KVPool:
             self.copy_log.append((src_page, dst_page, num_tokens))
         src = src_page * self.page_size
         dst = dst_page * self.page_size
-        self.k[:, :, dst:dst + num_tokens] = self.k[:, :, src:src + num_tokens]
-        self.v[:, :, dst:dst + num_tokens] = self.v[:, :, src:src + num_tokens]
+        self.k[:, :, dst : dst + num_tokens] = self.k[:, :, src : src + num_tokens]
+        self.v[:, :, dst : dst + num_tokens] = self.v[:, :, src : src + num_tokens]
 
 
-def write_page_slots(slot_table: torch.Tensor, row: int, pages: list[int], first_page: int, page_size: int) -> None:
+def write_page_slots(
+    slot_table: torch.Tensor, row: int, pages: list[int], first_page: int, page_size: int
+) -> None:
     """slot_table[row, positions of pages[first_page:]] <- their slots (page p holds slots
     p * page_size ... p * page_size + page_size - 1). Positions past the table's width, the
     longest sequence, are never written."""
@@ -100,5 +116,5 @@ def write_page_slots(slot_table: torch.Tensor, row: int, pages: list[int], first
     if start >= end:
         return
     new_pages = torch.tensor(pages[first_page:], dtype=torch.int64)
-    slots = (new_pages[:, None] * page_size + torch.arange(page_size)).flatten()[:end - start]
+    slots = (new_pages[:, None] * page_size + torch.arange(page_size)).flatten()[: end - start]
     slot_table[row, start:end] = slots.to(slot_table.device)

@@ -43,7 +43,7 @@ class Attention(nn.Module):
         super().__init__()
         k = tp.size if tp is not None else 1
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads // k          # this rank's heads (all of them without TP)
+        self.num_heads = cfg.num_heads // k  # this rank's heads (all of them without TP)
         self.num_kv_heads = cfg.num_kv_heads // k
         self.head_dim = d = cfg.head_dim
         self.q_proj = column(cfg.hidden_size, cfg.num_heads * d, cfg.qkv_bias, tp, unit=d)
@@ -56,8 +56,14 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: TorchAttention, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: TorchAttention,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -96,8 +102,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
-                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self.embed_tokens = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            if tp is None
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -116,8 +125,14 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-              tp: TPGroup | None = None) -> "CausalLM":
+    def build(
+        cls,
+        cfg: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None = None,
+    ) -> CausalLM:
         """An inference-mode model with real but uninitialised parameters (fill them with
         `rollout.weights.load_weights`). Built on the meta device, so nothing is initialised twice;
         the rotary tables are computed in `accum_dtype(dtype)` on the real device. With `tp`, this
@@ -126,7 +141,9 @@ class CausalLM(nn.Module):
             model = cls(cfg, max_positions, tp)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.tie_weights()
-        model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)).to(device)
+        model.rotary = RotaryEmbedding(
+            cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)
+        ).to(device)
         return model.eval().requires_grad_(False)
 
     def tie_weights(self) -> None:
@@ -135,8 +152,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: TorchAttention,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: TorchAttention,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat batch, before the final norm."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:

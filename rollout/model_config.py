@@ -1,4 +1,5 @@
-"""The model description we accept: a Hugging Face `config.json` of the Llama / Qwen2 / Qwen3 family.
+"""The model description we accept: a Hugging Face `config.json` of the Llama / Qwen2 / Qwen3
+family.
 
 `ModelConfig.from_hf` normalises the differences between families and between transformers 4
 (`rope_theta`, `rope_scaling`) and transformers 5 (`rope_parameters`) into one frozen record.
@@ -47,10 +48,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+    def from_hf(
+        cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json model_type={model_type!r}: supported are {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"config.json model_type={model_type!r}: supported are {SUPPORTED_MODEL_TYPES}"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
@@ -59,8 +64,10 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // num_heads
         num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
-            raise ValueError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
-                             f"num_key_value_heads={num_kv_heads}")
+            raise ValueError(
+                f"config.json: num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
+            )
         attention_bias = bool(hf.get("attention_bias", False))
         if model_type == "qwen2":  # Qwen2 always has q/k/v bias and never an o_proj bias
             qkv_bias, o_bias = True, False
@@ -91,26 +98,31 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
-            raise FileNotFoundError(f"model_path={str(model_dir)!r}: no config.json there; point it at a "
-                                    "local Hugging Face model directory")
+            raise FileNotFoundError(
+                f"model_path={str(model_dir)!r}: no config.json there; point it at a "
+                "local Hugging Face model directory"
+            )
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
         return cls.from_hf(json.loads(config_path.read_text()), gen)
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    # transformers 5: everything in `rope_parameters`; transformers 4: `rope_theta` + `rope_scaling`.
+    # transformers 5: everything in `rope_parameters`;
+    # transformers 4: `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"config.json rope type {rope_type!r}: supported are {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"config.json rope type {rope_type!r}: supported are {SUPPORTED_ROPE_TYPES}"
+        )
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,

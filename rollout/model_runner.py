@@ -15,10 +15,11 @@ from rollout.suffix_lanes import SuffixLanes
 
 class StepPlan(NamedTuple):
     """Everything one forward needs; a tensor-parallel rank 0 sends it to the other ranks."""
-    input_ids: torch.Tensor      # [T]
-    positions: torch.Tensor      # [T]
-    meta: AttentionMetadata      # KV slots written and read
-    logits_rows: torch.Tensor    # [R] rows of the batch whose logits are sampled
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata  # KV slots written and read
+    logits_rows: torch.Tensor  # [R] rows of the batch whose logits are sampled
 
 
 def execute(model: CausalLM, attention: TorchAttention, plan: StepPlan) -> torch.Tensor:
@@ -29,26 +30,32 @@ def execute(model: CausalLM, attention: TorchAttention, plan: StepPlan) -> torch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, attention: TorchAttention, slot_table: torch.Tensor, page_size: int,
-                 suffix_lanes: SuffixLanes | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        attention: TorchAttention,
+        slot_table: torch.Tensor,
+        page_size: int,
+        suffix_lanes: SuffixLanes | None = None,
+    ):
         self.model = model
         self.page_size = page_size
         self.attention = attention
-        self.slot_table = slot_table   # owned by the scheduler: (row, position) -> KV slot
+        self.slot_table = slot_table  # owned by the scheduler: (row, position) -> KV slot
         self.device = slot_table.device
-        self.suffix_lanes = suffix_lanes   # the attention's lanes, when it reads suffixes from them
+        self.suffix_lanes = suffix_lanes  # the attention's lanes, when it reads suffixes from them
 
     def prepare(self, batch: ScheduledBatch) -> StepPlan:
         """(input_ids [T], positions [T], attention metadata, logits row indices [R]).
 
-        Token order: each decode sequence's pending token and drafts, then each prefill chunk. Logits rows: every
-        decode token, then the last token of each chunk that completes its sequence's pending
-        tokens (matches `Scheduler.finish_step`)."""
+        Token order: each decode sequence's pending token and drafts, then each prefill chunk.
+        Logits rows: every decode token, then the last token of each chunk that completes its
+        sequence's pending tokens (matches `Scheduler.finish_step`)."""
         device = self.device
         ids: list[int] = []
         positions: list[int] = []
         decode_rows: list[int] = []
-        for seq in batch.decode:   # the pending token, then any drafted tokens to verify
+        for seq in batch.decode:  # the pending token, then any drafted tokens to verify
             tokens = [seq.token_ids[seq.num_computed], *seq.draft]
             ids.extend(tokens)
             positions.extend(range(seq.num_computed, seq.num_computed + len(tokens)))
@@ -56,9 +63,13 @@ class ModelRunner:
         logits_rows = list(range(len(ids)))
         decode_meta = self._decode_metadata(batch.decode) if batch.decode else None
         if not batch.decode and self.suffix_lanes is not None:
-            self.suffix_lanes.forget()   # lanes are kept only across consecutive decode steps
-        out_slots = [self.slot_table[torch.tensor(decode_rows, dtype=torch.int64, device=device),
-                                     torch.tensor(positions, dtype=torch.int64, device=device)]]
+            self.suffix_lanes.forget()  # lanes are kept only across consecutive decode steps
+        out_slots = [
+            self.slot_table[
+                torch.tensor(decode_rows, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device),
+            ]
+        ]
 
         segments: list[PrefillSegment] = []
         for seq, num_new in batch.prefill:
@@ -67,18 +78,24 @@ class ModelRunner:
             positions.extend(range(start, end))
             context = self.slot_table[seq.row, :end]
             query_pos = torch.arange(start, end, device=device).unsqueeze(-1)
-            mask = torch.arange(end, device=device).unsqueeze(0) <= query_pos   # causal, offset by prefix
+            mask = (
+                torch.arange(end, device=device).unsqueeze(0) <= query_pos
+            )  # causal, offset by prefix
             token_start = len(ids) - num_new
             segments.append(PrefillSegment(token_start, num_new, context, mask))
             out_slots.append(context[start:end])
             if end == len(seq.token_ids):
                 logits_rows.append(len(ids) - 1)
 
-        meta = AttentionMetadata(out_slots=torch.cat(out_slots), decode=decode_meta, prefill=tuple(segments))
-        return StepPlan(torch.tensor(ids, dtype=torch.int64, device=device),
-                        torch.tensor(positions, dtype=torch.int64, device=device),
-                        meta,
-                        torch.tensor(logits_rows, dtype=torch.int64, device=device))
+        meta = AttentionMetadata(
+            out_slots=torch.cat(out_slots), decode=decode_meta, prefill=tuple(segments)
+        )
+        return StepPlan(
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            meta,
+            torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        )
 
     def _decode_metadata(self, batch_seqs: list[Sequence]) -> DecodeMetadata:
         """Group decode sequences by the radix node whose pages start their context (forks of
@@ -89,7 +106,9 @@ class ModelRunner:
         grid cells and batch rows either way."""
         device, page_size = self.device, self.page_size
         plan = self.suffix_lanes.plan(batch_seqs) if self.suffix_lanes is not None else None
-        order = plan.order if plan is not None else range(len(batch_seqs))   # grid position -> batch index
+        order = (
+            plan.order if plan is not None else range(len(batch_seqs))
+        )  # grid position -> batch index
         seqs = [batch_seqs[i] for i in order]
         groups: dict[object, list[int]] = {}
         for i, seq in enumerate(seqs):
@@ -105,11 +124,17 @@ class ModelRunner:
             prefix_lens.append(seqs[members[0]].num_tree_pages * page_size)
 
         def pages_of(rows: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
-            """Pages holding positions [start, start + length) of each row (starts are page aligned)."""
+            """Pages holding positions [start, start + length) of each row (starts are page
+            aligned)."""
             num_pages = -(-max(lengths) // page_size)
-            cols = torch.tensor(starts, device=device).unsqueeze(-1) + torch.arange(num_pages, device=device) * page_size
+            cols = (
+                torch.tensor(starts, device=device).unsqueeze(-1)
+                + torch.arange(num_pages, device=device) * page_size
+            )
             cols.clamp_(max=self.slot_table.shape[1] - 1)
-            return self.slot_table[torch.tensor(rows, device=device).unsqueeze(-1), cols] // page_size
+            return (
+                self.slot_table[torch.tensor(rows, device=device).unsqueeze(-1), cols] // page_size
+            )
 
         def visible(limits: torch.Tensor, width: int) -> torch.Tensor:
             """Additive mask: 0 for token offsets below `limits` [..., 1], -inf from there on."""
@@ -117,37 +142,56 @@ class ModelRunner:
             return bias.masked_fill_(torch.arange(width, device=device) >= limits, float("-inf"))
 
         prefix_pages = pages_of(prefix_rows, [0] * len(prefix_rows), prefix_lens)
-        prefix_bias = visible(torch.tensor(prefix_lens, device=device).unsqueeze(-1), prefix_pages.shape[1] * page_size)
+        prefix_bias = visible(
+            torch.tensor(prefix_lens, device=device).unsqueeze(-1),
+            prefix_pages.shape[1] * page_size,
+        )
 
         # Suffix: each sequence's tokens after its group prefix, this step's queries included.
         num_queries = [1 + len(s.draft) for s in seqs]
         width_q = max(num_queries)
         seq_prefix = [s.num_tree_pages * page_size for s in seqs]
-        computed = [s.num_computed - p for s, p in zip(seqs, seq_prefix)]     # suffix tokens already in the pool
-        suffix_pages = pages_of([s.row for s in seqs], seq_prefix, [c + q for c, q in zip(computed, num_queries)])
+        computed = [
+            s.num_computed - p for s, p in zip(seqs, seq_prefix)
+        ]  # suffix tokens already in the pool
+        suffix_pages = pages_of(
+            [s.row for s in seqs], seq_prefix, [c + q for c, q in zip(computed, num_queries)]
+        )
         assert plan is None or plan.width == suffix_pages.shape[1] * page_size
         # Query j of a sequence sees its suffix up to and including itself; padding cells
         # repeat the sequence's last query.
         num_q = torch.tensor(num_queries, device=device)
         j = torch.minimum(torch.arange(width_q, device=device), num_q.unsqueeze(-1) - 1)
-        limits = torch.tensor(computed, device=device).unsqueeze(-1) + j + 1                   # [D, Q]
-        suffix_bias = visible(limits.unsqueeze(-1), suffix_pages.shape[1] * page_size)         # [D, Q, Ls]
+        limits = torch.tensor(computed, device=device).unsqueeze(-1) + j + 1  # [D, Q]
+        suffix_bias = visible(limits.unsqueeze(-1), suffix_pages.shape[1] * page_size)  # [D, Q, Ls]
         # Batch row of each sequence's first query (decode tokens are in batch order).
         batch_q = [1 + len(s.draft) for s in batch_seqs]
         batch_start = torch.tensor([0, *batch_q[:-1]], device=device).cumsum(0)
         order_t = torch.tensor(list(order), device=device)
-        grid_of = torch.empty_like(order_t)                                    # batch index -> grid position
+        grid_of = torch.empty_like(order_t)  # batch index -> grid position
         grid_of[order_t] = torch.arange(len(seqs), device=device)
         query_index = (batch_start[order_t].unsqueeze(-1) + j).reshape(-1)
         # Grid cell of each decode token, in batch order: cells [q0, q0 + count) of its sequence.
         counts = torch.tensor(batch_q, device=device)
         token_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), counts)
-        token_cell = grid_of[token_seq] * width_q + torch.arange(len(token_seq), device=device) - batch_start[token_seq]
-        return DecodeMetadata(prefix_pages, prefix_bias, torch.tensor(member_index, device=device), group_size,
-                              suffix_pages, suffix_bias, query_index, token_cell,
-                              lane_write=plan.write_index if plan is not None else None)
+        token_cell = (
+            grid_of[token_seq] * width_q
+            + torch.arange(len(token_seq), device=device)
+            - batch_start[token_seq]
+        )
+        return DecodeMetadata(
+            prefix_pages,
+            prefix_bias,
+            torch.tensor(member_index, device=device),
+            group_size,
+            suffix_pages,
+            suffix_bias,
+            query_index,
+            token_cell,
+            lane_write=plan.write_index if plan is not None else None,
+        )
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """float32 logits (float64 for a float64 model): one row per decode token (pending + drafts), then one per prefill that
-        completed its sequence's pending tokens."""
+        """float32 logits (float64 for a float64 model): one row per decode token (pending +
+        drafts), then one per prefill that completed its sequence's pending tokens."""
         return execute(self.model, self.attention, self.prepare(batch))

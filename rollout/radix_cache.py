@@ -21,8 +21,12 @@ from typing import NamedTuple
 class TreeNode:
     __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access")
 
-    def __init__(self, parent: "TreeNode | None" = None, key: list[int] | None = None,
-                 pages: list[int] | None = None):
+    def __init__(
+        self,
+        parent: TreeNode | None = None,
+        key: list[int] | None = None,
+        pages: list[int] | None = None,
+    ):
         self.children: dict = {}
         self.parent = parent
         self.key: list[int] = key or []
@@ -32,9 +36,9 @@ class TreeNode:
 
 
 class MatchResult(NamedTuple):
-    node: TreeNode          # deepest node of the match (lock it while the pages are used)
-    pages: list[int]        # pages of the matched prefix, root to node
-    num_tokens: int         # len(pages) * page_size
+    node: TreeNode  # deepest node of the match (lock it while the pages are used)
+    pages: list[int]  # pages of the matched prefix, root to node
+    num_tokens: int  # len(pages) * page_size
 
 
 class RadixCache:
@@ -48,7 +52,9 @@ class RadixCache:
 
     # -- lookup and insertion -----------------------------------------------------------------
     def _child_key(self, tokens: list[int], start: int):
-        return tokens[start] if self.page_size == 1 else tuple(tokens[start:start + self.page_size])
+        return (
+            tokens[start] if self.page_size == 1 else tuple(tokens[start : start + self.page_size])
+        )
 
     def _common_pages_len(self, key: list[int], tokens: list[int], start: int, end: int) -> int:
         """Length (in tokens, page aligned) of the common prefix of `key` and tokens[start:end]."""
@@ -60,12 +66,12 @@ class RadixCache:
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut `node`'s edge after `at` tokens; returns the new upper node."""
-        upper = TreeNode(node.parent, node.key[:at], node.pages[:at // self.page_size])
+        upper = TreeNode(node.parent, node.key[:at], node.pages[: at // self.page_size])
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[self._child_key(upper.key, 0)] = upper
         node.key = node.key[at:]
-        node.pages = node.pages[at // self.page_size:]
+        node.pages = node.pages[at // self.page_size :]
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         return upper
@@ -102,7 +108,7 @@ class RadixCache:
             child_key = self._child_key(tokens, i)
             child = node.children.get(child_key)
             if child is None:
-                leaf = TreeNode(node, tokens[i:end], pages[i // self.page_size:])
+                leaf = TreeNode(node, tokens[i:end], pages[i // self.page_size :])
                 leaf.last_access = now
                 node.children[child_key] = leaf
                 self.evictable_pages += len(leaf.pages)
@@ -137,8 +143,11 @@ class RadixCache:
         """Free at least `num_pages` pages from unlocked leaves, least recently used first (or
         as many as are evictable). Returns the number of pages freed."""
         order = itertools.count()  # tie-break so heap entries never compare nodes
-        heap = [(n.last_access, next(order), n) for n in self._nodes()
-                if not n.children and n.lock_ref == 0]
+        heap = [
+            (n.last_access, next(order), n)
+            for n in self._nodes()
+            if not n.children and n.lock_ref == 0
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -184,12 +193,18 @@ class RadixCache:
         pages: list[int] = []
         evictable = locked = 0
         for node in self._nodes():
-            assert node.key and len(node.key) == len(node.pages) * self.page_size, "edge is not whole pages"
-            assert node.parent.children.get(self._child_key(node.key, 0)) is node, "child under the wrong key"
+            assert node.key and len(node.key) == len(node.pages) * self.page_size, (
+                "edge is not whole pages"
+            )
+            assert node.parent.children.get(self._child_key(node.key, 0)) is node, (
+                "child under the wrong key"
+            )
             assert node.lock_ref >= 0, "negative lock_ref"
             below = sum(c.lock_ref for c in node.children.values())
             if direct_locks is not None:
-                assert node.lock_ref == below + direct_locks.get(id(node), 0), "lock_ref != locks below + own"
+                assert node.lock_ref == below + direct_locks.get(id(node), 0), (
+                    "lock_ref != locks below + own"
+                )
             else:
                 assert node.lock_ref >= below, "lock_ref smaller than its children's"
             if node.lock_ref:
@@ -197,6 +212,8 @@ class RadixCache:
             else:
                 evictable += len(node.pages)
             pages.extend(node.pages)
-        assert (evictable, locked) == (self.evictable_pages, self.locked_pages), "page counters drifted"
+        assert (evictable, locked) == (self.evictable_pages, self.locked_pages), (
+            "page counters drifted"
+        )
         assert len(set(pages)) == len(pages), "a page is cached twice"
         return pages

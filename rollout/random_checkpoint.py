@@ -18,22 +18,46 @@ from rollout.model_config import ModelConfig
 
 # A Qwen2.5-style layout shrunk to run anywhere.
 TINY_QWEN2: dict[str, Any] = dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=256, intermediate_size=704,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
-    max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-    hidden_act="silu", eos_token_id=0, torch_dtype="float32",
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    eos_token_id=0,
+    torch_dtype="float32",
 )
 
-# Qwen2.5-0.5B's shape (24 layers, 14 query / 2 KV heads of 64, vocab 151 936, tied): GPU benchmarks.
+# Qwen2.5-0.5B's shape (24 layers, 14 query / 2 KV heads of 64, vocab 151 936, tied): GPU
+# benchmarks.
 QWEN25_05B: dict[str, Any] = {
-    **TINY_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-    "max_position_embeddings": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    **TINY_QWEN2,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
 }
 
 
-def write_random_checkpoint(directory: str | Path, hf_config: dict[str, Any], seed: int = 0,
-                            std: float = 0.02, dtype: torch.dtype = torch.float32) -> Path:
+def write_random_checkpoint(
+    directory: str | Path,
+    hf_config: dict[str, Any],
+    seed: int = 0,
+    std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Draw weights N(0, std) (norm weights 1) with HF names and save them with the config."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

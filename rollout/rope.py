@@ -1,8 +1,8 @@
 """Rotary position embedding, in the Hugging Face "rotate half" layout.
 
 cos/sin are precomputed for every position up to `max_positions` in float32 (as HF does; in
-float64 for a float64 model) and gathered by position id, so a token's rotation depends only on its position, never on how the
-batch is packed.
+float64 for a float64 model) and gathered by position id, so a token's rotation depends only on
+its position, never on how the batch is packed.
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ import torch
 from rollout.model_config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim))
+def inverse_frequencies(
+    rope: RopeConfig, head_dim: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    inv_freq = 1.0 / (
+        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim)
+    )
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -31,15 +35,22 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     high_freq_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        max_positions: int,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim, dtype)
         freqs = torch.outer(torch.arange(max_positions, dtype=dtype), inv_freq)
@@ -48,7 +59,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D], positions: [T] -> rotated q, k (same dtype)."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

@@ -6,8 +6,8 @@ standing in for the replica's radix cache without asking it. A request goes to t
 the longest matched prefix, unless that replica's load (requests in flight) exceeds the least
 loaded one's by more than `balance_threshold`, then to the least loaded; with no match anywhere,
 to the least loaded (among equals, the one whose tree holds fewest tokens). Round-robin, the
-baseline, ignores prefixes and sessions. A session id sticks to the replica it was first sent to (its cache is
-there); a group's n samples travel as one request, so they go together.
+baseline, ignores prefixes and sessions. A session id sticks to the replica it was first sent to
+(its cache is there); a group's n samples travel as one request, so they go together.
 
 Pure and in-process: `choose(token_ids, session_id) -> replica`, then `started(i)` /
 `finished(i)` around the request. The HTTP front is `rollout.router_app`.
@@ -102,8 +102,9 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"RouterConfig.policy={self.policy!r}: choose one of {POLICIES}")
         if not isinstance(self.balance_threshold, int) or self.balance_threshold < 0:
-            raise ValueError(f"RouterConfig.balance_threshold={self.balance_threshold!r}: "
-                             "must be an int >= 0")
+            raise ValueError(
+                f"RouterConfig.balance_threshold={self.balance_threshold!r}: must be an int >= 0"
+            )
         if not isinstance(self.tree_tokens, int) or self.tree_tokens < 1:
             raise ValueError(f"RouterConfig.tree_tokens={self.tree_tokens!r}: must be an int >= 1")
 
@@ -125,7 +126,7 @@ class Router:
     def choose(self, token_ids: Sequence[int], session_id: str | None = None) -> int:
         """The replica for a request with prompt `token_ids` (its prompt is remembered there)."""
         with self._lock:
-            if self.config.policy == "round_robin":   # the baseline knows no sessions
+            if self.config.policy == "round_robin":  # the baseline knows no sessions
                 replica = self._next
                 self._next = (self._next + 1) % self.num_replicas
             elif session_id is not None and session_id in self.sessions:
@@ -139,8 +140,9 @@ class Router:
 
     def _cache_aware(self, token_ids: Sequence[int]) -> int:
         # least loaded; among equals the one whose tree holds least (most room in its cache)
-        least = min(range(self.num_replicas),
-                    key=lambda i: (self.load[i], self.trees[i].num_tokens, i))
+        least = min(
+            range(self.num_replicas), key=lambda i: (self.load[i], self.trees[i].num_tokens, i)
+        )
         matches = [tree.match(token_ids) for tree in self.trees]
         best = max(range(self.num_replicas), key=lambda i: (matches[i], -self.load[i], -i))
         if matches[best] == 0 or self.load[best] - self.load[least] > self.config.balance_threshold:

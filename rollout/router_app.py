@@ -25,8 +25,8 @@ from rollout.serve import error_response
 
 class SessionTurn(NamedTuple):
     prompt_token_ids: list[int]
-    token_ids: list[int]          # the completion, exactly as sampled
-    logprobs: list[float]         # the engine's, one per completion token
+    token_ids: list[int]  # the completion, exactly as sampled
+    logprobs: list[float]  # the engine's, one per completion token
     weight_version: int
     finish_reason: str
     replica: int
@@ -60,16 +60,22 @@ def _prompt_ids(path: str, body: dict[str, Any], tokenizer) -> list[int]:
         if path == "chat/completions":
             if tokenizer is None:
                 return []
-            return list(tokenizer.apply_chat_template(
-                body["messages"], tools=body.get("tools"), add_generation_prompt=True,
-                tokenize=True, return_dict=False))
+            return list(
+                tokenizer.apply_chat_template(
+                    body["messages"],
+                    tools=body.get("tools"),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
         prompt = body["prompt"]
         if isinstance(prompt, str):
             return tokenizer.encode(prompt, add_special_tokens=False) if tokenizer else []
         if prompt and isinstance(prompt[0], int):
             return list(prompt)
-        return []   # a batch of prompts: route by nothing
-    except Exception:   # noqa: BLE001 -- a malformed body is the replica's to reject, by name
+        return []  # a batch of prompts: route by nothing
+    except Exception:  # noqa: BLE001 -- a malformed body is the replica's to reject, by name
         return []
 
 
@@ -80,8 +86,13 @@ def _logprobs_of(path: str, choice: dict[str, Any]) -> list[float]:
     return list(lp.get("token_logprobs") or [])
 
 
-def build_router_app(urls: Sequence[str], router: Router, tokenizer=None,
-                     sessions: Sessions | None = None, timeout_s: float = 600.0) -> FastAPI:
+def build_router_app(
+    urls: Sequence[str],
+    router: Router,
+    tokenizer=None,
+    sessions: Sessions | None = None,
+    timeout_s: float = 600.0,
+) -> FastAPI:
     """The front over replicas `urls` (base URLs of `rollout.serve` endpoints)."""
     if len(urls) != router.num_replicas:
         raise ValueError(f"{len(urls)} replica URLs for a router over {router.num_replicas}")
@@ -102,30 +113,41 @@ def build_router_app(urls: Sequence[str], router: Router, tokenizer=None,
         if session_id is not None and not isinstance(session_id, str):
             return error_response(400, "session_id must be a string", "session_id")
         asked_logprobs = body.get("logprobs")
-        if session_id is not None:   # sessions record the engine's log-probs of every turn
+        if session_id is not None:  # sessions record the engine's log-probs of every turn
             body["logprobs"] = True if path == "chat/completions" else 0
         replica = router.choose(_prompt_ids(path, body, tokenizer), session_id)
         router.started(replica)
         try:
             upstream = await client.post(f"{urls[replica]}/v1/{path}", json=body)
         except httpx.HTTPError as exc:
-            return error_response(502, f"replica {replica} ({urls[replica]}) failed: {exc!r}",
-                                  type="upstream_error")
+            return error_response(
+                502, f"replica {replica} ({urls[replica]}) failed: {exc!r}", type="upstream_error"
+            )
         finally:
             router.finished(replica)
         try:
             out = upstream.json()
         except ValueError:
-            return error_response(502, f"replica {replica} answered {upstream.status_code} "
-                                       "without a JSON body", type="upstream_error")
+            return error_response(
+                502,
+                f"replica {replica} answered {upstream.status_code} without a JSON body",
+                type="upstream_error",
+            )
         if upstream.status_code != 200:
             return JSONResponse(status_code=upstream.status_code, content=out)
         turns = []
         for choice in out["choices"]:
             router.record(replica, choice["prompt_token_ids"] + choice["token_ids"])
-            turns.append(SessionTurn(choice["prompt_token_ids"], choice["token_ids"],
-                                     _logprobs_of(path, choice), out["weight_version"],
-                                     choice["finish_reason"], replica))
+            turns.append(
+                SessionTurn(
+                    choice["prompt_token_ids"],
+                    choice["token_ids"],
+                    _logprobs_of(path, choice),
+                    out["weight_version"],
+                    choice["finish_reason"],
+                    replica,
+                )
+            )
             if session_id is not None and (asked_logprobs is None or asked_logprobs is False):
                 choice["logprobs"] = None
         if session_id is not None:
@@ -146,8 +168,12 @@ def build_router_app(urls: Sequence[str], router: Router, tokenizer=None,
     async def session(session_id: str):
         turns = sessions.get(session_id)
         if turns is None:
-            return error_response(404, f"no session {session_id!r} was recorded", "session_id",
-                                  code="session_not_found")
+            return error_response(
+                404,
+                f"no session {session_id!r} was recorded",
+                "session_id",
+                code="session_not_found",
+            )
         return {"session_id": session_id, "turns": [t._asdict() for t in turns]}
 
     @app.get("/v1/models")
@@ -163,7 +189,8 @@ def build_router_app(urls: Sequence[str], router: Router, tokenizer=None,
             except httpx.HTTPError:
                 codes.append(None)
         ok = sum(c == 200 for c in codes)
-        return JSONResponse(status_code=200 if ok else 503,
-                            content={"healthy_replicas": ok, "replicas": len(urls)})
+        return JSONResponse(
+            status_code=200 if ok else 503, content={"healthy_replicas": ok, "replicas": len(urls)}
+        )
 
     return app

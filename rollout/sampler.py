@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 
 
 class SamplingBatch(NamedTuple):
-    temperature: torch.Tensor    # [R] float, 0 = greedy
-    top_p: torch.Tensor          # [R] float in (0, 1]
-    top_k: torch.Tensor          # [R] int, <= 0 = off
-    min_p: torch.Tensor          # [R] float in [0, 1)
-    uniforms: torch.Tensor       # [R] float64 in [0, 1), one draw from each row's generator
+    temperature: torch.Tensor  # [R] float, 0 = greedy
+    top_p: torch.Tensor  # [R] float in (0, 1]
+    top_k: torch.Tensor  # [R] int, <= 0 = off
+    min_p: torch.Tensor  # [R] float in [0, 1)
+    uniforms: torch.Tensor  # [R] float64 in [0, 1), one draw from each row's generator
 
     @classmethod
-    def of(cls, seqs: list["Sequence"]) -> "SamplingBatch":
+    def of(cls, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in seqs]
         # Greedy rows draw too, so a generator's stream advances one draw per token whatever
         # the temperature (keeps seeded streams simple to reason about).
@@ -42,8 +42,9 @@ class SamplingBatch(NamedTuple):
         )
 
 
-def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor) -> torch.Tensor:
+def truncation_mask(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """[R, V] bool, True = token may be drawn. Applied in Hugging Face's order: top-k keeps the k
     most likely; top-p then keeps the smallest set of the most likely whose mass *within the top-k
     distribution* reaches p; min-p keeps tokens with prob >= min_p * max (a ratio, so unaffected
@@ -66,7 +67,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     temperature = batch.temperature.to(device)
     greedy = temperature == 0
     # x / 1.0 == x exactly, so skipping the division when every temperature is 1 changes nothing.
-    scaled = logits if bool((temperature == 1).all()) else logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    scaled = (
+        logits
+        if bool((temperature == 1).all())
+        else logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    )
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     sampled = (~greedy).nonzero().squeeze(-1)
     all_sampled = sampled.numel() == len(greedy)
@@ -77,7 +82,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     if sampled.numel():
         # Row selection copies; with every row sampled, exp out of place does the same work once.
         probs = logprobs_all.exp() if all_sampled else logprobs_all[sampled].exp_()
-        top_k, top_p, min_p = (t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p))
+        top_k, top_p, min_p = (
+            t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p)
+        )
         truncating = ((top_k > 0) & (top_k < probs.shape[-1])) | (top_p < 1) | (min_p > 0)
         if truncating.any():
             rows = truncating.nonzero().squeeze(-1)

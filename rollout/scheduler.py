@@ -42,8 +42,8 @@ class DraftProposer(Protocol):
 
 
 class ScheduledBatch(NamedTuple):
-    decode: list[Sequence]                  # each computes its one pending token
-    prefill: list[tuple[Sequence, int]]     # (sequence, tokens computed this step)
+    decode: list[Sequence]  # each computes its one pending token
+    prefill: list[tuple[Sequence, int]]  # (sequence, tokens computed this step)
 
     @property
     def empty(self) -> bool:
@@ -58,10 +58,10 @@ class SchedulerStats:
     decode_steps: int = 0
     preemptions: int = 0
     evicted_tokens: int = 0
-    spec_verify_steps: int = 0      # sequence-steps that verified a non-empty draft
+    spec_verify_steps: int = 0  # sequence-steps that verified a non-empty draft
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
-    spec_backoff_steps: int = 0     # sequence-steps that skipped drafting after failed drafts
+    spec_backoff_steps: int = 0  # sequence-steps that skipped drafting after failed drafts
 
 
 @dataclass
@@ -72,19 +72,24 @@ class Scheduler:
     max_model_len: int
     enable_prefix_cache: bool
     eos_token_ids: frozenset[int]
-    proposer: DraftProposer | None = None   # speculative decoding when set
+    proposer: DraftProposer | None = None  # speculative decoding when set
     num_speculative_tokens: int = 0
     speculative_min_acceptance: float = 0.0  # see DraftBackoff
     stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
         self.page_size = self.pool.page_size
-        self.cache = RadixCache(self.page_size, self.pool.free_pages) if self.enable_prefix_cache else None
+        self.cache = (
+            RadixCache(self.page_size, self.pool.free_pages) if self.enable_prefix_cache else None
+        )
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []       # admitted, in admission order
+        self.running: list[Sequence] = []  # admitted, in admission order
         self.requests: dict[int, Request] = {}  # unfinished requests
-        self.slot_table = torch.zeros((self.max_running_requests, self.max_model_len), dtype=torch.int64,
-                                      device=self.pool.device)
+        self.slot_table = torch.zeros(
+            (self.max_running_requests, self.max_model_len),
+            dtype=torch.int64,
+            device=self.pool.device,
+        )
         self._free_rows = list(range(self.max_running_requests - 1, -1, -1))
 
     # -- requests ------------------------------------------------------------------------------
@@ -117,7 +122,10 @@ class Scheduler:
         done = [r for r in self.requests.values() if r.done]
         for r in done:
             del self.requests[r.request_id]
-        return [RequestOutput(r.request_id, r.prompt, list(r.samples), r.cached_tokens or 0) for r in done]
+        return [
+            RequestOutput(r.request_id, r.prompt, list(r.samples), r.cached_tokens or 0)
+            for r in done
+        ]
 
     # -- pages ---------------------------------------------------------------------------------
     def _available_pages(self) -> int:
@@ -199,14 +207,21 @@ class Scheduler:
         for seq in decoding:
             if seq.backoff is None:
                 seq.backoff = DraftBackoff(self.speculative_min_acceptance)
-            room = min(seq.request.params.max_new_tokens - seq.num_generated,
-                       self.max_model_len - len(seq.token_ids)) - 1
+            room = (
+                min(
+                    seq.request.params.max_new_tokens - seq.num_generated,
+                    self.max_model_len - len(seq.token_ids),
+                )
+                - 1
+            )
             k = min(self.num_speculative_tokens, room) if seq.num_generated > 0 else 0
             if k > 0 and not seq.backoff.should_draft():
                 self.stats.spec_backoff_steps += 1
                 k = 0
             ks.append(k)
-        drafts = self.proposer.propose_batch(decoding, ks) if any(ks) else [NO_DRAFT] * len(decoding)
+        drafts = (
+            self.proposer.propose_batch(decoding, ks) if any(ks) else [NO_DRAFT] * len(decoding)
+        )
         for seq, (tokens, probs) in zip(decoding, drafts):
             seq.draft, seq.draft_probs = tokens, probs
 
@@ -218,7 +233,9 @@ class Scheduler:
         match = None
         if self.cache is not None:
             match = self.cache.match_prefix(seq.token_ids[:-1])
-            self.cache.lock(match.node)  # before counting: the matched pages are no longer evictable
+            self.cache.lock(
+                match.node
+            )  # before counting: the matched pages are no longer evictable
         cached = match.num_tokens if match else 0
         num_new = min(len(seq.token_ids) - cached, budget)
         need = -(-(cached + num_new) // self.page_size) - (len(match.pages) if match else 0)
@@ -230,10 +247,14 @@ class Scheduler:
                 self.cache.unlock(match.node)
             return False
         if match is not None:
-            seq.node, seq.pages, seq.num_tree_pages = match.node, list(match.pages), len(match.pages)
+            seq.node, seq.pages, seq.num_tree_pages = (
+                match.node,
+                list(match.pages),
+                len(match.pages),
+            )
             seq.num_computed = cached
             self.stats.prefix_cache_hit_tokens += cached
-        if seq.request.cached_tokens is None:   # a re-admission after preemption is not a hit
+        if seq.request.cached_tokens is None:  # a re-admission after preemption is not a hit
             seq.request.cached_tokens = cached
         seq.row = self._free_rows.pop()
         seq.extra_rows = [self._free_rows.pop() for _ in range(seq.num_forks - 1)]
@@ -271,9 +292,9 @@ class Scheduler:
         """Insert the whole pages of seq's computed tokens; afterwards seq's page table points at
         the tree's pages for them (its duplicates freed) and it locks the new deepest node."""
         num_full = seq.num_computed // self.page_size
-        tokens = seq.token_ids[:num_full * self.page_size]
+        tokens = seq.token_ids[: num_full * self.page_size]
         already = self.cache.insert(tokens, seq.pages[:num_full]) // self.page_size
-        duplicates = seq.pages[seq.num_tree_pages:already]
+        duplicates = seq.pages[seq.num_tree_pages : already]
         self.pool.free_pages(duplicates)
         match = self.cache.match_prefix(tokens)
         self.cache.lock(match.node)
@@ -281,7 +302,7 @@ class Scheduler:
             self.cache.unlock(seq.node)
         seq.pages = match.pages + seq.pages[num_full:]
         seq.num_tree_pages, seq.node = num_full, match.node
-        seq.new_kv_epoch()   # the suffix now starts at another position (and maybe other pages)
+        seq.new_kv_epoch()  # the suffix now starts at another position (and maybe other pages)
         if duplicates:
             self._write_pages(seq)
 
@@ -294,7 +315,7 @@ class Scheduler:
         logit_rows: list[int] = []
         emitted: list[tuple[Sequence, list[int], list[float]]] = []
         row = 0
-        speculated: list[tuple[Sequence, int]] = []   # (sequence, its first logits row)
+        speculated: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
         for seq in batch.decode:
             if seq.num_computed < seq.prompt_len:
                 self.stats.prefill_tokens_computed += 1
@@ -308,7 +329,9 @@ class Scheduler:
                 logit_rows.append(row)
             row += 1
         if speculated:
-            rows = torch.cat([torch.arange(r, r + 1 + len(s.draft)) for s, r in speculated]).to(logits.device)
+            rows = torch.cat([torch.arange(r, r + 1 + len(s.draft)) for s, r in speculated]).to(
+                logits.device
+            )
             seqs = [s for s, _ in speculated]
             for seq, result in zip(seqs, verify(logits[rows], seqs)):
                 # KV is now valid for the pending token and the accepted drafts.
@@ -331,7 +354,9 @@ class Scheduler:
         if to_sample:
             rows = torch.tensor(logit_rows, device=logits.device)
             tokens, logprobs = sample(logits[rows], SamplingBatch.of(to_sample))
-            emitted.extend((s, [t], [lp]) for s, t, lp in zip(to_sample, tokens.tolist(), logprobs.tolist()))
+            emitted.extend(
+                (s, [t], [lp]) for s, t, lp in zip(to_sample, tokens.tolist(), logprobs.tolist())
+            )
         for seq, tokens, logprobs in emitted:
             self._append(seq, tokens, logprobs)
 
@@ -377,7 +402,7 @@ class Scheduler:
                 self.waiting.appendleft(child)
                 self._free_rows.append(seq.extra_rows.pop())
                 continue
-            child.pages = seq.pages[:seq.num_tree_pages] + page
+            child.pages = seq.pages[: seq.num_tree_pages] + page
             child.num_tree_pages, child.node = seq.num_tree_pages, seq.node
             self.cache.lock(seq.node)
             if tail:
@@ -393,10 +418,12 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params: SamplingParams = seq.request.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if (
+            token in self.eos_token_ids and not params.ignore_eos
+        ) or token in params.stop_token_ids:
             return "stop"
         stop_check = seq.request.stop_check
-        if stop_check is not None and stop_check(seq.token_ids[seq.prompt_len:]):
+        if stop_check is not None and stop_check(seq.token_ids[seq.prompt_len :]):
             return "stop"
         if seq.num_generated >= params.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
@@ -406,7 +433,7 @@ class Scheduler:
         seq.status = Status.FINISHED
         if self.proposer is not None:
             self.proposer.forget(seq)
-        out = SampleOutput(seq.token_ids[seq.prompt_len:], list(seq.logprobs), reason)
+        out = SampleOutput(seq.token_ids[seq.prompt_len :], list(seq.logprobs), reason)
         for j in range(seq.sample_index, seq.sample_index + seq.num_forks):
             seq.request.samples[j] = out if j == seq.sample_index else SampleOutput([], [], reason)
 
@@ -422,17 +449,23 @@ class Scheduler:
         private = [p for s in self.running for p in s.private_pages]
         everything = free + cached + private
         assert len(everything) == self.pool.num_pages, (
-            f"pages: free {len(free)} + cached {len(cached)} + in use {len(private)} != total {self.pool.num_pages}")
+            f"pages: free {len(free)} + cached {len(cached)} + in use {len(private)} "
+            f"!= total {self.pool.num_pages}"
+        )
         assert len(set(everything)) == self.pool.num_pages, "a page is in two places"
         for seq in self.running:
             assert seq.status is Status.RUNNING and seq.row is not None
-            assert len(seq.pages) * self.page_size >= seq.num_computed, "computed tokens without pages"
+            assert len(seq.pages) * self.page_size >= seq.num_computed, (
+                "computed tokens without pages"
+            )
             if self.cache is not None and seq.node is not None:
                 path, node = [], seq.node
                 while node is not self.cache.root:
                     path[:0] = node.pages
                     node = node.parent
-                assert path == seq.pages[:seq.num_tree_pages], "tree pages differ from the locked path"
+                assert path == seq.pages[: seq.num_tree_pages], (
+                    "tree pages differ from the locked path"
+                )
         for seq in self.waiting:
             assert seq.status is Status.WAITING and not seq.pages and seq.row is None
         rows = self._free_rows + [r for s in self.running for r in [s.row, *s.extra_rows]]

@@ -14,22 +14,21 @@ from rollout.config import SamplingParams
 from rollout.radix_cache import TreeNode
 from rollout.speculative import DraftBackoff
 
-
 # Process-wide and monotonic, so an epoch is never reused, not even by another engine.
 _kv_epochs = itertools.count()
 
 
 class SampleOutput(NamedTuple):
     token_ids: list[int]
-    logprobs: list[float]   # log_softmax(logits / T)[token], before top-p/top-k truncation
-    finish_reason: str      # "stop" | "length" | "abort"
+    logprobs: list[float]  # log_softmax(logits / T)[token], before top-p/top-k truncation
+    finish_reason: str  # "stop" | "length" | "abort"
 
 
 class RequestOutput(NamedTuple):
     request_id: int
     prompt_token_ids: list[int]
     samples: list[SampleOutput]
-    cached_tokens: int = 0   # prompt tokens taken from the prefix cache at first admission
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
 
 
 # Called with a sample's generated token ids after each appended token; True ends the sample
@@ -39,8 +38,8 @@ StopCheck = Callable[[list[int]], bool]
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"     # not holding KV (new, or preempted for recompute)
-    RUNNING = "running"     # admitted: holds a table row and pages
+    WAITING = "waiting"  # not holding KV (new, or preempted for recompute)
+    RUNNING = "running"  # admitted: holds a table row and pages
     FINISHED = "finished"
 
 
@@ -49,11 +48,11 @@ class Request:
     request_id: int
     prompt: list[int]
     params: SamplingParams
-    base_seed: int            # sample j draws from torch.Generator seeded with base_seed + j
+    base_seed: int  # sample j draws from torch.Generator seeded with base_seed + j
     stop_check: StopCheck | None = None
     samples: list[SampleOutput | None] = field(init=False)
     aborted: bool = False
-    cached_tokens: int | None = None   # set when its first sequence is admitted
+    cached_tokens: int | None = None  # set when its first sequence is admitted
 
     def __post_init__(self) -> None:
         self.samples = [None] * self.params.n
@@ -80,14 +79,16 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0
-    pages: list[int] = field(default_factory=list)   # page table; the first `num_tree_pages` belong to the tree
+    pages: list[int] = field(
+        default_factory=list
+    )  # page table; the first `num_tree_pages` belong to the tree
     num_tree_pages: int = 0
-    node: TreeNode | None = None        # locked radix node covering the tree pages
-    row: int | None = None              # row in the slot table while running
+    node: TreeNode | None = None  # locked radix node covering the tree pages
+    row: int | None = None  # row in the slot table while running
     extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
-    draft: list[int] = field(default_factory=list)       # speculated tokens verified this step
-    draft_probs: torch.Tensor | None = None              # what `draft` was drawn from; None = point mass
-    backoff: DraftBackoff | None = None                  # drafting pause after failed drafts (scheduler's)
+    draft: list[int] = field(default_factory=list)  # speculated tokens verified this step
+    draft_probs: torch.Tensor | None = None  # what `draft` was drawn from; None = point mass
+    backoff: DraftBackoff | None = None  # drafting pause after failed drafts (scheduler's)
     generator: torch.Generator = field(init=False)
     # Names one lifetime of this sequence's page table: changes whenever pages are taken,
     # replaced or released otherwise than by appending (admit, prefix-cache insert, preempt,
@@ -120,4 +121,4 @@ class Sequence:
 
     @property
     def private_pages(self) -> list[int]:
-        return self.pages[self.num_tree_pages:]
+        return self.pages[self.num_tree_pages :]

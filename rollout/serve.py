@@ -37,25 +37,44 @@ from rollout.config import SamplingParams
 from rollout.stop_strings import cut_at_stop, decode, make_stop_check
 
 PAUSED_MESSAGE = "engine is updating weights; retry"
-MAX_LOGPROBS = 0     # only the sampled token's log-prob (engine semantics); no top-k alternatives
+MAX_LOGPROBS = 0  # only the sampled token's log-prob (engine semantics); no top-k alternatives
 
 
 class APIError(Exception):
     """A request error: answered as OpenAI's `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.status, self.message, self.param, self.type, self.code = (
+            status,
+            message,
+            param,
+            type,
+            code,
+        )
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.param, self.type, self.code)
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={
-        "error": {"message": message, "type": type, "param": param, "code": code}})
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    type: str = "invalid_request_error",
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": type, "param": param, "code": code}},
+    )
 
 
 # -- request bodies ----------------------------------------------------------------------------
@@ -77,8 +96,8 @@ class _Sampling(BaseModel):
     # extra fields (not in OpenAI's API)
     top_k: StrictInt = Field(-1, ge=-1)
     ignore_eos: StrictBool = False
-    session_id: str | None = None     # for the router; ignored here
-    stream: Literal[False] = False    # not supported: refused by name, never silently ignored
+    session_id: str | None = None  # for the router; ignored here
+    stream: Literal[False] = False  # not supported: refused by name, never silently ignored
 
 
 class CompletionRequest(_Sampling):
@@ -102,6 +121,7 @@ def load_tokenizer(model_dir: str | Path):
     if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
@@ -133,48 +153,81 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "miles_like",
-                                            "max_model_len": max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "miles_like",
+                    "max_model_len": max_len,
+                }
+            ],
+        }
 
-    def check_common(req: _Sampling, prompts: list[list[int]], prompt_field: str,
-                     max_tokens: int | None) -> tuple[SamplingParams, Any]:
+    def check_common(
+        req: _Sampling, prompts: list[list[int]], prompt_field: str, max_tokens: int | None
+    ) -> tuple[SamplingParams, Any]:
         if req.model != model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                f"{model_name!r}", "model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                "model",
+                code="model_not_found",
+            )
         if req.n > max_n:
             raise APIError(400, f"n={req.n} exceeds this server's limit of {max_n}", "n")
         longest = max(len(p) for p in prompts)
         if longest >= max_len:
-            raise APIError(400, f"{prompt_field} has {longest} tokens; the context is {max_len} "
-                                "tokens: shorten it", prompt_field)
+            raise APIError(
+                400,
+                f"{prompt_field} has {longest} tokens; the context is {max_len} tokens: shorten it",
+                prompt_field,
+            )
         if max_tokens is None:
             max_tokens = max_len - longest
         if longest + max_tokens > max_len:
-            raise APIError(400, f"max_tokens={max_tokens} + {longest} prompt tokens exceeds the "
-                                f"context of {max_len} tokens; lower max_tokens", "max_tokens")
+            raise APIError(
+                400,
+                f"max_tokens={max_tokens} + {longest} prompt tokens exceeds the "
+                f"context of {max_len} tokens; lower max_tokens",
+                "max_tokens",
+            )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if stops and tokenizer is None:
-            raise APIError(400, "stop strings need a tokenizer and this server has none; "
-                                "drop `stop`", "stop")
+            raise APIError(
+                400, "stop strings need a tokenizer and this server has none; drop `stop`", "stop"
+            )
         try:
-            params = SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, max_new_tokens=max_tokens, seed=req.seed,
-                                    ignore_eos=req.ignore_eos)
+            params = SamplingParams(
+                n=req.n,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                max_new_tokens=max_tokens,
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+            )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return params, stops
 
-    async def run(prompts: list[list[int]], params: SamplingParams, stops: list[str],
-                  prompt_field: str) -> list[GenerationResult]:
+    async def run(
+        prompts: list[list[int]], params: SamplingParams, stops: list[str], prompt_field: str
+    ) -> list[GenerationResult]:
         check = make_stop_check(tokenizer, stops) if stops else None
-        try:   # a cancelled handler aborts its requests in the engine (AsyncEngine.generate)
-            return list(await asyncio.gather(*(async_engine.generate(p, params, check)
-                                               for p in prompts)))
+        try:  # a cancelled handler aborts its requests in the engine (AsyncEngine.generate)
+            return list(
+                await asyncio.gather(*(async_engine.generate(p, params, check) for p in prompts))
+            )
         except EngineUnavailable as exc:
-            raise APIError(503, PAUSED_MESSAGE if "updating" in str(exc) else str(exc),
-                           type="service_unavailable") from None
-        except ValueError as exc:   # the engine's check of this request (ids, KV capacity)
+            raise APIError(
+                503,
+                PAUSED_MESSAGE if "updating" in str(exc) else str(exc),
+                type="service_unavailable",
+            ) from None
+        except ValueError as exc:  # the engine's check of this request (ids, KV capacity)
             raise APIError(400, str(exc), prompt_field) from None
 
     def text_of(sample_ids: list[int], stops: list[str], reason: str) -> tuple[str, str]:
@@ -189,9 +242,12 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
     def usage(results: list[GenerationResult]) -> dict:
         prompt = sum(len(r.prompt_token_ids) for r in results)
         completion = sum(len(s.token_ids) for r in results for s in r.samples)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -202,33 +258,60 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
         for r in results:
             for s in r.samples:
                 text, reason = text_of(s.token_ids, stops, s.finish_reason)
-                choice = {"index": len(choices), "text": text, "finish_reason": reason,
-                          "logprobs": None, "prompt_token_ids": r.prompt_token_ids,
-                          "token_ids": s.token_ids}
+                choice = {
+                    "index": len(choices),
+                    "text": text,
+                    "finish_reason": reason,
+                    "logprobs": None,
+                    "prompt_token_ids": r.prompt_token_ids,
+                    "token_ids": s.token_ids,
+                }
                 if req.logprobs is not None:
                     pieces = token_strings(s.token_ids)
                     offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
-                    choice["logprobs"] = {"tokens": pieces, "token_logprobs": s.logprobs,
-                                          "top_logprobs": None, "text_offset": offsets}
+                    choice["logprobs"] = {
+                        "tokens": pieces,
+                        "token_logprobs": s.logprobs,
+                        "top_logprobs": None,
+                        "text_offset": offsets,
+                    }
                 choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": choices,
-                "usage": usage(results), "weight_version": results[0].weight_version}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(results),
+            "weight_version": results[0].weight_version,
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
         if tokenizer is None:
-            raise APIError(400, "chat needs a tokenizer with a chat template and this server has "
-                                "none; use /v1/completions with token ids", "messages")
+            raise APIError(
+                400,
+                "chat needs a tokenizer with a chat template and this server has "
+                "none; use /v1/completions with token ids",
+                "messages",
+            )
         try:
-            prompt = list(tokenizer.apply_chat_template(
-                req.messages, tools=req.tools, add_generation_prompt=True, tokenize=True,
-                return_dict=False))
-        except Exception as exc:   # noqa: BLE001 -- a template error is the request's fault
-            raise APIError(400, f"messages could not be rendered by the chat template: {exc}",
-                           "messages") from None
-        params, stops = check_common(req, [prompt], "messages",
-                                     req.max_completion_tokens or req.max_tokens)
+            prompt = list(
+                tokenizer.apply_chat_template(
+                    req.messages,
+                    tools=req.tools,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 -- a template error is the request's fault
+            raise APIError(
+                400, f"messages could not be rendered by the chat template: {exc}", "messages"
+            ) from None
+        params, stops = check_common(
+            req, [prompt], "messages", req.max_completion_tokens or req.max_tokens
+        )
         (result,) = await run([prompt], params, stops, "messages")
         choices = []
         for s in result.samples:
@@ -236,18 +319,36 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
             message = chat_message(text)
             if message.get("tool_calls") and reason == "stop":
                 reason = "tool_calls"
-            choice = {"index": len(choices), "message": message, "finish_reason": reason,
-                      "logprobs": None, "prompt_token_ids": result.prompt_token_ids,
-                      "token_ids": s.token_ids}
+            choice = {
+                "index": len(choices),
+                "message": message,
+                "finish_reason": reason,
+                "logprobs": None,
+                "prompt_token_ids": result.prompt_token_ids,
+                "token_ids": s.token_ids,
+            }
             if req.logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": piece, "logprob": lp, "bytes": list(piece.encode()),
-                     "top_logprobs": []}
-                    for piece, lp in zip(token_strings(s.token_ids), s.logprobs)]}
+                choice["logprobs"] = {
+                    "content": [
+                        {
+                            "token": piece,
+                            "logprob": lp,
+                            "bytes": list(piece.encode()),
+                            "top_logprobs": [],
+                        }
+                        for piece, lp in zip(token_strings(s.token_ids), s.logprobs)
+                    ]
+                }
             choices.append(choice)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": int(time.time()), "model": model_name, "choices": choices,
-                "usage": usage([result]), "weight_version": result.weight_version}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": usage([result]),
+            "weight_version": result.weight_version,
+        }
 
     return app
 
@@ -262,18 +363,30 @@ def chat_message(text: str) -> dict[str, Any]:
         return {"role": "assistant", "content": text}
     if not calls:
         return {"role": "assistant", "content": content}
-    return {"role": "assistant", "content": content or None, "tool_calls": [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-         "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-        for c in calls]}
+    return {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": c.name,
+                    "arguments": json.dumps(c.arguments, ensure_ascii=False),
+                },
+            }
+            for c in calls
+        ],
+    }
 
 
 def tokenize_prompts(prompt, tokenizer) -> list[list[int]]:
     """`prompt` (text, token ids, or a list of either) as a list of token-id prompts."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         if tokenizer is None:
-            raise APIError(400, "this server has no tokenizer: give `prompt` as token ids",
-                           "prompt")
+            raise APIError(
+                400, "this server has no tokenizer: give `prompt` as token ids", "prompt"
+            )
         texts = [prompt] if isinstance(prompt, str) else prompt
         prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     elif prompt and isinstance(prompt[0], list):
@@ -291,7 +404,7 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
     if err.get("type") == "json_invalid":
         return error_response(400, f"request body is not valid JSON: {err.get('msg')}")
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    field = loc[0] if loc else None   # the top-level field (deeper parts name union members)
+    field = loc[0] if loc else None  # the top-level field (deeper parts name union members)
     return error_response(400, f"{field or 'request body'}: {err.get('msg')}", field)
 
 
@@ -310,13 +423,16 @@ class ServerHandle:
 def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
     """Serve `app` on (host, port) in a thread (port 0: a free one); returns once it accepts."""
     import uvicorn
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           timeout_keep_alive=30))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name="uvicorn")
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn"
+    )
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -330,8 +446,11 @@ def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Server
 def main(argv: list[str] | None = None) -> None:
     from rollout.config import DTYPES, EngineConfig
     from rollout.engine import Engine
-    ap = argparse.ArgumentParser(prog="python -m rollout.serve",
-                                 description="Serve a local model with an OpenAI-compatible API.")
+
+    ap = argparse.ArgumentParser(
+        prog="python -m rollout.serve",
+        description="Serve a local model with an OpenAI-compatible API.",
+    )
     ap.add_argument("model_dir")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -345,11 +464,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     args = ap.parse_args(argv)
     import uvicorn
-    engine = Engine(EngineConfig(
-        model_path=args.model_dir, device=args.device, dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size,
-        max_running_requests=args.max_running_requests,
-        max_prefill_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len))
+
+    engine = Engine(
+        EngineConfig(
+            model_path=args.model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_tokens=args.kv_cache_tokens,
+            page_size=args.page_size,
+            max_running_requests=args.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            max_model_len=args.max_model_len,
+        )
+    )
     async_engine = AsyncEngine(engine)
     name = args.model_name or Path(args.model_dir).resolve().name
     app = build_app(async_engine, load_tokenizer(args.model_dir), name)

@@ -36,4 +36,4 @@ def make_stop_check(tokenizer, stops: Sequence[str]) -> StopCheck | None:
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     """`text` cut before the earliest stop string, and whether one was found."""
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[:min(found)], True) if found else (text, False)
+    return (text[: min(found)], True) if found else (text, False)

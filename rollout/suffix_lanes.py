@@ -3,9 +3,10 @@
 Cascade decode attention reads each sequence's private suffix (its K/V after the shared group
 prefix). Gathering it from the paged pool every step costs a full copy of every suffix, in every
 layer, every step, although only one token per sequence changes. Instead each decode sequence
-owns a *lane*: a contiguous row (in `accum_dtype`: float32, float64 for a float64 model) `[layer, kv_head, lane, position - suffix_start, dim]`
-filled from the pool once, then kept in sync by writing each step's new K/V to both the pool and
-the lane. Attention reads lanes `[:num_seqs, :width]` in place (strided batched matmuls).
+owns a *lane*: a contiguous row (in `accum_dtype`: float32, float64 for a float64 model)
+`[layer, kv_head, lane, position - suffix_start, dim]` filled from the pool once, then kept in
+sync by writing each step's new K/V to both the pool and the lane. Attention reads lanes
+`[:num_seqs, :width]` in place (strided batched matmuls).
 
 Invariant (checked by `check`, which `Engine.check_integrity` runs): for every assigned lane,
 offsets `[0, seq.num_computed - start)` equal the pool's K/V at the sequence's slots for
@@ -41,23 +42,25 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Lane:
-    epoch: int      # the sequence's kv_epoch when the lane was filled
-    start: int      # first position of the suffix (page aligned)
+    epoch: int  # the sequence's kv_epoch when the lane was filled
+    start: int  # first position of the suffix (page aligned)
 
 
 @dataclass(frozen=True)
 class LanePlan:
-    order: list[int]           # order[lane] = index in the step's decode list of the sequence in it
-    lane_of: list[int]         # lane_of[i] = lane of decode sequence i
-    write_index: torch.Tensor  # [num decode tokens, batch order] flat (lane * capacity + offset) to mirror into
-    width: int                 # suffix width attention reads (whole pages, as the gather path)
+    order: list[int]  # order[lane] = index in the step's decode list of the sequence in it
+    lane_of: list[int]  # lane_of[i] = lane of decode sequence i
+    write_index: (
+        torch.Tensor
+    )  # [num decode tokens, batch order] flat (lane * capacity + offset) to mirror into
+    width: int  # suffix width attention reads (whole pages, as the gather path)
 
 
 class SuffixLanes:
     def __init__(self, pool: KVPool, max_tokens: int):
         self.pool = pool
-        self.max_tokens = max_tokens     # lanes x capacity bound (memory), else the gather path
-        self.k: torch.Tensor | None = None   # [layers, Hkv, lanes, capacity, dim]
+        self.max_tokens = max_tokens  # lanes x capacity bound (memory), else the gather path
+        self.k: torch.Tensor | None = None  # [layers, Hkv, lanes, capacity, dim]
         self.v: torch.Tensor | None = None
         self.lanes: list[_Lane | None] = []
         self.lane_of_epoch: dict[int, int] = {}
@@ -76,13 +79,18 @@ class SuffixLanes:
         self.lanes, self.lane_of_epoch = [None] * len(self.lanes), {}
 
     def _ensure(self, num_lanes: int, width: int) -> bool:
-        """Room for `num_lanes` lanes of `width` positions, growing geometrically (contents kept)."""
+        """Room for `num_lanes` lanes of `width` positions, growing geometrically (contents
+        kept)."""
         lanes, capacity = len(self.lanes), self.capacity
         if num_lanes <= lanes and width <= capacity and self.k is not None:
             return True
         page = self.pool.page_size
         new_lanes = max(num_lanes, lanes)
-        new_capacity = max(width, capacity) if width <= capacity else -(-max(width, 2 * capacity) // page) * page
+        new_capacity = (
+            max(width, capacity)
+            if width <= capacity
+            else -(-max(width, 2 * capacity) // page) * page
+        )
         if new_lanes * new_capacity > self.max_tokens:
             return False
         pool = self.pool
@@ -97,7 +105,7 @@ class SuffixLanes:
         self.lanes = self.lanes + [None] * (new_lanes - lanes)
         return True
 
-    def plan(self, seqs: list["Sequence"]) -> LanePlan | None:
+    def plan(self, seqs: list[Sequence]) -> LanePlan | None:
         """Assign lanes [0, len(seqs)) to this step's decode sequences: keep valid lanes, move high
         ones down, fill new ones from the pool. None: lanes would exceed the memory bound; the
         caller gathers from the pool this step (and every lane is dropped: it will miss a write)."""
@@ -112,7 +120,7 @@ class SuffixLanes:
             return None
 
         # Keep the lanes of sequences still decoding in the same epoch; free the others.
-        kept: dict[int, int] = {}   # decode index -> lane
+        kept: dict[int, int] = {}  # decode index -> lane
         for i, s in enumerate(seqs):
             lane = self.lane_of_epoch.get(s.kv_epoch)
             if lane is not None:
@@ -124,12 +132,12 @@ class SuffixLanes:
         free_low = [lane for lane in range(num - 1, -1, -1) if self.lanes[lane] is None]
         moves: list[tuple[int, int]] = []
         for i, lane in kept.items():
-            if lane >= num:   # compact: lanes [0, num) hold exactly this step's sequences
+            if lane >= num:  # compact: lanes [0, num) hold exactly this step's sequences
                 dst = free_low.pop()
                 moves.append((lane, dst))
                 self.lanes[dst], self.lanes[lane] = self.lanes[lane], None
                 kept[i] = dst
-        fills: list[tuple[int, int]] = []   # (decode index, lane)
+        fills: list[tuple[int, int]] = []  # (decode index, lane)
         for i in range(num):
             if i not in kept:
                 lane = free_low.pop()
@@ -145,45 +153,66 @@ class SuffixLanes:
             for buf in (self.k, self.v):
                 buf.index_copy_(2, dst, buf.index_select(2, src))
         if fills:
-            self._fill([seqs[i] for i, _ in fills], [computed[i] for i, _ in fills], [lane for _, lane in fills])
+            self._fill(
+                [seqs[i] for i, _ in fills],
+                [computed[i] for i, _ in fills],
+                [lane for _, lane in fills],
+            )
 
         lane_of = [kept[i] for i in range(num)]
         order = [0] * num
         for i, lane in enumerate(lane_of):
             order[lane] = i
         capacity = self.capacity
-        write = [lane * capacity + c + j
-                 for lane, c, s in zip(lane_of, computed, seqs) for j in range(1 + len(s.draft))]
-        return LanePlan(order, lane_of, torch.tensor(write, dtype=torch.int64, device=self.pool.device), width)
+        write = [
+            lane * capacity + c + j
+            for lane, c, s in zip(lane_of, computed, seqs)
+            for j in range(1 + len(s.draft))
+        ]
+        return LanePlan(
+            order, lane_of, torch.tensor(write, dtype=torch.int64, device=self.pool.device), width
+        )
 
-    def _fill(self, seqs: list["Sequence"], computed: list[int], lanes: list[int]) -> None:
+    def _fill(self, seqs: list[Sequence], computed: list[int], lanes: list[int]) -> None:
         """Copy the computed suffix of each sequence (whole pages) from the pool into its lane."""
         page, pool = self.pool.page_size, self.pool
         num_pages = max(-(-c // page) for c in computed)
         if num_pages == 0:
             return
         # Pad with page 0: finite values past the valid offsets, overwritten or masked later.
-        pages = [s.pages[s.num_tree_pages:s.num_tree_pages + -(-c // page)] for s, c in zip(seqs, computed)]
-        pages = torch.tensor([p + [0] * (num_pages - len(p)) for p in pages], device=pool.device).view(-1)
+        pages = [
+            s.pages[s.num_tree_pages : s.num_tree_pages + -(-c // page)]
+            for s, c in zip(seqs, computed)
+        ]
+        pages = torch.tensor(
+            [p + [0] * (num_pages - len(p)) for p in pages], device=pool.device
+        ).view(-1)
         index = torch.tensor(lanes, device=pool.device)
         width = num_pages * page * pool.head_dim
         for src, dst in ((pool.k, self.k), (pool.v, self.v)):
-            paged = src.view(pool.num_layers, pool.num_kv_heads, pool.num_pages, page * pool.head_dim)
-            gathered = paged.index_select(2, pages).view(pool.num_layers, pool.num_kv_heads, len(seqs), width)
+            paged = src.view(
+                pool.num_layers, pool.num_kv_heads, pool.num_pages, page * pool.head_dim
+            )
+            gathered = paged.index_select(2, pages).view(
+                pool.num_layers, pool.num_kv_heads, len(seqs), width
+            )
             flat = dst.view(*dst.shape[:3], -1)
             flat[..., :width].index_copy_(2, index, gathered.to(dst.dtype))
 
     def views(self, layer: int, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Suffix K, V of lanes [0, num_seqs), `width` positions: [Hkv, num_seqs, width, dim] views."""
+        """Suffix K, V of lanes [0, num_seqs), `width` positions: [Hkv, num_seqs, width, dim]
+        views."""
         return self.k[layer, :, :num_seqs, :width], self.v[layer, :, :num_seqs, :width]
 
-    def mirror(self, layer: int, write_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def mirror(
+        self, layer: int, write_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Write this step's decode-token K/V ([T, Hkv, dim], pool dtype) into their lanes."""
         for buf, new in ((self.k, k), (self.v, v)):
             flat = buf[layer].view(buf.shape[1], -1, buf.shape[4])
             flat.index_copy_(1, write_index, new.transpose(0, 1).to(buf.dtype))
 
-    def check(self, running: list["Sequence"]) -> None:
+    def check(self, running: list[Sequence]) -> None:
         """Assert the invariant of the module docstring for every lane still assigned."""
         by_epoch = {s.kv_epoch: s for s in running}
         page, pool = self.pool.page_size, self.pool
@@ -191,12 +220,16 @@ class SuffixLanes:
             record = self.lanes[lane]
             assert record is not None and record.epoch == epoch, "lane bookkeeping out of sync"
             seq = by_epoch.get(epoch)
-            if seq is None:   # left since the last step: freed at the next plan, never read
+            if seq is None:  # left since the last step: freed at the next plan, never read
                 continue
-            assert record.start == seq.num_tree_pages * page, "lane suffix start moved without a new epoch"
+            assert record.start == seq.num_tree_pages * page, (
+                "lane suffix start moved without a new epoch"
+            )
             count = seq.num_computed - record.start
-            pages = torch.tensor(seq.pages[seq.num_tree_pages:], dtype=torch.int64)
+            pages = torch.tensor(seq.pages[seq.num_tree_pages :], dtype=torch.int64)
             slots = (pages[:, None] * page + torch.arange(page)).flatten()[:count].to(pool.device)
             for src, dst in ((pool.k, self.k), (pool.v, self.v)):
                 expected = src.index_select(2, slots).to(dst.dtype)
-                assert torch.equal(dst[:, :, lane, :count], expected), "lane differs from the KV pool"
+                assert torch.equal(dst[:, :, lane, :count], expected), (
+                    "lane differs from the KV pool"
+                )

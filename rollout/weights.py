@@ -43,9 +43,14 @@ def _resolve(params: dict[str, nn.Parameter], name: str, tied: bool) -> str:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                 tied_embeddings: bool, require_all: bool,
-                 shards: Mapping[str, Shard] | None = None) -> set[str]:
+def load_weights(
+    model: nn.Module,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    tied_embeddings: bool,
+    require_all: bool,
+    shards: Mapping[str, Shard] | None = None,
+) -> set[str]:
     """Copy (hf_name, tensor) pairs into `model`'s parameters in place; returns the names set.
 
     `require_all`: every parameter must be given (a full checkpoint load); weight updates may be
@@ -59,17 +64,24 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
         try:
             target_name = _resolve(params, name, tied_embeddings)
         except KeyError:
-            raise ValueError(f"weight {name!r} has no parameter in this model; expected Hugging Face "
-                             f"names such as {next(iter(params))!r}") from None
+            raise ValueError(
+                f"weight {name!r} has no parameter in this model; expected Hugging Face "
+                f"names such as {next(iter(params))!r}"
+            ) from None
         param = params[target_name]
         shard = shards.get(target_name) if shards else None
-        full_sized = (shard is not None and tensor.dim() == param.dim()
-                      and tensor.shape[shard.dim] == shard.full)
+        full_sized = (
+            shard is not None
+            and tensor.dim() == param.dim()
+            and tensor.shape[shard.dim] == shard.full
+        )
         if full_sized and tuple(tensor.shape) != tuple(param.shape):
-            tensor = shard.take(tensor)   # a full tensor: this rank's slice
+            tensor = shard.take(tensor)  # a full tensor: this rank's slice
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                             f"{tuple(param.shape)}; is the checkpoint from the same config.json?")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                f"{tuple(param.shape)}; is the checkpoint from the same config.json?"
+            )
         param.copy_(tensor)
         loaded.add(target_name)
     if require_all:

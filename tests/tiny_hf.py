@@ -16,23 +16,52 @@ import torch
 # llama: no bias, llama3 rope scaling, untied.
 FAMILIES: dict[str, dict] = {
     "qwen2": dict(
-        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=512,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
     ),
     "qwen3": dict(
-        model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=101,
-        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=True, attention_bias=False,
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        vocab_size=101,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        attention_bias=False,
     ),
     "llama": dict(
-        model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, vocab_size=89, max_position_embeddings=512,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                             low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=64),
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=89,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
     ),
 }
 
@@ -68,9 +97,11 @@ def save_hf_model(model, directory: str | Path) -> Path:
     return directory
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
 
 
 def save_bpe_tokenizer(directory: str | Path, corpus: list[str], vocab_size: int = 400):
@@ -82,11 +113,17 @@ def save_bpe_tokenizer(directory: str | Path, corpus: list[str], vocab_size: int
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(directory))
     return fast

@@ -18,6 +18,8 @@ def make_trainer(cfg: TrainerConfig):
     """The policy trainer for `cfg.backend` (every rank of the world calls this together)."""
     if cfg.backend == "megatron":
         from trainer.megatron_trainer import MegatronTrainer
+
         return MegatronTrainer(cfg)
     from trainer.deepspeed_trainer import DeepSpeedTrainer
+
     return DeepSpeedTrainer(cfg)

@@ -45,7 +45,8 @@ _LAYER_PREFIX = "decoder.layers."
 
 class _Slot(NamedTuple):
     """One megatron parameter and the HF tensor(s) it is made of."""
-    kind: str                 # replicated | vocab | qkv | fc1 | row | column
+
+    kind: str  # replicated | vocab | qkv | fc1 | row | column
     hf_names: tuple[str, ...]
 
 
@@ -55,20 +56,25 @@ def _layer_slot(arch: HFArch, local_name: str, hf_layer: int) -> _Slot | None:
     table = {
         "input_layernorm.weight": _Slot("replicated", (p + "input_layernorm.weight",)),
         # Transformer Engine specs fuse the input norm into linear_qkv.
-        "self_attention.linear_qkv.layer_norm_weight":
-            _Slot("replicated", (p + "input_layernorm.weight",)),
-        "self_attention.linear_qkv.weight":
-            _Slot("qkv", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")),
-        "self_attention.linear_qkv.bias":
-            _Slot("qkv", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")),
+        "self_attention.linear_qkv.layer_norm_weight": _Slot(
+            "replicated", (p + "input_layernorm.weight",)
+        ),
+        "self_attention.linear_qkv.weight": _Slot(
+            "qkv", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")
+        ),
+        "self_attention.linear_qkv.bias": _Slot(
+            "qkv", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
+        ),
         "self_attention.q_layernorm.weight": _Slot("replicated", (attn + "q_norm.weight",)),
         "self_attention.k_layernorm.weight": _Slot("replicated", (attn + "k_norm.weight",)),
         "self_attention.linear_proj.weight": _Slot("row", (attn + "o_proj.weight",)),
         "pre_mlp_layernorm.weight": _Slot("replicated", (p + "post_attention_layernorm.weight",)),
-        "mlp.linear_fc1.layer_norm_weight":
-            _Slot("replicated", (p + "post_attention_layernorm.weight",)),
-        "mlp.linear_fc1.weight":
-            _Slot("fc1", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+        "mlp.linear_fc1.layer_norm_weight": _Slot(
+            "replicated", (p + "post_attention_layernorm.weight",)
+        ),
+        "mlp.linear_fc1.weight": _Slot(
+            "fc1", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        ),
         "mlp.linear_fc2.weight": _Slot("row", (p + "mlp.down_proj.weight",)),
     }
     return table.get(local_name)
@@ -77,15 +83,16 @@ def _layer_slot(arch: HFArch, local_name: str, hf_layer: int) -> _Slot | None:
 def slot_for(arch: HFArch, layout: ModelLayout, megatron_name: str) -> _Slot:
     """The HF tensors behind one megatron parameter name of this rank's model."""
     if megatron_name.startswith(_LAYER_PREFIX):
-        index, rest = megatron_name[len(_LAYER_PREFIX):].split(".", 1)
+        index, rest = megatron_name[len(_LAYER_PREFIX) :].split(".", 1)
         slot = _layer_slot(arch, rest, layout.layer_offset + int(index))
     else:
         slot = {
             "embedding.word_embeddings.weight": _Slot("vocab", ("model.embed_tokens.weight",)),
             "decoder.final_layernorm.weight": _Slot("replicated", ("model.norm.weight",)),
             "output_layer.weight": _Slot(
-                "vocab", ("model.embed_tokens.weight" if arch.tie_word_embeddings
-                          else "lm_head.weight",)),
+                "vocab",
+                ("model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight",),
+            ),
         }.get(megatron_name)
     if slot is None:
         raise KeyError(f"no Hugging Face mapping for megatron parameter {megatron_name!r}")
@@ -119,8 +126,9 @@ def _qkv_full(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, *tail)
 
 
-def _shard(arch: HFArch, layout: ModelLayout, slot: _Slot, hf: list[torch.Tensor],
-           tp: int, rank: int) -> torch.Tensor:
+def _shard(
+    arch: HFArch, layout: ModelLayout, slot: _Slot, hf: list[torch.Tensor], tp: int, rank: int
+) -> torch.Tensor:
     if slot.kind == "replicated":
         return hf[0]
     if slot.kind == "vocab":
@@ -152,7 +160,8 @@ class HFCheckpoint:
         else:
             raise FileNotFoundError(
                 f"no model.safetensors or model.safetensors.index.json in {self.directory}; "
-                "point model_path at a Hugging Face checkpoint directory")
+                "point model_path at a Hugging Face checkpoint directory"
+            )
         self.weight_map: dict[str, str] = weight_map
 
     def config(self) -> dict:
@@ -168,9 +177,13 @@ class HFCheckpoint:
             return f.get_tensor(name)
 
 
-def load_hf_weights(model: torch.nn.Module, arch: HFArch, layout: ModelLayout,
-                    source: HFCheckpoint | dict[str, torch.Tensor],
-                    skip_prefixes: tuple[str, ...] = ()) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    arch: HFArch,
+    layout: ModelLayout,
+    source: HFCheckpoint | dict[str, torch.Tensor],
+    skip_prefixes: tuple[str, ...] = (),
+) -> None:
     """Copy HF weights into this rank's shard; every local parameter must be covered, except
     those under `skip_prefixes` (e.g. a critic's value head, which HF checkpoints lack)."""
     get = source.get if isinstance(source, HFCheckpoint) else source.__getitem__
@@ -183,8 +196,10 @@ def load_hf_weights(model: torch.nn.Module, arch: HFArch, layout: ModelLayout,
             slot = slot_for(arch, layout, name)
             value = _shard(arch, layout, slot, [get(n) for n in slot.hf_names], tp, rank)
             if value.shape != param.shape:
-                raise ValueError(f"{name}: HF tensors {slot.hf_names} give shape "
-                                 f"{tuple(value.shape)}, megatron expects {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: HF tensors {slot.hf_names} give shape "
+                    f"{tuple(value.shape)}, megatron expects {tuple(param.shape)}"
+                )
             param.copy_(value)
 
 
@@ -223,8 +238,9 @@ def _to_hf(arch: HFArch, slot: _Slot, local: torch.Tensor) -> list[torch.Tensor]
     raise AssertionError(slot.kind)
 
 
-def export_hf_weights(model: torch.nn.Module, arch: HFArch,
-                      layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model: torch.nn.Module, arch: HFArch, layout: ModelLayout
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for the parameters this PP stage holds, one at a time.
 
     Every TP rank of the stage must iterate it (each tensor is an all-gather); all ranks get the
@@ -241,8 +257,9 @@ def export_hf_weights(model: torch.nn.Module, arch: HFArch,
                 yield hf_name, t
 
 
-def gather_hf_state_dict(model: torch.nn.Module, arch: HFArch,
-                         layout: ModelLayout) -> dict[str, torch.Tensor]:
+def gather_hf_state_dict(
+    model: torch.nn.Module, arch: HFArch, layout: ModelLayout
+) -> dict[str, torch.Tensor]:
     """The full HF state dict on every rank (collects PP stages). For tests and checkpoints;
     the weight-sync path streams `export_hf_weights` instead."""
     local = {k: v.cpu().clone() for k, v in export_hf_weights(model, arch, layout)}

@@ -35,17 +35,17 @@ import torch
 # Modules whose module-level `torch` gets the CPU stand-in. Each is here because it calls
 # `torch.cuda.*` or allocates on "cuda" in a code path the trainer uses.
 _PATCHED_MODULES = (
-    "megatron.core.tensor_parallel.mappings",     # TP all-gather output buffers
-    "megatron.core.tensor_parallel.layers",       # linear layers' gather buffers
-    "megatron.core.tensor_parallel.utils",        # split/gather helpers
-    "megatron.core.utils",                        # GlobalMemoryBuffer
+    "megatron.core.tensor_parallel.mappings",  # TP all-gather output buffers
+    "megatron.core.tensor_parallel.layers",  # linear layers' gather buffers
+    "megatron.core.tensor_parallel.utils",  # split/gather helpers
+    "megatron.core.utils",  # GlobalMemoryBuffer
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq placement
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.transformer.attention",
     "megatron.core.transformer.transformer_layer",
     "megatron.core.pipeline_parallel.schedules",  # device="cuda" token counter
     "megatron.core.pipeline_parallel.p2p_communication",  # shape buffers, synchronize
-    "megatron.core.distributed.param_and_grad_buffer",   # DDP grad buffers
+    "megatron.core.distributed.param_and_grad_buffer",  # DDP grad buffers
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.finalize_model_grads",
 )
@@ -96,10 +96,12 @@ class _CpuTorch(types.ModuleType):
     def __getattr__(self, name):
         attr = getattr(torch, name)
         if name in _FACTORIES:
+
             def factory(*args, _f=attr, **kwargs):
                 if "device" in kwargs:
                     kwargs["device"] = _cpu_device(kwargs["device"])
                 return _f(*args, **kwargs)
+
             return factory
         return attr
 
@@ -146,11 +148,14 @@ def _wrap_tied_embedding_setup() -> None:
         finally:
             lm.torch = saved_torch
             lm.LanguageModule.embedding_warning_printed = saved_flag
-        tied_pp = (self.share_embeddings_and_output_weights
-                   and self.config.pipeline_model_parallel_size > 1)
+        tied_pp = (
+            self.share_embeddings_and_output_weights
+            and self.config.pipeline_model_parallel_size > 1
+        )
         if tied_pp and torch.distributed.is_initialized() and self._is_in_embd_group():
-            torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data,
-                                         group=self.embd_group)
+            torch.distributed.all_reduce(
+                self.shared_embedding_or_output_weight().data, group=self.embd_group
+            )
 
     lm.LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 

@@ -21,8 +21,11 @@ from trainer.parallel import ParallelConfig, init_parallel
 CRITIC_METRIC_KEYS = ("value_loss", "value_mean", "value_clipfrac")
 
 
-def explained_variance(values: list[torch.Tensor], returns: list[torch.Tensor],
-                       loss_masks: list[torch.Tensor] | None = None) -> float:
+def explained_variance(
+    values: list[torch.Tensor],
+    returns: list[torch.Tensor],
+    loss_masks: list[torch.Tensor] | None = None,
+) -> float:
     """1 - Var(R - V) / Var(R) over the (loss-masked) response tokens: 1 for a critic that
     predicts every return, 0 for one that predicts only their mean, negative for worse. The
     value loss alone cannot say which: it tracks Var(R), which moves with the policy (a binary
@@ -40,8 +43,9 @@ def explained_variance(values: list[torch.Tensor], returns: list[torch.Tensor],
 
 class MegatronCritic:
     def __init__(self, cfg: TrainerConfig, *, value_clip: float | None = 0.2):
-        init_parallel(ParallelConfig(cfg.tensor_model_parallel_size,
-                                     cfg.pipeline_model_parallel_size))
+        init_parallel(
+            ParallelConfig(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        )
         self.cfg = cfg
         self.value_clip = value_clip
         self.model = MegatronModel(cfg, trainable=True, value_head=True)
@@ -66,31 +70,46 @@ class MegatronCritic:
 
         def packed(values: list[torch.Tensor], mb: MicroBatch) -> torch.Tensor:
             return torch.cat([values[i].reshape(-1) for i in mb.sample_indices]).to(
-                dev, torch.promote_types(values[0].dtype, torch.float32))
+                dev, torch.promote_types(values[0].dtype, torch.float32)
+            )
 
         def loss_fn(mb, output):
             values = self._token_values(output, mb)
             data = objective.token_data(local, mb, dev)
             returns, old = packed(local.returns, mb), packed(local.old_values, mb)
             per_token = losses.value_loss(values, old, returns, clip=self.value_clip)
-            loss = losses.aggregate(per_token, data.mask, data.seq_ids, self.cfg.loss.agg_mode,
-                                    total_tokens=norm.tokens, total_seqs=norm.seqs)
+            loss = losses.aggregate(
+                per_token,
+                data.mask,
+                data.seq_ids,
+                self.cfg.loss.agg_mode,
+                total_tokens=norm.tokens,
+                total_seqs=norm.seqs,
+            )
             if self.value_clip is None:
                 clipped = torch.zeros_like(values)
             else:
                 clipped = ((values - old).abs() > self.value_clip).float()
             scale = 1.0 / max(norm.tokens, 1.0)
-            return loss, torch.tensor(1), {
-                "value_loss": loss.detach(),
-                "value_mean": (values.detach() * data.mask).sum() * scale,
-                "value_clipfrac": (clipped * data.mask).sum() * scale}
+            return (
+                loss,
+                torch.tensor(1),
+                {
+                    "value_loss": loss.detach(),
+                    "value_mean": (values.detach() * data.mask).sum() * scale,
+                    "value_clipfrac": (clipped * data.mask).sum() * scale,
+                },
+            )
 
         stored = self.model.train_micro_batches(local, loss_fn)
         metrics = reduce_metrics(stored, CRITIC_METRIC_KEYS)
         skipped_before = self.model.skipped_steps
         grad_norm, lr = self.model.optimizer_step()
-        metrics.update(grad_norm=grad_norm, lr=lr,
-                       update_skipped=float(self.model.skipped_steps > skipped_before))
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=lr,
+            update_skipped=float(self.model.skipped_steps > skipped_before),
+        )
         return metrics
 
     def train_state(self) -> dict:

@@ -34,8 +34,11 @@ from trainer.parallel import init_distributed
 
 
 def _device() -> torch.device:
-    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 class DeepSpeedTrainer:
@@ -46,26 +49,38 @@ class DeepSpeedTrainer:
         if cfg.backend != "deepspeed":
             raise ValueError(f"DeepSpeedTrainer got trainer.backend={cfg.backend!r}")
         if cfg.tensor_model_parallel_size != 1 or cfg.pipeline_model_parallel_size != 1:
-            raise ValueError("trainer.backend: deepspeed is data parallel only; set "
-                             "tensor_model_parallel_size and pipeline_model_parallel_size to 1")
+            raise ValueError(
+                "trainer.backend: deepspeed is data parallel only; set "
+                "tensor_model_parallel_size and pipeline_model_parallel_size to 1"
+            )
         if cfg.zero_stage not in (1, 2, 3):
-            raise ValueError(f"trainer.zero_stage={cfg.zero_stage}: the deepspeed backend "
-                             "supports ZeRO stage 1, 2 or 3")
+            raise ValueError(
+                f"trainer.zero_stage={cfg.zero_stage}: the deepspeed backend "
+                "supports ZeRO stage 1, 2 or 3"
+            )
         self.cfg = cfg
         init_distributed()
         if "LOCAL_RANK" not in os.environ and dist.get_world_size() == 1:
             os.environ["LOCAL_RANK"] = "0"  # DeepSpeed asserts it is set, even for one process
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            cfg.model_path, dtype=cfg.torch_dtype, attn_implementation="sdpa")
+            cfg.model_path, dtype=cfg.torch_dtype, attn_implementation="sdpa"
+        )
         self.vocab_size = model.config.vocab_size
         o = cfg.optim
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,  # boundaries are set by hand per train_step
             "zero_optimization": {"stage": cfg.zero_stage},
-            "optimizer": {"type": "AdamW", "params": {
-                "lr": lr_at(0, o), "betas": list(o.betas), "eps": o.eps,
-                "weight_decay": o.weight_decay, "torch_adam": True}},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": lr_at(0, o),
+                    "betas": list(o.betas),
+                    "eps": o.eps,
+                    "weight_decay": o.weight_decay,
+                    "torch_adam": True,
+                },
+            },
             "gradient_clipping": o.grad_clip or 0.0,
             "bf16": {"enabled": cfg.dtype == "bfloat16"},
             "steps_per_print": 1 << 30,
@@ -74,18 +89,21 @@ class DeepSpeedTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [  # as in the megatron backend: no weight decay on norms and biases
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
         self.reference = None
         if cfg.use_reference:  # frozen copy for KL; a plain module, outside DeepSpeed
             self.reference = transformers.AutoModelForCausalLM.from_pretrained(
-                cfg.reference_path or cfg.model_path, dtype=cfg.torch_dtype,
-                attn_implementation="sdpa").eval()
+                cfg.reference_path or cfg.model_path,
+                dtype=cfg.torch_dtype,
+                attn_implementation="sdpa",
+            ).eval()
             self.reference.requires_grad_(False)
             self.reference.to("cpu" if cfg.reference_on_cpu else _device())
-        self.sampling = None      # frozen copy of the weights the engines sample with (host)
+        self.sampling = None  # frozen copy of the weights the engines sample with (host)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=ds_config,
-            dist_init_required=False)  # init_distributed() above owns the process group
+            model=model, model_parameters=groups, config=ds_config, dist_init_required=False
+        )  # init_distributed() above owns the process group
         self.step_count = 0
 
     # ----------------------------------------------------------------------------- forward
@@ -100,21 +118,24 @@ class DeepSpeedTrainer:
         attn = torch.zeros(len(lengths), longest, dtype=torch.long)
         flat = mb.input_ids[0]
         for row, (a, n) in enumerate(zip(bounds[:-1], lengths)):
-            ids[row, :n] = flat[a:a + n]
+            ids[row, :n] = flat[a : a + n]
             attn[row, :n] = 1
         model = self.engine if model is None else model
         logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
         packed = logits[attn.to(device).bool()]  # [t, V] in packed order (row-major)
-        out = full_vocab_logprobs(packed, mb.targets.to(device),
-                                  temperature=self.cfg.loss.temperature)
+        out = full_vocab_logprobs(
+            packed, mb.targets.to(device), temperature=self.cfg.loss.temperature
+        )
         resp = mb.response_mask.to(device)
         return out.logprobs[resp], out.entropy[resp]
 
     def _dp_share(self, n: int) -> list[int]:
         dp, rank = dist.get_world_size(), dist.get_rank()
         if n < dp:
-            raise ValueError(f"batch has {n} samples but data-parallel size is {dp}; "
-                             "give every DP rank at least one sample")
+            raise ValueError(
+                f"batch has {n} samples but data-parallel size is {dp}; "
+                "give every DP rank at least one sample"
+            )
         return list(range(rank, n, dp))
 
     def _lockstep(self, mbs: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
@@ -129,12 +150,18 @@ class DeepSpeedTrainer:
     def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False, model=None):
         """Per-sample response-token log-probs (and entropy) for the whole batch, every rank."""
         mine = self._dp_share(len(batch.tokens))
-        mbs = pack_all([batch.tokens[i] for i in mine], [batch.prompt_lens[i] for i in mine],
-                       self.cfg.max_tokens_per_micro_batch)
+        mbs = pack_all(
+            [batch.tokens[i] for i in mine],
+            [batch.prompt_lens[i] for i in mine],
+            self.cfg.max_tokens_per_micro_batch,
+        )
         local = {}
         self.engine.eval()
-        passes = self._lockstep(mbs) if model is None and self.cfg.zero_stage == 3 else \
-            [(mb, True) for mb in mbs]
+        passes = (
+            self._lockstep(mbs)
+            if model is None and self.cfg.zero_stage == 3
+            else [(mb, True) for mb in mbs]
+        )
         with torch.no_grad():
             for mb, real in passes:
                 lp, ent = self._forward(mb, model)
@@ -168,14 +195,20 @@ class DeepSpeedTrainer:
         import transformers
 
         if self.sampling is None or path is not None:
-            self.sampling = transformers.AutoModelForCausalLM.from_pretrained(
-                path or self.cfg.model_path, dtype=self.cfg.torch_dtype,
-                attn_implementation="sdpa").eval().requires_grad_(False)
+            self.sampling = (
+                transformers.AutoModelForCausalLM.from_pretrained(
+                    path or self.cfg.model_path,
+                    dtype=self.cfg.torch_dtype,
+                    attn_implementation="sdpa",
+                )
+                .eval()
+                .requires_grad_(False)
+            )
             if path is not None:
                 return
         kept = dict(self.sampling.named_parameters())
         with torch.no_grad():
-            for name, tensor in self.export_hf_weights():   # ZeRO-3: gathered one at a time
+            for name, tensor in self.export_hf_weights():  # ZeRO-3: gathered one at a time
                 kept[name].copy_(tensor)
 
     def compute_sampling_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
@@ -192,7 +225,9 @@ class DeepSpeedTrainer:
 
     def train_step(self, batch: RLBatch) -> dict[str, float]:
         cfg = self.cfg
-        batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
+        batch = objective.complete_batch(
+            batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs
+        )
         norm = objective.normalizers(batch)
         diff_metrics = mismatch_metrics(batch, cfg.loss)
         mine = self._dp_share(len(batch.tokens))
@@ -230,8 +265,11 @@ class DeepSpeedTrainer:
             totals[j_max] = maxes
         result = {k: float(totals[i]) for i, k in enumerate(objective.METRIC_KEYS)}
         norm_value = self.engine.get_global_grad_norm()
-        result.update(grad_norm=float(norm_value) if norm_value is not None else float("nan"),
-                      lr=lr, **diff_metrics)
+        result.update(
+            grad_norm=float(norm_value) if norm_value is not None else float("nan"),
+            lr=lr,
+            **diff_metrics,
+        )
         return result
 
     # ----------------------------------------------------------------------------- weights
@@ -259,8 +297,11 @@ class DeepSpeedTrainer:
         master partitions, the torch AdamW state over them, the LR-schedule position. Tensors
         and plain values only (`torch.load(weights_only=True)` reads it). ZeRO 1 / 2 only."""
         opt = self._zero12("saving the optimizer state")
-        return {"master": [t.detach().cpu() for t in opt.single_partition_of_fp32_groups],
-                "optimizer": opt.optimizer.state_dict(), "step_count": self.step_count}
+        return {
+            "master": [t.detach().cpu() for t in opt.single_partition_of_fp32_groups],
+            "optimizer": opt.optimizer.state_dict(),
+            "step_count": self.step_count,
+        }
 
     def load_train_state(self, state: dict) -> None:
         """Inverse of `train_state`, on a trainer built from the checkpoint's HF weights (so the
@@ -273,10 +314,13 @@ class DeepSpeedTrainer:
         self.step_count = int(state["step_count"])
 
     def _zero12(self, what: str):
-        if (self.cfg.zero_stage == 3
-                or not hasattr(self.optimizer, "single_partition_of_fp32_groups")):
-            raise NotImplementedError(f"{what} with trainer.zero_stage: 3 is not supported; use "
-                                      "zero_stage 1 or 2, or the megatron backend")
+        if self.cfg.zero_stage == 3 or not hasattr(
+            self.optimizer, "single_partition_of_fp32_groups"
+        ):
+            raise NotImplementedError(
+                f"{what} with trainer.zero_stage: 3 is not supported; use "
+                "zero_stage 1 or 2, or the megatron backend"
+            )
         return self.optimizer
 
     # ----------------------------------------------------------------------------- memory
@@ -286,8 +330,12 @@ class DeepSpeedTrainer:
         weights, Adam moments (what `offload_states` moves)."""
         opt = self.optimizer
         tensors = []
-        for attr in ("single_partition_of_fp32_groups", "bit16_groups_flat",  # ZeRO 1/2
-                     "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat"):  # ZeRO 3
+        for attr in (
+            "single_partition_of_fp32_groups",
+            "bit16_groups_flat",  # ZeRO 1/2
+            "fp32_partitioned_groups_flat",
+            "fp16_partitioned_groups_flat",
+        ):  # ZeRO 3
             tensors += [t for t in getattr(opt, attr, None) or [] if torch.is_tensor(t)]
         inner = getattr(opt, "optimizer", opt)
         for state in inner.state.values():
@@ -301,8 +349,10 @@ class DeepSpeedTrainer:
         if self.cfg.zero_stage == 3:
             # DeepSpeed 0.19's ZeRO-3 offload_states requires its fused (CUDA) Adam; we run
             # torch's Adam ("torch_adam": true) so that one code path serves CPU and GPU.
-            raise NotImplementedError("offload with trainer.zero_stage: 3 is not supported; "
-                                      "use zero_stage 1 or 2, or the megatron backend")
+            raise NotImplementedError(
+                "offload with trainer.zero_stage: 3 is not supported; "
+                "use zero_stage 1 or 2, or the megatron backend"
+            )
         moved = self._state_bytes()
         self.engine.offload_states(pin_memory=torch.cuda.is_available())
         return moved

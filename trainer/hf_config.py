@@ -33,8 +33,9 @@ class RopeSpec:
     def inv_freq(self, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Inverse frequencies, computed the way HF transformers does for this type: in fp32,
         or in fp64 for a float64 model (whose rotary angles are then exact to fp64, too)."""
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
-                                    .to(dtype) / head_dim))
+        inv = 1.0 / (
+            self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim)
+        )
         params = dict(self.scaling)
         if self.rope_type == "linear":
             return inv / params["factor"]
@@ -83,12 +84,19 @@ def _rope_from_config(cfg: dict) -> RopeSpec:
         raise UnsupportedModelError(
             f"config.json rope type {rope_type!r} is not supported by the megatron trainer "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint with one of those "
-            "or the deepspeed backend (trainer.backend: deepspeed)")
+            "or the deepspeed backend (trainer.backend: deepspeed)"
+        )
     if rope_type == "default":
         return RopeSpec("default", theta)
-    needed = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}[rope_type]
+    needed = {
+        "linear": ("factor",),
+        "llama3": (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ),
+    }[rope_type]
     missing = [k for k in needed if k not in params]
     if missing:
         raise UnsupportedModelError(f"config.json rope parameters for {rope_type!r} lack {missing}")
@@ -101,27 +109,32 @@ def arch_from_hf_config(cfg: dict) -> HFArch:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"config.json model_type {model_type!r} is not supported by the megatron trainer "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedModelError(f"config.json hidden_act {act!r}: only 'silu' (SwiGLU) "
-                                    "is supported")
+        raise UnsupportedModelError(
+            f"config.json hidden_act {act!r}: only 'silu' (SwiGLU) is supported"
+        )
     if cfg.get("mlp_bias", False):
         raise UnsupportedModelError("config.json mlp_bias=true is not supported")
     if cfg.get("use_sliding_window", False):
-        raise UnsupportedModelError("config.json use_sliding_window=true is not supported; "
-                                    "set it to false (full attention)")
+        raise UnsupportedModelError(
+            "config.json use_sliding_window=true is not supported; set it to false (full attention)"
+        )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = cfg.get("head_dim") or hidden // heads
     # Qwen2 always has QKV bias; Llama / Qwen3 have it when attention_bias is set.
     qkv_bias = True if model_type == "qwen2" else bool(cfg.get("attention_bias", False))
     if model_type == "qwen3" and cfg.get("attention_bias", False):
-        raise UnsupportedModelError("config.json attention_bias=true with qwen3 also biases "
-                                    "o_proj, which is not supported")
+        raise UnsupportedModelError(
+            "config.json attention_bias=true with qwen3 also biases o_proj, which is not supported"
+        )
     if model_type == "llama" and cfg.get("attention_bias", False):
-        raise UnsupportedModelError("config.json attention_bias=true with llama also biases "
-                                    "o_proj, which is not supported")
+        raise UnsupportedModelError(
+            "config.json attention_bias=true with llama also biases o_proj, which is not supported"
+        )
     return HFArch(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),

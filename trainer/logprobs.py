@@ -27,11 +27,17 @@ from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_regi
 
 class TokenLogProbs(NamedTuple):
     logprobs: torch.Tensor  # [t]
-    entropy: torch.Tensor   # [t]
+    entropy: torch.Tensor  # [t]
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
-                            temperature: float = 1.0, with_entropy: bool = True) -> TokenLogProbs:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> TokenLogProbs:
     """logits: [t, V_local] this rank's vocab slice (math in fp32 or wider); targets: [t]
     global token ids.
 
@@ -43,13 +49,14 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     start = tp_rank * local_v
     # bf16 / fp16 logits are upcast: the softmax sums need fp32 at least
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    valid = (torch.arange(start, start + local_v, device=z.device) < vocab_size)
+    valid = torch.arange(start, start + local_v, device=z.device) < vocab_size
     neg_inf = torch.finfo(z.dtype).min
 
     m = z.detach().masked_fill(~valid, neg_inf).amax(dim=-1)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX,
-                        group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_reduce(
+            m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+        )
     shifted = z - m.unsqueeze(-1)
     e = shifted.exp() * valid
     sum_e = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
@@ -68,8 +75,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     return TokenLogProbs(logprobs, log_z - pz)
 
 
-def full_vocab_logprobs(logits: torch.Tensor, targets: torch.Tensor, *,
-                        temperature: float = 1.0) -> TokenLogProbs:
+def full_vocab_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0
+) -> TokenLogProbs:
     """The same quantities when one process holds the whole vocabulary (HF / DeepSpeed path)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")

@@ -24,11 +24,19 @@ KL_KINDS = ("k1", "k2", "k3", "low-var-kl")
 
 def _seq_sums(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
     return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
-        0, seq_ids, values)
+        0, seq_ids, values
+    )
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, mode: AggMode, *,
-              total_tokens: float | None = None, total_seqs: float | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    mode: AggMode,
+    *,
+    total_tokens: float | None = None,
+    total_seqs: float | None = None,
+) -> torch.Tensor:
     """Reduce per-token `values` to a scalar.
 
     * token-mean:          sum_tokens(v) / total_tokens
@@ -55,14 +63,18 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, m
 
 
 class PolicyLoss(NamedTuple):
-    loss: torch.Tensor      # [n] per-token loss
-    ratio: torch.Tensor     # [n] importance ratio pi / pi_old (detached)
-    clipped: torch.Tensor   # [n] float: 1 where the clipped branch was taken
+    loss: torch.Tensor  # [n] per-token loss
+    ratio: torch.Tensor  # [n] importance ratio pi / pi_old (detached)
+    clipped: torch.Tensor  # [n] float: 1 where the clipped branch was taken
 
 
-def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
-                       clip_high: float, dual_clip: float | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -73,15 +85,22 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: 
         # For negative advantages bound the loss by -c * A, so a huge ratio cannot blow it up.
         bound = -advantages * dual_clip
         dual = torch.minimum(loss, bound)
-        took_clip = torch.where((advantages < 0) & (bound < loss), torch.ones_like(took_clip),
-                                took_clip)
+        took_clip = torch.where(
+            (advantages < 0) & (bound < loss), torch.ones_like(took_clip), took_clip
+        )
         loss = torch.where(advantages < 0, dual, loss)
     return loss, took_clip
 
 
-def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    *, clip_low: float = 0.2, clip_high: float = 0.2,
-                    dual_clip: float | None = None) -> PolicyLoss:
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> PolicyLoss:
     """PPO clipped surrogate, per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
 
     clip_high > clip_low is DAPO's clip-higher. With `dual_clip` = c, tokens with A < 0 take
@@ -91,9 +110,16 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     return PolicyLoss(loss, ratio.detach(), took_clip)
 
 
-def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     mask: torch.Tensor, seq_ids: torch.Tensor, *, clip_low: float = 3e-4,
-                     clip_high: float = 4e-4) -> PolicyLoss:
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> PolicyLoss:
     """GSPO: one importance ratio per sequence, s_i = exp(mean over its tokens of log r).
 
     Token form (GSPO-token): s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]), whose value is s_i and
@@ -124,9 +150,14 @@ def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKi
     raise ValueError(f"kl estimator {kind!r}; expected one of {KL_KINDS}")
 
 
-def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, *,
-                       mode: Literal["tis", "mis"], cap: float, floor: float = 0.0
-                       ) -> torch.Tensor:
+def importance_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    *,
+    mode: Literal["tis", "mis"],
+    cap: float,
+    floor: float = 0.0,
+) -> torch.Tensor:
     """Correction for the gap between the engine (behaviour) and the trainer's old policy.
 
     w = pi_old / pi_engine per token, detached.
@@ -141,8 +172,13 @@ def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     raise ValueError(f"importance correction {mode!r}; expected 'tis' or 'mis'")
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
-               clip: float | None = 0.2) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    *,
+    clip: float | None = 0.2,
+) -> torch.Tensor:
     """Clipped value loss, per token: 0.5 max((v - R)^2, (v_clip - R)^2),
     v_clip = v_old + clamp(v - v_old, -clip, clip). `clip=None` gives 0.5 (v - R)^2."""
     unclipped = (values - returns).square()

@@ -31,11 +31,12 @@ from trainer.sdpa_attention import SDPACoreAttention
 @dataclass(frozen=True)
 class ModelLayout:
     """How this rank's model relates to the full HF model."""
-    padded_vocab_size: int      # vocab rows in megatron (HF vocab padded to a TP-divisible size)
-    layer_offset: int           # global index of this PP stage's first layer
+
+    padded_vocab_size: int  # vocab rows in megatron (HF vocab padded to a TP-divisible size)
+    layer_offset: int  # global index of this PP stage's first layer
     num_local_layers: int
-    pre_process: bool           # this stage holds the embedding
-    post_process: bool          # this stage holds the final norm and output layer
+    pre_process: bool  # this stage holds the embedding
+    post_process: bool  # this stage holds the final norm and output layer
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int) -> int:
@@ -49,8 +50,10 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
     Every stage gets num_layers // pp layers and the first stage also takes the remainder
     (megatron's `num_layers_in_first_pipeline_stage`), e.g. 3 layers on 2 stages -> 2 + 1."""
     if num_layers < pp:
-        raise ValueError(f"num_hidden_layers={num_layers} is smaller than "
-                         f"pipeline_model_parallel_size={pp}; use at most {num_layers} stages")
+        raise ValueError(
+            f"num_hidden_layers={num_layers} is smaller than "
+            f"pipeline_model_parallel_size={pp}; use at most {num_layers} stages"
+        )
     per = num_layers // pp
     first = num_layers - (pp - 1) * per
     if pp_rank == 0:
@@ -58,17 +61,22 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
     return first + (pp_rank - 1) * per, per
 
 
-def transformer_config(arch: HFArch, *, params_dtype: torch.dtype = torch.float32
-                       ) -> TransformerConfig:
+def transformer_config(
+    arch: HFArch, *, params_dtype: torch.dtype = torch.float32
+) -> TransformerConfig:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if arch.num_heads % tp or arch.num_kv_heads % tp:
-        raise ValueError(f"num_attention_heads={arch.num_heads} and num_key_value_heads="
-                         f"{arch.num_kv_heads} must both be divisible by tensor_model_parallel_size"
-                         f"={tp}; choose a smaller TP size")
+        raise ValueError(
+            f"num_attention_heads={arch.num_heads} and num_key_value_heads="
+            f"{arch.num_kv_heads} must both be divisible by tensor_model_parallel_size"
+            f"={tp}; choose a smaller TP size"
+        )
     if arch.intermediate_size % tp:
-        raise ValueError(f"intermediate_size={arch.intermediate_size} is not divisible by "
-                         f"tensor_model_parallel_size={tp}")
+        raise ValueError(
+            f"intermediate_size={arch.intermediate_size} is not divisible by "
+            f"tensor_model_parallel_size={tp}"
+        )
     first_stage_layers = stage_layers(arch.num_layers, pp, 0)[1]
     uneven = pp > 1 and arch.num_layers % pp != 0
     return TransformerConfig(
@@ -114,6 +122,7 @@ def layer_spec(arch: HFArch, use_te: bool = False):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
+
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
@@ -128,8 +137,11 @@ def _mark_tensor_parallel_shards(model: torch.nn.Module) -> None:
     sharded weight looks like a TP duplicate, and the gradient norm (and anything else that
     asks `param_is_not_tensor_parallel_duplicate`) silently counts only TP rank 0's shard."""
     from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes)
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
 
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
@@ -143,9 +155,13 @@ def _mark_tensor_parallel_shards(model: torch.nn.Module) -> None:
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
-def build_gpt_model(arch: HFArch, *, params_dtype: torch.dtype = torch.float32,
-                    vocab_multiple: int = 128, use_te: bool = False
-                    ) -> tuple[GPTModel, ModelLayout]:
+def build_gpt_model(
+    arch: HFArch,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    vocab_multiple: int = 128,
+    use_te: bool = False,
+) -> tuple[GPTModel, ModelLayout]:
     """This rank's GPTModel (random weights until `bridge.load_hf_weights`) and its layout.
 
     Requires megatron parallel state (`trainer.parallel.init_parallel`)."""
@@ -159,7 +175,8 @@ def build_gpt_model(arch: HFArch, *, params_dtype: torch.dtype = torch.float32,
     offset, count = stage_layers(arch.num_layers, pp, pp_rank)
     layout = ModelLayout(
         padded_vocab_size=padded_vocab_size(arch.vocab_size, tp, vocab_multiple),
-        layer_offset=offset, num_local_layers=count,
+        layer_offset=offset,
+        num_local_layers=count,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
@@ -175,8 +192,11 @@ def build_gpt_model(arch: HFArch, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="rope",
         rotary_base=int(arch.rope.theta),
     )
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
     if params_dtype == torch.float64:
         # megatron's torch-norm wrapper ignores params_dtype: its weights would stay float32 and
         # round the checkpoint's float64 norm weights (a 1e-7 relative error in every layer)
@@ -187,5 +207,6 @@ def build_gpt_model(arch: HFArch, *, params_dtype: torch.dtype = torch.float32,
     # forward is lru-cached per length; it has not run yet, so nothing stale is cached.
     # Megatron computes the angles and cos / sin in inv_freq's dtype: fp64 for a float64 model.
     model.rotary_pos_emb.inv_freq = arch.rope.inv_freq(
-        arch.head_dim, torch.promote_types(params_dtype, torch.float32)).to(device)
+        arch.head_dim, torch.promote_types(params_dtype, torch.float32)
+    ).to(device)
     return model, layout

@@ -43,8 +43,11 @@ from trainer.packing import MicroBatch, pack_all
 
 
 def device() -> torch.device:
-    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def dp_share(n: int) -> list[int]:
@@ -53,15 +56,22 @@ def dp_share(n: int) -> list[int]:
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     if n < dp:
-        raise ValueError(f"batch has {n} samples but data-parallel size is {dp}; "
-                         "give every DP rank at least one sample")
+        raise ValueError(
+            f"batch has {n} samples but data-parallel size is {dp}; "
+            "give every DP rank at least one sample"
+        )
     return list(range(rank, n, dp))
 
 
 def _packed_params(mb: MicroBatch, dev) -> PackedSeqParams:
     cu = mb.cu_seqlens.to(dev)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+    )
 
 
 def _finalize_grads(models, num_tokens=None, **_):
@@ -87,8 +97,9 @@ def from_last_stage(obj):
     return parts[-1]
 
 
-def reduce_metrics(stored: list[dict], keys: Sequence[str], max_keys: Sequence[str] = ()
-                   ) -> dict[str, float]:
+def reduce_metrics(
+    stored: list[dict], keys: Sequence[str], max_keys: Sequence[str] = ()
+) -> dict[str, float]:
     """Sum metric shares over micro-batches and DP ranks (max for `max_keys`); every rank of
     the pipeline gets the last stage's result."""
     sums = torch.zeros(len(keys), dtype=torch.float64)
@@ -103,8 +114,7 @@ def reduce_metrics(stored: list[dict], keys: Sequence[str], max_keys: Sequence[s
     if dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
-    merged = from_last_stage(torch.where(
-        torch.tensor([k in max_keys for k in keys]), maxes, sums))
+    merged = from_last_stage(torch.where(torch.tensor([k in max_keys for k in keys]), maxes, sums))
     return {k: float(merged[j]) for j, k in enumerate(keys)}
 
 
@@ -140,18 +150,23 @@ class MegatronModel:
         arch = self.arch
         if value_head:  # a critic never ties its (replaced) output layer to the embedding
             import dataclasses
+
             arch = dataclasses.replace(arch, tie_word_embeddings=False)
-        model, self.layout = build_gpt_model(arch, params_dtype=cfg.torch_dtype,
-                                             vocab_multiple=cfg.vocab_pad_multiple,
-                                             use_te=cfg.use_transformer_engine)
+        model, self.layout = build_gpt_model(
+            arch,
+            params_dtype=cfg.torch_dtype,
+            vocab_multiple=cfg.vocab_pad_multiple,
+            use_te=cfg.use_transformer_engine,
+        )
         if value_head and self.layout.post_process:
             model.output_layer = _ValueHead(arch.hidden_size, cfg.torch_dtype).to(device())
-        load_hf_weights(model, arch, self.layout, ckpt,
-                        skip_prefixes=("output_layer.",) if value_head else ())
+        load_hf_weights(
+            model, arch, self.layout, ckpt, skip_prefixes=("output_layer.",) if value_head else ()
+        )
         self.raw = model
         self.config = model.config
         self.step_count = 0
-        self.skipped_steps = 0        # updates skipped for a non-finite gradient norm
+        self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
         if not trainable:
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -161,57 +176,81 @@ class MegatronModel:
         self.module = DistributedDataParallel(
             self.config,
             # float32 grad buffers for fp32/bf16 params; a float64 model keeps float64 grads
-            DistributedDataParallelConfig(grad_reduce_in_fp32=cfg.dtype != "float64",
-                                          overlap_grad_reduce=False,
-                                          use_distributed_optimizer=False),
-            model)
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=cfg.dtype != "float64",
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=False,
+            ),
+            model,
+        )
         self.config.no_sync_func = self.module.no_sync
         self.config.finalize_model_grads_func = _finalize_grads
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         # fp32 / fp64 params are their own master weights; bf16 params get fp32 master copies.
-        self.master = self.params if cfg.dtype != "bfloat16" else \
-            [_fp32_master(p) for p in self.params]
+        self.master = (
+            self.params if cfg.dtype != "bfloat16" else [_fp32_master(p) for p in self.params]
+        )
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            [{"params": [p for p in self.master if p.ndim >= 2], "weight_decay": o.weight_decay},
-             # norms and biases: no weight decay
-             {"params": [p for p in self.master if p.ndim < 2], "weight_decay": 0.0}],
-            lr=lr_at(0, o), betas=o.betas, eps=o.eps)
+            [
+                {"params": [p for p in self.master if p.ndim >= 2], "weight_decay": o.weight_decay},
+                # norms and biases: no weight decay
+                {"params": [p for p in self.master if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=lr_at(0, o),
+            betas=o.betas,
+            eps=o.eps,
+        )
 
     # ----------------------------------------------------------------------------- running
 
-    def run(self, micro_batches: Sequence[MicroBatch], loss_fn: Callable,
-            forward_only: bool) -> list:
+    def run(
+        self, micro_batches: Sequence[MicroBatch], loss_fn: Callable, forward_only: bool
+    ) -> list:
         """Run the schedule; on the last PP stage returns loss_fn's metric dicts, else []."""
         dev = device()
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
-            out = model(mb.input_ids.to(dev), mb.position_ids.to(dev), None,
-                        packed_seq_params=_packed_params(mb, dev))
+            out = model(
+                mb.input_ids.to(dev),
+                mb.position_ids.to(dev),
+                None,
+                packed_seq_params=_packed_params(mb, dev),
+            )
             return out, functools.partial(loss_fn, mb)
 
         schedule = get_forward_backward_func()
-        return schedule(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                        model=[self.module], num_microbatches=len(micro_batches),
-                        seq_length=max(mb.num_tokens for mb in micro_batches),
-                        micro_batch_size=1, forward_only=forward_only)
+        return schedule(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.module],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.num_tokens for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
 
-    def per_sample(self, batch: RLBatch, fn: Callable[[torch.Tensor, MicroBatch],
-                                                      dict[str, torch.Tensor]]) -> dict:
+    def per_sample(
+        self, batch: RLBatch, fn: Callable[[torch.Tensor, MicroBatch], dict[str, torch.Tensor]]
+    ) -> dict:
         """Forward-only over the whole batch. `fn(output, mb)` returns per-response-token
         tensors (packed order); the result maps each name to a list with one tensor per sample
         of the batch, on every rank."""
         mine = dp_share(len(batch.tokens))
-        mbs = pack_all([batch.tokens[i] for i in mine], [batch.prompt_lens[i] for i in mine],
-                       self.cfg.max_tokens_per_micro_batch)
+        mbs = pack_all(
+            [batch.tokens[i] for i in mine],
+            [batch.prompt_lens[i] for i in mine],
+            self.cfg.max_tokens_per_micro_batch,
+        )
 
         def loss_fn(mb, output):
             values = fn(output, mb)
             lengths = [batch.response_len(mine[i]) for i in mb.sample_indices]
             split = {k: [t.cpu() for t in v.detach().split(lengths)] for k, v in values.items()}
-            out = {mine[i]: {k: split[k][j] for k in split}
-                   for j, i in enumerate(mb.sample_indices)}
+            out = {
+                mine[i]: {k: split[k][j] for k in split} for j, i in enumerate(mb.sample_indices)
+            }
             return torch.zeros((), device=output.device), torch.tensor(1), out
 
         was_training = self.module.training
@@ -246,8 +285,12 @@ class MegatronModel:
             for m in self.master:
                 m.grad = None
             self.skipped_steps += 1
-            warnings.warn(f"non-finite gradient norm ({norm}); this update is skipped and the "
-                          "weights are unchanged", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"non-finite gradient norm ({norm}); this update is skipped and the "
+                "weights are unchanged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return norm, lr
         clip_grads_(self.master, self.cfg.optim.grad_clip, norm)
         for group in self.optimizer.param_groups:
@@ -269,8 +312,11 @@ class MegatronModel:
         fp32 master weights when they are separate copies (bf16), and with `with_params` this
         shard's parameters (a critic has no Hugging Face form). Tensors and plain values only,
         so `torch.load(weights_only=True)` reads it back."""
-        state = {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count,
-                 "skipped_steps": self.skipped_steps}
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+        }
         if self.master is not self.params:
             state["master"] = [m.detach().cpu() for m in self.master]
         if with_params:

@@ -29,17 +29,19 @@ class MegatronTrainer:
         if cfg.backend != "megatron":
             raise ValueError(f"MegatronTrainer got trainer.backend={cfg.backend!r}")
         self.cfg = cfg
-        init_parallel(ParallelConfig(cfg.tensor_model_parallel_size,
-                                     cfg.pipeline_model_parallel_size))
+        init_parallel(
+            ParallelConfig(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        )
         self.policy = MegatronModel(cfg, trainable=True)
         self.reference = None
         if cfg.use_reference:
             self.reference = MegatronModel(
                 dataclasses.replace(cfg, model_path=cfg.reference_path or cfg.model_path),
-                trainable=False)
+                trainable=False,
+            )
         if self.reference is not None and cfg.reference_on_cpu:
             move_params(self.reference.raw.parameters(), torch.device("cpu"))
-        self.sampling = None      # frozen copy of the weights the engines sample with (host)
+        self.sampling = None  # frozen copy of the weights the engines sample with (host)
 
     @property
     def arch(self):
@@ -56,9 +58,12 @@ class MegatronTrainer:
     # ----------------------------------------------------------------------------- log-probs
 
     def _token_logprobs(self, model: MegatronModel, logits: torch.Tensor, mb: MicroBatch):
-        out = vocab_parallel_logprobs(logits[0], mb.targets.to(logits.device),
-                                      vocab_size=model.arch.vocab_size,
-                                      temperature=self.cfg.loss.temperature)
+        out = vocab_parallel_logprobs(
+            logits[0],
+            mb.targets.to(logits.device),
+            vocab_size=model.arch.vocab_size,
+            temperature=self.cfg.loss.temperature,
+        )
         resp = mb.response_mask.to(logits.device)
         return out.logprobs[resp], out.entropy[resp]
 
@@ -66,6 +71,7 @@ class MegatronTrainer:
         def fn(logits, mb):
             lp, ent = self._token_logprobs(model, logits, mb)
             return {"lp": lp, "ent": ent}
+
         out = model.per_sample(batch, fn)
         return (out["lp"], out["ent"]) if with_entropy else out["lp"]
 
@@ -94,13 +100,15 @@ class MegatronTrainer:
         if self.sampling is None or path is not None:
             self.sampling = MegatronModel(
                 dataclasses.replace(self.cfg, model_path=path or self.cfg.model_path),
-                trainable=False)
+                trainable=False,
+            )
             move_params(self.sampling.raw.parameters(), torch.device("cpu"))
             if path is not None:
                 return
         with torch.no_grad():
-            for kept, current in zip(self.sampling.raw.parameters(),
-                                     self.policy.raw.parameters(), strict=True):
+            for kept, current in zip(
+                self.sampling.raw.parameters(), self.policy.raw.parameters(), strict=True
+            ):
                 kept.copy_(current)
 
     def compute_sampling_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
@@ -121,7 +129,9 @@ class MegatronTrainer:
         Missing old log-probs are recomputed with the current weights (so on the first step of
         a rollout the ratio is exactly 1); missing reference log-probs come from the reference."""
         cfg = self.cfg
-        batch = objective.complete_batch(batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs)
+        batch = objective.complete_batch(
+            batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs
+        )
         norm = objective.normalizers(batch)
         diff_metrics = mismatch_metrics(batch, cfg.loss)
         local = batch.subset(dp_share(len(batch.tokens)))
@@ -137,8 +147,12 @@ class MegatronTrainer:
         metrics = reduce_metrics(stored, objective.METRIC_KEYS, max_keys=("ratio_max",))
         skipped_before = self.policy.skipped_steps
         grad_norm, lr = self.policy.optimizer_step()
-        metrics.update(grad_norm=grad_norm, lr=lr, **diff_metrics,
-                       update_skipped=float(self.policy.skipped_steps > skipped_before))
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=lr,
+            **diff_metrics,
+            update_skipped=float(self.policy.skipped_steps > skipped_before),
+        )
         return metrics
 
     # ----------------------------------------------------------------------------- weights

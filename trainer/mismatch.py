@@ -32,9 +32,15 @@ import torch
 from trainer import losses
 from trainer.config import LossConfig, RLBatch
 
-MISMATCH_KEYS = ("logprob_diff_max", "logprob_diff_mean", "logprob_diff_large_frac",
-                 "logprob_diff_seq_mean_max", "mismatch_kl", "is_weight_mean",
-                 "is_clipped_frac")
+MISMATCH_KEYS = (
+    "logprob_diff_max",
+    "logprob_diff_mean",
+    "logprob_diff_large_frac",
+    "logprob_diff_seq_mean_max",
+    "mismatch_kl",
+    "is_weight_mean",
+    "is_clipped_frac",
+)
 
 
 def mismatch_metrics(batch: RLBatch, loss: LossConfig) -> dict[str, float]:
@@ -46,11 +52,15 @@ def mismatch_metrics(batch: RLBatch, loss: LossConfig) -> dict[str, float]:
     for i in range(len(batch.tokens)):
         old.append(batch.old_logprobs[i].double().cpu())
         engine.append(batch.rollout_logprobs[i].double().cpu())
-        masks.append(torch.ones_like(old[-1]) if batch.loss_masks is None
-                     else batch.loss_masks[i].double().cpu())
+        masks.append(
+            torch.ones_like(old[-1])
+            if batch.loss_masks is None
+            else batch.loss_masks[i].double().cpu()
+        )
         if bool((masks[-1] > 0).any()):
-            seq_means.append(float(((old[-1] - engine[-1]).abs() * masks[-1]).sum()
-                                   / masks[-1].sum()))
+            seq_means.append(
+                float(((old[-1] - engine[-1]).abs() * masks[-1]).sum() / masks[-1].sum())
+            )
     if not seq_means:
         return {}
     old, engine, mask = torch.cat(old), torch.cat(engine), torch.cat(masks)
@@ -66,16 +76,19 @@ def mismatch_metrics(batch: RLBatch, loss: LossConfig) -> dict[str, float]:
     if loss.is_correction is None:
         applied, clipped = w, torch.zeros_like(w)
     else:
-        applied = losses.importance_weights(old, engine, mode=loss.is_correction,
-                                            cap=loss.is_cap, floor=loss.is_floor)
+        applied = losses.importance_weights(
+            old, engine, mode=loss.is_correction, cap=loss.is_cap, floor=loss.is_floor
+        )
         clipped = (applied != w).double()
-    return {"logprob_diff_max": float(diff[on].max()),
-            "logprob_diff_mean": mean(diff),
-            "logprob_diff_large_frac": mean((diff > 0.1).double()),
-            "logprob_diff_seq_mean_max": max(seq_means),
-            "mismatch_kl": mean(w - 1.0 - log_r),
-            "is_weight_mean": mean(applied),
-            "is_clipped_frac": mean(clipped)}
+    return {
+        "logprob_diff_max": float(diff[on].max()),
+        "logprob_diff_mean": mean(diff),
+        "logprob_diff_large_frac": mean((diff > 0.1).double()),
+        "logprob_diff_seq_mean_max": max(seq_means),
+        "mismatch_kl": mean(w - 1.0 - log_r),
+        "is_weight_mean": mean(applied),
+        "is_clipped_frac": mean(clipped),
+    }
 
 
 def lag_metrics(batch: RLBatch, sampling_logprobs: list[torch.Tensor]) -> dict[str, float]:
@@ -85,12 +98,16 @@ def lag_metrics(batch: RLBatch, sampling_logprobs: list[torch.Tensor]) -> dict[s
     * mismatch_kl_same_weights, logprob_diff_max_same_weights: engine vs trainer on the same
       weights, the precision mismatch alone;
     * policy_lag_kl: k3 of KL(sampling weights || current weights) on the engine's samples."""
-    same = mismatch_metrics(dataclasses.replace(batch, old_logprobs=sampling_logprobs),
-                            LossConfig())
-    lag = mismatch_metrics(dataclasses.replace(batch, rollout_logprobs=sampling_logprobs),
-                           LossConfig())
+    same = mismatch_metrics(
+        dataclasses.replace(batch, old_logprobs=sampling_logprobs), LossConfig()
+    )
+    lag = mismatch_metrics(
+        dataclasses.replace(batch, rollout_logprobs=sampling_logprobs), LossConfig()
+    )
     if not same or not lag:
         return {}
-    return {"mismatch_kl_same_weights": same["mismatch_kl"],
-            "logprob_diff_max_same_weights": same["logprob_diff_max"],
-            "policy_lag_kl": lag["mismatch_kl"]}
+    return {
+        "mismatch_kl_same_weights": same["mismatch_kl"],
+        "logprob_diff_max_same_weights": same["logprob_diff_max"],
+        "policy_lag_kl": lag["mismatch_kl"],
+    }

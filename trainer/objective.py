@@ -12,7 +12,6 @@ Metrics are returned the same way (sums of shares), except `ratio_max` (a max).
 from __future__ import annotations
 
 import dataclasses
-
 from typing import NamedTuple
 
 import torch
@@ -23,14 +22,15 @@ from trainer.packing import MicroBatch
 
 
 class Normalizers(NamedTuple):
-    tokens: float   # loss-masked response tokens in the whole batch
-    seqs: float     # sequences in the whole batch
+    tokens: float  # loss-masked response tokens in the whole batch
+    seqs: float  # sequences in the whole batch
 
 
 class TokenData(NamedTuple):
     """Per response token of one micro-batch, in packed order (sample by sample)."""
-    seq_ids: torch.Tensor            # [n] long, 0-based within the micro-batch
-    mask: torch.Tensor               # [n] float
+
+    seq_ids: torch.Tensor  # [n] long, 0-based within the micro-batch
+    mask: torch.Tensor  # [n] float
     advantages: torch.Tensor | None
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
@@ -41,11 +41,12 @@ class TokenData(NamedTuple):
 # (the aggregated objective terms), ratio_max (a max), and grad_norm / lr (set by the step).
 # `ppo_kl` is the k1 estimate of KL(old || current) over the response tokens: exactly 0 on the
 # first update of a rollout, whose old log-probs are recomputed with the current weights.
-METRIC_KEYS = ("loss", "pg_loss", "kl", "ppo_kl", "entropy", "clipfrac", "ratio_mean",
-               "ratio_max")
+METRIC_KEYS = ("loss", "pg_loss", "kl", "ppo_kl", "entropy", "clipfrac", "ratio_mean", "ratio_max")
 
 
-def complete_batch(batch: RLBatch, loss: LossConfig, compute_logprobs, compute_ref_logprobs) -> RLBatch:
+def complete_batch(
+    batch: RLBatch, loss: LossConfig, compute_logprobs, compute_ref_logprobs
+) -> RLBatch:
     """Fill in what the step needs and the caller did not give: old log-probs from the current
     weights (so on a rollout's first step the ratio is exactly 1) and, with a KL term, the
     reference's log-probs. Both backends call this before their step."""
@@ -73,24 +74,42 @@ def token_data(batch: RLBatch, mb: MicroBatch, device: torch.device) -> TokenDat
         # float32 at least; float64 (a float64 model's log-probs) stays float64, so the first
         # update's ratio is exactly 1 whatever the dtype
         return torch.cat([values[i].reshape(-1) for i in idx]).to(
-            device, torch.promote_types(values[idx[0]].dtype, torch.float32))
+            device, torch.promote_types(values[idx[0]].dtype, torch.float32)
+        )
 
     lengths = torch.tensor([batch.response_len(i) for i in idx])
     seq_ids = torch.repeat_interleave(torch.arange(len(idx)), lengths).to(device)
     mask = cat(batch.loss_masks)
     if mask is None:
         mask = torch.ones(int(lengths.sum()), device=device)
-    return TokenData(seq_ids, mask, cat(batch.advantages), cat(batch.old_logprobs),
-                     cat(batch.ref_logprobs), cat(batch.rollout_logprobs))
+    return TokenData(
+        seq_ids,
+        mask,
+        cat(batch.advantages),
+        cat(batch.old_logprobs),
+        cat(batch.ref_logprobs),
+        cat(batch.rollout_logprobs),
+    )
 
 
-def micro_batch_objective(logprobs: torch.Tensor, entropy: torch.Tensor, data: TokenData,
-                          cfg: LossConfig, norm: Normalizers
-                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def micro_batch_objective(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    data: TokenData,
+    cfg: LossConfig,
+    norm: Normalizers,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss share with grad, metric shares detached) for one micro-batch's response tokens."""
+
     def agg(values):
-        return losses.aggregate(values, data.mask, data.seq_ids, cfg.agg_mode,
-                                total_tokens=norm.tokens, total_seqs=norm.seqs)
+        return losses.aggregate(
+            values,
+            data.mask,
+            data.seq_ids,
+            cfg.agg_mode,
+            total_tokens=norm.tokens,
+            total_seqs=norm.seqs,
+        )
 
     def token_mean(values):
         return (values.detach() * data.mask).sum() / max(norm.tokens, 1.0)
@@ -102,25 +121,43 @@ def micro_batch_objective(logprobs: torch.Tensor, entropy: torch.Tensor, data: T
         ppo_kl = torch.zeros((), device=logprobs.device)
     else:
         if data.advantages is None or data.old_logprobs is None:
-            raise ValueError(f"policy_loss={cfg.policy_loss!r} needs batch.advantages and "
-                             "old log-probs")
+            raise ValueError(
+                f"policy_loss={cfg.policy_loss!r} needs batch.advantages and old log-probs"
+            )
         if cfg.policy_loss == "ppo":
-            out = losses.ppo_policy_loss(logprobs, data.old_logprobs, data.advantages,
-                                         clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                         dual_clip=cfg.dual_clip)
+            out = losses.ppo_policy_loss(
+                logprobs,
+                data.old_logprobs,
+                data.advantages,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip,
+            )
         else:
-            out = losses.gspo_policy_loss(logprobs, data.old_logprobs, data.advantages, data.mask,
-                                          data.seq_ids, clip_low=cfg.clip_low,
-                                          clip_high=cfg.clip_high)
+            out = losses.gspo_policy_loss(
+                logprobs,
+                data.old_logprobs,
+                data.advantages,
+                data.mask,
+                data.seq_ids,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+            )
         per_token, ratio, clipped = out
         ppo_kl = token_mean(data.old_logprobs - logprobs)
         if cfg.is_correction is not None:
             if data.rollout_logprobs is None:
-                raise ValueError(f"trainer.loss.is_correction={cfg.is_correction!r} needs "
-                                 "batch.rollout_logprobs (the engine's log-probs)")
+                raise ValueError(
+                    f"trainer.loss.is_correction={cfg.is_correction!r} needs "
+                    "batch.rollout_logprobs (the engine's log-probs)"
+                )
             per_token = per_token * losses.importance_weights(
-                data.old_logprobs, data.rollout_logprobs, mode=cfg.is_correction,
-                cap=cfg.is_cap, floor=cfg.is_floor)
+                data.old_logprobs,
+                data.rollout_logprobs,
+                mode=cfg.is_correction,
+                cap=cfg.is_cap,
+                floor=cfg.is_floor,
+            )
 
     pg_loss = agg(per_token)
     loss = pg_loss
@@ -143,7 +180,8 @@ def micro_batch_objective(logprobs: torch.Tensor, entropy: torch.Tensor, data: T
         "entropy": token_mean(entropy),
         "clipfrac": token_mean(clipped),
         "ratio_mean": token_mean(ratio),
-        "ratio_max": (ratio[in_mask].max() if bool(in_mask.any())
-                      else torch.zeros((), device=logprobs.device)).detach(),
+        "ratio_max": (
+            ratio[in_mask].max() if bool(in_mask.any()) else torch.zeros((), device=logprobs.device)
+        ).detach(),
     }
     return loss, metrics

@@ -13,8 +13,8 @@ import math
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from trainer.config import OptimConfig
 
@@ -37,8 +37,9 @@ def grad_norm(params: list[torch.nn.Parameter], *, model_parallel: bool = True) 
     for p in params:
         if p.grad is None:
             continue
-        if model_parallel and not (param_is_not_shared(p)
-                                   and param_is_not_tensor_parallel_duplicate(p)):
+        if model_parallel and not (
+            param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+        ):
             continue
         sq = sq + p.grad.detach().double().square().sum().cpu()
     if model_parallel and parallel_state.get_model_parallel_group().size() > 1:

@@ -18,11 +18,11 @@ import torch
 
 
 class MicroBatch(NamedTuple):
-    input_ids: torch.Tensor      # [1, t] long
-    position_ids: torch.Tensor   # [1, t] long, restarting at 0 per sequence
-    cu_seqlens: torch.Tensor     # [n + 1] int32
+    input_ids: torch.Tensor  # [1, t] long
+    position_ids: torch.Tensor  # [1, t] long, restarting at 0 per sequence
+    cu_seqlens: torch.Tensor  # [n + 1] int32
     max_seqlen: int
-    targets: torch.Tensor        # [t] long (0 where there is no next token)
+    targets: torch.Tensor  # [t] long (0 where there is no next token)
     response_mask: torch.Tensor  # [t] bool: targets[p] is a response token
     sample_indices: tuple[int, ...]  # positions of these sequences in the caller's batch
 
@@ -38,8 +38,10 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     used = 0
     for i, n in enumerate(lengths):
         if n > max_tokens:
-            raise ValueError(f"sequence {i} has {n} tokens, more than max_tokens_per_micro_batch="
-                             f"{max_tokens}; raise max_tokens_per_micro_batch to at least {n}")
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than max_tokens_per_micro_batch="
+                f"{max_tokens}; raise max_tokens_per_micro_batch to at least {n}"
+            )
         if current and used + n > max_tokens:
             groups.append(current)
             current, used = [], 0
@@ -50,8 +52,9 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return groups
 
 
-def pack(tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-         indices: Sequence[int]) -> MicroBatch:
+def pack(
+    tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int], indices: Sequence[int]
+) -> MicroBatch:
     """One micro-batch of sequences `indices`; sequence i's response is
     tokens[i][prompt_lens[i]:]."""
     ids, pos, targets, resp, cu = [], [], [], [], [0]
@@ -77,7 +80,10 @@ def pack(tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int],
     )
 
 
-def pack_all(tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-             max_tokens: int) -> list[MicroBatch]:
-    return [pack(tokens, prompt_lens, g)
-            for g in plan_micro_batches([len(t) for t in tokens], max_tokens)]
+def pack_all(
+    tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int], max_tokens: int
+) -> list[MicroBatch]:
+    return [
+        pack(tokens, prompt_lens, g)
+        for g in plan_micro_batches([len(t) for t in tokens], max_tokens)
+    ]

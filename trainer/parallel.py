@@ -42,8 +42,9 @@ def init_distributed() -> None:
     if "RANK" in os.environ:
         dist.init_process_group(backend=backend)
     else:
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                 rank=0, world_size=1)
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
 
 
 def init_parallel(config: ParallelConfig = ParallelConfig()) -> None:
@@ -54,19 +55,26 @@ def init_parallel(config: ParallelConfig = ParallelConfig()) -> None:
     world = dist.get_world_size()
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size * "
-                         f"pipeline_model_parallel_size = {tp} * {pp}")
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size * "
+            f"pipeline_model_parallel_size = {tp} * {pp}"
+        )
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_pipeline_model_parallel_world_size() == pp):
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() == tp
+            and parallel_state.get_pipeline_model_parallel_world_size() == pp
+        ):
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        create_gloo_process_groups=not torch.cuda.is_available())
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        create_gloo_process_groups=not torch.cuda.is_available(),
+    )
     # Seeds megatron's CUDA RNG tracker on GPU; on CPU the tracker is unused (no dropout).
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
         model_parallel_cuda_manual_seed(1234)
 
 

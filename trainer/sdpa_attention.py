@@ -24,42 +24,65 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class SDPACoreAttention(MegatronModule):
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise NotImplementedError("SDPACoreAttention does not support context parallelism")
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise NotImplementedError(
-                f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
+                f"SDPACoreAttention supports causal masks only, got {attn_mask_type}"
+            )
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise NotImplementedError(
-                "SDPACoreAttention has no attention dropout; set attention_dropout=0")
-        self.softmax_scale = (softmax_scale if softmax_scale is not None
-                              else 1.0 / math.sqrt(config.kv_channels))
+                "SDPACoreAttention has no attention dropout; set attention_dropout=0"
+            )
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention does not take an attention bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if attention_mask is not None:
-                raise NotImplementedError("packed sequences carry their boundaries in cu_seqlens; "
-                                          "pass attention_mask=None")
-            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                          self.softmax_scale)  # [t, heads, d]
+                raise NotImplementedError(
+                    "packed sequences carry their boundaries in cu_seqlens; "
+                    "pass attention_mask=None"
+                )
+            out = packed_causal_attention(
+                query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale
+            )  # [t, heads, d]
             return out.reshape(out.size(0), -1)  # attention.py reshapes to [t, 1, h]
         if attention_mask is not None:
-            raise NotImplementedError("SDPACoreAttention applies the causal mask itself; "
-                                      "pass attention_mask=None")
+            raise NotImplementedError(
+                "SDPACoreAttention applies the causal mask itself; pass attention_mask=None"
+            )
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         out = causal_attention(q, k, v, self.softmax_scale)  # [b, heads, s, d]
@@ -78,24 +101,30 @@ def causal_attention(q, k, v, scale: float, mask=None):
         # the engine-vs-trainer 1e-5 budget. Sequences here are short; exactness wins.
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                enable_gqa=q.size(1) != k.size(1))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                          scale=scale,
-                                          enable_gqa=q.size(1) != k.size(1))
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=q.size(1) != k.size(1),
+            )
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.size(1) != k.size(1)
+    )
 
 
 class _Bucket(NamedTuple):
-    gather: torch.Tensor    # [B * L] packed row read into each padded position
-    mask: torch.Tensor      # [B, 1, L, L] bool, causal and padding keys masked out
-    keep: torch.Tensor      # [B * L] bool, the padded positions that are real tokens
-    size: int               # B sequences
-    longest: int            # L
+    gather: torch.Tensor  # [B * L] packed row read into each padded position
+    mask: torch.Tensor  # [B, 1, L, L] bool, causal and padding keys masked out
+    keep: torch.Tensor  # [B * L] bool, the padded positions that are real tokens
+    size: int  # B sequences
+    longest: int  # L
 
 
 class _PackingPlan(NamedTuple):
     buckets: list[_Bucket]
-    order: torch.Tensor     # output rows (buckets concatenated) -> packed order
+    order: torch.Tensor  # output rows (buckets concatenated) -> packed order
 
 
 # The plan of the micro-batch being computed: every layer (and a recomputed forward) gets the same
@@ -106,8 +135,12 @@ _last_plan: tuple[torch.Tensor, int, torch.device, _PackingPlan] | None = None
 
 def _packing_plan(cu_seqlens: torch.Tensor, device: torch.device) -> _PackingPlan:
     global _last_plan
-    if (_last_plan is not None and _last_plan[0] is cu_seqlens and _last_plan[1] == cu_seqlens._version
-            and _last_plan[2] == device):
+    if (
+        _last_plan is not None
+        and _last_plan[0] is cu_seqlens
+        and _last_plan[1] == cu_seqlens._version
+        and _last_plan[2] == device
+    ):
         return _last_plan[3]
     bounds = cu_seqlens.to("cpu", torch.int64)
     starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
@@ -121,13 +154,20 @@ def _packing_plan(cu_seqlens: torch.Tensor, device: torch.device) -> _PackingPla
         lens, first = lengths[idx], starts[idx]
         longest = int(lens.max())
         offsets = torch.arange(longest)
-        valid = offsets[None, :] < lens[:, None]                          # [B, L]
+        valid = offsets[None, :] < lens[:, None]  # [B, L]
         # padding positions repeat the sequence's last token: finite, and never read back
         gather = first[:, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
         causal = torch.ones(longest, longest, dtype=torch.bool).tril()
         mask = (causal[None] & valid[:, None, :]).unsqueeze(1)
-        buckets.append(_Bucket(gather.reshape(-1).to(device), mask.to(device), valid.reshape(-1).to(device),
-                               len(members), longest))
+        buckets.append(
+            _Bucket(
+                gather.reshape(-1).to(device),
+                mask.to(device),
+                valid.reshape(-1).to(device),
+                len(members),
+                longest,
+            )
+        )
         rows.append(gather.reshape(-1)[valid.reshape(-1)])
     # back to packed order: rows lists, per bucket, the packed position of each output row
     plan = _PackingPlan(buckets, torch.argsort(torch.cat(rows)).to(device))
@@ -141,8 +181,10 @@ def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
     plan = _packing_plan(cu_seqlens, query.device)
     pieces = []
     for b in plan.buckets:
-        q, k, v = (x.index_select(0, b.gather).view(b.size, b.longest, *x.shape[1:])
-                   .transpose(1, 2) for x in (query, key, value))           # [B, n, L, d]
-        out = causal_attention(q, k, v, scale, b.mask).transpose(1, 2)    # [B, L, heads, d]
+        q, k, v = (
+            x.index_select(0, b.gather).view(b.size, b.longest, *x.shape[1:]).transpose(1, 2)
+            for x in (query, key, value)
+        )  # [B, n, L, d]
+        out = causal_attention(q, k, v, scale, b.mask).transpose(1, 2)  # [B, L, heads, d]
         pieces.append(out.reshape(-1, *out.shape[2:])[b.keep])
     return torch.cat(pieces).index_select(0, plan.order)

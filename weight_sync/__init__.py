@@ -7,11 +7,31 @@ broadcast over a process group (disaggregated), verified on arrival, and loaded 
 
 from weight_sync.buckets import BucketPacker, Manifest, TensorEntry, unpack
 from weight_sync.collective import BroadcastReceiver, BroadcastSender, ReceiveReport
+from weight_sync.colocated import (
+    DEFAULT_BUCKET_BYTES,
+    BucketReceiver,
+    ColocatedSender,
+    Done,
+    LoadAck,
+    SyncReport,
+    WeightSyncError,
+)
 from weight_sync.group import SyncGroup
-from weight_sync.colocated import (DEFAULT_BUCKET_BYTES, BucketReceiver, ColocatedSender, Done, LoadAck, SyncReport,
-                                   WeightSyncError)
 
 __all__ = [
-    "BucketPacker", "Manifest", "TensorEntry", "unpack", "BroadcastReceiver", "BroadcastSender", "ReceiveReport",
-    "SyncGroup", "DEFAULT_BUCKET_BYTES", "BucketReceiver", "ColocatedSender", "Done", "LoadAck", "SyncReport", "WeightSyncError",
+    "BucketPacker",
+    "Manifest",
+    "TensorEntry",
+    "unpack",
+    "BroadcastReceiver",
+    "BroadcastSender",
+    "ReceiveReport",
+    "SyncGroup",
+    "DEFAULT_BUCKET_BYTES",
+    "BucketReceiver",
+    "ColocatedSender",
+    "Done",
+    "LoadAck",
+    "SyncReport",
+    "WeightSyncError",
 ]

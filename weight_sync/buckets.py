@@ -18,16 +18,16 @@ from weight_sync.checksum import algorithm_for, checksums, copy_with_checksums
 class TensorEntry(NamedTuple):
     name: str
     shape: tuple[int, ...]
-    offset: int      # in elements of the bucket's dtype
+    offset: int  # in elements of the bucket's dtype
     numel: int
     checksum: int
 
 
 class Manifest(NamedTuple):
     dtype: torch.dtype
-    numel: int                   # elements used in the buffer
+    numel: int  # elements used in the buffer
     entries: tuple[TensorEntry, ...]
-    checksum_algorithm: str      # see weight_sync.checksum
+    checksum_algorithm: str  # see weight_sync.checksum
 
     @property
     def nbytes(self) -> int:
@@ -37,12 +37,15 @@ class Manifest(NamedTuple):
 def unpack(buffer: torch.Tensor, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, view) pairs over `buffer` (no copies)."""
     for e in manifest.entries:
-        yield e.name, buffer[e.offset:e.offset + e.numel].view(e.shape)
+        yield e.name, buffer[e.offset : e.offset + e.numel].view(e.shape)
 
 
 def corrupted_tensors(buffer: torch.Tensor, manifest: Manifest) -> list[str]:
     """Names of the tensors whose checksum in `buffer` differs from the manifest's."""
-    found = checksums([buffer[e.offset:e.offset + e.numel] for e in manifest.entries], manifest.checksum_algorithm)
+    found = checksums(
+        [buffer[e.offset : e.offset + e.numel] for e in manifest.entries],
+        manifest.checksum_algorithm,
+    )
     return [e.name for e, value in zip(manifest.entries, found) if value != e.checksum]
 
 
@@ -55,8 +58,14 @@ class BucketPacker:
     producer holds at most two buckets of extra memory (per dtype in use).
     """
 
-    def __init__(self, bucket_bytes: int, device: torch.device | str = "cpu", num_buffers: int = 2,
-                 allocator=None, verify: bool = True):
+    def __init__(
+        self,
+        bucket_bytes: int,
+        device: torch.device | str = "cpu",
+        num_buffers: int = 2,
+        allocator=None,
+        verify: bool = True,
+    ):
         self.verify = verify
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
@@ -64,7 +73,9 @@ class BucketPacker:
         self.device = torch.device(device)
         self.num_buffers = num_buffers
         # allocator(numel, dtype) -> 1-D tensor; transports pass one that allocates shared memory.
-        self._allocate = allocator or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.device))
+        self._allocate = allocator or (
+            lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.device)
+        )
         self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
         self._next: dict[torch.dtype, int] = {}
 
@@ -79,7 +90,9 @@ class BucketPacker:
             buffers[index] = self._allocate(numel, dtype)
         return buffers[index]
 
-    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, Manifest]]:
+    def pack(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[torch.Tensor, Manifest]]:
         pending: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         pending_bytes: dict[torch.dtype, int] = {}
         for name, tensor in named_tensors:
@@ -93,18 +106,22 @@ class BucketPacker:
             if items:
                 yield self._fill(dtype, items)
 
-    def _fill(self, dtype: torch.dtype, items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Manifest]:
+    def _fill(
+        self, dtype: torch.dtype, items: list[tuple[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, Manifest]:
         element = torch.empty((), dtype=dtype).element_size()
         total = sum(t.numel() for _, t in items)
         buffer = self._buffer(dtype, max(total, self.bucket_bytes // element))
         algorithm = algorithm_for(buffer) if self.verify else "none"
         pairs, offsets, offset = [], [], 0
         for _, tensor in items:
-            pairs.append((buffer[offset:offset + tensor.numel()], tensor))
+            pairs.append((buffer[offset : offset + tensor.numel()], tensor))
             offsets.append(offset)
             offset += tensor.numel()
         # Checksums of the bucket's bytes as written (on CPU: computed while copying, in one pass).
         sums = copy_with_checksums(pairs, algorithm)
-        entries = tuple(TensorEntry(name, tuple(tensor.shape), start, tensor.numel(), value)
-                        for (name, tensor), start, value in zip(items, offsets, sums))
+        entries = tuple(
+            TensorEntry(name, tuple(tensor.shape), start, tensor.numel(), value)
+            for (name, tensor), start, value in zip(items, offsets, sums)
+        )
         return buffer, Manifest(dtype, offset, entries, algorithm)

@@ -39,7 +39,7 @@ import xxhash
 
 from weight_sync import native
 
-_CHUNK = 1 << 24        # words per step: bounds the int64 temporaries
+_CHUNK = 1 << 24  # words per step: bounds the int64 temporaries
 _PRIME = 65521
 
 P1, M1, M2, P4 = 0x9E3779B97F4A7C15, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F165667C5
@@ -53,7 +53,7 @@ _MASK64 = (1 << 64) - 1
 # busy 2-core box a fixed split, like torch's two-thread copy_, can run 4x slower than one thread).
 _THREADS = max(1, min(4, os.cpu_count() or 1))
 _PIECE_BYTES = 2 << 20
-_INLINE_BYTES = 1 << 20          # smaller jobs are not worth waking a helper for
+_INLINE_BYTES = 1 << 20  # smaller jobs are not worth waking a helper for
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -82,25 +82,33 @@ def checksums(tensors: list[torch.Tensor], algorithm: str) -> list[int]:
     if algorithm != "wxh64":
         return [checksum(t, algorithm) for t in tensors]
     flats = [_cpu_contiguous(t) for t in tensors]
-    if native.kernel() is None:   # a receiver without the kernel still verifies, slowly
+    if native.kernel() is None:  # a receiver without the kernel still verifies, slowly
         return [wxh64_reference(f.view(torch.uint8).numpy()) for f in flats]
     sizes = [f.numel() * f.element_size() for f in flats]
     sums = _native_job([(f.data_ptr(), None, n) for f, n in zip(flats, sizes)])
     return [_finalize(v, n) for v, n in zip(sums, sizes)]
 
 
-def copy_with_checksums(pairs: list[tuple[torch.Tensor, torch.Tensor]], algorithm: str) -> list[int]:
+def copy_with_checksums(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], algorithm: str
+) -> list[int]:
     """dst.copy_(src) for each (dst, src), dst a 1-D tensor of src's numel and dtype, and the
     checksum of the bytes copied (0 for algorithm "none"). On CPU with the native kernel: one pass
     over the bytes (hashed as they stream, stored past the cache: the receiver reads them next,
     not this core), all pairs in one multi-threaded job. Elsewhere: copy, then hash the copy."""
     on_cpu = algorithm in ("wxh64", "none") and any(dst.device.type == "cpu" for dst, _ in pairs)
-    lib = native.kernel() if on_cpu else None      # GPU buffers: the torch copy + wsum64, as before
+    lib = native.kernel() if on_cpu else None  # GPU buffers: the torch copy + wsum64, as before
     results: list[int] = [0] * len(pairs)
     segments, slots = [], []
     for i, (dst, src) in enumerate(pairs):
-        if (lib is not None and dst.device.type == "cpu" and src.device.type == "cpu" and src.dtype == dst.dtype
-                and src.is_contiguous() and dst.is_contiguous()):
+        if (
+            lib is not None
+            and dst.device.type == "cpu"
+            and src.device.type == "cpu"
+            and src.dtype == dst.dtype
+            and src.is_contiguous()
+            and dst.is_contiguous()
+        ):
             segments.append((src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size()))
             slots.append(i)
         else:
@@ -140,7 +148,7 @@ def _native_job(segments: list[tuple[int, int | None, int]]) -> list[int]:
         for _ in range(helpers):
             _pool.submit(job.work)
     job.work()
-    job.done.wait()      # late helpers find no piece left and return; nobody waits for them
+    job.done.wait()  # late helpers find no piece left and return; nobody waits for them
     if job.error is not None:
         raise job.error
     return job.sums
@@ -173,7 +181,7 @@ class _Job:
                     v = lib.wxh64_sum(src + start, size, start // 8)
                 else:
                     v = lib.wxh64_copy_sum(src + start, dst + start, size, start // 8, 1)
-            except BaseException as e:   # noqa: BLE001 -- handed to the caller, who waits on `done`
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller, who waits on `done`
                 self.error = e
                 self.done.set()
                 return
@@ -217,7 +225,7 @@ def _weighted_word_sum(flat: torch.Tensor) -> int:
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     positions = torch.arange(_CHUNK, dtype=torch.int64, device=flat.device)
     for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start:start + _CHUNK].to(torch.int64)
-        weights = (positions[:chunk.numel()] + start) % _PRIME + 1
+        chunk = words[start : start + _CHUNK].to(torch.int64)
+        weights = (positions[: chunk.numel()] + start) % _PRIME + 1
         total += (chunk * weights).sum() + chunk.sum()
     return int(total)

@@ -17,7 +17,13 @@ from typing import NamedTuple
 import torch
 
 from weight_sync.buckets import BucketPacker, Manifest
-from weight_sync.colocated import DEFAULT_BUCKET_BYTES, BucketReceiver, SyncReport, WeightReceiver, _timed
+from weight_sync.colocated import (
+    DEFAULT_BUCKET_BYTES,
+    BucketReceiver,
+    SyncReport,
+    WeightReceiver,
+    _timed,
+)
 from weight_sync.group import SyncGroup
 
 
@@ -35,8 +41,14 @@ def _broadcast_manifest(manifest: Manifest | None, src: int, group: SyncGroup) -
 
 
 class BroadcastSender:
-    def __init__(self, group: SyncGroup, sources: list[int], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = True):
+    def __init__(
+        self,
+        group: SyncGroup,
+        sources: list[int],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = True,
+    ):
         self.group, self.sources = group, list(sources)
         self.rank = group.rank
         if self.rank not in self.sources:
@@ -46,7 +58,8 @@ class BroadcastSender:
         self._receive_buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        """Broadcast this source's tensors; other sources' streams pass through (and are dropped)."""
+        """Broadcast this source's tensors; other sources' streams pass through (and are
+        dropped)."""
         start = time.perf_counter()
         export_clock = [0.0]
         pack_s = transfer_s = 0.0
@@ -67,21 +80,37 @@ class BroadcastSender:
                     break
                 buffer, manifest = item
                 _broadcast_manifest(manifest, src, self.group)
-                self.group.broadcast(buffer[:manifest.numel], src)
+                self.group.broadcast(buffer[: manifest.numel], src)
                 transfer_s += time.perf_counter() - t
                 buckets += 1
                 tensors += len(manifest.entries)
                 nbytes += manifest.nbytes
-        return SyncReport(buckets, tensors, nbytes, export_clock[0], pack_s, transfer_s, 0.0, 0.0,
-                          time.perf_counter() - start)
+        return SyncReport(
+            buckets,
+            tensors,
+            nbytes,
+            export_clock[0],
+            pack_s,
+            transfer_s,
+            0.0,
+            0.0,
+            time.perf_counter() - start,
+        )
 
 
-def _receive_into(buffers: dict[torch.dtype, torch.Tensor], manifest: Manifest, src: int, group: SyncGroup,
-                  device: torch.device) -> torch.Tensor:
+def _receive_into(
+    buffers: dict[torch.dtype, torch.Tensor],
+    manifest: Manifest,
+    src: int,
+    group: SyncGroup,
+    device: torch.device,
+) -> torch.Tensor:
     buffer = buffers.get(manifest.dtype)
     if buffer is None or buffer.numel() < manifest.numel:
-        buffer = buffers[manifest.dtype] = torch.empty(manifest.numel, dtype=manifest.dtype, device=device)
-    region = buffer[:manifest.numel]
+        buffer = buffers[manifest.dtype] = torch.empty(
+            manifest.numel, dtype=manifest.dtype, device=device
+        )
+    region = buffer[: manifest.numel]
     group.broadcast(region, src)
     return region
 
@@ -94,7 +123,9 @@ def _drain(src: int, group, buffers, device) -> None:
 class BroadcastReceiver:
     """Engine rank: receive every source's buckets, verify, load in place, then commit once."""
 
-    def __init__(self, engine: WeightReceiver, group: SyncGroup, sources: list[int], *, verify: bool = True):
+    def __init__(
+        self, engine: WeightReceiver, group: SyncGroup, sources: list[int], *, verify: bool = True
+    ):
         self.group, self.sources = group, list(sources)
         self.device = group.device
         self.receiver = BucketReceiver(engine, verify=verify)
@@ -119,4 +150,6 @@ class BroadcastReceiver:
                 buckets += 1
                 nbytes += ack.nbytes
         self.receiver.commit()
-        return ReceiveReport(buckets, nbytes, transfer_s, verify_s, load_s, time.perf_counter() - start)
+        return ReceiveReport(
+            buckets, nbytes, transfer_s, verify_s, load_s, time.perf_counter() - start
+        )

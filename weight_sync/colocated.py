@@ -41,11 +41,11 @@ class SyncReport(NamedTuple):
     num_buckets: int
     num_tensors: int
     nbytes: int
-    export_s: float      # pulling tensors from the trainer's exporter (TP gather + HF conversion)
-    pack_s: float        # copying into buckets + sender checksums
-    transfer_s: float    # waiting on the receivers, less their verify and load time
-    verify_s: float      # receiver-side checksums
-    load_s: float        # receiver-side copies into the engine's parameters
+    export_s: float  # pulling tensors from the trainer's exporter (TP gather + HF conversion)
+    pack_s: float  # copying into buckets + sender checksums
+    transfer_s: float  # waiting on the receivers, less their verify and load time
+    verify_s: float  # receiver-side checksums
+    load_s: float  # receiver-side copies into the engine's parameters
     total_s: float
 
 
@@ -84,10 +84,18 @@ def _timed(iterator: Iterator, clock: list[float]) -> Iterator:
 
 
 class ColocatedSender:
-    def __init__(self, deliver: Callable[[BufferHandle, Manifest], Future], *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu", verify: bool = True):
+    def __init__(
+        self,
+        deliver: Callable[[BufferHandle, Manifest], Future],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str = "cpu",
+        verify: bool = True,
+    ):
         self.allocator = SharedBufferAllocator(device)
-        self.packer = BucketPacker(bucket_bytes, device, num_buffers=2, allocator=self.allocator, verify=verify)
+        self.packer = BucketPacker(
+            bucket_bytes, device, num_buffers=2, allocator=self.allocator, verify=verify
+        )
         self.deliver = deliver
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
@@ -119,9 +127,17 @@ class ColocatedSender:
         wait_s += time.perf_counter() - t
         verify_s = sum(a.verify_s for a in acks)
         load_s = sum(a.load_s for a in acks)
-        return SyncReport(buckets, sum(a.num_tensors for a in acks), sum(a.nbytes for a in acks),
-                          export_clock[0], pack_s, max(0.0, wait_s - verify_s - load_s), verify_s, load_s,
-                          time.perf_counter() - start)
+        return SyncReport(
+            buckets,
+            sum(a.num_tensors for a in acks),
+            sum(a.nbytes for a in acks),
+            export_clock[0],
+            pack_s,
+            max(0.0, wait_s - verify_s - load_s),
+            verify_s,
+            load_s,
+            time.perf_counter() - start,
+        )
 
     def close(self) -> None:
         self.packer = None  # drop buffer views before unlinking
@@ -141,8 +157,10 @@ class BucketReceiver:
         if self.verify and manifest.checksum_algorithm != "none":
             bad = corrupted_tensors(buffer, manifest)
             if bad:
-                raise WeightSyncError(f"weight sync checksum mismatch in {len(bad)} tensor(s): {bad[:8]}; "
-                                      "the bucket was not loaded")
+                raise WeightSyncError(
+                    f"weight sync checksum mismatch in {len(bad)} tensor(s): {bad[:8]}; "
+                    "the bucket was not loaded"
+                )
         t1 = time.perf_counter()
         self.engine.load_weights(unpack(buffer, manifest))
         t2 = time.perf_counter()

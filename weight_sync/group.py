@@ -18,20 +18,30 @@ import torch.distributed as dist
 
 class SyncGroup:
     def __init__(self, process_group, rank: int, size: int, device: torch.device):
-        self.pg = process_group      # None: the default world, through torch.distributed
+        self.pg = process_group  # None: the default world, through torch.distributed
         self.rank, self.size, self.device = rank, size, device
 
     @classmethod
-    def create(cls, host: str, port: int, rank: int, size: int, backend: str = "gloo",
-               timeout_s: float = 300.0) -> "SyncGroup":
+    def create(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+    ) -> SyncGroup:
         """Every member calls this with the same host/port/size; rank 0 hosts the store.
         Joining, and every collective of the group, fails after `timeout_s` instead of hanging
         (on a dead or stuck member)."""
         timeout = timedelta(seconds=timeout_s)
-        store = dist.PrefixStore("weight_sync", dist.TCPStore(host, port, size, is_master=rank == 0,
-                                                              timeout=timeout))
+        store = dist.PrefixStore(
+            "weight_sync", dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        )
         if backend == "gloo":
-            return cls(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, torch.device("cpu"))
+            return cls(
+                dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, torch.device("cpu")
+            )
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
             options = dist.ProcessGroupNCCL.Options()
@@ -40,9 +50,13 @@ class SyncGroup:
         raise ValueError(f"weight sync backend={backend!r}: use 'gloo' or 'nccl'")
 
     @classmethod
-    def default(cls) -> "SyncGroup":
+    def default(cls) -> SyncGroup:
         backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
         return cls(None, dist.get_rank(), dist.get_world_size(), device)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -54,7 +68,9 @@ class SyncGroup:
     def broadcast_object(self, obj, src: int):
         """Pickled through two tensor broadcasts (length, then bytes); returns src's object."""
         if self.rank == src:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(
+                self.device
+            )
             length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         else:
             length = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -19,8 +19,8 @@ import torch
 
 
 class BufferHandle(NamedTuple):
-    kind: str            # "shm" | "cuda_ipc"
-    payload: Any         # shm: (name, numel, dtype); cuda_ipc: torch's (rebuild_fn, args)
+    kind: str  # "shm" | "cuda_ipc"
+    payload: Any  # shm: (name, numel, dtype); cuda_ipc: torch's (rebuild_fn, args)
 
 
 class SharedBufferAllocator:
@@ -36,6 +36,7 @@ class SharedBufferAllocator:
         if self.device.type == "cuda":
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
             from torch.multiprocessing.reductions import reduce_tensor
+
             self._handles[buffer.data_ptr()] = BufferHandle("cuda_ipc", reduce_tensor(buffer))
             self._buffers[buffer.data_ptr()] = buffer
             return buffer
@@ -64,7 +65,7 @@ class SharedBufferAllocator:
             segment.unlink()
             try:
                 segment.close()
-            except BufferError:   # a tensor still views it; the mapping goes with the process
+            except BufferError:  # a tensor still views it; the mapping goes with the process
                 pass
         self._segments.clear()
         self._handles.clear()
@@ -85,6 +86,7 @@ class BufferOpener:
             name, numel, dtype = handle.payload
             if name not in self._open:
                 import _posixshmem
+
                 fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
                 try:
                     mapping = mmap.mmap(fd, os.fstat(fd).st_size)
@@ -103,5 +105,5 @@ class BufferOpener:
         for mapping in mappings:
             try:
                 mapping.close()
-            except BufferError:   # a tensor still views it; the mapping goes with the process
+            except BufferError:  # a tensor still views it; the mapping goes with the process
                 pass

@@ -26,8 +26,7 @@ class ArithSpec:
         if not isinstance(self.digits, int) or not 1 <= self.digits <= 9:
             raise ValueError(f"digits={self.digits!r}: use an int in [1, 9]")
         if not self.ops or any(op not in OPS for op in self.ops):
-            raise ValueError(f"ops={self.ops!r}: use a non-empty subset of {OPS!r}, "
-                             "e.g. '+-'")
+            raise ValueError(f"ops={self.ops!r}: use a non-empty subset of {OPS!r}, e.g. '+-'")
 
 
 class ArithProblem(NamedTuple):
@@ -36,7 +35,7 @@ class ArithProblem(NamedTuple):
 
 
 def make_problem(rng: random.Random, spec: ArithSpec) -> ArithProblem:
-    hi = 10 ** spec.digits - 1
+    hi = 10**spec.digits - 1
     a, b = rng.randint(0, hi), rng.randint(0, hi)
     op = rng.choice(spec.ops)
     if op == "-" and b > a:

@@ -21,7 +21,7 @@ from miles_like.tasks.arith import ArithProblem
 
 TOOL_SPEC = "miles_like.tasks.calc:calculator"
 MAX_EXPRESSION_CHARS = 200
-MAX_DEPTH = 32              # nested parentheses / unary minus
+MAX_DEPTH = 32  # nested parentheses / unary minus
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|([-+*()]))")
 
@@ -32,8 +32,10 @@ def _tokens(expression: str) -> list[str]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None:
-            raise ValueError(f"unexpected {text[pos:].lstrip()[:1]!r} at position {pos}; use "
-                             "integers, + - * and parentheses")
+            raise ValueError(
+                f"unexpected {text[pos:].lstrip()[:1]!r} at position {pos}; use "
+                "integers, + - * and parentheses"
+            )
         out.append(m.group(1) or m.group(2))
         pos = m.end()
     return out
@@ -120,8 +122,14 @@ def demonstration(prompt: str, answer: str, tool_names: tuple[str, ...]) -> list
     if "calculator" not in tool_names:
         return [{"role": "assistant", "content": answer}]
     arguments = {"expression": expression(prompt)}
-    return [{"role": "assistant", "content": "",
-             "tool_calls": [{"type": "function",
-                             "function": {"name": "calculator", "arguments": arguments}}]},
-            {"role": "tool", "name": "calculator", "content": calculator(**arguments)},
-            {"role": "assistant", "content": answer}]
+    return [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "name": "calculator", "content": calculator(**arguments)},
+        {"role": "assistant", "content": answer},
+    ]

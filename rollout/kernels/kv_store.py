@@ -19,13 +19,23 @@ import triton.language as tl
 
 @triton.jit
 def _kv_store_kernel(
-    k_ptr, v_ptr,                    # new rows: [T, Hkv, D]
-    k_cache_ptr, v_cache_ptr,        # one layer of the pool: [Hkv, slots, D]
-    slots_ptr,                       # [T]
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kch, stride_kcs, stride_vch, stride_vcs,
+    k_ptr,
+    v_ptr,  # new rows: [T, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # one layer of the pool: [Hkv, slots, D]
+    slots_ptr,  # [T]
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kch,
+    stride_kcs,
+    stride_vch,
+    stride_vcs,
     num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     # int64 slot: slot * stride overflows int32 in pools past 2^31 elements per layer.
@@ -36,24 +46,45 @@ def _kv_store_kernel(
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(k_cache_ptr + heads[:, None] * stride_kch + slot * stride_kcs + dims[None, :], k, mask=mask)
-    tl.store(v_cache_ptr + heads[:, None] * stride_vch + slot * stride_vcs + dims[None, :], v, mask=mask)
+    tl.store(
+        k_cache_ptr + heads[:, None] * stride_kch + slot * stride_kcs + dims[None, :], k, mask=mask
+    )
+    tl.store(
+        v_cache_ptr + heads[:, None] * stride_vch + slot * stride_vcs + dims[None, :], v, mask=mask
+    )
 
 
-def triton_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    out_slots: torch.Tensor) -> None:
+def triton_store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+) -> None:
     """k, v: [T, Hkv, D]; k_cache, v_cache: [Hkv, slots, D] (one layer); out_slots: [T] int."""
     if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"triton_store_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]")
+        raise ValueError(
+            f"triton_store_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]"
+        )
     num_tokens, num_kv_heads, head_dim = k.shape
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or k_cache.shape[0] != num_kv_heads \
-            or k_cache.shape[2] != head_dim:
-        raise ValueError(f"triton_store_kv: caches {tuple(k_cache.shape)} must be [Hkv={num_kv_heads}, slots, "
-                         f"D={head_dim}] like k")
+    if (
+        k_cache.shape != v_cache.shape
+        or k_cache.dim() != 3
+        or k_cache.shape[0] != num_kv_heads
+        or k_cache.shape[2] != head_dim
+    ):
+        raise ValueError(
+            f"triton_store_kv: caches {tuple(k_cache.shape)} must be [Hkv={num_kv_heads}, slots, "
+            f"D={head_dim}] like k"
+        )
     if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"triton_store_kv: k/v dtype {k.dtype} must equal the pool dtype {k_cache.dtype}")
+        raise ValueError(
+            f"triton_store_kv: k/v dtype {k.dtype} must equal the pool dtype {k_cache.dtype}"
+        )
     if out_slots.shape != (num_tokens,):
-        raise ValueError(f"triton_store_kv: out_slots {tuple(out_slots.shape)} must be [T={num_tokens}]")
+        raise ValueError(
+            f"triton_store_kv: out_slots {tuple(out_slots.shape)} must be [T={num_tokens}]"
+        )
     if num_tokens == 0:
         return
     # The kernel addresses the last dimension with unit stride.
@@ -61,9 +92,21 @@ def triton_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("triton_store_kv: the pool's head_dim must be contiguous")
     _kv_store_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, out_slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        out_slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )

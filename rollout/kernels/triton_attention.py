@@ -12,13 +12,20 @@ from __future__ import annotations
 import torch
 
 from rollout.attention import AttentionMetadata, DecodeMetadata, prefill_attention
-from rollout.kernels.decode_attention import DecodeQueries, Phase, cascade_plan, split_k_decode_attention
+from rollout.kernels.decode_attention import (
+    DecodeQueries,
+    Phase,
+    cascade_plan,
+    split_k_decode_attention,
+)
 from rollout.kernels.kv_store import triton_store_kv
 from rollout.kv_pool import KVPool
 
 
 class TritonAttention:
-    def __init__(self, pool: KVPool, *, block_n: int | None = None, chunk_tokens: int | None = None):
+    def __init__(
+        self, pool: KVPool, *, block_n: int | None = None, chunk_tokens: int | None = None
+    ):
         self.pool = pool
         self.block_n = block_n
         self.chunk_tokens = chunk_tokens
@@ -28,18 +35,26 @@ class TritonAttention:
         self._plan_for: DecodeMetadata | None = None
         self._plan: tuple[list[Phase], DecodeQueries] | None = None
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]    # [Hkv, slots, D]
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, D]
         triton_store_kv(k, v, k_cache, v_cache, meta.out_slots)
         out = torch.empty_like(q)
         if meta.decode is not None:
             if self._plan_for is not meta.decode:
                 self._plan, self._plan_for = cascade_plan(meta.decode), meta.decode
             phases, queries = self._plan
-            out[:meta.num_decode] = split_k_decode_attention(
-                q[:meta.num_decode], k_cache, v_cache, self.pool.page_size, phases, queries,
-                block_n=self.block_n, chunk_tokens=self.chunk_tokens)
+            out[: meta.num_decode] = split_k_decode_attention(
+                q[: meta.num_decode],
+                k_cache,
+                v_cache,
+                self.pool.page_size,
+                phases,
+                queries,
+                block_n=self.block_n,
+                chunk_tokens=self.chunk_tokens,
+            )
         prefill_attention(q, k_cache, v_cache, meta.prefill, out)
         return out

@@ -20,9 +20,9 @@ TURNS = 3
 class Record(NamedTuple):
     prompt: str
     prompt_ids: list[int]
-    sampled: list[list[int]]     # the engine's tokens, turn by turn
+    sampled: list[list[int]]  # the engine's tokens, turn by turn
     logprobs: list[list[float]]
-    appended: list[list[int]]    # what the function appended after each turn but the last
+    appended: list[list[int]]  # what the function appended after each turn but the last
     trajectory: object
 
 
@@ -47,21 +47,25 @@ async def three_turns(ctx, problem):
             b.sampled(g.token_ids, g.logprobs, g.weight_version, g.finish_reason)
             sampled.append(g.token_ids)
             logprobs.append(g.logprobs)
-            messages.append({"role": "assistant",
-                             "content": tok.decode(g.token_ids, skip_special_tokens=True)})
+            messages.append(
+                {"role": "assistant", "content": tok.decode(g.token_ids, skip_special_tokens=True)}
+            )
             if turn == TURNS - 1:
                 break
-            extra = [] if g.token_ids[-1] == eos else [eos]   # a truncated turn still ends
+            extra = [] if g.token_ids[-1] == eos else [eos]  # a truncated turn still ends
             new = [tool_message(g.token_ids)]
             extra += chat.delta_ids(tok, messages, new)
             b.appended(extra)
             appended.append(extra)
             messages += new
             mismatches += not chat.check_delta(tok, b.token_ids, messages).matches
-        t = b.build(response_text=messages[-1]["content"],
-                    metrics={"tool_calls": float(TURNS - 1), "retokenize_mismatch": mismatches})
-        RECORDS.append(Record(problem.prompt, list(problem.prompt_ids), sampled, logprobs,
-                              appended, t))
+        t = b.build(
+            response_text=messages[-1]["content"],
+            metrics={"tool_calls": float(TURNS - 1), "retokenize_mismatch": mismatches},
+        )
+        RECORDS.append(
+            Record(problem.prompt, list(problem.prompt_ids), sampled, logprobs, appended, t)
+        )
         return t
 
     return list(await asyncio.gather(*(sample(j) for j in range(ctx.n))))
@@ -81,6 +85,7 @@ async def bad_mask(ctx, problem):
     b.sampled(g.token_ids, g.logprobs, g.weight_version)
     t = b.build(response_text="")
     import dataclasses
+
     return [dataclasses.replace(t, loss_mask=t.loss_mask + (1,))] * ctx.n
 
 
@@ -100,13 +105,22 @@ async def openai_agent(ctx, problem):
     async def sample(j: int):
         s = ctx.sampling(j)
         out = await client.completions.create(
-            model=model, prompt=problem.prompt_ids, max_tokens=s.max_new_tokens,
-            temperature=s.temperature, seed=s.seed, logprobs=0,
-            extra_body={"session_id": f"{problem.prompt}#{j}"})
+            model=model,
+            prompt=problem.prompt_ids,
+            max_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            seed=s.seed,
+            logprobs=0,
+            extra_body={"session_id": f"{problem.prompt}#{j}"},
+        )
         choice = out.choices[0]
         b = TrajectoryBuilder(problem.prompt_ids)
-        b.sampled(choice.token_ids, choice.logprobs.token_logprobs, out.weight_version,
-                  choice.finish_reason)
+        b.sampled(
+            choice.token_ids,
+            choice.logprobs.token_logprobs,
+            out.weight_version,
+            choice.finish_reason,
+        )
         return b.build(response_text=choice.text)
 
     try:

@@ -27,9 +27,14 @@ def _record_then_shutdown(report_path: str):
         engines = gather(each("engine", self.engines, "node_id"), 60)
         digests = gather(each("engine", self.engines, "weight_digests"), 60)
         with open(report_path, "w") as f:
-            json.dump({"trainer_ips": [ips[n] for n in trainers],
-                       "engine_ips": [ips[n] for n in engines],
-                       "engine_digests": digests}, f)
+            json.dump(
+                {
+                    "trainer_ips": [ips[n] for n in trainers],
+                    "engine_ips": [ips[n] for n in engines],
+                    "engine_digests": digests,
+                },
+                f,
+            )
         real_shutdown(self, graceful)
 
     return shutdown

@@ -11,8 +11,12 @@ from miles_like import advantages as A
 
 
 def close(actual, expected, tol=1e-6):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32),
+        torch.as_tensor(expected, dtype=torch.float32),
+        atol=tol,
+        rtol=0,
+    )
 
 
 def test_grpo_hand_computed():
@@ -31,8 +35,10 @@ def test_grpo_equal_group_is_zero_and_groups_are_independent():
 
 
 def test_dr_grpo_is_mean_centred_only():
-    close(A.dr_grpo(torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0]])),
-          [[-1.0, 0.0, 1.0], [2 / 3, -1 / 3, -1 / 3]])
+    close(
+        A.dr_grpo(torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0]])),
+        [[-1.0, 0.0, 1.0], [2 / 3, -1 / 3, -1 / 3]],
+    )
 
 
 def test_rloo_leave_one_out():
@@ -77,8 +83,9 @@ def test_reinforce_pp_global_normalisation():
 
 def test_reinforce_pp_kl_in_reward():
     # Returns [0.4375, 0.975] (above); two distinct values whiten to [-1, 1].
-    out = A.reinforce_pp(torch.tensor([1.0]), [2], kl=[torch.tensor([0.5, 0.25])], kl_coef=0.1,
-                         gamma=0.5, eps=0.0)
+    out = A.reinforce_pp(
+        torch.tensor([1.0]), [2], kl=[torch.tensor([0.5, 0.25])], kl_coef=0.1, gamma=0.5, eps=0.0
+    )
     close(out[0], [-1.0, 1.0])
     # without KL and gamma 1 the two tokens have equal returns: all advantages 0 (up to eps)
     flat = A.reinforce_pp(torch.tensor([1.0]), [2], eps=1e-8)[0]
@@ -102,8 +109,14 @@ def test_gae_lambda_limits():
 
 
 def test_gae_with_kl_penalty_and_several_samples():
-    res = A.gae(torch.tensor([1.0, 0.0]), [torch.zeros(2), torch.zeros(1)], gamma=1.0, lam=1.0,
-                kl=[torch.tensor([1.0, 1.0]), torch.tensor([2.0])], kl_coef=0.5)
+    res = A.gae(
+        torch.tensor([1.0, 0.0]),
+        [torch.zeros(2), torch.zeros(1)],
+        gamma=1.0,
+        lam=1.0,
+        kl=[torch.tensor([1.0, 1.0]), torch.tensor([2.0])],
+        kl_coef=0.5,
+    )
     # rewards [-0.5, 0.5] -> returns [0, 0.5]; [-1] -> [-1]; zero values: advantages = returns
     close(res.returns[0], [0.0, 0.5])
     close(res.advantages[1], [-1.0])

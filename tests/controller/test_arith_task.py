@@ -1,4 +1,5 @@
-"""The synthetic arithmetic task: seeded, correct (checked with Python's own arithmetic), bounded."""
+"""The synthetic arithmetic task: seeded, correct (checked with Python's own arithmetic),
+bounded."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_answers_are_the_arithmetic_of_the_prompt():
             assert p.prompt.endswith("=")
             a, op, b = _split(p.prompt[:-1])
             assert op in spec.ops
-            assert 0 <= a < 10 ** spec.digits and 0 <= b < 10 ** spec.digits
+            assert 0 <= a < 10**spec.digits and 0 <= b < 10**spec.digits
             expect = {"+": a + b, "-": a - b, "*": a * b}[op]
             assert p.answer == str(expect) and expect >= 0
 
@@ -27,7 +28,7 @@ def test_answers_are_the_arithmetic_of_the_prompt():
 def _split(expr):
     for i, ch in enumerate(expr):
         if ch in "+-*" and i > 0:
-            return int(expr[:i]), ch, int(expr[i + 1:])
+            return int(expr[:i]), ch, int(expr[i + 1 :])
     raise AssertionError(expr)
 
 

@@ -21,9 +21,11 @@ def _render(tree) -> str:
     return f"({_render(left)}){op}({_render(right)})"
 
 
-trees = st.recursive(st.integers(0, 10 ** 6),
-                     lambda sub: st.tuples(st.sampled_from(["+", "-", "*", "neg"]), sub, sub),
-                     max_leaves=12)
+trees = st.recursive(
+    st.integers(0, 10**6),
+    lambda sub: st.tuples(st.sampled_from(["+", "-", "*", "neg"]), sub, sub),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -36,13 +38,24 @@ def test_evaluate_equals_python_arithmetic(tree, space):
         assert calc.calculator(text) == str(reference)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("", "empty"), ("   ", "empty"), ("2+", "ends too early"), ("(2+3", "not closed"),
-    ("2)", "after a complete expression"), ("2 3", "after a complete expression"),
-    ("2**3", "unexpected '*'"), ("7/2", "unexpected '/'"), ("1.5+1", "unexpected '.'"),
-    ("__import__('os')", "unexpected '_'"), ("x", "unexpected 'x'"),
-    ("1+" * 150 + "1", "longer than"), ("(" * 40 + "1" + ")" * 40, "nested"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("2+", "ends too early"),
+        ("(2+3", "not closed"),
+        ("2)", "after a complete expression"),
+        ("2 3", "after a complete expression"),
+        ("2**3", "unexpected '*'"),
+        ("7/2", "unexpected '/'"),
+        ("1.5+1", "unexpected '.'"),
+        ("__import__('os')", "unexpected '_'"),
+        ("x", "unexpected 'x'"),
+        ("1+" * 150 + "1", "longer than"),
+        ("(" * 40 + "1" + ")" * 40, "nested"),
+    ],
+)
 def test_evaluate_refuses_what_is_not_an_integer_expression(text, fragment):
     with pytest.raises(ValueError) as e:
         calc.evaluate(text)
@@ -57,9 +70,11 @@ def test_expression_of_a_prompt():
 def test_demonstrations():
     tool_call, result, final = calc.demonstration("347*28=", "9716", ("calculator",))
     assert tool_call["role"] == "assistant" and tool_call["tool_calls"] == [
-        {"type": "function", "function": {"name": "calculator",
-                                          "arguments": {"expression": "347*28"}}}]
+        {
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "347*28"}},
+        }
+    ]
     assert result == {"role": "tool", "name": "calculator", "content": "9716"}
     assert final == {"role": "assistant", "content": "9716"}
-    assert calc.demonstration("347*28=", "9716", ()) == [{"role": "assistant",
-                                                           "content": "9716"}]
+    assert calc.demonstration("347*28=", "9716", ()) == [{"role": "assistant", "content": "9716"}]

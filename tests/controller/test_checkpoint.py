@@ -34,9 +34,9 @@ def recipe(out: Path, resume) -> object:
 
 def test_auto_takes_the_latest_complete_checkpoint(tmp_path):
     make_checkpoint(tmp_path, 2)
-    make_checkpoint(tmp_path, 10)                    # numeric order, not only by name
-    make_checkpoint(tmp_path, 12, complete=False)    # no state.json: interrupted or old format
-    tmp = checkpoint.begin(tmp_path, 13)             # an interrupted write
+    make_checkpoint(tmp_path, 10)  # numeric order, not only by name
+    make_checkpoint(tmp_path, 12, complete=False)  # no state.json: interrupted or old format
+    tmp = checkpoint.begin(tmp_path, 13)  # an interrupted write
     assert tmp.name == ".tmp-step_000013"
     lines = []
     got = checkpoint.resolve_resume(recipe(tmp_path, "auto"), log=lines.append)
@@ -76,9 +76,9 @@ def test_resume_values_other_than_false_auto_or_a_path_are_refused(tmp_path, val
 
 
 def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
-    checkpoint.refuse_earlier_run(tmp_path)          # nothing there: fine
+    checkpoint.refuse_earlier_run(tmp_path)  # nothing there: fine
     make_checkpoint(tmp_path, 5, complete=False)
-    checkpoint.refuse_earlier_run(tmp_path)          # incomplete ones do not count
+    checkpoint.refuse_earlier_run(tmp_path)  # incomplete ones do not count
     make_checkpoint(tmp_path, 6)
     with pytest.raises(RecipeError, match="checkpoint.resume: auto"):
         checkpoint.refuse_earlier_run(tmp_path)
@@ -90,13 +90,14 @@ def test_commit_marks_complete_last_and_keeps_the_newest(tmp_path):
     for step in (1, 2, 3):
         tmp = checkpoint.begin(tmp_path, step)
         (tmp / "model.safetensors").write_bytes(b"w")
-        assert f"step_{step:06d}" not in [p.name for p in
-                                          checkpoint.complete_checkpoints(tmp_path)]
+        assert f"step_{step:06d}" not in [p.name for p in checkpoint.complete_checkpoints(tmp_path)]
         final = checkpoint.commit(tmp, {"next_step": step}, keep_last=2)
         assert final.name == f"step_{step:06d}" and not tmp.exists()
         assert checkpoint.read_state(final) == {"format": checkpoint.FORMAT, "next_step": step}
     assert sorted(p.name for p in checkpoint.checkpoints_dir(tmp_path).iterdir()) == [
-        "step_000002", "step_000003"]
+        "step_000002",
+        "step_000003",
+    ]
 
 
 def row(step: int, value: float) -> dict:
@@ -105,26 +106,27 @@ def row(step: int, value: float) -> dict:
 
 def test_resumed_tracker_drops_rows_written_after_the_checkpoint(tmp_path):
     first = Tracker(tmp_path, {}, print_fn=lambda _: None)
-    for step in range(5):   # a killed run got to step 4; its checkpoint is before step 3
+    for step in range(5):  # a killed run got to step 4; its checkpoint is before step 3
         first.log(row(step, float(step)))
     first._file.close()
-    resumed = Tracker(tmp_path, {}, print_fn=lambda _: None, resume_step=3,
-                      last_row=row(2, 2.0))
+    resumed = Tracker(tmp_path, {}, print_fn=lambda _: None, resume_step=3, last_row=row(2, 2.0))
     resumed.log(row(3, 30.0))
     resumed.finish()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["rollout/reward_mean"]) for r in rows] == [(0, 0.0), (1, 1.0),
-                                                                     (2, 2.0), (3, 30.0)]
+    assert [(r["step"], r["rollout/reward_mean"]) for r in rows] == [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+    ]
 
 
-def test_resumed_tracker_restores_the_checkpoints_row_if_the_run_died_before_logging_it(
-        tmp_path):
+def test_resumed_tracker_restores_the_checkpoints_row_if_the_run_died_before_logging_it(tmp_path):
     first = Tracker(tmp_path, {}, print_fn=lambda _: None)
     for step in range(2):
         first.log(row(step, float(step)))
     first._file.close()
-    resumed = Tracker(tmp_path, {}, print_fn=lambda _: None, resume_step=3,
-                      last_row=row(2, 2.0))
+    resumed = Tracker(tmp_path, {}, print_fn=lambda _: None, resume_step=3, last_row=row(2, 2.0))
     resumed.finish()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

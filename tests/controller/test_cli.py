@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from miles_like.cli import EXIT_USER_ERROR, main
-from miles_like.recipe import RecipeError, Recipe, load_recipe
+from miles_like.recipe import Recipe, RecipeError, load_recipe
 from miles_like.schema import describe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,9 @@ def test_error_is_one_line_on_stderr_with_exit_2(recipe_file, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "rollout.temprature" in lines[0] and "rollout.temperature" in lines[0]
+    assert (
+        len(lines) == 1 and "rollout.temprature" in lines[0] and "rollout.temperature" in lines[0]
+    )
 
 
 def test_missing_recipe_file(tmp_path, capsys):
@@ -52,6 +54,7 @@ def test_missing_recipe_file(tmp_path, capsys):
 def test_an_error_found_while_starting_the_run_is_one_line(recipe_file, capsys):
     def run(recipe):
         raise RecipeError("data.prompt_key='q': the file has no such column; its columns are a, b")
+
     assert main([str(recipe_file)], run=run) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: data.prompt_key='q'")
@@ -78,7 +81,7 @@ def test_help_lists_every_field_with_default_and_doc(capsys):
     out = capsys.readouterr().out
     rows = describe(Recipe)
     assert len(rows) > 60
-    for name, type_text, default, doc in rows:
+    for name, type_text, default, _doc in rows:
         assert f"  {name}  ({type_text}; default {default})" in out
     assert "samples per prompt (the group size)" in out
     assert "grpo | dr_grpo | rloo | reinforce_pp | gae" in out
@@ -90,8 +93,13 @@ def test_help_lists_every_field_with_default_and_doc(capsys):
 def test_module_entry_point_no_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(MINIMAL + "rollout:\n  n: many\n")
-    proc = subprocess.run([sys.executable, "-m", "miles_like.train", str(bad), "--dry-run"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_like.train", str(bad), "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "rollout.n" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -99,8 +107,10 @@ def test_module_entry_point_no_traceback(tmp_path):
 
 def test_readme_lists_every_recipe_field_as_generated():
     from miles_like.cli import fields_markdown
+
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("<!-- recipe-fields:start")
-    body = readme[readme.index("\n", start) + 1:readme.index("<!-- recipe-fields:end -->")]
-    assert body.strip() == fields_markdown().strip(), \
+    body = readme[readme.index("\n", start) + 1 : readme.index("<!-- recipe-fields:end -->")]
+    assert body.strip() == fields_markdown().strip(), (
         "README's field table is stale: paste miles_like.cli.fields_markdown() into it"
+    )

@@ -34,30 +34,42 @@ def test_synthetic_stream_is_the_arith_task_with_template(tmp_path):
 
 
 def test_file_rows_are_filtered_and_counted(tmp_path):
-    rows = [{"q": "1+1=", "a": "2"}, {"q": "", "a": "0"}, {"q": "x" * 100, "a": "1"},
-            {"q": "2+2=", "a": 4}, {"q": "3+3=", "a": None}, {"q": 5, "a": "5"}]
+    rows = [
+        {"q": "1+1=", "a": "2"},
+        {"q": "", "a": "0"},
+        {"q": "x" * 100, "a": "1"},
+        {"q": "2+2=", "a": 4},
+        {"q": "3+3=", "a": None},
+        {"q": 5, "a": "5"},
+    ]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    data = DataSection(path=str(path), prompt_key="q", answer_key="a", chat_template=False,
-                       shuffle_seed=None)
+    data = DataSection(
+        path=str(path), prompt_key="q", answer_key="a", chat_template=False, shuffle_seed=None
+    )
     src = source(data, max_prompt_tokens=50)
-    assert src.skipped == {"empty_or_non_text_prompt": 2, "prompt_too_long": 1,
-                           "missing_answer": 1}
+    assert src.skipped == {"empty_or_non_text_prompt": 2, "prompt_too_long": 1, "missing_answer": 1}
     got = src.next_batch(5)
     # file order, numeric answers as text, epochs wrap around
-    assert [(p.prompt, p.answer) for p in got] == [("1+1=", "2"), ("2+2=", "4"), ("1+1=", "2"),
-                                                   ("2+2=", "4"), ("1+1=", "2")]
+    assert [(p.prompt, p.answer) for p in got] == [
+        ("1+1=", "2"),
+        ("2+2=", "4"),
+        ("1+1=", "2"),
+        ("2+2=", "4"),
+        ("1+1=", "2"),
+    ]
     assert got[0].prompt_ids == TOK.tok.encode("1+1=", add_special_tokens=False)
 
 
 def test_epochs_are_shuffled_by_seed_and_resume_continues_exactly(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+0=", "answer": str(i)}
-                                              for i in range(10)])
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(10)]
+    )
     data = DataSection(path=str(path), shuffle_seed=3)
     a = source(data).next_batch(25)
     first_epoch = [p.answer for p in a[:10]]
     assert sorted(first_epoch, key=int) == [str(i) for i in range(10)]
-    assert first_epoch != [str(i) for i in range(10)]            # shuffled
-    assert [p.answer for p in a[10:20]] != first_epoch           # a new order each epoch
+    assert first_epoch != [str(i) for i in range(10)]  # shuffled
+    assert [p.answer for p in a[10:20]] != first_epoch  # a new order each epoch
     resumed = source(data)
     resumed.skip_to(13)
     assert resumed.next_batch(12) == a[13:25]
@@ -78,6 +90,7 @@ def test_no_usable_rows_is_an_error(tmp_path):
 
 def test_parquet_reads_like_jsonl(tmp_path):
     import datasets
+
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4+4=", "answer": "8"}]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
     got = source(DataSection(path=str(tmp_path / "d.parquet"), shuffle_seed=None)).next_batch(2)

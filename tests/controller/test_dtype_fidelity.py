@@ -29,8 +29,8 @@ from trainer.mismatch import mismatch_metrics
 class Gap(NamedTuple):
     max: float
     mean: float
-    large_frac: float      # share of tokens with |delta| > 0.1
-    seq_mean_max: float    # worst per-sequence mean |delta|
+    large_frac: float  # share of tokens with |delta| > 0.1
+    seq_mean_max: float  # worst per-sequence mean |delta|
     mismatch_kl: float
 
 
@@ -53,14 +53,19 @@ def gap(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> Gap:
     diffs = [(t.double() - e.double()).abs() for e, t in zip(engine, trainer)]
     flat = torch.cat(diffs)
     log_r = torch.cat([t.double() - e.double() for e, t in zip(engine, trainer)])
-    return Gap(float(flat.max()), float(flat.mean()), float((flat > 0.1).double().mean()),
-               max(float(d.mean()) for d in diffs),
-               float((log_r.exp() - 1 - log_r).mean()))
+    return Gap(
+        float(flat.max()),
+        float(flat.mean()),
+        float((flat > 0.1).double().mean()),
+        max(float(d.mean()) for d in diffs),
+        float((log_r.exp() - 1 - log_r).mean()),
+    )
 
 
 def violations(measured: Gap, limit: Gap) -> list[str]:
-    return [f"{name} {m:.3g} > {b:.3g}" for name, m, b in zip(Gap._fields, measured, limit)
-            if m > b]
+    return [
+        f"{name} {m:.3g} > {b:.3g}" for name, m, b in zip(Gap._fields, measured, limit) if m > b
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +83,13 @@ def samples(model_dir, dtype: str):
 
 
 def trainer_config(model_dir, dtype: str, backend: str, temperature: float = 1.0):
-    return TrainerConfig(model_path=str(model_dir), backend=backend, dtype=dtype,
-                         max_tokens_per_micro_batch=256,
-                         loss=LossConfig(temperature=temperature))
+    return TrainerConfig(
+        model_path=str(model_dir),
+        backend=backend,
+        dtype=dtype,
+        max_tokens_per_micro_batch=256,
+        loss=LossConfig(temperature=temperature),
+    )
 
 
 @pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
@@ -102,8 +111,9 @@ def test_engine_trainer_gap_within_measured_bounds(model_dir, dtype, backend):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_wrong_temperature_breaks_the_bounds(model_dir, dtype):
     batch, engine_lp = samples(model_dir, dtype)
-    trainer_lp = make_trainer(trainer_config(model_dir, dtype, "megatron", temperature=1.1)
-                              ).compute_logprobs(batch)
+    trainer_lp = make_trainer(
+        trainer_config(model_dir, dtype, "megatron", temperature=1.1)
+    ).compute_logprobs(batch)
     broken = violations(gap(engine_lp, trainer_lp), bound(dtype, "megatron"))
     # in bf16 one token's rounding can be as large as a 10% temperature error: the averages
     # are what separate them

@@ -38,16 +38,18 @@ class Sleeper:
 def test_gather_times_out_and_names_dead_actors(ray_local):
     a, b = Sleeper.remote(), Sleeper.remote()
     assert gather([call("a", a, "nap", 0.0), call("b", b, "nap", 0.1)], 30) == [0.0, 0.1]
-    with pytest.raises(CallTimeout,
-                       match=r"^b nap: no answer within 0.5 s \(cluster.call_timeout_s\)"):
+    with pytest.raises(
+        CallTimeout, match=r"^b nap: no answer within 0.5 s \(cluster.call_timeout_s\)"
+    ):
         gather([call("a", a, "nap", 0.0), call("b", b, "nap", 30)], 0.5)
     ray.kill(b)
     with pytest.raises(ActorDied) as e:
         gather([call("b", b, "nap", 0.0)], 30)
     assert str(e.value) == "b died (during nap): killed by ray.kill"
     # a replacement call takes the dead one's place
-    replaced = gather([call("b", b, "nap", 0.0)], 30,
-                      on_death=lambda i, died: call("a", a, "nap", 0.2))
+    replaced = gather(
+        [call("b", b, "nap", 0.0)], 30, on_death=lambda i, died: call("a", a, "nap", 0.2)
+    )
     assert replaced == [0.2]
 
 
@@ -68,7 +70,7 @@ def in_background(fn):
     def target():
         try:
             result["value"] = fn()
-        except BaseException as e:   # surfaced by the test after the run
+        except BaseException as e:  # surfaced by the test after the run
             result["error"] = e
 
     thread = threading.Thread(target=target, daemon=True)
@@ -88,15 +90,27 @@ def test_trainer_death_stops_the_run_cleanly(ray_local, cache, tmp_path, capsys)
         ray.kill(trainer)
 
     thread, killer = in_background(kill_trainer_after_first_checkpoint)
-    code = main([RECIPE, f"tracking.output_dir={out}", "steps=20", "rollout.prompts_per_step=4",
-                 "rollout.n=4", "sft.steps=0", "rollout.kv_cache_tokens=2048",
-                 "checkpoint.every_steps=1", "tracking.wandb_project=miles-like-test"], run=run)
+    code = main(
+        [
+            RECIPE,
+            f"tracking.output_dir={out}",
+            "steps=20",
+            "rollout.prompts_per_step=4",
+            "rollout.n=4",
+            "sft.steps=0",
+            "rollout.kv_cache_tokens=2048",
+            "checkpoint.every_steps=1",
+            "tracking.wandb_project=miles-like-test",
+        ],
+        run=run,
+    )
     thread.join(timeout=10)
     assert "error" not in killer
-    err = capsys.readouterr().err   # tqdm's progress bar, then the error
+    err = capsys.readouterr().err  # tqdm's progress bar, then the error
     assert code == 1 and "Traceback" not in err
-    assert err.splitlines()[-1] == ("error: trainer rank 0 died: killed by ray.kill; resume "
-                                    "with checkpoint.resume=auto")
+    assert err.splitlines()[-1] == (
+        "error: trainer rank 0 died: killed by ray.kill; resume with checkpoint.resume=auto"
+    )
     # the newest complete checkpoint is whole and loadable, and nothing half-written counts
     latest = checkpoint.complete_checkpoints(out)[-1]
     state = checkpoint.read_state(latest)
@@ -131,20 +145,35 @@ def kill_engine_mid_rollout(out: Path, known: set[str], done: threading.Event) -
             return
 
 
-@pytest.mark.parametrize("placement", [
-    ("cluster.devices=1",),
-    ("cluster.devices=2", "cluster.colocate=false", "cluster.off_policy_steps=1")],
-    ids=["colocated", "disaggregated-off-policy"])
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ("cluster.devices=1",),
+        ("cluster.devices=2", "cluster.colocate=false", "cluster.off_policy_steps=1"),
+    ],
+    ids=["colocated", "disaggregated-off-policy"],
+)
 def test_engine_killed_mid_rollout_is_replaced(ray_local, cache, tmp_path, capsys, placement):
     """Few, long samples: a rollout (256 decode steps) outlasts a training step by far."""
     out = tmp_path / "run"
     known, done = set(ray.util.list_named_actors()), threading.Event()
     thread, killer = in_background(lambda: kill_engine_mid_rollout(out, known, done))
-    code = main([RECIPE, f"tracking.output_dir={out}", "steps=4", "rollout.prompts_per_step=2",
-                 "rollout.n=2", "rollout.max_new_tokens=256", "sft.steps=0",
-                 "trainer.updates_per_rollout=1",
-                 "rollout.kv_cache_tokens=4096", "trainer.max_tokens_per_micro_batch=4096",
-                 *placement], run=run)
+    code = main(
+        [
+            RECIPE,
+            f"tracking.output_dir={out}",
+            "steps=4",
+            "rollout.prompts_per_step=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=256",
+            "sft.steps=0",
+            "trainer.updates_per_rollout=1",
+            "rollout.kv_cache_tokens=4096",
+            "trainer.max_tokens_per_micro_batch=4096",
+            *placement,
+        ],
+        run=run,
+    )
     done.set()
     thread.join(timeout=10)
     assert code == 0 and "error" not in killer, killer
@@ -153,7 +182,7 @@ def test_engine_killed_mid_rollout_is_replaced(ray_local, cache, tmp_path, capsy
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1
-    for r in rows:   # nothing lost: every prompt's whole group was trained on
+    for r in rows:  # nothing lost: every prompt's whole group was trained on
         assert r["rollout/samples"] == 2 * 2
     restarted = next(r for r in rows if r["rollout/engine_restarts"])
     if "cluster.off_policy_steps=1" not in placement:

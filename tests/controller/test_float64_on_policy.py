@@ -3,10 +3,10 @@ fp64 rounding, so the engine-vs-trainer gap (`train/logprob_diff_max`) measures 
 not float32 rounding.
 
 Reference: HF transformers in float64 on the same weights, with its RMSNorms and rotary angles
-computed in float64 too (HF computes those in float32 whatever the model dtype). The model is sharpened (a scaled LM
-head, logits of tens) because that is where float32 rounding shows: the float32 run of the same
-samples must miss the float64 reference by far more than the float64 run does, or this test
-could not tell the two dtypes apart.
+computed in float64 too (HF computes those in float32 whatever the model dtype). The model is
+sharpened (a scaled LM head, logits of tens) because that is where float32 rounding shows: the
+float32 run of the same samples must miss the float64 reference by far more than the float64
+run does, or this test could not tell the two dtypes apart.
 """
 
 from __future__ import annotations
@@ -30,9 +30,14 @@ def test_float64_engine_and_trainer_agree_to_rounding(sharp_model):
     model, directory = sharp_model
     batch, engine64 = engine_samples(directory, "float64")
     ref = hf_reference(model, batch)
-    assert min(float(r.min()) for r in ref) < -5.0       # unlikely tokens were sampled
-    cfg = TrainerConfig(model_path=str(directory), dtype="float64", max_tokens_per_micro_batch=64,
-                        optim=OptimConfig(lr=1e-3), loss=LossConfig(policy_loss="ppo"))
+    assert min(float(r.min()) for r in ref) < -5.0  # unlikely tokens were sampled
+    cfg = TrainerConfig(
+        model_path=str(directory),
+        dtype="float64",
+        max_tokens_per_micro_batch=64,
+        optim=OptimConfig(lr=1e-3),
+        loss=LossConfig(policy_loss="ppo"),
+    )
     trainer = make_trainer(cfg)
     trainer64 = trainer.compute_logprobs(batch)
     assert all(t.dtype == torch.float64 for t in trainer64)

@@ -16,6 +16,7 @@ import pytest
 from miles_like.cli import main
 from miles_like.loop import run
 from miles_like.tracking import REQUIRED_KEYS
+
 from wandb_log import history
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,29 +30,46 @@ def train(recipe: str, out: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-SMALL = ("rollout.prompts_per_step=4", "rollout.n=4", "sft.steps=30", "sft.batch_size=16",
-         "rollout.kv_cache_tokens=2048")
+SMALL = (
+    "rollout.prompts_per_step=4",
+    "rollout.n=4",
+    "sft.steps=30",
+    "sft.batch_size=16",
+    "rollout.kv_cache_tokens=2048",
+)
 
 
 def test_colocated_grpo_run_meets_the_contracts(ray_local, cache, tmp_path):
     out = tmp_path / "grpo"
-    rows = train("tiny_arith_grpo.yaml", out, "steps=3", *SMALL, "trainer.updates_per_rollout=1",
-                 "checkpoint.every_steps=2",
-                 "tracking.wandb_project=miles-like-test", "tracking.wandb_mode=offline")
+    rows = train(
+        "tiny_arith_grpo.yaml",
+        out,
+        "steps=3",
+        *SMALL,
+        "trainer.updates_per_rollout=1",
+        "checkpoint.every_steps=2",
+        "tracking.wandb_project=miles-like-test",
+        "tracking.wandb_mode=offline",
+    )
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert set(REQUIRED_KEYS) <= r.keys()
-        assert r["train/ppo_kl"] == 0.0 and r["train/ratio_max"] == 1.0   # one update / rollout
+        assert r["train/ppo_kl"] == 0.0 and r["train/ratio_max"] == 1.0  # one update / rollout
         # float64 (the recipe's dtype): the engine and the trainer agree to rounding
         assert r["train/logprob_diff_max"] <= 1e-10
         assert r["perf/weight_sync_bytes"] > 0 and r["rollout/samples"] == 16
         # the step's time is accounted for: its phases plus the controller's own overhead,
         # which is a small part of it (an untimed phase would show up here)
-        phases = sum(v for k, v in r.items() if k.startswith("perf/") and k.endswith("_s")
-                     and k not in ("perf/step_s", "perf/idle_s"))
+        phases = sum(
+            v
+            for k, v in r.items()
+            if k.startswith("perf/")
+            and k.endswith("_s")
+            and k not in ("perf/step_s", "perf/idle_s")
+        )
         assert abs(phases + r["perf/idle_s"] - r["perf/step_s"]) < 1e-6
         assert r["perf/idle_s"] < 0.1 * r["perf/step_s"]
-        assert r["rollout/prefix_cache_hit_rate"] >= 0.75 - 1e-9   # 4 samples share a prefill
+        assert r["rollout/prefix_cache_hit_rate"] >= 0.75 - 1e-9  # 4 samples share a prefill
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the offline wandb run logged the same rows: same keys, same values, same steps
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
@@ -61,29 +79,40 @@ def test_colocated_grpo_run_meets_the_contracts(ray_local, cache, tmp_path):
         assert {k: h[k] for k in r if k != "step"} == {k: v for k, v in r.items() if k != "step"}
     # the step-2 checkpoint is a loadable HF directory; the warm start was cached
     ckpt = out / "checkpoints" / "step_000002"
-    assert {"config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= {
-        p.name for p in ckpt.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in ckpt.iterdir()
+    }
     from rollout import Engine, EngineConfig
+
     Engine(EngineConfig(model_path=str(ckpt), kv_cache_tokens=256))
     # this run's warm start is in the cache (which the session's other runs share)
-    assert 30 in [json.loads((entry / "warm_start.json").read_text())["steps"]
-                  for entry in (cache / "warm_start").iterdir()]
+    assert 30 in [
+        json.loads((entry / "warm_start.json").read_text())["steps"]
+        for entry in (cache / "warm_start").iterdir()
+    ]
 
 
 def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path, monkeypatch):
     # float32 (the schema default) here, so the loop also runs end to end in it; a reward that
     # varies within groups, so every step moves the policy
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
-    rows = train("tiny_arith_grpo.yaml", tmp_path / "disagg", "steps=3", *SMALL,
-                 "model.dtype=float32", "reward.function=user_rewards:length_score",
-                 "cluster.devices=2", "cluster.colocate=false", "cluster.off_policy_steps=1")
+    rows = train(
+        "tiny_arith_grpo.yaml",
+        tmp_path / "disagg",
+        "steps=3",
+        *SMALL,
+        "model.dtype=float32",
+        "reward.function=user_rewards:length_score",
+        "cluster.devices=2",
+        "cluster.colocate=false",
+        "cluster.off_policy_steps=1",
+    )
     assert [r["step"] for r in rows] == [0, 1, 2]
     # Rollout k+1 is launched during step k, after the engines took the newest weights: at
     # step 0 those are the initial ones (nothing to sync), at step 1 the weights trained at step
     # 0 go over the broadcast group, and the last step launches no rollout.
     assert [r["perf/weight_sync_bytes"] > 0 for r in rows] == [False, True, False]
-    assert rows[0]["train/logprob_diff_max"] <= 1e-5   # same weights on both sides at step 0
+    assert rows[0]["train/logprob_diff_max"] <= 1e-5  # same weights on both sides at step 0
     # the mismatch metrics compare with the trainer's current weights: at step 0 the float32
     # mismatch alone; at step 1 the samples are one version old, so the policy lag adds to it.
     # From step 1 the trainer also scores them under the weights they were sampled with (a
@@ -102,17 +131,28 @@ def test_mini_batch_updates(ray_local, cache, tmp_path, monkeypatch):
     """updates_per_rollout = 2: the first mini-batch's PPO-KL is exactly 0, the second's not
     (a reward that varies within groups, so the first update moves the policy)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
-    rows = train("tiny_arith_grpo.yaml", tmp_path / "mb", "steps=2", *SMALL,
-                 "trainer.updates_per_rollout=2", "trainer.lr=1e-2",
-                 "reward.function=user_rewards:length_score")
+    rows = train(
+        "tiny_arith_grpo.yaml",
+        tmp_path / "mb",
+        "steps=2",
+        *SMALL,
+        "trainer.updates_per_rollout=2",
+        "trainer.lr=1e-2",
+        "reward.function=user_rewards:length_score",
+    )
     for r in rows:
         assert r["train/ppo_kl_first_update"] == 0.0
-        assert r["train/ppo_kl"] != 0.0          # mean of 0 and the second update's (off-policy)
+        assert r["train/ppo_kl"] != 0.0  # mean of 0 and the second update's (off-policy)
 
 
 def test_dapo_dynamic_sampling_keeps_the_batch_size(ray_local, cache, tmp_path):
-    rows = train("tiny_arith_dapo.yaml", tmp_path / "dapo", "steps=2", *SMALL,
-                 "algorithm.dynamic_sampling_max_rounds=2")
+    rows = train(
+        "tiny_arith_dapo.yaml",
+        tmp_path / "dapo",
+        "steps=2",
+        *SMALL,
+        "algorithm.dynamic_sampling_max_rounds=2",
+    )
     for r in rows:
         rounds = r["rollout/dynamic_rounds"]
         kept = r["rollout/dynamic_kept_groups"]
@@ -128,9 +168,17 @@ def test_ppo_critic_value_loss_falls(ray_local, cache, tmp_path, monkeypatch):
     # A dense reward (the response length) from a policy that barely moves (no warm start, lr
     # 1e-9): the critic's targets are stationary, so its value loss must fall as it fits them.
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
-    rows = train("tiny_arith_ppo.yaml", tmp_path / "ppo", "steps=10", "rollout.prompts_per_step=8",
-                 "rollout.n=2", "sft.steps=0", "trainer.lr=1e-9", "trainer.critic_lr=1e-2",
-                 "reward.function=user_rewards:length_score")
+    rows = train(
+        "tiny_arith_ppo.yaml",
+        tmp_path / "ppo",
+        "steps=10",
+        "rollout.prompts_per_step=8",
+        "rollout.n=2",
+        "sft.steps=0",
+        "trainer.lr=1e-9",
+        "trainer.critic_lr=1e-2",
+        "reward.function=user_rewards:length_score",
+    )
     losses = [r["train/critic_value_loss"] for r in rows]
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:2]) / 2, losses
     # the zero-initialized value head predicts 0 everywhere: 1 - Var(R - 0) / Var(R) = 0
@@ -140,30 +188,60 @@ def test_ppo_critic_value_loss_falls(ray_local, cache, tmp_path, monkeypatch):
 def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):
     """The GPU recipe, unchanged but for paths and sizes, on a random-init Qwen2 with a local BPE
     tokenizer and chat template, GSM8K-style rows and the math reward."""
-    from tiny_hf import save_bpe_tokenizer
-
     from rollout.random_checkpoint import write_random_checkpoint
 
-    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
-             "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}"}
-            for a, b in [(3, 4), (10, 5), (7, 8), (2, 9), (6, 6), (1, 12)]]
+    from tiny_hf import save_bpe_tokenizer
+
+    rows = [
+        {
+            "question": f"Tom has {a} apples and buys {b} more. How many now?",
+            "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}",
+        }
+        for a, b in [(3, 4), (10, 5), (7, 8), (2, 9), (6, 6), (1, 12)]
+    ]
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     model = tmp_path / "model"
     tok = save_bpe_tokenizer(model, [r["question"] + r["answer"] for r in rows] * 20)
-    write_random_checkpoint(model, dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(tok), max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
-        tie_word_embeddings=True, hidden_act="silu", eos_token_id=tok.eos_token_id,
-        torch_dtype="bfloat16"), seed=0)
+    write_random_checkpoint(
+        model,
+        dict(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=len(tok),
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+            hidden_act="silu",
+            eos_token_id=tok.eos_token_id,
+            torch_dtype="bfloat16",
+        ),
+        seed=0,
+    )
     out = tmp_path / "qwen"
-    got = train("qwen2.5-0.5b-gsm8k-grpo.yaml", out, f"model.path={model}",
-                f"data.path={data}", "steps=2", "rollout.prompts_per_step=2", "rollout.n=2",
-                "rollout.max_new_tokens=16", "rollout.kv_cache_tokens=1024",
-                "rollout.max_running_requests=16", "trainer.max_tokens_per_micro_batch=512",
-                "cluster.devices=1", "cluster.accelerator=cpu", "reward.max_workers=2",
-                "tracking.wandb_project=null")
+    got = train(
+        "qwen2.5-0.5b-gsm8k-grpo.yaml",
+        out,
+        f"model.path={model}",
+        f"data.path={data}",
+        "steps=2",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=16",
+        "rollout.kv_cache_tokens=1024",
+        "rollout.max_running_requests=16",
+        "trainer.max_tokens_per_micro_batch=512",
+        "cluster.devices=1",
+        "cluster.accelerator=cpu",
+        "reward.max_workers=2",
+        "tracking.wandb_project=null",
+    )
     assert len(got) == 2 and all(set(REQUIRED_KEYS) <= r.keys() for r in got)
     for r in got:
         # bf16 engine vs bf16 trainer on this near-uniform model (entropy ~5.7 nats): bounds
@@ -182,7 +260,14 @@ def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):
 def test_run_time_user_errors_are_one_line(ray_local, cache, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
-    code = main([str(RECIPES / "tiny_arith_grpo.yaml"), "data.synthetic=null",
-                 f"data.path={data}", f"tracking.output_dir={tmp_path / 'o'}"], run=run)
+    code = main(
+        [
+            str(RECIPES / "tiny_arith_grpo.yaml"),
+            "data.synthetic=null",
+            f"data.path={data}",
+            f"tracking.output_dir={tmp_path / 'o'}",
+        ],
+        run=run,
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "data.prompt_key='prompt'" in err

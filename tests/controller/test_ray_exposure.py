@@ -11,7 +11,7 @@ from miles_like.recipe import ClusterSection
 
 
 def test_local_ray_dashboard_is_off_and_on_loopback():
-    assert not ray.is_initialized()   # other modules' fixtures have shut theirs down
+    assert not ray.is_initialized()  # other modules' fixtures have shut theirs down
     try:
         start_ray(ClusterSection(), plan(ClusterSection()))
         assert ray._private.worker.global_worker.node.address_info["webui_url"] in ("", None)

@@ -10,8 +10,14 @@ import pytest
 import yaml
 
 from miles_like.build_configs import engine_config, sampling_params, trainer_config
-from miles_like.recipe import (Recipe, RecipeError, apply_overrides, load_recipe,
-                               parse_overrides, recipe_to_yaml)
+from miles_like.recipe import (
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    load_recipe,
+    parse_overrides,
+    recipe_to_yaml,
+)
 
 MINIMAL = "model:\n  builtin: tiny-qwen2\ndata:\n  synthetic: arith\n"
 
@@ -33,10 +39,18 @@ def test_minimal_recipe_takes_documented_defaults(tmp_path):
 
 
 def test_overrides_are_yaml_scalars_and_create_sections(tmp_path):
-    r = load_recipe(write(tmp_path, MINIMAL),
-                    ["rollout.n=4", "trainer.lr=1e-5", "algorithm.dual_clip=3",
-                     "cluster.address=null", "tracking.wandb_project=proj", "steps=7",
-                     "data.chat_template=false"])
+    r = load_recipe(
+        write(tmp_path, MINIMAL),
+        [
+            "rollout.n=4",
+            "trainer.lr=1e-5",
+            "algorithm.dual_clip=3",
+            "cluster.address=null",
+            "tracking.wandb_project=proj",
+            "steps=7",
+            "data.chat_template=false",
+        ],
+    )
     assert r.rollout.n == 4 and r.steps == 7 and r.data.chat_template is False
     # PyYAML reads "1e-5" as a string; a float field accepts it. An int becomes a float.
     assert r.trainer.lr == 1e-5 and isinstance(r.trainer.lr, float)
@@ -58,12 +72,26 @@ def test_resolved_yaml_loads_back_to_an_equal_recipe(tmp_path):
 
 
 def test_trainer_mapping(tmp_path):
-    r = load_recipe(write(tmp_path, MINIMAL), [
-        "steps=10", "trainer.updates_per_rollout=2", "trainer.tp=2", "trainer.pp=1",
-        "cluster.devices=2", "trainer.lr=2e-5", "trainer.lr_schedule=cosine",
-        "algorithm.clip_high=0.28", "algorithm.kl_coef=0.01", "algorithm.kl_type=k3",
-        "algorithm.gspo=true", "algorithm.is_correction=tis", "rollout.temperature=0.7",
-        "model.dtype=bfloat16", "trainer.backend=deepspeed"])
+    r = load_recipe(
+        write(tmp_path, MINIMAL),
+        [
+            "steps=10",
+            "trainer.updates_per_rollout=2",
+            "trainer.tp=2",
+            "trainer.pp=1",
+            "cluster.devices=2",
+            "trainer.lr=2e-5",
+            "trainer.lr_schedule=cosine",
+            "algorithm.clip_high=0.28",
+            "algorithm.kl_coef=0.01",
+            "algorithm.kl_type=k3",
+            "algorithm.gspo=true",
+            "algorithm.is_correction=tis",
+            "rollout.temperature=0.7",
+            "model.dtype=bfloat16",
+            "trainer.backend=deepspeed",
+        ],
+    )
     cfg = trainer_config(r, "/m")
     assert cfg.model_path == "/m" and cfg.backend == "deepspeed" and cfg.dtype == "bfloat16"
     assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 1
@@ -77,9 +105,17 @@ def test_trainer_mapping(tmp_path):
 
 
 def test_engine_and_sampling_mapping(tmp_path):
-    r = load_recipe(write(tmp_path, MINIMAL), [
-        "rollout.kv_cache_tokens=512", "rollout.page_size=4", "rollout.n=3",
-        "rollout.speculative_method=group", "rollout.max_new_tokens=9", "seed=5"])
+    r = load_recipe(
+        write(tmp_path, MINIMAL),
+        [
+            "rollout.kv_cache_tokens=512",
+            "rollout.page_size=4",
+            "rollout.n=3",
+            "rollout.speculative_method=group",
+            "rollout.max_new_tokens=9",
+            "seed=5",
+        ],
+    )
     e = engine_config(r, "/m")
     assert (e.kv_cache_tokens, e.page_size, e.speculative_method, e.seed) == (512, 4, "group", 5)
     s = sampling_params(r, seed=11)
@@ -88,56 +124,118 @@ def test_engine_and_sampling_mapping(tmp_path):
 
 # (recipe text, overrides, what the message must contain). Each case is one kind of mistake.
 MALFORMED = {
-    "typo in key": (MINIMAL + "rollout:\n  temprature: 0.7\n", [],
-                    ["rollout.temprature", "did you mean rollout.temperature"]),
-    "typo in section": (MINIMAL + "algoritm:\n  kl_coef: 0.1\n", [],
-                        ["algoritm", "did you mean algorithm"]),
-    "typo in override": (MINIMAL, ["trainer.learning_rate=1e-5"],
-                         ["trainer.learning_rate", "did you mean trainer.lr?"]),
-    "unknown key, nothing close": (MINIMAL, ["rollout.zzz=1"], ["rollout.zzz", "valid keys of rollout are"]),
+    "typo in key": (
+        MINIMAL + "rollout:\n  temprature: 0.7\n",
+        [],
+        ["rollout.temprature", "did you mean rollout.temperature"],
+    ),
+    "typo in section": (
+        MINIMAL + "algoritm:\n  kl_coef: 0.1\n",
+        [],
+        ["algoritm", "did you mean algorithm"],
+    ),
+    "typo in override": (
+        MINIMAL,
+        ["trainer.learning_rate=1e-5"],
+        ["trainer.learning_rate", "did you mean trainer.lr?"],
+    ),
+    "unknown key, nothing close": (
+        MINIMAL,
+        ["rollout.zzz=1"],
+        ["rollout.zzz", "valid keys of rollout are"],
+    ),
     "wrong type": (MINIMAL + "rollout:\n  n: eight\n", [], ["rollout.n", "int"]),
     "bool for int": (MINIMAL, ["trainer.tp=true"], ["trainer.tp", "int"]),
     "string for bool": (MINIMAL, ["cluster.colocate=maybe"], ["cluster.colocate", "bool"]),
     "section is a scalar": (MINIMAL + "rollout: 5\n", [], ["rollout", "section"]),
     "out of range (schema)": (MINIMAL, ["algorithm.gamma=1.5"], ["algorithm.gamma", "[0.0, 1.0]"]),
     "out of range (engine's check)": (MINIMAL, ["rollout.top_p=1.5"], ["rollout.top_p", "(0, 1]"]),
-    "out of range (sampling)": (MINIMAL, ["rollout.max_new_tokens=0"],
-                                ["rollout.max_new_tokens", ">= 1"]),
+    "out of range (sampling)": (
+        MINIMAL,
+        ["rollout.max_new_tokens=0"],
+        ["rollout.max_new_tokens", ">= 1"],
+    ),
     "zero temperature": (MINIMAL, ["rollout.temperature=0"], ["rollout.temperature", "(0.0"]),
     "bad enum": (MINIMAL, ["algorithm.advantage=ppo"], ["algorithm.advantage", "gae"]),
-    "bad enum (trainer's check)": (MINIMAL, ["algorithm.kl_type=k9"],
-                                   ["algorithm.kl_type", "low-var-kl"]),
-    "bad schedule (trainer's check)": (MINIMAL, ["trainer.lr_schedule=linear"],
-                                       ["trainer.lr_schedule", "cosine"]),
-    "bad backend (trainer's check)": (MINIMAL, ["trainer.backend=fsdp"],
-                                      ["trainer.backend", "deepspeed"]),
-    "float64 on deepspeed": (MINIMAL, ["model.dtype=float64", "trainer.backend=deepspeed"],
-                             ["model.dtype", "trainer.backend", "megatron"]),
-    "bad int enum": (MINIMAL, ["cluster.off_policy_steps=2"], ["cluster.off_policy_steps", "0 | 1"]),
-    "bad reward spec": (MINIMAL, ["reward.function=my rewards"], ["reward.function", "module:function"]),
-    "unimportable reward": (MINIMAL, ["reward.function=no_such_module_xyz:score"],
-                            ["reward.function", "cannot import"]),
-    "missing model path": (MINIMAL.replace("builtin: tiny-qwen2", "path: /no/such/model"), [],
-                           ["model.path", "no such directory"]),
-    "missing data path": (MINIMAL.replace("synthetic: arith", "path: /no/such/data.jsonl"), [],
-                          ["data.path", "no such file"]),
-    "bad data suffix": (MINIMAL.replace("synthetic: arith", "path: data.csv"), [],
-                        ["data.path", ".parquet"]),
-    "draft without its model": (MINIMAL, ["rollout.speculative_method=draft"],
-                                ["rollout.speculative_method='draft'", "rollout.speculative_draft_model_path"]),
-    "missing draft model": (MINIMAL, ["rollout.speculative_method=draft",
-                                      "rollout.speculative_draft_model_path=/no/such/draft"],
-                            ["rollout.speculative_draft_model_path", "config.json"]),
-    "draft path without draft": (MINIMAL, ["rollout.speculative_draft_model_path=/x"],
-                                 ["rollout.speculative_draft_model_path", "rollout.speculative_method"]),
+    "bad enum (trainer's check)": (
+        MINIMAL,
+        ["algorithm.kl_type=k9"],
+        ["algorithm.kl_type", "low-var-kl"],
+    ),
+    "bad schedule (trainer's check)": (
+        MINIMAL,
+        ["trainer.lr_schedule=linear"],
+        ["trainer.lr_schedule", "cosine"],
+    ),
+    "bad backend (trainer's check)": (
+        MINIMAL,
+        ["trainer.backend=fsdp"],
+        ["trainer.backend", "deepspeed"],
+    ),
+    "float64 on deepspeed": (
+        MINIMAL,
+        ["model.dtype=float64", "trainer.backend=deepspeed"],
+        ["model.dtype", "trainer.backend", "megatron"],
+    ),
+    "bad int enum": (
+        MINIMAL,
+        ["cluster.off_policy_steps=2"],
+        ["cluster.off_policy_steps", "0 | 1"],
+    ),
+    "bad reward spec": (
+        MINIMAL,
+        ["reward.function=my rewards"],
+        ["reward.function", "module:function"],
+    ),
+    "unimportable reward": (
+        MINIMAL,
+        ["reward.function=no_such_module_xyz:score"],
+        ["reward.function", "cannot import"],
+    ),
+    "missing model path": (
+        MINIMAL.replace("builtin: tiny-qwen2", "path: /no/such/model"),
+        [],
+        ["model.path", "no such directory"],
+    ),
+    "missing data path": (
+        MINIMAL.replace("synthetic: arith", "path: /no/such/data.jsonl"),
+        [],
+        ["data.path", "no such file"],
+    ),
+    "bad data suffix": (
+        MINIMAL.replace("synthetic: arith", "path: data.csv"),
+        [],
+        ["data.path", ".parquet"],
+    ),
+    "draft without its model": (
+        MINIMAL,
+        ["rollout.speculative_method=draft"],
+        ["rollout.speculative_method='draft'", "rollout.speculative_draft_model_path"],
+    ),
+    "missing draft model": (
+        MINIMAL,
+        ["rollout.speculative_method=draft", "rollout.speculative_draft_model_path=/no/such/draft"],
+        ["rollout.speculative_draft_model_path", "config.json"],
+    ),
+    "draft path without draft": (
+        MINIMAL,
+        ["rollout.speculative_draft_model_path=/x"],
+        ["rollout.speculative_draft_model_path", "rollout.speculative_method"],
+    ),
     "both model sources": (MINIMAL, ["model.path=/x"], ["model.path", "model.builtin"]),
     "unknown builtin": (MINIMAL, ["model.builtin=gpt5"], ["model.builtin", "tiny-qwen2"]),
     "missing section": ("data:\n  synthetic: arith\n", [], ["model", "missing"]),
     "group estimator with n=1": (MINIMAL, ["rollout.n=1"], ["rollout.n", ">= 2"]),
-    "overlong buffer too big": (MINIMAL, ["algorithm.overlong_buffer=64"],
-                                ["algorithm.overlong_buffer", "rollout.max_new_tokens"]),
-    "off-policy while colocated": (MINIMAL, ["cluster.off_policy_steps=1"],
-                                   ["cluster.off_policy_steps", "cluster.colocate"]),
+    "overlong buffer too big": (
+        MINIMAL,
+        ["algorithm.overlong_buffer=64"],
+        ["algorithm.overlong_buffer", "rollout.max_new_tokens"],
+    ),
+    "off-policy while colocated": (
+        MINIMAL,
+        ["cluster.off_policy_steps=1"],
+        ["cluster.off_policy_steps", "cluster.colocate"],
+    ),
     "devices vs tp": (MINIMAL, ["trainer.tp=2"], ["cluster.devices", "trainer.tp"]),
     "bad arith ops": (MINIMAL, ["data.arith_ops=/"], ["data.arith_ops='/': use", "+-*"]),
     "override without =": (MINIMAL, ["rollout.n"], ["rollout.n", "key=value"]),
@@ -172,7 +270,9 @@ def test_missing_recipe_file(tmp_path):
 
 def test_path_checks_can_be_skipped_but_not_the_rest(tmp_path):
     text = MINIMAL.replace("builtin: tiny-qwen2", "path: /no/such/model")
-    assert load_recipe(write(tmp_path, text), check_paths_exist=False).model.path == "/no/such/model"
+    assert (
+        load_recipe(write(tmp_path, text), check_paths_exist=False).model.path == "/no/such/model"
+    )
     with pytest.raises(RecipeError, match="rollout.n"):
         load_recipe(write(tmp_path, text), ["rollout.n=x"], check_paths_exist=False)
 
@@ -181,7 +281,7 @@ def test_existing_paths_pass(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")   # only its presence is checked here
+    (model / "model.safetensors").write_bytes(b"")  # only its presence is checked here
     data = write(tmp_path, '{"prompt": "1+1=", "answer": "2"}\n', "train.jsonl")
     r = load_recipe(write(tmp_path, f"model:\n  path: {model}\ndata:\n  path: {data}\n"))
     assert r.model.path == str(model) and r.data.path == str(data)
@@ -192,6 +292,7 @@ def test_existing_paths_pass(tmp_path):
 
 def test_sections_validate_when_built_in_code():
     from miles_like.recipe import RolloutSection
+
     with pytest.raises(RecipeError, match="rollout.prompts_per_step"):
         RolloutSection(prompts_per_step=0)
     r = Recipe(model={"builtin": "tiny-qwen2"}, data={"synthetic": "arith"})
@@ -206,8 +307,12 @@ def test_engine_attention_backend_from_the_recipe(tmp_path, monkeypatch):
     assert engine_config(r, "m", "cpu").attention_backend == "torch"
     gpu = engine_config(r, "m", "cuda")
     assert gpu.attention_backend == "triton" and gpu.decode_graphs is True
-    assert engine_config(load_recipe(write(tmp_path, MINIMAL), ["rollout.attention_backend=torch"]),
-                         "m", "cuda").attention_backend == "torch"
+    assert (
+        engine_config(
+            load_recipe(write(tmp_path, MINIMAL), ["rollout.attention_backend=torch"]), "m", "cuda"
+        ).attention_backend
+        == "torch"
+    )
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(RecipeError, match=r"^rollout\.attention_backend='triton' needs a CUDA"):
         load_recipe(write(tmp_path, MINIMAL), ["rollout.attention_backend=triton"])
@@ -219,7 +324,10 @@ def test_zero3_with_colocated_gpu_offload_is_refused(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match=r"^trainer\.zero_stage=3: colocated on GPU"):
         load_recipe(write(tmp_path, MINIMAL), zero3, check_paths_exist=False)
     # disaggregated it can run (no offload between phases)
-    load_recipe(write(tmp_path, MINIMAL), [*zero3, "cluster.colocate=false", "cluster.devices=2"],
-                check_paths_exist=False)
+    load_recipe(
+        write(tmp_path, MINIMAL),
+        [*zero3, "cluster.colocate=false", "cluster.devices=2"],
+        check_paths_exist=False,
+    )
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    load_recipe(write(tmp_path, MINIMAL), zero3)   # on CPU nothing is offloaded
+    load_recipe(write(tmp_path, MINIMAL), zero3)  # on CPU nothing is offloaded

@@ -15,8 +15,12 @@ NAMES = [p.name for p in RECIPES]
 
 
 def test_the_documented_recipes_exist():
-    assert {"tiny_arith_grpo.yaml", "tiny_arith_ppo.yaml", "tiny_arith_dapo.yaml",
-            "qwen2.5-0.5b-gsm8k-grpo.yaml"} <= set(NAMES)
+    assert {
+        "tiny_arith_grpo.yaml",
+        "tiny_arith_ppo.yaml",
+        "tiny_arith_dapo.yaml",
+        "qwen2.5-0.5b-gsm8k-grpo.yaml",
+    } <= set(NAMES)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=NAMES)
@@ -30,7 +34,9 @@ def test_tiny_recipes_say_what_they_claim():
     grpo = load_recipe(RECIPES[NAMES.index("tiny_arith_grpo.yaml")])
     ppo = load_recipe(RECIPES[NAMES.index("tiny_arith_ppo.yaml")])
     dapo = load_recipe(RECIPES[NAMES.index("tiny_arith_dapo.yaml")])
-    assert grpo.model.builtin and grpo.data.synthetic == "arith" and grpo.algorithm.advantage == "grpo"
+    assert (
+        grpo.model.builtin and grpo.data.synthetic == "arith" and grpo.algorithm.advantage == "grpo"
+    )
     assert ppo.algorithm.advantage == "gae"
     assert dapo.algorithm.dynamic_sampling and dapo.algorithm.clip_high > dapo.algorithm.clip_low
     assert dapo.algorithm.overlong_buffer > 0

@@ -33,18 +33,31 @@ RECIPE = str(ROOT / "recipes" / "tiny_arith_grpo.yaml")
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-KILL_AFTER = 3   # the checkpoint before step 3 (written after step 2)
-COMMON = (f"steps={STEPS}", "rollout.prompts_per_step=4", "rollout.n=4",
-          "rollout.max_new_tokens=8", "rollout.kv_cache_tokens=2048",
-          "sft.steps=10", "sft.batch_size=16", "sft.cache=false",
-          "trainer.updates_per_rollout=2", "trainer.lr=3e-3", "trainer.lr_schedule=cosine",
-          "trainer.warmup_steps=2", "reward.function=user_rewards:length_score",
-          "checkpoint.every_steps=1", "tracking.wandb_project=miles-like-test")
+KILL_AFTER = 3  # the checkpoint before step 3 (written after step 2)
+COMMON = (
+    f"steps={STEPS}",
+    "rollout.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=8",
+    "rollout.kv_cache_tokens=2048",
+    "sft.steps=10",
+    "sft.batch_size=16",
+    "sft.cache=false",
+    "trainer.updates_per_rollout=2",
+    "trainer.lr=3e-3",
+    "trainer.lr_schedule=cosine",
+    "trainer.warmup_steps=2",
+    "reward.function=user_rewards:length_score",
+    "checkpoint.every_steps=1",
+    "tracking.wandb_project=miles-like-test",
+)
 
 
 def is_timing(key: str) -> bool:
     return (key.startswith("perf/") and key.endswith("_s")) or key in (
-        "perf/idle_frac", "rollout/tokens_per_s")
+        "perf/idle_frac",
+        "rollout/tokens_per_s",
+    )
 
 
 def rows_of(out: Path) -> list[dict]:
@@ -60,17 +73,32 @@ def killed_after_checkpoint(out: Path, step: int, *overrides: str):
     """`python -m miles_like.train` in its own session (its own local Ray), started on entry and
     SIGKILLed as a whole process group as soon as checkpoint `step` is complete, by a watcher
     thread, while the caller's block runs."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
-               PYTHONUNBUFFERED="1")   # its log is read while it runs
-    env.pop("WANDB_SERVICE", None)   # this process's wandb service: the run gets its own
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
+        PYTHONUNBUFFERED="1",
+    )  # its log is read while it runs
+    env.pop("WANDB_SERVICE", None)  # this process's wandb service: the run gets its own
     marker = out / "checkpoints" / f"step_{step:06d}" / "state.json"
     out.mkdir(parents=True)
     log_path = out.parent / f"{out.name}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "miles_like.train", RECIPE, f"tracking.output_dir={out}",
-             *COMMON, *overrides], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "miles_like.train",
+                RECIPE,
+                f"tracking.output_dir={out}",
+                *COMMON,
+                *overrides,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
         def kill_at_marker():
             deadline = time.monotonic() + 600
@@ -83,8 +111,11 @@ def killed_after_checkpoint(out: Path, step: int, *overrides: str):
             # Ray gives a starting node 30 s (hard-coded) to register: let it start before the
             # caller's block competes for the 2 cores (the warm start runs on its actors)
             deadline = time.monotonic() + 300
-            while ("warm start:" not in log_path.read_text() and proc.poll() is None
-                   and time.monotonic() < deadline):
+            while (
+                "warm start:" not in log_path.read_text()
+                and proc.poll() is None
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.1)
             watcher.start()
             yield
@@ -100,12 +131,13 @@ def killed_after_checkpoint(out: Path, step: int, *overrides: str):
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:   # already gone (killed by the watcher)
+    except ProcessLookupError:  # already gone (killed by the watcher)
         pass
 
 
 def _wait_session_gone(sid: int, timeout: float) -> list[str]:
     """Wait for every process of session `sid` to exit; kill (by pid) and name any that do not."""
+
     def members():
         found = []
         for p in psutil.process_iter(["name"]):
@@ -135,17 +167,17 @@ def assert_same_rows(resumed: list[dict], reference: list[dict]) -> None:
 def check_resumed_exactly(tmp_path: Path, capsys, *overrides: str) -> None:
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     with killed_after_checkpoint(killed, KILL_AFTER, *overrides):
-        run_in_process(reference, *overrides)   # meanwhile (most of a start-up is waiting)
+        run_in_process(reference, *overrides)  # meanwhile (most of a start-up is waiting)
     capsys.readouterr()
     run_in_process(killed, "checkpoint.resume=auto", *overrides)
     printed = capsys.readouterr().out
     resumed_from = int(printed.split("resume: continuing from ")[1].split("step_")[1][:6])
     assert KILL_AFTER <= resumed_from < STEPS
-    assert "warm start:" not in printed   # the checkpoint holds the weights
+    assert "warm start:" not in printed  # the checkpoint holds the weights
     ref_rows = rows_of(reference)
     # every step made a real update, so a missing piece of optimizer state would show
     assert all(r["train/grad_norm"] > 0 and r["train/update_skipped"] == 0 for r in ref_rows)
-    assert len({r["train/lr"] for r in ref_rows}) == STEPS   # the schedule moved every step
+    assert len({r["train/lr"] for r in ref_rows}) == STEPS  # the schedule moved every step
     assert_same_rows(rows_of(killed), ref_rows)
     # wandb continued the killed run's id (one offline directory per process, same id)
     ids = {p.name.rsplit("-", 1)[1] for p in (killed / "wandb").glob("offline-run-*")}
@@ -162,5 +194,10 @@ def test_colocated_on_policy_resume_is_exact(ray_local, cache, tmp_path, capsys)
 def test_disaggregated_off_policy_resume_is_exact(ray_local, cache, tmp_path, capsys):
     """One-step off-policy: the pending rollout is regenerated with the engine-side weights
     saved in the checkpoint (one version behind the policy)."""
-    check_resumed_exactly(tmp_path, capsys, "cluster.devices=2", "cluster.colocate=false",
-                          "cluster.off_policy_steps=1")
+    check_resumed_exactly(
+        tmp_path,
+        capsys,
+        "cluster.devices=2",
+        "cluster.colocate=false",
+        "cluster.off_policy_steps=1",
+    )

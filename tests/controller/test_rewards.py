@@ -33,19 +33,26 @@ def test_arith_checker():
     fn = BUILTIN_REWARDS["arith"]
     assert fn("12+30=", "42", "42") == 1.0
     assert fn("12+30=", " 42 ", "42") == 1.0
-    assert fn("12+30=", "042", "42") == 1.0   # the same integer
+    assert fn("12+30=", "042", "42") == 1.0  # the same integer
     assert fn("12+30=", "43", "42") == 0.0
     assert fn("12+30=", "42abc", "42") == 0.0
     assert fn("12+30=", "", "42") == 0.0
 
 
-@pytest.mark.parametrize("response,answer,expected", [
-    ("The answer is \\boxed{72}.", "72", 1.0),
-    ("so we get $\\frac{1}{2}$", "0.5", 1.0),
-    ("Natalia sold 48+24 = 72 clips.\n#### 72", "She sold 48/2 = 24 clips in May.\n#### 72", 1.0),
-    ("The answer is \\boxed{71}.", "72", 0.0),
-    ("I do not know", "72", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [
+        ("The answer is \\boxed{72}.", "72", 1.0),
+        ("so we get $\\frac{1}{2}$", "0.5", 1.0),
+        (
+            "Natalia sold 48+24 = 72 clips.\n#### 72",
+            "She sold 48/2 = 24 clips in May.\n#### 72",
+            1.0,
+        ),
+        ("The answer is \\boxed{71}.", "72", 0.0),
+        ("I do not know", "72", 0.0),
+    ],
+)
 def test_math_reward(response, answer, expected):
     assert BUILTIN_REWARDS["math"]("q", response, answer) == expected
 
@@ -56,15 +63,18 @@ def test_user_function_specs():
     assert resolve_reward("math") is BUILTIN_REWARDS["math"]
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-    ("user_rewards:missing", "has no 'missing'"),
-    ("user_rewards:NOT_CALLABLE", "not callable"),
-    ("user_rewards", "module:function"),
-    ("user rewards:fn", "module:function"),
-    ("mathh", "did you mean math?"),
-    ("nothing_like_it", "math | exact_match | arith"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+        ("user_rewards:missing", "has no 'missing'"),
+        ("user_rewards:NOT_CALLABLE", "not callable"),
+        ("user_rewards", "module:function"),
+        ("user rewards:fn", "module:function"),
+        ("mathh", "did you mean math?"),
+        ("nothing_like_it", "math | exact_match | arith"),
+    ],
+)
 def test_bad_specs_name_the_field(spec, needle):
     with pytest.raises(RecipeError) as info:
         resolve_reward(spec)
@@ -73,14 +83,21 @@ def test_bad_specs_name_the_field(spec, needle):
 
 def misbehaving(responses: list[str], max_workers: int = 2, timeout_s: float = 10.0):
     start = time.monotonic()
-    res = compute_rewards(unruly_rewards.by_response, ["p"] * len(responses), responses,
-                          ["a"] * len(responses), max_workers=max_workers, timeout_s=timeout_s)
+    res = compute_rewards(
+        unruly_rewards.by_response,
+        ["p"] * len(responses),
+        responses,
+        ["a"] * len(responses),
+        max_workers=max_workers,
+        timeout_s=timeout_s,
+    )
     return res, time.monotonic() - start
 
 
 def test_raise_nan_and_junk_score_zero_and_are_counted():
-    res, _ = misbehaving(["ab", "raise", "nan", "abc", "inf", "none", "string", "sys.exit",
-                          "huge_value", "huge_int"])
+    res, _ = misbehaving(
+        ["ab", "raise", "nan", "abc", "inf", "none", "string", "sys.exit", "huge_value", "huge_int"]
+    )
     assert res.scores == [2.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert (res.num_errors, res.num_nan, res.num_timeouts) == (5, 3, 0)
 
@@ -99,7 +116,7 @@ def test_a_hanging_reward_is_killed_at_its_timeout_and_its_worker_replaced():
     assert (res.num_errors, res.num_nan, res.num_timeouts) == (0, 0, 3)
     # three 5 s timeouts on two workers, plus the replacements' start-up: far below the hang
     assert seconds < 120
-    after, _ = misbehaving(["abcd"] * 4, timeout_s=5.0)   # the same pool, replaced workers
+    after, _ = misbehaving(["abcd"] * 4, timeout_s=5.0)  # the same pool, replaced workers
     assert after.scores == [4.0] * 4
 
 
@@ -126,28 +143,35 @@ def test_workers_killed_while_idle_are_replaced():
 
 def test_scoring_runs_on_a_bounded_pool_of_worker_processes():
     workers = 3
-    res = compute_rewards(unruly_rewards.pid_after, ["p"] * 9, ["0.3"] * 9, ["a"] * 9,
-                          max_workers=workers)
+    res = compute_rewards(
+        unruly_rewards.pid_after, ["p"] * 9, ["0.3"] * 9, ["a"] * 9, max_workers=workers
+    )
     pool_pids = {float(w.proc.pid) for w in reward_pool._pool._workers}
     assert len(pool_pids) == workers and os.getpid() not in pool_pids
-    assert 2 <= len(set(res.scores)) and set(res.scores) <= pool_pids   # concurrent, bounded
+    assert 2 <= len(set(res.scores)) and set(res.scores) <= pool_pids  # concurrent, bounded
     assert res.num_errors == 0
-    again = compute_rewards(unruly_rewards.pid_after, ["p"] * 3, ["0"] * 3, ["a"] * 3,
-                            max_workers=workers)
-    assert set(again.scores) <= pool_pids   # the same processes: the pool persists
+    again = compute_rewards(
+        unruly_rewards.pid_after, ["p"] * 3, ["0"] * 3, ["a"] * 3, max_workers=workers
+    )
+    assert set(again.scores) <= pool_pids  # the same processes: the pool persists
 
 
 def test_scores_keep_input_order():
     responses = ["x" * i for i in range(12)]
-    res = compute_rewards(user_rewards.length_score, ["p"] * 12, responses, ["a"] * 12,
-                          max_workers=4)
+    res = compute_rewards(
+        user_rewards.length_score, ["p"] * 12, responses, ["a"] * 12, max_workers=4
+    )
     assert res.scores == [float(i) for i in range(12)]
 
 
 def test_math_reward_in_the_pool():
-    res = compute_rewards(BUILTIN_REWARDS["math"], ["q"] * 3,
-                          ["The answer is \\boxed{72}.", "71", "so $\\frac{1}{2}$"],
-                          ["72", "72", "0.5"], max_workers=2)
+    res = compute_rewards(
+        BUILTIN_REWARDS["math"],
+        ["q"] * 3,
+        ["The answer is \\boxed{72}.", "71", "so $\\frac{1}{2}$"],
+        ["72", "72", "0.5"],
+        max_workers=2,
+    )
     assert res.scores == [1.0, 0.0, 1.0] and res.num_errors == 0
 
 

@@ -34,10 +34,19 @@ pytestmark = pytest.mark.slow
 
 
 def recipe_with(function: str, *more: str):
-    return load_recipe(RECIPE, ["rollout.prompts_per_step=3", "rollout.n=2", "seed=4",
-                                "rollout.max_new_tokens=5", "rollout.kv_cache_tokens=2048",
-                                "trainer.updates_per_rollout=1",
-                                f"rollout.function={function}", *more])
+    return load_recipe(
+        RECIPE,
+        [
+            "rollout.prompts_per_step=3",
+            "rollout.n=2",
+            "seed=4",
+            "rollout.max_new_tokens=5",
+            "rollout.kv_cache_tokens=2048",
+            "trainer.updates_per_rollout=1",
+            f"rollout.function={function}",
+            *more,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +75,17 @@ def manager(function: str, engines, *more: str, front=None) -> RolloutManager:
     recipe = recipe_with(function, *more)
     tok = load_tokenizer(model)
     source = PromptSource(recipe.data, tok, seed=recipe.seed, max_prompt_tokens=64)
-    return RolloutManager(recipe, list(actors), tok, resolve_reward(recipe.reward.function),
-                          source, rollout_fn=resolve_rollout_function(function),
-                          context_len=512, vocab_size=tok.vocab_size, front=front)
+    return RolloutManager(
+        recipe,
+        list(actors),
+        tok,
+        resolve_reward(recipe.reward.function),
+        source,
+        rollout_fn=resolve_rollout_function(function),
+        context_len=512,
+        vocab_size=tok.vocab_size,
+        front=front,
+    )
 
 
 def test_multi_turn_trajectories_are_the_hand_built_conversation(engines):
@@ -89,12 +106,12 @@ def test_multi_turn_trajectories_are_the_hand_built_conversation(engines):
         for turn, sampled in enumerate(rec.sampled):
             want_tokens += sampled
             want_mask += [1] * len(sampled)
-            messages.append({"role": "assistant",
-                             "content": tok.decode(sampled, skip_special_tokens=True)})
+            messages.append(
+                {"role": "assistant", "content": tok.decode(sampled, skip_special_tokens=True)}
+            )
             if turn < len(rec.sampled) - 1:
                 new = [agent_rollouts.tool_message(sampled)]
-                between = ([] if sampled[-1] == eos else [eos]) + chat.delta_ids(
-                    tok, messages, new)
+                between = ([] if sampled[-1] == eos else [eos]) + chat.delta_ids(tok, messages, new)
                 assert rec.appended[turn] == between
                 want_tokens += between
                 want_mask += [0] * len(between)
@@ -108,8 +125,9 @@ def test_multi_turn_trajectories_are_the_hand_built_conversation(engines):
         assert all(v == 0 for v, m in zip(t.weight_versions, t.loss_mask) if m)
     m = rollout.metrics
     assert m["turns_mean"] == 3.0 and m["tool_calls_mean"] == 2.0
-    assert m["retokenize_mismatch"] == sum(r.trajectory.metrics["retokenize_mismatch"]
-                                           for r in agent_rollouts.RECORDS)
+    assert m["retokenize_mismatch"] == sum(
+        r.trajectory.metrics["retokenize_mismatch"] for r in agent_rollouts.RECORDS
+    )
     sampled = sum(len(s) for r in agent_rollouts.RECORDS for s in r.sampled)
     total = sum(r.trajectory.response_len for r in agent_rollouts.RECORDS)
     assert m["loss_mask_frac"] == pytest.approx(sampled / total, abs=1e-12)
@@ -134,7 +152,7 @@ def test_sampling_seeds_are_the_single_turn_ones(engines):
     for multi, one in zip(grouped, ones):
         for t3, t1 in zip(multi.trajectories, one.trajectories):
             first = t1.response_len
-            assert t3.token_ids[:t1.prompt_len + first] == t1.token_ids
+            assert t3.token_ids[: t1.prompt_len + first] == t1.token_ids
             assert t3.logprobs[:first] == t1.logprobs
 
 
@@ -155,7 +173,7 @@ def test_agent_code_through_the_openai_endpoint(engines):
             single.close()
         for got, want in zip(served, direct):
             for j, (a, b) in enumerate(zip(got.trajectories, want.trajectories)):
-                assert a.token_ids == b.token_ids   # per-sample seeds: batching changes nothing
+                assert a.token_ids == b.token_ids  # per-sample seeds: batching changes nothing
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-12
                 (turn,) = front.sessions.get(f"{got.problem.prompt}#{j}")
                 assert turn.prompt_token_ids + turn.token_ids == list(a.token_ids)
@@ -191,7 +209,7 @@ def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engin
     rm.restart_engine = restart
     victim, done = mine[0], threading.Event()
 
-    def kill_when_busy():   # a call in flight blocks the actor's other methods
+    def kill_when_busy():  # a call in flight blocks the actor's other methods
         while not done.is_set():
             answered, _ = ray.wait([victim.stats.remote()], timeout=0.2)
             if not answered:
@@ -214,12 +232,17 @@ def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engin
         assert [t.loss_mask for t in got.trajectories] == [t.loss_mask for t in ref.trajectories]
 
 
-@pytest.mark.parametrize("function,message", [
-    ("agent_rollouts:raises", "KeyError: 'no such tool'"),
-    ("agent_rollouts:too_few", ("returned list of 0 items; return a list of rollout.n=2 "
-                               "Trajectory")),
-    ("agent_rollouts:bad_mask", "trajectory 0: loss_mask has"),
-])
+@pytest.mark.parametrize(
+    "function,message",
+    [
+        ("agent_rollouts:raises", "KeyError: 'no such tool'"),
+        (
+            "agent_rollouts:too_few",
+            ("returned list of 0 items; return a list of rollout.n=2 Trajectory"),
+        ),
+        ("agent_rollouts:bad_mask", "trajectory 0: loss_mask has"),
+    ],
+)
 def test_a_broken_function_fails_the_step_in_one_line(engines, function, message):
     rm = manager(function, engines)
     try:
@@ -235,8 +258,11 @@ def test_a_broken_function_fails_the_step_in_one_line(engines, function, message
 def test_a_hung_function_stops_the_step_after_the_call_timeout(engines):
     rm = manager("agent_rollouts:hangs", engines, "cluster.call_timeout_s=2")
     try:
-        with pytest.raises(RolloutFailed, match=r"rollout.function='agent_rollouts:hangs': no "
-                                                r"progress within 2 s \(cluster.call_timeout_s\)"):
+        with pytest.raises(
+            RolloutFailed,
+            match=r"rollout.function='agent_rollouts:hangs': no "
+            r"progress within 2 s \(cluster.call_timeout_s\)",
+        ):
             rm.finish(rm.launch(0))
     finally:
         rm.close()
@@ -266,8 +292,7 @@ def test_trajectory_check_names_the_problem():
         "logprobs has 3 entries for the 4 tokens": {"logprobs": t.logprobs[:3]},
         "loss_mask must hold only 0 and 1": {"loss_mask": (1, 2, 0, 1)},
         "loss_mask has no sampled token": {"loss_mask": (0, 0, 0, 0)},
-        "a token outside the loss mask has logprob -0.5": {"logprobs": (-0.5, -0.25, -0.5,
-                                                                         -1.0)},
+        "a token outside the loss mask has logprob -0.5": {"logprobs": (-0.5, -0.25, -0.5, -1.0)},
         "logprobs of a sampled token is 0.5": {"logprobs": (0.5, -0.25, 0.0, -1.0)},
         "weight_versions of a sampled token is -1": {"weight_versions": (-1, 2, -1, 3)},
         "prompt_len=0 must be": {"prompt_len": 0},

@@ -25,22 +25,36 @@ PROMPTS, N = 2, 2
 def test_three_turn_run_trains_on_exactly_the_sampled_tokens(ray_local, cache, tmp_path, capsys):
     agent_rollouts.RECORDS.clear()
     out = tmp_path / "run"
-    code = main([RECIPE, f"tracking.output_dir={out}", "steps=2",
-                 f"rollout.prompts_per_step={PROMPTS}", f"rollout.n={N}",
-                 "rollout.max_new_tokens=6", "rollout.kv_cache_tokens=2048", "sft.steps=10",
-                 "sft.batch_size=16", "trainer.updates_per_rollout=1",
-                 "rollout.function=agent_rollouts:three_turns", "rollout.max_turns=3",
-                 "rollout.serve_http=true"], run=run)
+    code = main(
+        [
+            RECIPE,
+            f"tracking.output_dir={out}",
+            "steps=2",
+            f"rollout.prompts_per_step={PROMPTS}",
+            f"rollout.n={N}",
+            "rollout.max_new_tokens=6",
+            "rollout.kv_cache_tokens=2048",
+            "sft.steps=10",
+            "sft.batch_size=16",
+            "trainer.updates_per_rollout=1",
+            "rollout.function=agent_rollouts:three_turns",
+            "rollout.max_turns=3",
+            "rollout.serve_http=true",
+        ],
+        run=run,
+    )
     assert code == 0
     # the endpoint's window opens for every rollout and lifecycle calls close it again
-    assert "rollout.serve_http: OpenAI-compatible router at http://127.0.0.1:" in \
-        capsys.readouterr().out
+    assert (
+        "rollout.serve_http: OpenAI-compatible router at http://127.0.0.1:"
+        in capsys.readouterr().out
+    )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     per_step = PROMPTS * N
     assert len(agent_rollouts.RECORDS) == 2 * per_step
     for step, r in enumerate(rows):
-        recs = agent_rollouts.RECORDS[step * per_step:(step + 1) * per_step]
+        recs = agent_rollouts.RECORDS[step * per_step : (step + 1) * per_step]
         sampled = sum(len(s) for rec in recs for s in rec.sampled)
         total = sum(rec.trajectory.response_len for rec in recs)
         assert r["rollout/samples"] == per_step and r["rollout/turns_mean"] == 3.0
@@ -51,5 +65,9 @@ def test_three_turn_run_trains_on_exactly_the_sampled_tokens(ray_local, cache, t
         assert r["train/logprob_diff_max"] <= 1e-10
         assert r["train/ppo_kl"] == 0.0 and r["train/ratio_max"] == 1.0
         # every trajectory's weight version is the engine's at that step (one sync per step)
-        assert {v for rec in recs for v, m in zip(rec.trajectory.weight_versions,
-                                                   rec.trajectory.loss_mask) if m} == {step}
+        assert {
+            v
+            for rec in recs
+            for v, m in zip(rec.trajectory.weight_versions, rec.trajectory.loss_mask)
+            if m
+        } == {step}

@@ -28,16 +28,19 @@ def test_coercion():
     assert to_plain(t) == {"ratio": 0.0, "count": 1, "mode": 0, "sizes": [3, 4], "name": "x"}
 
 
-@pytest.mark.parametrize("data,needle", [
-    ({"ratio": 1.0}, "toy.ratio=1.0 is out of range; use a value in [0.0, 1.0)"),
-    ({"count": 0}, "toy.count=0 is out of range; use a value in (0, inf)"),
-    ({"mode": True}, "toy.mode=true is not allowed; use one of 0 | 1"),
-    ({"count": 1.5}, "toy.count: expected int, got 1.5"),
-    ({"sizes": [1, "a"]}, "toy.sizes[1]: expected int"),
-    ({"name": 3}, "toy.name: expected str | null"),
-    ({"cuont": 3}, "toy.cuont: unknown key; did you mean toy.count?"),
-    ({"zzz": 3}, "valid keys of toy are ratio, count, mode, sizes, name"),
-])
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        ({"ratio": 1.0}, "toy.ratio=1.0 is out of range; use a value in [0.0, 1.0)"),
+        ({"count": 0}, "toy.count=0 is out of range; use a value in (0, inf)"),
+        ({"mode": True}, "toy.mode=true is not allowed; use one of 0 | 1"),
+        ({"count": 1.5}, "toy.count: expected int, got 1.5"),
+        ({"sizes": [1, "a"]}, "toy.sizes[1]: expected int"),
+        ({"name": 3}, "toy.name: expected str | null"),
+        ({"cuont": 3}, "toy.cuont: unknown key; did you mean toy.count?"),
+        ({"zzz": 3}, "valid keys of toy are ratio, count, mode, sizes, name"),
+    ],
+)
 def test_errors(data, needle):
     with pytest.raises(RecipeError) as info:
         from_dict(Toy, data, "toy")

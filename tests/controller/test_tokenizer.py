@@ -37,13 +37,14 @@ def saved(tmp_path_factory):
 
 def test_saved_directory_loads_with_auto_tokenizer(saved):
     directory, tok = saved
-    assert sorted(p.name for p in directory.iterdir()) == ["tokenizer.json",
-                                                           "tokenizer_config.json"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     config = json.loads((directory / "tokenizer_config.json").read_text())
     assert config["chat_template"] == TOK.tok.chat_template and config["eos_token"] == "<|im_end|>"
     assert tok.chat_template == TOK.tok.chat_template
-    assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("<|endoftext|>", "<|im_end|>",
-                                                           "<unk>")
+    assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("<|endoftext|>", "<|im_end|>", "<unk>")
     assert len(tok) == len(SPECIAL_TOKENS) + len(MARKUP_TOKENS) + len(CHARSET) == 105
     assert load_tokenizer(directory).hf_config_fields() == TOK.hf_config_fields()
 
@@ -53,14 +54,18 @@ def test_ids_are_one_per_character(saved):
     first_char = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
     assert tok.encode(CHARSET, add_special_tokens=False) == list(range(first_char, 105))
     assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS + MARKUP_TOKENS)) == list(
-        range(first_char))
+        range(first_char)
+    )
     assert tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
     assert tok.encode("12", add_special_tokens=True) == tok.encode("12", add_special_tokens=False)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(list(CHARSET) + list(SPECIAL_TOKENS[:3]) + list(MARKUP_TOKENS)),
-                max_size=60).map("".join))
+@given(
+    st.lists(
+        st.sampled_from(list(CHARSET) + list(SPECIAL_TOKENS[:3]) + list(MARKUP_TOKENS)), max_size=60
+    ).map("".join)
+)
 def test_round_trip_over_the_charset(saved, text):
     _, tok = saved
     ids = tok.encode(text, add_special_tokens=False)
@@ -75,17 +80,21 @@ def test_round_trip_over_the_charset(saved, text):
 
 def test_saved_and_built_tokenizers_agree(saved):
     _, tok = saved
-    text = "<|im_start|>user\n12+34=<|im_end|>\n<tool_call>{\"a\": 1}</tool_call>\t~"
+    text = '<|im_start|>user\n12+34=<|im_end|>\n<tool_call>{"a": 1}</tool_call>\t~'
     assert tok.encode(text, add_special_tokens=False) == TOK.tok.encode(
-        text, add_special_tokens=False)
+        text, add_special_tokens=False
+    )
 
 
 def test_prompt_and_response_go_through_the_chat_template():
     ids = TOK.encode_prompt("1+2=", chat_template=True)
-    assert TOK.decode(ids, skip_special_tokens=False) == \
-        "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        TOK.decode(ids, skip_special_tokens=False)
+        == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert TOK.encode_prompt("1+2=", chat_template=False) == TOK.tok.encode(
-        "1+2=", add_special_tokens=False)
+        "1+2=", add_special_tokens=False
+    )
     assert TOK.encode_response("3")[-1] == TOK.tok.convert_tokens_to_ids("<|im_end|>")
     assert TOK.eos_token_ids == [TOK.tok.convert_tokens_to_ids("<|im_end|>")]
 
@@ -113,7 +122,8 @@ def test_model_store_key_follows_the_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setenv("MILES_LIKE_CACHE", str(tmp_path))
     first = model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in first.iterdir()}
+        p.name for p in first.iterdir()
+    }
     assert model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0) == first
 
     def other_template():

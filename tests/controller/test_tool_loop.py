@@ -48,11 +48,12 @@ def test_a_demonstration_is_the_rendered_conversation_masked_on_assistant_turns(
     p = problem("347*28=", "9716")
     solution = calc.demonstration(p.prompt, p.answer, ("calculator",))
     t = demonstration(TOK, p, solution, tools)
-    tokens, mask = expected_tokens_and_mask([{"role": "user", "content": p.prompt}, *solution],
-                                            tools)
+    tokens, mask = expected_tokens_and_mask(
+        [{"role": "user", "content": p.prompt}, *solution], tools
+    )
     assert list(t.token_ids) == tokens
     assert [0] * t.prompt_len + list(t.loss_mask) == mask
-    assert t.response_text == "9716" and sum(t.loss_mask) > 60   # the call and the answer
+    assert t.response_text == "9716" and sum(t.loss_mask) > 60  # the call and the answer
     # the tool's result is in the trajectory, outside the loss
     text = TOK.decode(list(t.token_ids), skip_special_tokens=False)
     assert "<tool_response>\n9716\n</tool_response>" in text
@@ -68,7 +69,7 @@ def test_without_the_tool_a_demonstration_is_the_bare_answer():
 def test_sft_batch_of_conversations_carries_the_masks():
     recipe = load_recipe(RECIPE)
     demonstrate, tools = demonstrations(recipe)
-    assert tools is None   # the recipe keeps the schemas out of the prompt
+    assert tools is None  # the recipe keeps the schemas out of the prompt
     problems = [problem("12+345=", "357"), problem("999*999=", "998001")]
     batch = sft_batch(problems, TOK, demonstrate, tools)
     for i, p in enumerate(problems):
@@ -80,13 +81,16 @@ def test_sft_batch_of_conversations_carries_the_masks():
     assert demonstrate(problems[0]) == [{"role": "assistant", "content": "357"}]
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("rollout.max_trajectory_tokens=50", "below rollout.max_new_tokens=96"),
-    ("rollout.max_trajectory_tokens=4096", "leaves no room for a prompt"),
-    ("data.chat_template=false", "set data.chat_template: true"),
-    ("rollout.tools=[calc]", "rollout.tools[0]='calc': name a tool as module:function"),
-    ("rollout.tools=[miles_like.tasks.calc:nothing]", "has no function 'nothing'"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("rollout.max_trajectory_tokens=50", "below rollout.max_new_tokens=96"),
+        ("rollout.max_trajectory_tokens=4096", "leaves no room for a prompt"),
+        ("data.chat_template=false", "set data.chat_template: true"),
+        ("rollout.tools=[calc]", "rollout.tools[0]='calc': name a tool as module:function"),
+        ("rollout.tools=[miles_like.tasks.calc:nothing]", "has no function 'nothing'"),
+    ],
+)
 def test_recipe_rules_of_the_tool_loop(override, fragment):
     with pytest.raises(RecipeError) as e:
         load_recipe(RECIPE, [override])
@@ -103,10 +107,15 @@ def test_the_e2e_replay_accepts_a_true_conversation_and_rejects_a_corrupted_one(
     t = demonstration(TOK, p, calc.demonstration(p.prompt, p.answer, ("calculator",)), None)
     with ToolPool(load_tools([calc.TOOL_SPEC]), workers=1) as pool:
         assert replay(t, p, TOK, pool) == {"calls": 1, "final": "9716", "turns": 2}
-        response = list(t.token_ids[t.prompt_len:])
-        k = t.loss_mask.index(0) + 5                     # inside the tool result's tokens
+        response = list(t.token_ids[t.prompt_len :])
+        k = t.loss_mask.index(0) + 5  # inside the tool result's tokens
         response[k] = TOK.tok.convert_tokens_to_ids("7")
-        bad = Trajectory(t.token_ids[:t.prompt_len] + tuple(response), t.prompt_len,
-                         t.loss_mask, t.logprobs, t.weight_versions)
+        bad = Trajectory(
+            t.token_ids[: t.prompt_len] + tuple(response),
+            t.prompt_len,
+            t.loss_mask,
+            t.logprobs,
+            t.weight_versions,
+        )
         with pytest.raises(AssertionError, match="not the template's delta"):
             replay(bad, p, TOK, pool)

@@ -38,7 +38,7 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
 
 def replay(t, problem, tok, pool: ToolPool) -> dict:
     """Rebuild trajectory `t` from its sampled turns alone; returns what the replay found."""
-    response = list(t.token_ids[t.prompt_len:])
+    response = list(t.token_ids[t.prompt_len :])
     segments = runs(list(t.loss_mask))
     assert segments[0][0] == 1, "a response starts with a sampled turn"
     messages = [{"role": "user", "content": problem.prompt}]
@@ -46,7 +46,7 @@ def replay(t, problem, tok, pool: ToolPool) -> dict:
     for k, (value, start, end) in enumerate(segments):
         piece = response[start:end]
         if value == 0:
-            continue   # rebuilt below from the turn before it
+            continue  # rebuilt below from the turn before it
         rebuilt += piece
         text = tok.decode(piece, skip_special_tokens=True)
         stopped = piece[-1] == tok.tok.eos_token_id
@@ -56,17 +56,22 @@ def replay(t, problem, tok, pool: ToolPool) -> dict:
             content, parsed, error = text, [], str(e)
         else:
             error = None
-        messages.append(chat.assistant_message(content if parsed or error else text,
-                                               parsed or []))
+        messages.append(chat.assistant_message(content if parsed or error else text, parsed or []))
         if stopped and not parsed and error is None:
             final = content
-        if k + 1 < len(segments):   # the loop appended the tool messages of this turn
+        if k + 1 < len(segments):  # the loop appended the tool messages of this turn
             if error is not None:
                 replies = [{"role": "tool", "name": "error", "content": f"error: {error}"}]
             else:
                 calls += len(parsed)
-                replies = [{"role": "tool", "name": c.name,
-                            "content": pool.call(c.name, c.arguments).content} for c in parsed]
+                replies = [
+                    {
+                        "role": "tool",
+                        "name": c.name,
+                        "content": pool.call(c.name, c.arguments).content,
+                    }
+                    for c in parsed
+                ]
             delta = chat.delta_ids(tok.tok, messages, replies)
             _, s0, e0 = segments[k + 1]
             assert response[s0:e0] == delta, "appended tokens are not the template's delta"
@@ -77,10 +82,19 @@ def replay(t, problem, tok, pool: ToolPool) -> dict:
 
 
 def test_calc_agent_trajectories_are_token_exact(ray_local, cache, tmp_path):
-    recipe = load_recipe(ROOT / "recipes/tiny_calc_agent_grpo.yaml", [
-        f"tracking.output_dir={tmp_path}", "sft.steps=120", "sft.batch_size=32",
-        "rollout.prompts_per_step=4", "rollout.n=4", "rollout.kv_cache_tokens=8192",
-        "trainer.updates_per_rollout=1", "model.dtype=float64"])
+    recipe = load_recipe(
+        ROOT / "recipes/tiny_calc_agent_grpo.yaml",
+        [
+            f"tracking.output_dir={tmp_path}",
+            "sft.steps=120",
+            "sft.batch_size=32",
+            "rollout.prompts_per_step=4",
+            "rollout.n=4",
+            "rollout.kv_cache_tokens=8192",
+            "trainer.updates_per_rollout=1",
+            "model.dtype=float64",
+        ],
+    )
     rt = Runtime(recipe, log=print)
     try:
         rollout = rt.rollouts.finish(rt.rollouts.launch(0))
@@ -90,12 +104,15 @@ def test_calc_agent_trajectories_are_token_exact(ray_local, cache, tmp_path):
             for g in rollout.groups:
                 assert len(g.trajectories) == 4
                 for t in g.trajectories:
-                    t.check()   # mask 1 <=> engine log-prob < 0 and a weight version
+                    t.check()  # mask 1 <=> engine log-prob < 0 and a weight version
                     found = replay(t, g.problem, tok, pool)
                     assert t.metrics["turns"] == found["turns"] <= recipe.rollout.max_turns
                     assert t.metrics["tool_calls"] == found["calls"]
-                    expect = 0.0 if found["final"] is None else arith.score(found["final"],
-                                                                            g.problem.answer)
+                    expect = (
+                        0.0
+                        if found["final"] is None
+                        else arith.score(found["final"], g.problem.answer)
+                    )
                     assert t.reward == expect and t.response_text == (found["final"] or "")
                     totals["calls"] += found["calls"]
                     totals["multi_turn"] += found["turns"] > 1
@@ -104,12 +121,21 @@ def test_calc_agent_trajectories_are_token_exact(ray_local, cache, tmp_path):
         m = rollout.metrics
         assert m["turns_mean"] > 1.0 and m["tool_calls_mean"] > 0.0
         assert 0.0 < m["loss_mask_frac"] < 1.0
-        assert m["tool_errors"] == sum(m[f"tool_errors_{k}"] for k in
-                                       ("raised", "timeout", "crashed", "flood", "bad_args",
-                                        "unknown", "unavailable", "bad_call"))
+        assert m["tool_errors"] == sum(
+            m[f"tool_errors_{k}"]
+            for k in (
+                "raised",
+                "timeout",
+                "crashed",
+                "flood",
+                "bad_args",
+                "unknown",
+                "unavailable",
+                "bad_call",
+            )
+        )
         # trainer vs engine log-probs on the sampled tokens, before the update (float64)
-        batch, _ = with_advantages(samples_batch(rollout.groups), rollout.groups,
-                                   recipe.algorithm)
+        batch, _ = with_advantages(samples_batch(rollout.groups), rollout.groups, recipe.algorithm)
         metrics = rt.train(batch)
         assert metrics["logprob_diff_max"] <= 1e-10
     finally:

@@ -14,48 +14,76 @@ from miles_like.schema import RecipeError
 from miles_like.tools import ToolPool, ToolResult, function_schema, load_tool, load_tools
 
 TIMEOUT_S = 1.0
-SPECS = ["user_tools:add", "user_tools:pid", "user_tools:shout", "user_tools:echo",
-         "user_tools:hang", "user_tools:spin", "user_tools:exit_hard", "user_tools:segfault",
-         "user_tools:flood", "user_tools:chatty", "user_tools:boom", "user_tools:leave"]
+SPECS = [
+    "user_tools:add",
+    "user_tools:pid",
+    "user_tools:shout",
+    "user_tools:echo",
+    "user_tools:hang",
+    "user_tools:spin",
+    "user_tools:exit_hard",
+    "user_tools:segfault",
+    "user_tools:flood",
+    "user_tools:chatty",
+    "user_tools:boom",
+    "user_tools:leave",
+]
 
 
 @pytest.fixture(scope="module")
 def pool():
-    with ToolPool(load_tools(SPECS), workers=2, timeout_s=TIMEOUT_S,
-                  max_output_chars=100) as p:
+    with ToolPool(load_tools(SPECS), workers=2, timeout_s=TIMEOUT_S, max_output_chars=100) as p:
         yield p
 
 
 def test_schema_from_signature_and_docstring():
     import user_tools
-    assert function_schema(user_tools.add) == {"type": "function", "function": {
-        "name": "add", "description": "Add two integers.",
-        "parameters": {"type": "object", "required": ["a", "b"], "additionalProperties": False,
-                       "properties": {
-                           "a": {"type": "integer", "description": "the first addend"},
-                           "b": {"type": "integer",
-                                 "description": "the second addend, which may be negative"},
-                           "scale": {"type": "number",
-                                     "description": "a factor applied to the sum"}}}}}
+
+    assert function_schema(user_tools.add) == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "required": ["a", "b"],
+                "additionalProperties": False,
+                "properties": {
+                    "a": {"type": "integer", "description": "the first addend"},
+                    "b": {
+                        "type": "integer",
+                        "description": "the second addend, which may be negative",
+                    },
+                    "scale": {"type": "number", "description": "a factor applied to the sum"},
+                },
+            },
+        },
+    }
     shout = function_schema(user_tools.shout)["function"]["parameters"]["properties"]
-    assert shout == {"word": {"type": "string"}, "style": {"enum": ["upper", "title"]},
-                     "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}},
-                                        {"type": "null"}]}}
+    assert shout == {
+        "word": {"type": "string"},
+        "style": {"enum": ["upper", "title"]},
+        "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+    }
 
 
 def test_explicit_schema_attribute_wins():
     import user_tools
+
     entry = function_schema(user_tools.echo)
     assert entry["type"] == "function" and entry["function"] == user_tools.echo.schema
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("calculator", "module:function"),
-    ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-    ("user_tools:missing", "has no function 'missing'"),
-    ("user_tools:untyped", "untyped(x): annotate"),
-    ("user_tools:star", "named arguments only"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("calculator", "module:function"),
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+        ("user_tools:missing", "has no function 'missing'"),
+        ("user_tools:untyped", "untyped(x): annotate"),
+        ("user_tools:star", "named arguments only"),
+    ],
+)
 def test_bad_tool_specs_are_one_line_recipe_errors(spec, message):
     with pytest.raises(RecipeError, match="rollout.tools") as e:
         load_tool(spec)
@@ -71,18 +99,22 @@ def test_calls_return_the_tools_output(pool):
     assert pool.call("add", {"a": 2, "b": 3}) == ToolResult("5.0")
     assert pool.call("add", '{"a": 2, "b": -3, "scale": 2.5}') == ToolResult("-2.5")
     assert pool.call("shout", {"word": "hi", "style": "title"}) == ToolResult(
-        '{"word": "Hi", "tags": []}')
+        '{"word": "Hi", "tags": []}'
+    )
     assert pool.call("echo", {"text": "a"}) == ToolResult("[('text', 'a')]")
 
 
-@pytest.mark.parametrize("arguments, fragment", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "must be a JSON object, not list"),
-    ({"a": "two", "b": 3}, "a: 'two' is not of type 'integer'"),
-    ({"a": True, "b": 3}, "a: True is not of type 'integer'"),
-    ({"a": 1}, "'b' is a required property"),
-    ({"a": 1, "b": 2, "c": 3}, "'c' was unexpected"),
-])
+@pytest.mark.parametrize(
+    "arguments, fragment",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object, not list"),
+        ({"a": "two", "b": 3}, "a: 'two' is not of type 'integer'"),
+        ({"a": True, "b": 3}, "a: True is not of type 'integer'"),
+        ({"a": 1}, "'b' is a required property"),
+        ({"a": 1, "b": 2, "c": 3}, "'c' was unexpected"),
+    ],
+)
 def test_bad_arguments_are_an_error_result(pool, arguments, fragment):
     result = pool.call("add", arguments)
     assert result.error == "bad_args" and fragment in result.content, result
@@ -95,8 +127,9 @@ def test_unknown_tool(pool):
 
 def test_a_raising_tool_keeps_its_worker(pool):
     before = {pool.call("pid", {}).content for _ in range(6)}
-    assert pool.call("boom", {}) == ToolResult("error: boom raised ValueError: boom at the tool",
-                                               "raised")
+    assert pool.call("boom", {}) == ToolResult(
+        "error: boom raised ValueError: boom at the tool", "raised"
+    )
     assert pool.call("leave", {}).error == "raised"  # sys.exit inside a tool
     after = {pool.call("pid", {}).content for _ in range(6)}
     assert after == before
@@ -131,16 +164,19 @@ def test_a_crashing_tool_is_an_error_result(pool, name):
 
 
 def test_exit_code_is_reported(pool):
-    assert pool.call("exit_hard", {"code": 7}).content == "error: exit_hard crashed its process " \
-                                                          "(exit code 7)"
+    assert (
+        pool.call("exit_hard", {"code": 7}).content == "error: exit_hard crashed its process "
+        "(exit code 7)"
+    )
 
 
 def test_flooding_output_is_refused_at_the_cap(pool):
     assert pool.call("flood", {"n": 100}) == ToolResult("x" * 100)
     start = time.perf_counter()
     result = pool.call("flood", {"n": 50_000_000})
-    assert result == ToolResult("error: flood returned 50000000 characters, over the 100 limit",
-                                "flood")
+    assert result == ToolResult(
+        "error: flood returned 50000000 characters, over the 100 limit", "flood"
+    )
     assert time.perf_counter() - start < TIMEOUT_S + 2.0
 
 

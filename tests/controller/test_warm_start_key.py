@@ -13,9 +13,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_key_covers_the_trainer_the_task_and_the_batches():
     names = {f.relative_to(ROOT).as_posix() for f in warm_start.code_files()}
-    assert {"trainer/objective.py", "trainer/losses.py", "trainer/optim.py",
-            "miles_like/warm_start.py", "miles_like/data.py", "miles_like/tasks/arith.py",
-            "miles_like/tokenizer.py"} <= names
+    assert {
+        "trainer/objective.py",
+        "trainer/losses.py",
+        "trainer/optim.py",
+        "miles_like/warm_start.py",
+        "miles_like/data.py",
+        "miles_like/tasks/arith.py",
+        "miles_like/tokenizer.py",
+    } <= names
 
 
 def test_a_changed_source_file_changes_the_key(tmp_path, monkeypatch):
@@ -30,7 +36,7 @@ def test_a_changed_source_file_changes_the_key(tmp_path, monkeypatch):
         return warm_start._identity(recipe, base)
 
     first = key("loss = pg / tokens\n")
-    assert key("loss = pg / tokens\n") == first                 # stable
-    assert key("loss = pg / sequences\n") != first              # a code change is a new key
+    assert key("loss = pg / tokens\n") == first  # stable
+    assert key("loss = pg / sequences\n") != first  # a code change is a new key
     monkeypatch.undo()
     assert warm_start._identity(recipe, base) == warm_start._identity(recipe, base)

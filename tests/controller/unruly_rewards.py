@@ -22,9 +22,16 @@ def by_response(prompt: str, response: str, answer: str) -> object:
         raise RuntimeError("boom")
     if response == "sys.exit":
         raise SystemExit(1)
-    junk = {"nan": float("nan"), "inf": float("inf"), "none": None, "string": "1.0",
-            "huge_value": 1e300, "huge_int": 10 ** 400, "huge_output": "x" * (64 << 20),
-            "huge_list": [1.0] * (8 << 20)}
+    junk = {
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "none": None,
+        "string": "1.0",
+        "huge_value": 1e300,
+        "huge_int": 10**400,
+        "huge_output": "x" * (64 << 20),
+        "huge_list": [1.0] * (8 << 20),
+    }
     if response in junk:
         return junk[response]
     return float(len(response))

@@ -31,8 +31,9 @@ def pid() -> int:
     return os.getpid()
 
 
-def shout(word: str, style: Literal["upper", "title"] = "upper", tags: list[str] | None = None
-          ) -> dict:
+def shout(
+    word: str, style: Literal["upper", "title"] = "upper", tags: list[str] | None = None
+) -> dict:
     """Return the word in a style (a non-string result is sent as JSON)."""
     return {"word": word.upper() if style == "upper" else word.title(), "tags": tags or []}
 
@@ -41,9 +42,15 @@ def echo(**kwargs) -> str:
     return repr(sorted(kwargs.items()))
 
 
-echo.schema = {"name": "echo", "description": "echo the arguments",
-               "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
-                              "required": ["text"]}}
+echo.schema = {
+    "name": "echo",
+    "description": "echo the arguments",
+    "parameters": {
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+        "required": ["text"],
+    },
+}
 
 
 def hang(seconds: float = 3600.0) -> str:

@@ -26,9 +26,9 @@ def raw_records(path: Path) -> Iterator[bytes]:
         if left < HEADER:
             pos += left
             continue
-        length = int.from_bytes(data[pos + 4:pos + 6], "little")
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
         kind = data[pos + 6]
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == 1:
             yield chunk
@@ -51,6 +51,10 @@ def history(path: Path) -> list[dict[str, object]]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
-            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                         for item in record.history.item})
+            rows.append(
+                {
+                    (item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
     return rows

@@ -18,8 +18,15 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-_KERNEL_MODULES = ("rollout.kernels.kv_store", "rollout.kernels.decode_attention",
-                   "rollout.kernels.triton_attention", "rollout.kernels")
-if "rollout.kernels.decode_attention" in sys.modules and not sys.modules["rollout.kernels.decode_attention"].INTERPRETED:
+_KERNEL_MODULES = (
+    "rollout.kernels.kv_store",
+    "rollout.kernels.decode_attention",
+    "rollout.kernels.triton_attention",
+    "rollout.kernels",
+)
+if (
+    "rollout.kernels.decode_attention" in sys.modules
+    and not sys.modules["rollout.kernels.decode_attention"].INTERPRETED
+):
     for _name in _KERNEL_MODULES:
         importlib.reload(sys.modules[_name])

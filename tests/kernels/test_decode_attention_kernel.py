@@ -11,13 +11,20 @@ context of a few dozen tokens spans several programs."""
 import pytest
 import torch
 
-from kernel_cases import cascade_metadata, plain_metadata, random_pool
 from rollout.attention import cascade_decode_attention
-from rollout.kernels import decode_attention, triton_cascade_decode_attention, triton_paged_decode_attention
+from rollout.kernels import (
+    decode_attention,
+    triton_cascade_decode_attention,
+    triton_paged_decode_attention,
+)
 
-assert decode_attention.INTERPRETED, "kernel tests need TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)"
+from kernel_cases import cascade_metadata, plain_metadata, random_pool
 
-CHUNK = 16          # tokens per split-K program in the plain tests: one 16-token block each
+assert decode_attention.INTERPRETED, (
+    "kernel tests need TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)"
+)
+
+CHUNK = 16  # tokens per split-K program in the plain tests: one 16-token block each
 CASCADE_CHUNK = 32  # in the cascade tests: two blocks per program, so the in-chunk rescaling runs
 FP32_TOL = 1e-5
 HEADS = [pytest.param(2, 2, 16, id="mha-d16"), pytest.param(6, 2, 32, id="gqa3-d32")]
@@ -31,7 +38,7 @@ def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)
 def test_paged_decode_matches_reference(page_size, num_heads, num_kv_heads, head_dim):
     g = torch.Generator().manual_seed(page_size * 100 + num_heads)
-    lengths = [1, 23, 50]   # 50 tokens = 4 chunks of 16
+    lengths = [1, 23, 50]  # 50 tokens = 4 chunks of 16
     pages_needed = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_needed) + 2
     k_cache, v_cache = random_pool(num_kv_heads, num_pages, page_size, head_dim, torch.float32, g)
@@ -43,9 +50,12 @@ def test_paged_decode_matches_reference(page_size, num_heads, num_kv_heads, head
 
     splits, _ = decode_attention.plan_splits(width * page_size, 1, 16, q.device, CHUNK)
     assert splits >= 4, "the scene must exercise the split-K merge"
-    got = triton_paged_decode_attention(q, k_cache, v_cache, page_table, torch.tensor(lengths), page_size,
-                                        chunk_tokens=CHUNK)
-    want = cascade_decode_attention(q, k_cache, v_cache, plain_metadata(page_table, lengths, page_size), page_size)
+    got = triton_paged_decode_attention(
+        q, k_cache, v_cache, page_table, torch.tensor(lengths), page_size, chunk_tokens=CHUNK
+    )
+    want = cascade_decode_attention(
+        q, k_cache, v_cache, plain_metadata(page_table, lengths, page_size), page_size
+    )
     assert max_err(got, want) <= FP32_TOL
 
 
@@ -59,7 +69,9 @@ def test_merge_over_more_splits_than_one_merge_block():
     meta = cascade_metadata([(9, [5, 20]), (0, [7])], page_size, 16, g)
     # Larger suffix keys make the suffix split's lse the largest, merged last: the running max
     # rises in the second pass and the earlier passes' sums must be rescaled.
-    suffix_slots = (meta.suffix_pages.unique().unsqueeze(-1) * page_size + torch.arange(page_size)).reshape(-1)
+    suffix_slots = (
+        meta.suffix_pages.unique().unsqueeze(-1) * page_size + torch.arange(page_size)
+    ).reshape(-1)
     k_cache[:, suffix_slots] *= 4
     q = torch.randn(meta.num_tokens, 6, 16, generator=g)
     splits, _ = decode_attention.plan_splits(9 * page_size, 1, 16, q.device, CHUNK)
@@ -77,12 +89,16 @@ SCENE_QUERIES = [[1, 3, 1], [1], [2], [1, 4]]
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)
 def test_cascade_decode_matches_reference(page_size, num_heads, num_kv_heads, head_dim):
     g = torch.Generator().manual_seed(page_size * 10 + num_heads)
-    scene = [(max(1, p * 8 // page_size) if p else 0, members) for p, members in SCENE]  # 8..24-token prefixes
+    scene = [
+        (max(1, p * 8 // page_size) if p else 0, members) for p, members in SCENE
+    ]  # 8..24-token prefixes
     num_pages = max(96, 320 // page_size)
     k_cache, v_cache = random_pool(num_kv_heads, num_pages, page_size, head_dim, torch.float32, g)
     meta = cascade_metadata(scene, page_size, num_pages, g, num_queries=SCENE_QUERIES)
     q = torch.randn(meta.num_tokens, num_heads, head_dim, generator=g)
-    got = triton_cascade_decode_attention(q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK)
+    got = triton_cascade_decode_attention(
+        q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK
+    )
     want = cascade_decode_attention(q, k_cache, v_cache, meta, page_size)
     assert max_err(got, want) <= FP32_TOL
 
@@ -94,19 +110,24 @@ def test_cascade_single_query_per_sequence():
     k_cache, v_cache = random_pool(2, 64, page_size, 16, torch.float32, g)
     meta = cascade_metadata([(5, [3, 9, 1, 17]), (2, [6, 6, 6, 6])], page_size, 64, g)
     q = torch.randn(meta.num_tokens, 6, 16, generator=g)
-    got = triton_cascade_decode_attention(q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK)
+    got = triton_cascade_decode_attention(
+        q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK
+    )
     assert max_err(got, cascade_decode_attention(q, k_cache, v_cache, meta, page_size)) <= FP32_TOL
 
 
 def test_cascade_query_rows_over_several_row_blocks():
-    """members x queries x heads per KV head = 6 x 4 x 3 = 72 rows > 64: two row tiles per context."""
+    """members x queries x heads per KV head = 6 x 4 x 3 = 72 rows > 64: two row tiles per
+    context."""
     g = torch.Generator().manual_seed(4)
     page_size = 4
     k_cache, v_cache = random_pool(1, 64, page_size, 16, torch.float32, g)
     members = [1, 5, 9, 2, 0, 3]
     meta = cascade_metadata([(4, members)], page_size, 64, g, num_queries=[[4, 1, 2, 4, 3, 4]])
     q = torch.randn(meta.num_tokens, 3, 16, generator=g)
-    got = triton_cascade_decode_attention(q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK)
+    got = triton_cascade_decode_attention(
+        q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK
+    )
     assert max_err(got, cascade_decode_attention(q, k_cache, v_cache, meta, page_size)) <= FP32_TOL
 
 
@@ -119,11 +140,13 @@ def test_cascade_honours_any_bias():
     k_cache, v_cache = random_pool(2, 64, page_size, 16, torch.float32, g)
     meta = cascade_metadata([(3, [10, 20]), (0, [12])], page_size, 64, g, num_queries=[[2, 1], [1]])
     meta.prefix_bias[0, 2:5] = float("-inf")
-    meta.suffix_bias[1, :, 0:16] = float("-inf")   # a whole 16-token block masked for these rows
+    meta.suffix_bias[1, :, 0:16] = float("-inf")  # a whole 16-token block masked for these rows
     meta.suffix_bias[1, :, 18:19] = float("-inf")
-    meta.suffix_bias[0, 0, 0] = -1.5          # a finite additive term, too
+    meta.suffix_bias[0, 0, 0] = -1.5  # a finite additive term, too
     q = torch.randn(meta.num_tokens, 4, 16, generator=g)
-    got = triton_cascade_decode_attention(q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK)
+    got = triton_cascade_decode_attention(
+        q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK
+    )
     assert max_err(got, cascade_decode_attention(q, k_cache, v_cache, meta, page_size)) <= FP32_TOL
 
 
@@ -136,9 +159,13 @@ def test_cascade_decode_16bit(dtype, tol):
     g = torch.Generator().manual_seed(6)
     page_size = 4
     k_cache, v_cache = random_pool(2, 96, page_size, 32, dtype, g)
-    meta = cascade_metadata([(3, [1, 20, 35]), (0, [44])], page_size, 96, g, num_queries=[[1, 2, 1], [3]])
+    meta = cascade_metadata(
+        [(3, [1, 20, 35]), (0, [44])], page_size, 96, g, num_queries=[[1, 2, 1], [3]]
+    )
     q = torch.randn(meta.num_tokens, 6, 32, generator=g).to(dtype)
-    got = triton_cascade_decode_attention(q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK)
+    got = triton_cascade_decode_attention(
+        q, k_cache, v_cache, meta, page_size, chunk_tokens=CASCADE_CHUNK
+    )
     want = cascade_decode_attention(q, k_cache, v_cache, meta, page_size)
     assert got.dtype == dtype
     assert max_err(got, want) <= tol

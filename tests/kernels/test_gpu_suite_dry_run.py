@@ -14,17 +14,40 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_gpu_suite_dry_run_runs_every_section(tmp_path):
     out, md = tmp_path / "suite.json", tmp_path / "RESULTS.md"
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--json-out", str(out),
-                           "--results-md", str(md)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(REPO / "benchmarks" / "gpu_suite.sh"),
+            "--dry-run",
+            "--json-out",
+            str(out),
+            "--results-md",
+            str(md),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(out.read_text())
     assert proc.returncode == 0 and report["ok"], (report.get("errors"), proc.stderr[-3000:])
     assert report["errors"] == {}
-    assert all(check["ok"] for check in report["kernels"]["checks"]) and len(report["kernels"]["checks"]) >= 10
+    assert (
+        all(check["ok"] for check in report["kernels"]["checks"])
+        and len(report["kernels"]["checks"]) >= 10
+    )
     assert report["decode_graphs"]["ok"] and report["decode_graphs"]["identical_samples"] == 24
     assert report["engine_vs_hf"]["engine_all_samples_full_length"] is True
     assert report["speculation"]["models"]["weight_std=1.0"]["group"]["spec_verify_steps"] > 0
     assert report["decode_roofline"]["torch"]["rows"][0]["step_ms"] > 0
     assert report["weight_sync"]["colocated"]["bitwise_equal"] is True
     summary = md.read_text()
-    for heading in ("Kernel checks", "Decode graphs", "Engine vs HF", "| speculation", "| decode step", "Weight sync"):
+    for heading in (
+        "Kernel checks",
+        "Decode graphs",
+        "Engine vs HF",
+        "| speculation",
+        "| decode step",
+        "Weight sync",
+    ):
         assert heading in summary, heading

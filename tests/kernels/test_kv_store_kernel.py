@@ -6,7 +6,9 @@ import torch
 
 from rollout.kernels import decode_attention, triton_store_kv
 
-assert decode_attention.INTERPRETED, "kernel tests need TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)"
+assert decode_attention.INTERPRETED, (
+    "kernel tests need TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -19,8 +21,10 @@ def test_kv_store_matches_index_copy(dtype, num_kv_heads, head_dim):
     # k and v as the model produces them: views into a fused [T, 3 * Hkv * D] projection, so
     # rows are strided (not contiguous) but head_dim is.
     fused = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=g).to(dtype)
-    k = fused[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    v = fused[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    k = fused[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = fused[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
     slots = torch.randperm(num_slots, generator=g)[:num_tokens]
 
     want_k, want_v = pool_k.clone(), pool_v.clone()

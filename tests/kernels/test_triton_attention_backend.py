@@ -5,19 +5,22 @@ two-layer pool (interpreted on CPU, see conftest.py)."""
 import pytest
 import torch
 
-from kernel_cases import cascade_metadata
 from rollout.attention import AttentionMetadata, PrefillSegment, TorchAttention
 from rollout.kernels import TritonAttention, decode_attention
 from rollout.kv_pool import KVPool
 
-assert decode_attention.INTERPRETED, "kernel tests need TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)"
+from kernel_cases import cascade_metadata
+
+assert decode_attention.INTERPRETED, (
+    "kernel tests need TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)"
+)
 
 
 def decode_token_slots(meta, page_size: int) -> torch.Tensor:
     """Slot of each decode token: the last suffix position its (causal) mask shows it."""
     num_queries = meta.suffix_bias.shape[1]
     seq, query = meta.token_cell // num_queries, meta.token_cell % num_queries
-    visible = meta.suffix_bias[seq, query] != float("-inf")                      # [T, W]
+    visible = meta.suffix_bias[seq, query] != float("-inf")  # [T, W]
     position = (visible * torch.arange(1, visible.shape[1] + 1)).amax(-1) - 1
     return meta.suffix_pages[seq, position // page_size] * page_size + position % page_size
 
@@ -27,9 +30,18 @@ def test_triton_backend_matches_torch_backend(dtype, tol):
     g = torch.Generator().manual_seed(7)
     page_size, num_kv_heads, num_heads, head_dim = 4, 2, 6, 16
     decode_pages, prefill_pages = 48, 8
-    pools = [KVPool(num_layers=2, num_pages=decode_pages + prefill_pages, page_size=page_size,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=torch.device("cpu"))
-             for _ in range(2)]
+    pools = [
+        KVPool(
+            num_layers=2,
+            num_pages=decode_pages + prefill_pages,
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=torch.device("cpu"),
+        )
+        for _ in range(2)
+    ]
     init_k = torch.randn(pools[0].k.shape, generator=g).to(dtype)
     init_v = torch.randn(pools[0].v.shape, generator=g).to(dtype)
     for pool in pools:
@@ -37,10 +49,14 @@ def test_triton_backend_matches_torch_backend(dtype, tol):
         pool.v.copy_(init_v)
 
     # Decode: pages [0, 48). Prefill: a chunk of 5 new tokens after 6 cached ones, pages [48, 56).
-    meta_decode = cascade_metadata([(2, [3, 11]), (0, [6])], page_size, decode_pages, g, num_queries=[[1, 3], [1]])
+    meta_decode = cascade_metadata(
+        [(2, [3, 11]), (0, [6])], page_size, decode_pages, g, num_queries=[[1, 3], [1]]
+    )
     context = torch.arange(decode_pages * page_size, decode_pages * page_size + 11)
     query_pos = torch.arange(6, 11).unsqueeze(-1)
-    segment = PrefillSegment(meta_decode.num_tokens, 5, context, torch.arange(11).unsqueeze(0) <= query_pos)
+    segment = PrefillSegment(
+        meta_decode.num_tokens, 5, context, torch.arange(11).unsqueeze(0) <= query_pos
+    )
     out_slots = torch.cat([decode_token_slots(meta_decode, page_size), context[6:]])
     meta = AttentionMetadata(out_slots, meta_decode, (segment,))
 
@@ -64,15 +80,30 @@ def test_engine_generates_the_same_with_the_triton_backend(tmp_path):
     from rollout.kernels import TritonAttention
     from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint
 
-    config = {**TINY_QWEN2, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+    config = {
+        **TINY_QWEN2,
+        "hidden_size": 96,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+    }
     directory = write_random_checkpoint(tmp_path / "ckpt", config, std=0.15)
     prompts = [[5, 17, 3, 44, 9, 60, 2, 31, 8, 12], [7, 70, 1, 22, 5, 90, 13]]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=11, ignore_eos=True)
     results = []
     for backend in ("torch", "triton"):
-        engine = Engine(EngineConfig(model_path=str(directory), device="cpu", dtype="float32",
-                                     kv_cache_tokens=256, page_size=4))
+        engine = Engine(
+            EngineConfig(
+                model_path=str(directory),
+                device="cpu",
+                dtype="float32",
+                kv_cache_tokens=256,
+                page_size=4,
+            )
+        )
         if backend == "triton":
             # No config switch selects it on CPU; the attention object is the runner's seam.
             engine.runner.attention = TritonAttention(engine.pool, chunk_tokens=16)
@@ -81,4 +112,6 @@ def test_engine_generates_the_same_with_the_triton_backend(tmp_path):
     for want_prompt, got_prompt in zip(want, got):
         for w, g in zip(want_prompt, got_prompt):
             assert list(g.token_ids) == list(w.token_ids)
-            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0
+            )

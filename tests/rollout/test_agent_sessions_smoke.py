@@ -14,15 +14,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_quick_agent_sessions_benchmark_prints_json():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "agent_sessions.py"),
-                           "--quick"], check=False, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "agent_sessions.py"), "--quick"],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
     assert out["cache_aware"]["sessions_on_one_replica"] == out["workload"]["sessions"] == 4
     for policy in ("cache_aware", "round_robin"):
         assert 0 <= out[policy]["hit_rate_turns_ge_2"] <= 1
-        assert out[policy]["hit_rate_by_turn"][0] == 0   # fresh random prompts: nothing cached
+        assert out[policy]["hit_rate_by_turn"][0] == 0  # fresh random prompts: nothing cached
     load = out["load"]
     assert load["errors"] == 0 and load["lost"] == 0 and load["requests_ok"] > 0
     assert 0 < load["latency_p50_s"] <= load["latency_p99_s"]

@@ -21,8 +21,10 @@ from rollout.async_engine import AsyncEngine, EngineUnavailable
 from rollout.weights import iter_safetensors
 
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 3, 3], [8, 1, 4, 1, 5, 9, 2, 6]]
-PARAMS = [SamplingParams(n=2, max_new_tokens=12, seed=11 + i, ignore_eos=True)
-          for i in range(len(PROMPTS))]
+PARAMS = [
+    SamplingParams(n=2, max_new_tokens=12, seed=11 + i, ignore_eos=True)
+    for i in range(len(PROMPTS))
+]
 
 
 def _engine(directory, **kw) -> Engine:
@@ -48,8 +50,9 @@ def test_concurrent_seeded_requests_equal_generate_and_are_batched(qwen2):
             t.start()
 
         async def many():
-            return await asyncio.gather(*(async_engine.generate(PROMPTS[i], PARAMS[i])
-                                          for i in range(2, 4)))
+            return await asyncio.gather(
+                *(async_engine.generate(PROMPTS[i], PARAMS[i]) for i in range(2, 4))
+            )
 
         results.update(enumerate(asyncio.run(many()), start=2))
         for t in threads:
@@ -64,7 +67,7 @@ def test_concurrent_seeded_requests_equal_generate_and_are_batched(qwen2):
             assert results[i].weight_version == 0
         stats = async_engine.stats()
         assert stats["generated_tokens"] == sum(len(s.token_ids) for w in expected for s in w)
-        assert stats["decode_steps"] < stats["generated_tokens"] / 3   # 8 samples decode together
+        assert stats["decode_steps"] < stats["generated_tokens"] / 3  # 8 samples decode together
     finally:
         async_engine.close()
 
@@ -93,7 +96,7 @@ def test_step_failure_fails_every_in_flight_future(qwen2):
     for f in futures:
         with pytest.raises(RuntimeError, match="device lost"):
             f.result(timeout=30)
-    engine.runner.run = real_run   # the engine was cleaned up: it serves again
+    engine.runner.run = real_run  # the engine was cleaned up: it serves again
     assert len(async_engine.submit(PROMPTS[0], PARAMS[0]).result(timeout=60).samples) == 2
     async_engine.close()
 
@@ -112,7 +115,7 @@ def test_pause_waits_then_blocks_and_resume_serves_new_weights(qwen2):
         steps = engine.stats()["decode_steps"]
         engine.update_weights((n, t * 1.5) for n, t in iter_safetensors(qwen2))
         time.sleep(0.05)
-        assert engine.stats()["decode_steps"] == steps       # nothing stepped while paused
+        assert engine.stats()["decode_steps"] == steps  # nothing stepped while paused
         async_engine.resume()
         after = async_engine.submit(PROMPTS[1], long).result(timeout=60)
         assert after.weight_version == 1
@@ -126,8 +129,9 @@ def test_pause_waits_then_blocks_and_resume_serves_new_weights(qwen2):
 def test_pause_with_abort_ends_running_requests(qwen2):
     async_engine = AsyncEngine(_engine(qwen2))
     try:
-        future = async_engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=400,
-                                                                ignore_eos=True))
+        future = async_engine.submit(
+            PROMPTS[0], SamplingParams(max_new_tokens=400, ignore_eos=True)
+        )
         time.sleep(0.2)
         async_engine.pause(abort_running=True)
         sample = future.result(timeout=0).samples[0]
@@ -151,7 +155,7 @@ def test_cancelled_await_aborts_the_request_in_the_engine(qwen2):
 
         with pytest.raises(asyncio.TimeoutError):
             asyncio.run(impatient())
-        async_engine.pause()   # returns once the aborted request has left the engine
+        async_engine.pause()  # returns once the aborted request has left the engine
         assert not engine.has_unfinished()
         assert engine.stats()["generated_tokens"] < 400
     finally:
@@ -159,9 +163,9 @@ def test_cancelled_await_aborts_the_request_in_the_engine(qwen2):
 
 
 def test_cached_tokens_counts_the_reused_prefix(qwen2):
-    async_engine = AsyncEngine(_engine(qwen2))   # page_size 4
+    async_engine = AsyncEngine(_engine(qwen2))  # page_size 4
     try:
-        base = list(range(1, 22))                 # 21 tokens
+        base = list(range(1, 22))  # 21 tokens
         first = async_engine.submit(base, SamplingParams(max_new_tokens=3)).result(timeout=60)
         assert first.cached_tokens == 0
         turn2 = base + first.samples[0].token_ids + [7, 7]
@@ -179,11 +183,12 @@ def test_stop_check_ends_sample_with_stop_keeping_the_token(qwen2):
     try:
         stop_at = reference[6]
         index = reference.index(stop_at)
-        out = async_engine.submit(PROMPTS[2], params,
-                                  stop_check=lambda ids: ids[-1] == stop_at).result(timeout=60)
+        out = async_engine.submit(
+            PROMPTS[2], params, stop_check=lambda ids: ids[-1] == stop_at
+        ).result(timeout=60)
         sample = out.samples[0]
         assert sample.finish_reason == "stop"
-        assert sample.token_ids == reference[:index + 1]
+        assert sample.token_ids == reference[: index + 1]
     finally:
         async_engine.close()
 
@@ -198,8 +203,9 @@ def test_stop_check_inside_accepted_speculative_drafts(qwen2):
     async_engine = AsyncEngine(engine)
     try:
         for k in range(2, 12):
-            result = async_engine.submit(prompt, greedy,
-                                         stop_check=lambda ids, k=k: len(ids) == k).result(60)
+            result = async_engine.submit(
+                prompt, greedy, stop_check=lambda ids, k=k: len(ids) == k
+            ).result(60)
             assert result.samples[0].token_ids == reference[:k]
             assert result.samples[0].finish_reason == "stop"
         stats = engine.stats()

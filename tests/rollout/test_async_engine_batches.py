@@ -7,10 +7,12 @@ from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import AsyncEngine
 
 COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
-COMMON = [4, 8, 15, 16, 23, 42, 7, 7, 9]   # a shared prefix of two full pages and a bit
+COMMON = [4, 8, 15, 16, 23, 42, 7, 7, 9]  # a shared prefix of two full pages and a bit
 PROMPTS = [COMMON + [i, i + 1] for i in range(6)]
-PARAMS = [SamplingParams(n=3, max_new_tokens=10, seed=100 + i, ignore_eos=True)
-          for i in range(len(PROMPTS))]
+PARAMS = [
+    SamplingParams(n=3, max_new_tokens=10, seed=100 + i, ignore_eos=True)
+    for i in range(len(PROMPTS))
+]
 
 
 def _engine(directory) -> Engine:
@@ -22,7 +24,7 @@ def test_submit_many_computes_exactly_what_generate_computes(tiny_hf_checkpoints
     ref = _engine(directory)
     expected = ref.generate(PROMPTS, PARAMS)
     want_stats = {k: ref.stats()[k] for k in COUNTERS}
-    for _ in range(3):   # timing differs from run to run; the result may not
+    for _ in range(3):  # timing differs from run to run; the result may not
         engine = _engine(directory)
         async_engine = AsyncEngine(engine)
         try:

@@ -6,7 +6,13 @@ import math
 import pytest
 import torch
 
-from rollout.attention import AttentionMetadata, DecodeMetadata, PrefillSegment, TorchAttention, cascade_decode_attention
+from rollout.attention import (
+    AttentionMetadata,
+    DecodeMetadata,
+    PrefillSegment,
+    TorchAttention,
+    cascade_decode_attention,
+)
 from rollout.kv_pool import KVPool
 
 
@@ -22,8 +28,10 @@ def naive_attention(q, keys, values):
 
 
 def context_of(cache, pages, length, page_size):
-    slots = torch.tensor([p * page_size + i for p in pages for i in range(page_size)][:length], dtype=torch.int64)
-    return cache[:, slots].transpose(0, 1)      # [L, Hkv, D]
+    slots = torch.tensor(
+        [p * page_size + i for p in pages for i in range(page_size)][:length], dtype=torch.int64
+    )
+    return cache[:, slots].transpose(0, 1)  # [L, Hkv, D]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -33,13 +41,22 @@ def test_cascade_matches_naive(page_size):
     k_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g)
     v_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g)
     perm = torch.randperm(num_pages, generator=g).tolist()
-    take = lambda n: [perm.pop() for _ in range(n)]
+
+    def take(n):
+        return [perm.pop() for _ in range(n)]
+
     # Three groups: 3 members sharing 2 prefix pages, 1 member with 1 prefix page, and a
     # sequence with no shared prefix at all; suffixes of different lengths; some sequences
     # verify several query tokens at once (speculation), causal among themselves.
     prefixes = [take(2), take(1), []]
     members = [[0, 1, 2], [3], [4]]
-    suffix_lens = [1, 2 * page_size + 1, page_size, 3, 2 * page_size + 4]   # after this step's queries
+    suffix_lens = [
+        1,
+        2 * page_size + 1,
+        page_size,
+        3,
+        2 * page_size + 4,
+    ]  # after this step's queries
     queries = [1, 3, 1, 2, 4]
     suffix_pages = [take(-(-n // page_size)) for n in suffix_lens]
     group_size, width_q = 3, max(queries)
@@ -57,7 +74,9 @@ def test_cascade_matches_naive(page_size):
         return b.masked_fill_(torch.arange(width) >= limits.unsqueeze(-1), float("-inf"))
 
     prefix_pages = pad(prefixes)
-    prefix_bias = bias(torch.tensor([len(p) * page_size for p in prefixes]), prefix_pages.shape[1] * page_size)
+    prefix_bias = bias(
+        torch.tensor([len(p) * page_size for p in prefixes]), prefix_pages.shape[1] * page_size
+    )
     suf_pages = pad(suffix_pages)
     starts = [sum(queries[:i]) for i in range(5)]
     cells, limits, query_index = [], [], []
@@ -65,41 +84,73 @@ def test_cascade_matches_naive(page_size):
         limits.append([n - q + min(j, q - 1) + 1 for j in range(width_q)])
         query_index += [starts[i] + min(j, q - 1) for j in range(width_q)]
         cells += [i * width_q + j for j in range(q)]
-    meta = DecodeMetadata(prefix_pages, prefix_bias, torch.tensor(member_index), group_size, suf_pages,
-                          bias(torch.tensor(limits), suf_pages.shape[1] * page_size),
-                          torch.tensor(query_index), torch.tensor(cells))
+    meta = DecodeMetadata(
+        prefix_pages,
+        prefix_bias,
+        torch.tensor(member_index),
+        group_size,
+        suf_pages,
+        bias(torch.tensor(limits), suf_pages.shape[1] * page_size),
+        torch.tensor(query_index),
+        torch.tensor(cells),
+    )
     q = torch.randn(sum(queries), num_heads, head_dim, generator=g)
     got = cascade_decode_attention(q, k_cache, v_cache, meta, page_size)
     for gi, ms in enumerate(members):
         for i in ms:
-            keys = torch.cat([context_of(k_cache, prefixes[gi], len(prefixes[gi]) * page_size, page_size),
-                              context_of(k_cache, suffix_pages[i], suffix_lens[i], page_size)])
-            values = torch.cat([context_of(v_cache, prefixes[gi], len(prefixes[gi]) * page_size, page_size),
-                                context_of(v_cache, suffix_pages[i], suffix_lens[i], page_size)])
+            keys = torch.cat(
+                [
+                    context_of(k_cache, prefixes[gi], len(prefixes[gi]) * page_size, page_size),
+                    context_of(k_cache, suffix_pages[i], suffix_lens[i], page_size),
+                ]
+            )
+            values = torch.cat(
+                [
+                    context_of(v_cache, prefixes[gi], len(prefixes[gi]) * page_size, page_size),
+                    context_of(v_cache, suffix_pages[i], suffix_lens[i], page_size),
+                ]
+            )
             for j in range(queries[i]):
                 visible = len(keys) - queries[i] + j + 1
                 row = starts[i] + j
-                torch.testing.assert_close(got[row], naive_attention(q[row], keys[:visible], values[:visible]),
-                                           atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    got[row],
+                    naive_attention(q[row], keys[:visible], values[:visible]),
+                    atol=1e-5,
+                    rtol=1e-5,
+                )
 
 
 def test_prefill_segment_is_causal_over_cached_prefix():
     g = torch.Generator().manual_seed(1)
-    pool = KVPool(num_layers=1, num_pages=16, page_size=1, num_kv_heads=1, head_dim=4,
-                  dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVPool(
+        num_layers=1,
+        num_pages=16,
+        page_size=1,
+        num_kv_heads=1,
+        head_dim=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     attn = TorchAttention(pool)
-    cached = torch.tensor([3, 7, 1])              # prefix already in the pool
+    cached = torch.tensor([3, 7, 1])  # prefix already in the pool
     pool.k[0][:, cached] = torch.randn(1, 3, 4, generator=g)
     pool.v[0][:, cached] = torch.randn(1, 3, 4, generator=g)
     new_slots = torch.tensor([9, 2])
     context = torch.cat([cached, new_slots])
     mask = torch.arange(5).unsqueeze(0) <= torch.tensor([[3], [4]])
     meta = AttentionMetadata(new_slots, None, (PrefillSegment(0, 2, context, mask),))
-    q, k, v = (torch.randn(2, 2, 4, generator=g), torch.randn(2, 1, 4, generator=g), torch.randn(2, 1, 4, generator=g))
+    q, k, v = (
+        torch.randn(2, 2, 4, generator=g),
+        torch.randn(2, 1, 4, generator=g),
+        torch.randn(2, 1, 4, generator=g),
+    )
     out = attn.forward(0, q, k, v, meta)
     keys = pool.k[0][:, context].transpose(0, 1)
     values = pool.v[0][:, context].transpose(0, 1)
     for i in range(2):
         visible = 3 + i + 1
-        torch.testing.assert_close(out[i], naive_attention(q[i], keys[:visible], values[:visible]), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool.k[0][:, new_slots].transpose(0, 1), k)   # new K/V were stored
+        torch.testing.assert_close(
+            out[i], naive_attention(q[i], keys[:visible], values[:visible]), atol=1e-5, rtol=1e-5
+        )
+    torch.testing.assert_close(pool.k[0][:, new_slots].transpose(0, 1), k)  # new K/V were stored

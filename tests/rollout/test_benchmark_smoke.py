@@ -14,13 +14,24 @@ SCRIPT = REPO / "benchmarks" / "rollout_throughput.py"
 
 
 def test_quick_benchmark_prints_json():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
 
     w = out["workload"]
-    assert (w["prompts"], w["prompt_len"], w["n"], w["new_tokens"], w["quick"]) == (4, 32, 4, 16, True)
+    assert (w["prompts"], w["prompt_len"], w["n"], w["new_tokens"], w["quick"]) == (
+        4,
+        32,
+        4,
+        16,
+        True,
+    )
     expected_tokens = 4 * 4 * 16
     assert out["hf_generated_tokens"] == expected_tokens
     for key in ("engine", "engine_no_radix"):

@@ -27,10 +27,18 @@ from rollout.chat import (
     render_text,
 )
 
-CALC = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,55 +62,84 @@ def tok(request):
 
 # ---- the template ----------------------------------------------------------------------------
 
+
 def test_template_renders_tools_calls_and_results(tok):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12*34?"},
-            assistant_message("Let me.", [ToolCall("calculator", {"expression": "12*34"})]),
-            {"role": "tool", "content": "408"}, {"role": "tool", "content": "ok"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "12*34?"},
+        assistant_message("Let me.", [ToolCall("calculator", {"expression": "12*34"})]),
+        {"role": "tool", "content": "408"},
+        {"role": "tool", "content": "ok"},
+    ]
     text = render_text(tok, msgs, [CALC])
-    system = text[:text.index("<|im_end|>")]
+    system = text[: text.index("<|im_end|>")]
     assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert f"<tools>\n{json.dumps(CALC)}\n</tools>" in system
-    assert ("<|im_start|>assistant\nLet me.\n<tool_call>\n"
-            '{"name": "calculator", "arguments": {"expression": "12*34"}}\n'
-            "</tool_call><|im_end|>\n") in text
+    assert (
+        "<|im_start|>assistant\nLet me.\n<tool_call>\n"
+        '{"name": "calculator", "arguments": {"expression": "12*34"}}\n'
+        "</tool_call><|im_end|>\n"
+    ) in text
     # consecutive tool results share one user turn, as in Qwen2.5's template
-    assert text.endswith("<|im_start|>user\n<tool_response>\n408\n</tool_response>\n"
-                         "<tool_response>\nok\n</tool_response><|im_end|>\n"
-                         "<|im_start|>assistant\n")
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\n408\n</tool_response>\n"
+        "<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     # no tools, no system: plain ChatML
-    assert render_text(tok, [{"role": "user", "content": "hi"}]) == \
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        render_text(tok, [{"role": "user", "content": "hi"}])
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_template_renders_exactly_what_the_formatter_writes(tok):
-    calls = [ToolCall("f", {"x": [1, 2.5, None], "s": "é\"q\n"}), ToolCall("g", {})]
+    calls = [ToolCall("f", {"x": [1, 2.5, None], "s": 'é"q\n'}), ToolCall("g", {})]
     for content in ("", "Thinking: 2 calls."):
-        text = render_text(tok, [{"role": "user", "content": "u"},
-                                 assistant_message(content, calls)],
-                           add_generation_prompt=False)
+        text = render_text(
+            tok,
+            [{"role": "user", "content": "u"}, assistant_message(content, calls)],
+            add_generation_prompt=False,
+        )
         assert f"<|im_start|>assistant\n{assistant_text(content, calls)}<|im_end|>\n" in text
     # OpenAI clients send arguments as a JSON string; the template writes it as is
-    as_string = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}}]}
-    assert format_tool_call("g", {"a": 1}) in render_text(tok, [as_string],
-                                                          add_generation_prompt=False)
+    as_string = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}}],
+    }
+    assert format_tool_call("g", {"a": 1}) in render_text(
+        tok, [as_string], add_generation_prompt=False
+    )
 
 
 def test_system_message_must_come_first(char_tok):
     with pytest.raises(Exception, match="system message must come first"):
-        render_text(char_tok, [{"role": "user", "content": "a"},
-                               {"role": "system", "content": "b"}])
+        render_text(
+            char_tok, [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+        )
 
 
 # ---- token-exact deltas ----------------------------------------------------------------------
 
-SPECIAL_STRINGS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<unk>", "<tool_call>",
-                   "</tool_call>", "<tool_response>", "</tool_response>")
+SPECIAL_STRINGS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<unk>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
 
 def _texts(alphabet=None, min_size=0):
-    base = st.text(alphabet=alphabet, min_size=min_size, max_size=30) if alphabet else \
-        st.text(st.characters(exclude_categories=("Cs",)), min_size=min_size, max_size=30)
+    base = (
+        st.text(alphabet=alphabet, min_size=min_size, max_size=30)
+        if alphabet
+        else st.text(st.characters(exclude_categories=("Cs",)), min_size=min_size, max_size=30)
+    )
     return base.filter(lambda s: not any(t in s for t in SPECIAL_STRINGS))
 
 
@@ -122,13 +159,24 @@ def conversations(draw, texts):
     turns = []
     for _ in range(draw(st.integers(1, 3))):
         content = draw(_assistant_content(texts))
-        calls = [ToolCall(draw(st.sampled_from(["calculator", "search", "f_1"])),
-                          draw(st.dictionaries(st.sampled_from(["expression", "q", "n"]),
-                                               st.one_of(texts, st.integers(-999, 999)),
-                                               max_size=2)))
-                 for _ in range(draw(st.integers(0 if content else 1, 2)))]
-        new = ([{"role": "tool", "content": draw(texts)} for _ in calls] if calls
-               else [{"role": "user", "content": draw(texts)}])
+        calls = [
+            ToolCall(
+                draw(st.sampled_from(["calculator", "search", "f_1"])),
+                draw(
+                    st.dictionaries(
+                        st.sampled_from(["expression", "q", "n"]),
+                        st.one_of(texts, st.integers(-999, 999)),
+                        max_size=2,
+                    )
+                ),
+            )
+            for _ in range(draw(st.integers(0 if content else 1, 2)))
+        ]
+        new = (
+            [{"role": "tool", "content": draw(texts)} for _ in calls]
+            if calls
+            else [{"role": "user", "content": draw(texts)}]
+        )
         turns.append((content, calls, new))
     return lead, turns, tools
 
@@ -172,8 +220,7 @@ def test_delta_starts_after_the_end_of_turn_token(tok):
     text = delta_text(tok, msgs, [{"role": "user", "content": "and 3+3?"}])
     assert text == "\n<|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n"
     # the "\n" ChatML writes after <|im_end|> belongs to the delta, not to the sampled turn
-    assert delta_ids(tok, msgs, [{"role": "user", "content": "and 3+3?"}])[0] != \
-        tok.eos_token_id
+    assert delta_ids(tok, msgs, [{"role": "user", "content": "and 3+3?"}])[0] != tok.eos_token_id
 
 
 def test_bpe_merges_inside_a_delta_match_the_whole_encoding(qwen_tok):
@@ -181,13 +228,18 @@ def test_bpe_merges_inside_a_delta_match_the_whole_encoding(qwen_tok):
     the cut is right after <|im_end|>, and HF tokenizers split at special tokens first."""
     msgs = [{"role": "user", "content": "hi"}, assistant_message("Hello there")]
     new = [{"role": "user", "content": "  indented\n\n\nlines   and 12345 spaces  "}]
-    ids = render_ids(qwen_tok, msgs[:1]) + encode_text(qwen_tok, "Hello there") + \
-        [qwen_tok.eos_token_id] + delta_ids(qwen_tok, msgs, new)
+    ids = (
+        render_ids(qwen_tok, msgs[:1])
+        + encode_text(qwen_tok, "Hello there")
+        + [qwen_tok.eos_token_id]
+        + delta_ids(qwen_tok, msgs, new)
+    )
     assert ids == render_ids(qwen_tok, msgs + new)
     # while a cut before the end-of-turn token's trailing newline would not be exact:
     # "\n<|im_start|>" is fine, but "…\n" + "\n" merges in Qwen's pre-tokenizer
-    assert encode_text(qwen_tok, "x\n\n") != encode_text(qwen_tok, "x\n") + \
-        encode_text(qwen_tok, "\n")
+    assert encode_text(qwen_tok, "x\n\n") != encode_text(qwen_tok, "x\n") + encode_text(
+        qwen_tok, "\n"
+    )
 
 
 def test_bpe_merge_across_the_generation_prompt_is_detected(qwen_tok, char_tok):
@@ -224,12 +276,17 @@ def test_delta_errors(char_tok):
     from miles_like.tokenizer import build_char_tokenizer
 
     odd = build_char_tokenizer()
-    odd.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                         "{% if loop.last %}{{ m['content'] }}{% else %}...{% endif %}"
-                         "<|im_end|>\n{% endfor %}")
+    odd.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if loop.last %}{{ m['content'] }}{% else %}...{% endif %}"
+        "<|im_end|>\n{% endfor %}"
+    )
     with pytest.raises(ValueError, match="renders the earlier turns differently"):
-        delta_ids(odd, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                  [{"role": "user", "content": "c"}])
+        delta_ids(
+            odd,
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            [{"role": "user", "content": "c"}],
+        )
     odd.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
         render_ids(odd, [{"role": "user", "content": "a"}])
@@ -237,14 +294,18 @@ def test_delta_errors(char_tok):
 
 # ---- tool calls ------------------------------------------------------------------------------
 
+
 def test_format_tool_call_layout():
     assert format_tool_call("calculator", {"expression": "1+2"}) == (
-        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>')
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    )
 
 
 def test_parse_good_calls():
-    text = ('I will compute.\n<tool_call>\n{"name": "calculator", "arguments": '
-            '{"expression": "12*34"}}\n</tool_call>\n<tool_call>{"name": "noop"}</tool_call>\n')
+    text = (
+        'I will compute.\n<tool_call>\n{"name": "calculator", "arguments": '
+        '{"expression": "12*34"}}\n</tool_call>\n<tool_call>{"name": "noop"}</tool_call>\n'
+    )
     content, calls = parse_tool_calls(text)
     assert content == "I will compute."
     assert calls == [ToolCall("calculator", {"expression": "12*34"}), ToolCall("noop", {})]
@@ -252,25 +313,31 @@ def test_parse_good_calls():
     assert parse_tool_calls("") == ("", [])
 
 
-SECOND_CALL_STRING_ARGS = ('<tool_call>{"name": "f"}</tool_call>\n'
-                           '<tool_call>{"name": "g", "arguments": "x=1"}</tool_call>')
+SECOND_CALL_STRING_ARGS = (
+    '<tool_call>{"name": "f"}</tool_call>\n<tool_call>{"name": "g", "arguments": "x=1"}</tool_call>'
+)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("<tool_call>{\"name\": \"f\", \"arguments\": {1}}</tool_call>", r"tool call 1: invalid JSON"),
-    ("<tool_call>[1, 2]</tool_call>", "tool call 1: expected a JSON object"),
-    ('<tool_call>{"arguments": {}}</tool_call>', "tool call 1: missing 'name'"),
-    ('<tool_call>{"name": ""}</tool_call>', "tool call 1: 'name' must be a non-empty string"),
-    ('<tool_call>{"name": 3}</tool_call>', "tool call 1: 'name' must be a non-empty string"),
-    (SECOND_CALL_STRING_ARGS, r"tool call 2 \(g\): 'arguments' must be a JSON object, got str"),
-    ('<tool_call>{"name": "f", "args": {}}</tool_call>', r"unexpected keys \['args'\]"),
-    ('<tool_call>{"name": "f"}', r"tool call 1: <tool_call> without </tool_call>"),
-    ('<tool_call>{"name": "f"}</tool_call><tool_call>{"name"', "tool call 2: <tool_call> with"),
-    ('{"name": "f"}</tool_call>', "tool call 1: </tool_call> without <tool_call>"),
-    ('<tool_call>{"name": "f"}</tool_call> the answer is 3', "text after the last tool call"),
-    ('<tool_call>{"name": "f"}</tool_call>x<tool_call>{"name": "f"}</tool_call>',
-     "text between tool calls"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('<tool_call>{"name": "f", "arguments": {1}}</tool_call>', r"tool call 1: invalid JSON"),
+        ("<tool_call>[1, 2]</tool_call>", "tool call 1: expected a JSON object"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "tool call 1: missing 'name'"),
+        ('<tool_call>{"name": ""}</tool_call>', "tool call 1: 'name' must be a non-empty string"),
+        ('<tool_call>{"name": 3}</tool_call>', "tool call 1: 'name' must be a non-empty string"),
+        (SECOND_CALL_STRING_ARGS, r"tool call 2 \(g\): 'arguments' must be a JSON object, got str"),
+        ('<tool_call>{"name": "f", "args": {}}</tool_call>', r"unexpected keys \['args'\]"),
+        ('<tool_call>{"name": "f"}', r"tool call 1: <tool_call> without </tool_call>"),
+        ('<tool_call>{"name": "f"}</tool_call><tool_call>{"name"', "tool call 2: <tool_call> with"),
+        ('{"name": "f"}</tool_call>', "tool call 1: </tool_call> without <tool_call>"),
+        ('<tool_call>{"name": "f"}</tool_call> the answer is 3', "text after the last tool call"),
+        (
+            '<tool_call>{"name": "f"}</tool_call>x<tool_call>{"name": "f"}</tool_call>',
+            "text between tool calls",
+        ),
+    ],
+)
 def test_parse_malformed_calls(text, message):
     with pytest.raises(ToolCallError, match=message):
         parse_tool_calls(text)
@@ -283,17 +350,28 @@ def test_format_rejects_bad_calls():
         format_tool_call("f", [1])
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8)
-                     | st.floats(allow_nan=False, allow_infinity=False),
-                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5),
-                                                                         c, max_size=3),
-                     max_leaves=8)
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(max_size=40).filter(lambda s: "<tool_call>" not in s and "</tool_call>" not in s),
-       st.lists(st.tuples(st.text(min_size=1, max_size=10),
-                          st.dictionaries(st.text(max_size=6), _json, max_size=3)), max_size=3))
+@given(
+    st.text(max_size=40).filter(lambda s: "<tool_call>" not in s and "</tool_call>" not in s),
+    st.lists(
+        st.tuples(
+            st.text(min_size=1, max_size=10),
+            st.dictionaries(st.text(max_size=6), _json, max_size=3),
+        ),
+        max_size=3,
+    ),
+)
 def test_format_parse_round_trip(content, raw_calls):
     calls = [ToolCall(n, a) for n, a in raw_calls]
     got_content, got_calls = parse_tool_calls(assistant_text(content, calls))
@@ -306,5 +384,7 @@ def test_decoded_turn_keeps_tool_tags(char_tok):
     the loop does) keeps them, so a decoded turn parses."""
     text = assistant_text("ok", [ToolCall("calculator", {"expression": "2*3"})])
     ids = encode_text(char_tok, text) + [char_tok.eos_token_id]
-    assert parse_tool_calls(char_tok.decode(ids, skip_special_tokens=True)) == \
-        ("ok", [ToolCall("calculator", {"expression": "2*3"})])
+    assert parse_tool_calls(char_tok.decode(ids, skip_special_tokens=True)) == (
+        "ok",
+        [ToolCall("calculator", {"expression": "2*3"})],
+    )

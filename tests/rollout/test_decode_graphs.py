@@ -23,8 +23,10 @@ from rollout.decode_graphs import bucket_sizes
 
 def prompts_for(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(n),), generator=g).tolist()
-            for n in torch.randint(1, 24, (count,), generator=g)]
+    return [
+        torch.randint(0, vocab, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 24, (count,), generator=g)
+    ]
 
 
 def assert_same_outputs(plain, static):
@@ -38,7 +40,9 @@ def test_static_decode_equals_dynamic_decode(tiny_hf_checkpoints, family):
     model, directory = tiny_hf_checkpoints(family)
     vocab = model.config.vocab_size
     prompts = prompts_for(vocab, 5)
-    params = SamplingParams(n=3, temperature=0.0, max_new_tokens=24, ignore_eos=True)   # 15 rows: bucket 16
+    params = SamplingParams(
+        n=3, temperature=0.0, max_new_tokens=24, ignore_eos=True
+    )  # 15 rows: bucket 16
     config = dict(model_path=str(directory), page_size=4, max_model_len=96)
     plain = Engine(EngineConfig(**config)).generate(prompts, params)
     engine = Engine(EngineConfig(**config, decode_graphs=True))
@@ -52,11 +56,21 @@ def test_static_decode_under_preemption_keeps_the_scratch_page_private(tiny_hf_c
     _, directory = tiny_hf_checkpoints("qwen2")
     prompts = prompts_for(97, 12, seed=1)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True)
-    plain = Engine(EngineConfig(model_path=str(directory), page_size=2, max_model_len=64)).generate(prompts, params)
-    engine = Engine(EngineConfig(model_path=str(directory), page_size=2, max_model_len=64, kv_cache_tokens=120,
-                                 max_running_requests=10, decode_graphs=True))
+    plain = Engine(EngineConfig(model_path=str(directory), page_size=2, max_model_len=64)).generate(
+        prompts, params
+    )
+    engine = Engine(
+        EngineConfig(
+            model_path=str(directory),
+            page_size=2,
+            max_model_len=64,
+            kv_cache_tokens=120,
+            max_running_requests=10,
+            decode_graphs=True,
+        )
+    )
     scratch = engine.pool.scratch_page
-    assert scratch == engine.pool.num_pages   # past every allocatable page
+    assert scratch == engine.pool.num_pages  # past every allocatable page
     ids = [engine.add_request(p, params) for p in prompts]
     outputs = {}
     while engine.has_unfinished():
@@ -73,7 +87,9 @@ def test_static_decode_after_release_and_resume(tiny_hf_checkpoints):
     _, directory = tiny_hf_checkpoints("qwen3")
     prompts = prompts_for(101, 3, seed=2)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10, ignore_eos=True)
-    engine = Engine(EngineConfig(model_path=str(directory), page_size=4, max_model_len=64, decode_graphs=True))
+    engine = Engine(
+        EngineConfig(model_path=str(directory), page_size=4, max_model_len=64, decode_graphs=True)
+    )
     first = engine.generate(prompts, params)
     engine.release_memory()
     engine.resume_memory()

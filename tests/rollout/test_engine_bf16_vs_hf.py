@@ -39,7 +39,7 @@ def _one_torch_thread():
 @torch.inference_mode()
 def response_logprobs(model, prompt: list[int], completion: list[int], temperature: float):
     seq = torch.tensor([prompt + completion])
-    z = model(seq).logits[0, len(prompt) - 1:-1].double() / temperature
+    z = model(seq).logits[0, len(prompt) - 1 : -1].double() / temperature
     return torch.log_softmax(z, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -54,16 +54,23 @@ def errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, flo
 def test_bf16_engine_logprobs_as_close_as_hf_bf16(tiny_hf_checkpoints, family, temperature):
     _, directory = tiny_hf_checkpoints(family)
     hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=torch.bfloat16).eval()
-    truth = exact_float64(transformers.AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=torch.bfloat16).to(torch.float64).eval())
+        str(directory), dtype=torch.bfloat16
+    ).eval()
+    truth = exact_float64(
+        transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16)
+        .to(torch.float64)
+        .eval()
+    )
     rng = random.Random(11)
     vocab = hf_bf16.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 13, 22, 8)]
-    engine = Engine(EngineConfig(model_path=str(directory), dtype="bfloat16",
-                                 kv_cache_tokens=2048, page_size=4))
-    outs = engine.generate(prompts, SamplingParams(n=4, temperature=temperature,
-                                                   max_new_tokens=16, ignore_eos=True, seed=5))
+    engine = Engine(
+        EngineConfig(model_path=str(directory), dtype="bfloat16", kv_cache_tokens=2048, page_size=4)
+    )
+    outs = engine.generate(
+        prompts,
+        SamplingParams(n=4, temperature=temperature, max_new_tokens=16, ignore_eos=True, seed=5),
+    )
     pairs = [(p, list(s.token_ids)) for p, per_prompt in zip(prompts, outs) for s in per_prompt]
     got = [torch.tensor(s.logprobs, dtype=torch.float64) for per in outs for s in per]
     assert sum(len(g) for g in got) == 256

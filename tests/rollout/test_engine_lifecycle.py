@@ -11,10 +11,11 @@
 import pytest
 import torch
 import transformers
-from tiny_hf import make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.weights import iter_safetensors
+
+from tiny_hf import make_hf_model, save_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -27,7 +28,9 @@ def test_update_weights_keeps_addresses(tiny_hf_checkpoints):
     new = {n: t * 1.01 for n, t in iter_safetensors(directory)}
     engine.update_weights(new.items())
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == before
-    torch.testing.assert_close(engine.model.model.embed_tokens.weight, new["model.embed_tokens.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        engine.model.model.embed_tokens.weight, new["model.embed_tokens.weight"], rtol=0, atol=0
+    )
     assert engine.weight_version == 1
 
 
@@ -40,7 +43,7 @@ def test_release_weights_then_update_restores_outputs(tiny_hf_checkpoints):
         engine.generate(PROMPTS, GREEDY)
     engine.resume_memory()
     weights = list(iter_safetensors(directory))
-    engine.update_weights(weights[:3])                      # a partial bucket is not enough
+    engine.update_weights(weights[:3])  # a partial bucket is not enough
     with pytest.raises(RuntimeError, match="update_weights"):
         engine.generate(PROMPTS, GREEDY)
     engine.update_weights(weights[3:])
@@ -63,34 +66,51 @@ def test_flush_prefix_cache_empties_it_and_keeps_outputs(tiny_hf_checkpoints):
 
 
 def test_linear_rope_scaling_matches_hf(tmp_path):
-    hf = make_hf_model("qwen2", rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))
+    hf = make_hf_model(
+        "qwen2", rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
+    )
     save_hf_model(hf, tmp_path)
     engine = Engine(EngineConfig(model_path=str(tmp_path)))
     outs = engine.generate(PROMPTS, GREEDY)
     for prompt, samples in zip(PROMPTS, outs):
-        gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          generation_config=gc)[0, len(prompt):].tolist()
+        gc = transformers.GenerationConfig(
+            do_sample=False, max_new_tokens=8, eos_token_id=[], pad_token_id=0
+        )
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=gc,
+        )[0, len(prompt) :].tolist()
         assert samples[0].token_ids == ref
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(dtype="fp8"), "dtype"),
-    (dict(page_size=0), "page_size"),
-    (dict(kv_cache_tokens=-5), "kv_cache_tokens"),
-    (dict(max_prefill_tokens=0), "max_prefill_tokens"),
-    (dict(attention_backend="flash"), "attention_backend"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(dtype="fp8"), "dtype"),
+        (dict(page_size=0), "page_size"),
+        (dict(kv_cache_tokens=-5), "kv_cache_tokens"),
+        (dict(max_prefill_tokens=0), "max_prefill_tokens"),
+        (dict(attention_backend="flash"), "attention_backend"),
+    ],
+)
 def test_engine_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
         EngineConfig(model_path="/nowhere", **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(n=0), "n"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_p=1.0), "min_p"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n=0), "n"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.0), "min_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
 def test_sampling_params_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**kwargs)
@@ -100,7 +120,9 @@ def test_request_errors(tiny_hf_checkpoints, tmp_path):
     _, directory = tiny_hf_checkpoints("llama")
     with pytest.raises(FileNotFoundError, match="model_path"):
         Engine(EngineConfig(model_path=str(tmp_path / "missing")))
-    engine = Engine(EngineConfig(model_path=str(directory), kv_cache_tokens=64, max_running_requests=4))
+    engine = Engine(
+        EngineConfig(model_path=str(directory), kv_cache_tokens=64, max_running_requests=4)
+    )
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([], GREEDY)
     with pytest.raises(ValueError, match="vocabulary"):

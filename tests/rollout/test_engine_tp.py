@@ -32,10 +32,11 @@ import torch
 import torch.multiprocessing as mp
 from exact_float64 import exact_float64
 from safetensors.torch import load_file
-from tiny_hf import FAMILIES, make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.parallel_layers import check_divisible
+
+from tiny_hf import FAMILIES, make_hf_model, save_hf_model
 
 DTYPES = {"float32": (torch.float32, 1e-5), "float64": (torch.float64, 1e-10)}
 CASES = [(family, dtype) for family in FAMILIES for dtype in DTYPES]

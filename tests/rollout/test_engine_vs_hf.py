@@ -33,9 +33,10 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from tiny_hf import FAMILIES, make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
+
+from tiny_hf import FAMILIES, make_hf_model, save_hf_model
 
 FAMILY_LIST = list(FAMILIES)
 LOGPROB_ATOL = 1e-5
@@ -59,8 +60,15 @@ def _one_torch_thread():
 
 
 def make_engine(directory, **overrides) -> Engine:
-    kwargs = dict(model_path=str(directory), device="cpu", dtype="float32", kv_cache_tokens=4096,
-                  page_size=1, enable_prefix_cache=True, seed=0)
+    kwargs = dict(
+        model_path=str(directory),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=4096,
+        page_size=1,
+        enable_prefix_cache=True,
+        seed=0,
+    )
     kwargs.update(overrides)
     return Engine(EngineConfig(**kwargs))
 
@@ -81,18 +89,25 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
         ids = torch.tensor([prompt])
         # eos_token_id=[] (not None, which falls back to the model's EOS) never stops early.
         gc = transformers.GenerationConfig(
-            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], bos_token_id=None,
-            pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=[],
+            bos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
-        new = out.sequences[0, len(prompt):].tolist()
+        new = out.sequences[0, len(prompt) :].tolist()
         assert len(new) == max_new_tokens, "HF reference stopped early; EOS must be ignored"
         top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
         _HF_GREEDY_CACHE[key] = (new, float((top2[:, 0] - top2[:, 1]).min()))
     return _HF_GREEDY_CACHE[key]
 
 
-def _decisive_prompt(model, rng: random.Random, length: int, max_new_tokens: int,
-                     prefix: list[int] = ()) -> list[int]:
+def _decisive_prompt(
+    model, rng: random.Random, length: int, max_new_tokens: int, prefix: list[int] = ()
+) -> list[int]:
     vocab = model.config.vocab_size
     for _ in range(200):
         prompt = list(prefix) + [rng.randrange(vocab) for _ in range(length - len(prefix))]
@@ -118,11 +133,13 @@ def greedy_prompts(model, family: str, max_new_tokens: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+def hf_logprobs(
+    model, prompt: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
     """HF's log_softmax(logits / T) of each completion token (T = 1 for greedy)."""
     t = 1.0 if temperature == 0.0 else temperature
     seq = torch.tensor([list(prompt) + list(completion)])
-    logits = model(seq).logits[0, len(prompt) - 1: len(prompt) - 1 + len(completion)].double()
+    logits = model(seq).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)].double()
     lp = torch.log_softmax(logits / t, dim=-1)
     return lp.gather(-1, torch.tensor(completion).view(-1, 1)).view(-1)
 
@@ -173,7 +190,9 @@ def test_greedy_equals_hf(tiny_hf_checkpoints, family, variant):
         for i, (per_prompt, ref) in enumerate(zip(outs, refs)):
             assert len(per_prompt) == 2
             for j, s in enumerate(per_prompt):
-                assert list(s.token_ids) == ref, f"call {call}, prompt {i} (len {len(prompts[i])}), sample {j}"
+                assert list(s.token_ids) == ref, (
+                    f"call {call}, prompt {i} (len {len(prompts[i])}), sample {j}"
+                )
                 assert s.finish_reason == "length"
                 assert len(s.logprobs) == max_new
 
@@ -185,7 +204,9 @@ def test_greedy_equals_hf(tiny_hf_checkpoints, family, variant):
     assert stats["generated_tokens"] == 2 * 2 * len(prompts) * max_new, stats
 
 
-@pytest.mark.parametrize("family,page_size", [("qwen2", 1), ("qwen3", 1), ("llama", 1), ("qwen2", 4)])
+@pytest.mark.parametrize(
+    "family,page_size", [("qwen2", 1), ("qwen3", 1), ("llama", 1), ("qwen2", 4)]
+)
 def test_greedy_equals_hf_under_preemption(tiny_hf_checkpoints, family, page_size):
     model, directory = tiny_hf_checkpoints(family)
     max_new = 24
@@ -204,8 +225,9 @@ def test_seeded_sampling_unchanged_by_preemption(tiny_hf_checkpoints):
     _, directory = tiny_hf_checkpoints("qwen2")
     rng = random.Random(7)
     prompts = [[rng.randrange(97) for _ in range(n)] for n in (5, 17, 28, 11, 23, 8)]
-    params = SamplingParams(n=2, temperature=1.0, top_k=30, top_p=0.95, max_new_tokens=24,
-                            seed=99, ignore_eos=True)
+    params = SamplingParams(
+        n=2, temperature=1.0, top_k=30, top_p=0.95, max_new_tokens=24, seed=99, ignore_eos=True
+    )
     big = make_engine(directory, kv_cache_tokens=4096).generate(prompts, params)
     small_engine = make_engine(directory, kv_cache_tokens=96)  # one request: 28 + 2 x 24 tokens
     small = small_engine.generate(prompts, params)
@@ -249,7 +271,7 @@ def test_logprobs_equal_hf(tiny_hf_checkpoints, family, case):
                 # which contains the sequential HF reading; the chi-square test pins the rest.
                 seq = torch.tensor([prompt + toks])
                 with torch.inference_mode():
-                    logits = model(seq).logits[0, len(prompt) - 1: len(prompt) + 15].double() / t
+                    logits = model(seq).logits[0, len(prompt) - 1 : len(prompt) + 15].double() / t
                 for pos, tok in enumerate(toks):
                     probs = torch.softmax(logits[pos], -1)
                     order = probs.argsort(descending=True)
@@ -268,15 +290,20 @@ def test_seeded_request_same_alone_and_in_batch(tiny_hf_checkpoints):
     vocab = model.config.vocab_size
     rng = random.Random(3)
     target_prompt = [rng.randrange(vocab) for _ in range(17)]
-    target = SamplingParams(n=2, temperature=0.9, top_p=0.95, top_k=30, max_new_tokens=20,
-                            seed=1234, ignore_eos=True)
+    target = SamplingParams(
+        n=2, temperature=0.9, top_p=0.95, top_k=30, max_new_tokens=20, seed=1234, ignore_eos=True
+    )
 
     alone = make_engine(directory).generate([target_prompt], target)[0]
     alone_tokens = [list(s.token_ids) for s in alone]
-    assert alone_tokens[0] != alone_tokens[1], "two samples of one request must differ (seeds s, s+1)"
+    assert alone_tokens[0] != alone_tokens[1], (
+        "two samples of one request must differ (seeds s, s+1)"
+    )
 
     # Sample j uses seed + j: sample 1 of seed 1234 is sample 0 of seed 1235.
-    shifted = make_engine(directory).generate([target_prompt], dataclasses.replace(target, n=1, seed=1235))[0]
+    shifted = make_engine(directory).generate(
+        [target_prompt], dataclasses.replace(target, n=1, seed=1235)
+    )[0]
     assert list(shifted[0].token_ids) == alone_tokens[1]
 
     others, other_params = [], []
@@ -284,19 +311,43 @@ def test_seeded_request_same_alone_and_in_batch(tiny_hf_checkpoints):
         others.append([rng.randrange(vocab) for _ in range(rng.randint(3, 40))])
         kind = k % 4
         if kind == 0:
-            other_params.append(SamplingParams(n=rng.randint(1, 3), temperature=1.0,
-                                               max_new_tokens=rng.randint(4, 24), ignore_eos=True))
+            other_params.append(
+                SamplingParams(
+                    n=rng.randint(1, 3),
+                    temperature=1.0,
+                    max_new_tokens=rng.randint(4, 24),
+                    ignore_eos=True,
+                )
+            )
         elif kind == 1:
-            other_params.append(SamplingParams(n=1, temperature=0.0, max_new_tokens=rng.randint(4, 24),
-                                               ignore_eos=True))
+            other_params.append(
+                SamplingParams(
+                    n=1, temperature=0.0, max_new_tokens=rng.randint(4, 24), ignore_eos=True
+                )
+            )
         elif kind == 2:
-            other_params.append(SamplingParams(n=2, temperature=0.6, top_k=5, seed=rng.randrange(10_000),
-                                               max_new_tokens=rng.randint(4, 24), ignore_eos=True))
+            other_params.append(
+                SamplingParams(
+                    n=2,
+                    temperature=0.6,
+                    top_k=5,
+                    seed=rng.randrange(10_000),
+                    max_new_tokens=rng.randint(4, 24),
+                    ignore_eos=True,
+                )
+            )
         else:
             # Shares the target's prompt prefix, so the target's KV pages are shared too.
             others[-1] = target_prompt[:10] + others[-1]
-            other_params.append(SamplingParams(n=1, temperature=1.0, top_p=0.5,
-                                               max_new_tokens=rng.randint(4, 24), ignore_eos=True))
+            other_params.append(
+                SamplingParams(
+                    n=1,
+                    temperature=1.0,
+                    top_p=0.5,
+                    max_new_tokens=rng.randint(4, 24),
+                    ignore_eos=True,
+                )
+            )
     for variant in (dict(), dict(page_size=4, max_running_requests=16, max_prefill_tokens=64)):
         prompts = others[:29] + [target_prompt] + others[29:]
         params = other_params[:29] + [target] + other_params[29:]
@@ -325,7 +376,8 @@ def test_prefill_computed_once_per_prompt(tiny_hf_checkpoints):
     s_on = on.stats()
     assert s_on["prefill_tokens_computed"] <= 1.1 * total, (
         f"prefix cache on: computed {s_on['prefill_tokens_computed']} prompt tokens for "
-        f"{total} distinct ones (limit 1.1x); stats {s_on}")
+        f"{total} distinct ones (limit 1.1x); stats {s_on}"
+    )
     assert s_on["generated_tokens"] == 32 * n * max_new
     assert s_on["preemptions"] == 0
 
@@ -333,7 +385,9 @@ def test_prefill_computed_once_per_prompt(tiny_hf_checkpoints):
     off.generate(prompts, params)
     s_off = off.stats()
     ratio = s_off["prefill_tokens_computed"] / total
-    assert 0.9 * n <= ratio <= 1.1 * n, f"prefix cache off: {ratio:.2f}x the prompt tokens, expected ~{n}x"
+    assert 0.9 * n <= ratio <= 1.1 * n, (
+        f"prefix cache off: {ratio:.2f}x the prompt tokens, expected ~{n}x"
+    )
     assert s_off["prefix_cache_hit_tokens"] == 0
 
 
@@ -404,10 +458,13 @@ def test_stop_token_ids_and_max_new_tokens(tiny_hf_checkpoints):
     ref = hf_greedy(model, prompt, 24)[0]
     tok, k = _stop_token(ref)
     engine = make_engine(directory)
-    out = engine.generate([prompt, prompt], [
-        SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=[tok]),
-        SamplingParams(temperature=0.0, max_new_tokens=5),
-    ])
+    out = engine.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=[tok]),
+            SamplingParams(temperature=0.0, max_new_tokens=5),
+        ],
+    )
     stopped, short = out[0][0], out[1][0]
     assert list(stopped.token_ids) == ref[: k + 1] and stopped.finish_reason == "stop"
     assert len(stopped.logprobs) == k + 1
@@ -426,14 +483,20 @@ def test_eos_from_model_config(tiny_hf_checkpoints, tmp_path):
 
     # (a) EOS in config.json (and generation_config.json, as HF saves it); same weights.
     model_eos = make_hf_model("qwen2", eos_token_id=eos)
-    assert all(torch.equal(a, b) for a, b in zip(model_eos.state_dict().values(), model.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model_eos.state_dict().values(), model.state_dict().values())
+    )
     dir_a = save_hf_model(model_eos, tmp_path / "a")
     assert json.loads((dir_a / "config.json").read_text())["eos_token_id"] == eos
     engine = make_engine(dir_a)
-    out = engine.generate([prompt, prompt], [
-        SamplingParams(temperature=0.0, max_new_tokens=24),
-        SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
-    ])
+    out = engine.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(temperature=0.0, max_new_tokens=24),
+            SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+        ],
+    )
     assert list(out[0][0].token_ids) == ref[: k + 1] and out[0][0].finish_reason == "stop"
     assert list(out[1][0].token_ids) == ref and out[1][0].finish_reason == "length"
 
@@ -455,8 +518,9 @@ def test_abort_running_request(tiny_hf_checkpoints):
     prompts = greedy_prompts(model, "qwen2", 24)
     long_ref = hf_greedy(model, prompts[3], 24)[0]
     engine = make_engine(directory)
-    rid_long = engine.add_request(prompts[3], SamplingParams(n=2, temperature=0.0, max_new_tokens=400,
-                                                             ignore_eos=True))
+    rid_long = engine.add_request(
+        prompts[3], SamplingParams(n=2, temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    )
     rid_other = engine.add_request(prompts[1], SamplingParams(temperature=0.0, max_new_tokens=24))
     assert rid_long != rid_other
     done = {}
@@ -476,7 +540,10 @@ def test_abort_running_request(tiny_hf_checkpoints):
         assert s.finish_reason == "abort"
         assert len(s.token_ids) < 400 and list(s.token_ids) == long_ref[: len(s.token_ids)]
     other = done[rid_other].samples[0]
-    assert list(other.token_ids) == hf_greedy(model, prompts[1], 24)[0] and other.finish_reason == "length"
+    assert (
+        list(other.token_ids) == hf_greedy(model, prompts[1], 24)[0]
+        and other.finish_reason == "length"
+    )
     assert not engine.has_unfinished()
 
 
@@ -495,8 +562,9 @@ SAMPLER_CASES = {
 }
 
 
-def _truncated_target(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0,
-                      sequential: bool = True) -> torch.Tensor:
+def _truncated_target(
+    logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0, sequential: bool = True
+) -> torch.Tensor:
     if sequential:  # HF's own warpers in generate's order, the reference
         procs = transformers.LogitsProcessorList()
         if top_k > 0:
@@ -544,8 +612,18 @@ def test_sampling_distribution_matches_hf(tiny_hf_checkpoints, case):
     n, copies = 4000, 16
     outs = make_engine(directory, kv_cache_tokens=8192).generate(
         [prompt] * copies,
-        [SamplingParams(n=n // copies, temperature=1.0, max_new_tokens=1, ignore_eos=True, seed=777 + 1000 * i, **sp)
-         for i in range(copies)])
+        [
+            SamplingParams(
+                n=n // copies,
+                temperature=1.0,
+                max_new_tokens=1,
+                ignore_eos=True,
+                seed=777 + 1000 * i,
+                **sp,
+            )
+            for i in range(copies)
+        ],
+    )
     samples = [s for per_prompt in outs for s in per_prompt]
     drawn = [s.token_ids[0] for s in samples]
     assert len(drawn) == n
@@ -555,7 +633,9 @@ def test_sampling_distribution_matches_hf(tiny_hf_checkpoints, case):
     p_joint = _chi2(counts, _truncated_target(logits, **sp, sequential=False))
     assert outside == 0 and p > CHI2_P_MIN, (
         f"{n} engine samples vs HF truncated target: {outside} outside the support, chi-square "
-        f"p = {p:.3g} (must be > {CHI2_P_MIN}); p under the joint top-k/top-p reading = {p_joint:.3g}")
+        f"p = {p:.3g} (must be > {CHI2_P_MIN}); p under the joint top-k/top-p reading = "
+        f"{p_joint:.3g}"
+    )
     # The logprob of the drawn token is the untruncated one.
     full = torch.log_softmax(logits, -1)
     worst = max(abs(float(s.logprobs[0]) - float(full[s.token_ids[0]])) for s in samples[:200])

@@ -35,7 +35,7 @@ def test_insert_then_match_longest_prefix_and_split():
     # A diverging prefix splits the edge after the common part.
     m = cache.match_prefix([1, 2, 9])
     assert m.pages == [10, 11] and m.num_tokens == 2
-    assert cache.insert([1, 2, 9], [10, 11, 20]) == 2     # first two already cached
+    assert cache.insert([1, 2, 9], [10, 11, 20]) == 2  # first two already cached
     assert cache.match_prefix([1, 2, 9, 9]).pages == [10, 11, 20]
     assert sorted(cache.check_integrity()) == [10, 11, 12, 13, 20]
 
@@ -43,19 +43,19 @@ def test_insert_then_match_longest_prefix_and_split():
 def test_pages_are_matched_whole():
     cache, _ = make(page_size=4)
     cache.insert(list(range(8)), [5, 6])
-    assert cache.match_prefix(list(range(7))).pages == [5]            # 7 tokens: one whole page
+    assert cache.match_prefix(list(range(7))).pages == [5]  # 7 tokens: one whole page
     assert cache.match_prefix([0, 1, 2, 3, 4, 5, 9, 9]).pages == [5]  # mismatch inside page 2
     assert cache.match_prefix(list(range(8)) + [1]).pages == [5, 6]
     with pytest.raises(AssertionError):
-        cache.insert([1, 2, 3], [7])                                   # not whole pages
+        cache.insert([1, 2, 3], [7])  # not whole pages
 
 
 def test_locked_prefix_survives_eviction_and_lru_order():
     cache, ledger = make()
-    cache.insert([1, 2, 3], [1, 2, 3])   # older
-    cache.insert([7, 8], [7, 8])         # newer
-    cache.match_prefix([1, 2, 3])        # touch: [1,2,3] is now the most recent
-    assert cache.evict(1) == 2 and ledger.freed == [7, 8]    # whole LRU leaf
+    cache.insert([1, 2, 3], [1, 2, 3])  # older
+    cache.insert([7, 8], [7, 8])  # newer
+    cache.match_prefix([1, 2, 3])  # touch: [1,2,3] is now the most recent
+    assert cache.evict(1) == 2 and ledger.freed == [7, 8]  # whole LRU leaf
     node = cache.match_prefix([1, 2, 3]).node
     cache.lock(node)
     assert cache.evictable_pages == 0 and cache.locked_pages == 3
@@ -73,9 +73,9 @@ def test_lock_protects_ancestors_after_split():
     cache.insert([1, 2, 3, 4], [1, 2, 3, 4])
     leaf = cache.match_prefix([1, 2, 3, 4]).node
     cache.lock(leaf)
-    cache.insert([1, 2, 5], [1, 2, 5])           # splits the locked edge at 2
+    cache.insert([1, 2, 5], [1, 2, 5])  # splits the locked edge at 2
     cache.check_integrity(direct_locks={id(leaf): 1})
-    assert cache.evictable_pages == 1            # only the new [5] leaf
+    assert cache.evictable_pages == 1  # only the new [5] leaf
     assert cache.evict(5) == 1
     cache.unlock(leaf)
     assert cache.evictable_pages == 4
@@ -86,7 +86,7 @@ def test_evicting_a_leaf_exposes_its_parent():
     cache.insert([1, 2], [1, 2])
     cache.insert([1, 2, 3], [1, 2, 3])
     cache.insert([1, 2, 4], [1, 2, 4])
-    assert cache.evict(3) == 4                   # both leaves, then the now-childless parent
+    assert cache.evict(3) == 4  # both leaves, then the now-childless parent
     assert sorted(ledger.freed) == [1, 2, 3, 4]
 
 

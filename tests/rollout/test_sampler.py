@@ -14,30 +14,41 @@ def reference_draw(probs: torch.Tensor, u: float) -> int:
     return min(choice, int((cdf < cdf[-1]).sum()))
 
 
-def _batch(rows: int, uniforms: list[float], temperature: float = 1.0, top_k: int = -1) -> SamplingBatch:
-    return SamplingBatch(temperature=torch.full((rows,), temperature), top_p=torch.ones(rows),
-                         top_k=torch.full((rows,), top_k, dtype=torch.int64), min_p=torch.zeros(rows),
-                         uniforms=torch.tensor(uniforms, dtype=torch.float64))
+def _batch(
+    rows: int, uniforms: list[float], temperature: float = 1.0, top_k: int = -1
+) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=torch.full((rows,), temperature),
+        top_p=torch.ones(rows),
+        top_k=torch.full((rows,), top_k, dtype=torch.int64),
+        min_p=torch.zeros(rows),
+        uniforms=torch.tensor(uniforms, dtype=torch.float64),
+    )
 
 
 def test_draws_follow_the_rule_including_rounding_at_the_total():
     g = torch.Generator().manual_seed(0)
     rows, vocab = 64, 50
     logits = torch.randn(rows, vocab, generator=g) * 3
-    logits[:, -7:] = float("-inf")              # trailing zero-probability tokens
+    logits[:, -7:] = float("-inf")  # trailing zero-probability tokens
     uniforms = torch.rand(rows, generator=g, dtype=torch.float64)
-    uniforms[:8] = 1 - 2.0 ** -53               # rounds to 1.0 in float32: threshold == total
+    uniforms[:8] = 1 - 2.0**-53  # rounds to 1.0 in float32: threshold == total
     for temperature, top_k in ((1.0, -1), (0.7, -1), (1.0, 5)):
         tokens, logprobs = sample(logits, _batch(rows, uniforms.tolist(), temperature, top_k))
         scaled = torch.log_softmax(logits / temperature, -1)
         for r in range(rows):
             probs = scaled[r].exp()
             if top_k > 0:
-                probs = probs * truncation_mask(probs[None], torch.tensor([top_k]), torch.ones(1), torch.zeros(1))[0]
+                probs = (
+                    probs
+                    * truncation_mask(
+                        probs[None], torch.tensor([top_k]), torch.ones(1), torch.zeros(1)
+                    )[0]
+                )
             assert int(tokens[r]) == reference_draw(probs, float(uniforms[r]))
             assert float(logprobs[r]) == float(scaled[r, tokens[r]])
-        assert (tokens[:8] < vocab - 7).all()       # never a zero-probability token
-    assert torch.tensor(1 - 2.0 ** -53).float() == 1.0    # the first rows did hit the total
+        assert (tokens[:8] < vocab - 7).all()  # never a zero-probability token
+    assert torch.tensor(1 - 2.0**-53).float() == 1.0  # the first rows did hit the total
 
 
 def test_mixed_greedy_and_sampled_rows():
@@ -48,4 +59,6 @@ def test_mixed_greedy_and_sampled_rows():
     tokens, _ = sample(logits, batch)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     for r in (1, 3):
-        assert int(tokens[r]) == reference_draw(torch.softmax(logits[r], -1), float(batch.uniforms[r]))
+        assert int(tokens[r]) == reference_draw(
+            torch.softmax(logits[r], -1), float(batch.uniforms[r])
+        )

@@ -10,6 +10,7 @@ random aborts, and a KV pool small enough that eviction and preemption happen al
 import random
 
 import pytest
+
 from rollout import Engine, EngineConfig, SamplingParams
 
 
@@ -18,27 +19,41 @@ def _workload(rng: random.Random, vocab: int):
     requests = []
     for i in range(40):
         prompt = rng.choice(systems) + [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-        params = SamplingParams(n=rng.choice([1, 2, 4]), temperature=rng.choice([0.0, 0.8, 1.0]),
-                                top_k=rng.choice([-1, 5]), max_new_tokens=rng.randint(1, 24),
-                                seed=1000 + i, ignore_eos=True)
+        params = SamplingParams(
+            n=rng.choice([1, 2, 4]),
+            temperature=rng.choice([0.0, 0.8, 1.0]),
+            top_k=rng.choice([-1, 5]),
+            max_new_tokens=rng.randint(1, 24),
+            seed=1000 + i,
+            ignore_eos=True,
+        )
         requests.append((prompt, params))
     return requests
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_random_workload_keeps_integrity_and_preemption_does_not_change_results(tiny_hf_checkpoints, page_size):
+def test_random_workload_keeps_integrity_and_preemption_does_not_change_results(
+    tiny_hf_checkpoints, page_size
+):
     _, directory = tiny_hf_checkpoints("qwen2")
     rng = random.Random(page_size)
     workload = _workload(rng, vocab=97)
-    engine = Engine(EngineConfig(model_path=str(directory), kv_cache_tokens=96, page_size=page_size,
-                                 max_running_requests=12, max_prefill_tokens=24))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(directory),
+            kv_cache_tokens=96,
+            page_size=page_size,
+            max_running_requests=12,
+            max_prefill_tokens=24,
+        )
+    )
     pending = list(workload)
-    ids: dict[int, int] = {}          # request id -> workload index
+    ids: dict[int, int] = {}  # request id -> workload index
     aborted: set[int] = set()
     outputs = {}
     steps = 0
     while pending or engine.has_unfinished():
-        for _ in range(rng.randint(0, 3)):   # requests keep arriving while others run
+        for _ in range(rng.randint(0, 3)):  # requests keep arriving while others run
             if pending:
                 prompt, params = pending.pop(0)
                 ids[engine.add_request(prompt, params)] = len(workload) - len(pending) - 1
@@ -58,7 +73,9 @@ def test_random_workload_keeps_integrity_and_preemption_does_not_change_results(
     assert set(outputs) == set(ids)
 
     # Reference: every request alone... in one roomy engine (no preemption, no eviction).
-    roomy = Engine(EngineConfig(model_path=str(directory), kv_cache_tokens=8192, page_size=page_size))
+    roomy = Engine(
+        EngineConfig(model_path=str(directory), kv_cache_tokens=8192, page_size=page_size)
+    )
     reference = roomy.generate([p for p, _ in workload], [sp for _, sp in workload])
     assert roomy.stats()["preemptions"] == 0
     compared = 0
@@ -68,7 +85,7 @@ def test_random_workload_keeps_integrity_and_preemption_does_not_change_results(
         assert len(got) == params.n
         for sample, ref in zip(got, reference[index]):
             if request_id in aborted and sample.finish_reason == "abort":
-                assert sample.token_ids == ref.token_ids[:len(sample.token_ids)]
+                assert sample.token_ids == ref.token_ids[: len(sample.token_ids)]
                 continue
             assert sample.token_ids == ref.token_ids, (index, params)
             assert sample.finish_reason == ref.finish_reason == "length"

@@ -15,15 +15,18 @@ import httpx
 import openai
 import pytest
 import torch
-from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import AsyncEngine
 from rollout.serve import build_app, chat_message, load_tokenizer, start_server
 
-CORPUS = ["the cat sat on the mat and the dog ate the bone",
-          "one two three four five six seven eight nine ten",
-          "hello world, what is 12 + 30? it is 42."] * 20
+from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
+
+CORPUS = [
+    "the cat sat on the mat and the dog ate the bone",
+    "one two three four five six seven eight nine ten",
+    "hello world, what is 12 + 30? it is 42.",
+] * 20
 MAX_LEN = 160
 
 
@@ -37,8 +40,15 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir) -> Engine:
-    return Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=8192, page_size=4,
-                               max_model_len=MAX_LEN, max_running_requests=64))
+    return Engine(
+        EngineConfig(
+            model_path=str(model_dir),
+            kv_cache_tokens=8192,
+            page_size=4,
+            max_model_len=MAX_LEN,
+            max_running_requests=64,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +77,24 @@ def test_completion_seeded_n_logprobs_token_ids_equal_the_engine(served, referen
     _, tokenizer, client, _ = served
     prompt = "the cat sat on"
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    kwargs = {"model": "tiny", "n": 3, "max_tokens": 10, "temperature": 0.9, "top_p": 0.95,
-              "seed": 7, "logprobs": 0, "extra_body": {"ignore_eos": True}}
+    kwargs = {
+        "model": "tiny",
+        "n": 3,
+        "max_tokens": 10,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 7,
+        "logprobs": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     first = client.completions.create(prompt=prompt, **kwargs)
-    again = client.completions.create(prompt=ids, **kwargs)    # token ids in, same result
-    want = reference.generate([ids], SamplingParams(n=3, max_new_tokens=10, temperature=0.9,
-                                                    top_p=0.95, seed=7, ignore_eos=True))[0]
+    again = client.completions.create(prompt=ids, **kwargs)  # token ids in, same result
+    want = reference.generate(
+        [ids],
+        SamplingParams(
+            n=3, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True
+        ),
+    )[0]
     assert len(first.choices) == 3
     for got, twice, ref in zip(first.choices, again.choices, want):
         assert got.prompt_token_ids == ids
@@ -81,10 +103,10 @@ def test_completion_seeded_n_logprobs_token_ids_equal_the_engine(served, referen
         assert got.finish_reason == "length"
         torch.testing.assert_close(got.logprobs.token_logprobs, ref.logprobs, rtol=0, atol=1e-5)
         assert len(got.logprobs.tokens) == len(ref.token_ids)
-    assert len({tuple(c.token_ids) for c in first.choices}) > 1   # n samples differ
+    assert len({tuple(c.token_ids) for c in first.choices}) > 1  # n samples differ
     assert first.weight_version == 0
     assert first.usage.completion_tokens == 30 and first.usage.prompt_tokens == len(ids)
-    assert again.usage.prompt_tokens_details.cached_tokens > 0     # same prompt: prefix reused
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # same prompt: prefix reused
 
 
 def test_stop_string_is_token_exact(served, reference):
@@ -94,14 +116,22 @@ def test_stop_string_is_token_exact(served, reference):
     full = reference.generate([ids], params)[0][0].token_ids
     text = tokenizer.decode(full, skip_special_tokens=True)
     # a stop string taken from the middle of what the model writes with this seed
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     first_at = text.find(stop)
     # the token that completes the stop string: the shortest prefix whose text contains it
-    k = next(k for k in range(1, len(full) + 1)
-             if stop in tokenizer.decode(full[:k], skip_special_tokens=True))
-    out = client.completions.create(model="tiny", prompt=ids, max_tokens=40, seed=3,
-                                    stop=[stop, "never-appears"],
-                                    extra_body={"ignore_eos": True}).choices[0]
+    k = next(
+        k
+        for k in range(1, len(full) + 1)
+        if stop in tokenizer.decode(full[:k], skip_special_tokens=True)
+    )
+    out = client.completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=40,
+        seed=3,
+        stop=[stop, "never-appears"],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
     assert out.token_ids == full[:k]
     assert out.text == text[:first_at]
     assert out.finish_reason == "stop"
@@ -109,22 +139,26 @@ def test_stop_string_is_token_exact(served, reference):
 
 def test_chat_uses_the_template_and_equals_the_engine(served, reference):
     _, tokenizer, client, _ = served
-    messages = [{"role": "system", "content": "you add numbers"},
-                {"role": "user", "content": "what is 12 + 30?"}]
-    out = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=12,
-                                         seed=5, logprobs=True, temperature=1.0)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    messages = [
+        {"role": "system", "content": "you add numbers"},
+        {"role": "user", "content": "what is 12 + 30?"},
+    ]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, n=2, max_tokens=12, seed=5, logprobs=True, temperature=1.0
+    )
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     want = reference.generate([ids], SamplingParams(n=2, max_new_tokens=12, seed=5))[0]
     for choice, ref in zip(out.choices, want):
         assert choice.prompt_token_ids == ids
         assert choice.token_ids == ref.token_ids
         assert choice.message.role == "assistant"
-        assert choice.message.content == tokenizer.decode(ref.token_ids,
-                                                          skip_special_tokens=True)
+        assert choice.message.content == tokenizer.decode(ref.token_ids, skip_special_tokens=True)
         assert choice.finish_reason == ref.finish_reason
-        torch.testing.assert_close([t.logprob for t in choice.logprobs.content], ref.logprobs,
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            [t.logprob for t in choice.logprobs.content], ref.logprobs, rtol=0, atol=1e-5
+        )
 
 
 def test_tool_calls_in_the_template_layout_become_message_tool_calls():
@@ -133,15 +167,20 @@ def test_tool_calls_in_the_template_layout_become_message_tool_calls():
     from openai.types.chat import ChatCompletionMessage
 
     from rollout.chat import assistant_text
-    text = assistant_text("let me compute", [("calculator", {"expression": "12*34"}),
-                                             ("echo", {"text": "é"})])
+
+    text = assistant_text(
+        "let me compute", [("calculator", {"expression": "12*34"}), ("echo", {"text": "é"})]
+    )
     message = ChatCompletionMessage.model_validate(chat_message(text))
     assert message.content == "let me compute"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
-        ("calculator", {"expression": "12*34"}), ("echo", {"text": "é"})]
+        ("calculator", {"expression": "12*34"}),
+        ("echo", {"text": "é"}),
+    ]
     assert len({c.id for c in message.tool_calls}) == 2
     only_call = ChatCompletionMessage.model_validate(
-        chat_message(assistant_text("", [("calculator", {"expression": "1+1"})])))
+        chat_message(assistant_text("", [("calculator", {"expression": "1+1"})]))
+    )
     assert only_call.content is None and only_call.tool_calls[0].function.name == "calculator"
     broken = "<tool_call>\n{not json}\n</tool_call>"
     assert chat_message(broken) == {"role": "assistant", "content": broken}
@@ -162,15 +201,24 @@ BAD = [  # (route, body, status, field)
     ("completions", {"model": "tiny"}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": "hi", "stream": True}, 400, "stream"),
     ("chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
-    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]},
-     400, "messages"),
-    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                          "top_p": 0}, 400, "top_p"),
+    (
+        "chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]},
+        400,
+        "messages",
+    ),
+    (
+        "chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0},
+        400,
+        "top_p",
+    ),
 ]
 
 
-@pytest.mark.parametrize("route,body,status,field", BAD,
-                         ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "route,body,status,field", BAD, ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)]
+)
 def test_bad_requests_name_the_field_and_server_keeps_serving(served, route, body, status, field):
     _, _, client, url = served
     r = httpx.post(f"{url}/v1/{route}", json=body)
@@ -183,8 +231,11 @@ def test_bad_requests_name_the_field_and_server_keeps_serving(served, route, bod
 
 def test_malformed_json_is_400_and_server_keeps_serving(served):
     _, _, client, url = served
-    r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": ',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        content=b'{"model": "tiny", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError, match="model"):
         client.completions.create(model="other", prompt="hi")
@@ -213,9 +264,14 @@ def test_many_concurrent_clients_are_batched(served):
 
     def one(i):
         try:
-            outs[i] = client.completions.create(model="tiny", prompt=[3 + i, 5, 7], max_tokens=16,
-                                                seed=i, extra_body={"ignore_eos": True})
-        except Exception as exc:   # noqa: BLE001 -- collected and asserted empty
+            outs[i] = client.completions.create(
+                model="tiny",
+                prompt=[3 + i, 5, 7],
+                max_tokens=16,
+                seed=i,
+                extra_body={"ignore_eos": True},
+            )
+        except Exception as exc:  # noqa: BLE001 -- collected and asserted empty
             errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(outs))]
@@ -234,7 +290,8 @@ def test_many_concurrent_clients_are_batched(served):
 def test_raw_response_shape(served):
     """Extra fields are plain JSON too (for clients other than `openai`)."""
     _, _, _, url = served
-    body = httpx.post(f"{url}/v1/completions",
-                      json={"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 3}).json()
+    body = httpx.post(
+        f"{url}/v1/completions", json={"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 3}
+    ).json()
     assert json.dumps(body)
     assert body["weight_version"] == 0 and len(body["choices"][0]["token_ids"]) <= 3

@@ -18,10 +18,11 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny_hf import make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.speculative import DraftBackoff, SuffixIndex
+
+from tiny_hf import make_hf_model, save_hf_model
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
@@ -50,6 +51,7 @@ def spec_config(method: str, draft_dir: str | None, **kwargs) -> EngineConfig:
 @torch.inference_mode()
 def target_joint(model, temperature: float, top_k: int) -> dict[tuple[int, ...], float]:
     """Exact p(x1, x2, x3 | PROMPT) under temperature and top-k, from HF logits."""
+
     def next_probs(prefix):
         logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double() / temperature
         if top_k > 0:
@@ -71,10 +73,10 @@ def target_joint(model, temperature: float, top_k: int) -> dict[tuple[int, ...],
 def chi_square_p(counts: dict, joint: dict, total: int) -> float:
     observed, expected, small_obs, small_exp = [], [], 0, 0.0
     for key, p in joint.items():
-        if p == 0.0:   # truncated away: must never be drawn
+        if p == 0.0:  # truncated away: must never be drawn
             assert counts.get(key, 0) == 0, f"{key} has probability 0 but was sampled"
             continue
-        if total * p < 5:   # pool rare outcomes so every bin expects >= 5
+        if total * p < 5:  # pool rare outcomes so every bin expects >= 5
             small_obs += counts.get(key, 0)
             small_exp += total * p
         else:
@@ -83,32 +85,58 @@ def chi_square_p(counts: dict, joint: dict, total: int) -> float:
     if small_exp > 0:
         observed.append(small_obs)
         expected.append(small_exp)
-    scale = sum(observed) / sum(expected)   # exact up to float rounding
+    scale = sum(observed) / sum(expected)  # exact up to float rounding
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-@pytest.mark.parametrize("method, temperature, top_k", [("ngram", 1.0, -1), ("group", 1.0, -1), ("group", 0.8, 4),
-                                                        ("draft", 1.0, -1), ("draft", 0.8, 4)])
-def test_speculative_sampling_matches_target_distribution(tiny_vocab_model, tiny_vocab_draft, method, temperature,
-                                                          top_k):
+@pytest.mark.parametrize(
+    "method, temperature, top_k",
+    [
+        ("ngram", 1.0, -1),
+        ("group", 1.0, -1),
+        ("group", 0.8, 4),
+        ("draft", 1.0, -1),
+        ("draft", 0.8, 4),
+    ],
+)
+def test_speculative_sampling_matches_target_distribution(
+    tiny_vocab_model, tiny_vocab_draft, method, temperature, top_k
+):
     model, directory = tiny_vocab_model
     # Back-off off: every step drafts, so the test sees the verify rule on every position.
-    engine = Engine(spec_config(method, tiny_vocab_draft, model_path=str(directory), num_speculative_tokens=2,
-                                max_running_requests=512, kv_cache_tokens=512 * 16 * 2, seed=11,
-                                speculative_min_acceptance=0.0))
+    engine = Engine(
+        spec_config(
+            method,
+            tiny_vocab_draft,
+            model_path=str(directory),
+            num_speculative_tokens=2,
+            max_running_requests=512,
+            kv_cache_tokens=512 * 16 * 2,
+            seed=11,
+            speculative_min_acceptance=0.0,
+        )
+    )
     requests, n = 40, 512
-    outs = engine.generate([PROMPT] * requests, SamplingParams(n=n, temperature=temperature, top_k=top_k,
-                                                                max_new_tokens=3, ignore_eos=True))
+    outs = engine.generate(
+        [PROMPT] * requests,
+        SamplingParams(
+            n=n, temperature=temperature, top_k=top_k, max_new_tokens=3, ignore_eos=True
+        ),
+    )
     counts: dict[tuple[int, ...], int] = {}
     for per_prompt in outs:
         for sample in per_prompt:
             key = tuple(sample.token_ids)
             counts[key] = counts.get(key, 0) + 1
     stats = engine.stats()
-    assert stats["spec_draft_tokens"] > 5000, stats                     # speculation really ran ...
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats   # ... and rejected some
+    assert stats["spec_draft_tokens"] > 5000, stats  # speculation really ran ...
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (
+        stats
+    )  # ... and rejected some
     p = chi_square_p(counts, target_joint(model, temperature, top_k), requests * n)
-    assert p > P_MIN, f"chi-square p={p:.4g} <= {P_MIN}: speculative samples do not follow the target"
+    assert p > P_MIN, (
+        f"chi-square p={p:.4g} <= {P_MIN}: speculative samples do not follow the target"
+    )
 
 
 def perturbed_draft(model, directory, scale: float, seed: int) -> str:
@@ -137,13 +165,17 @@ def test_greedy_unchanged_by_speculation(tiny_hf_checkpoints, qwen3_draft, metho
     motif = torch.randint(0, 101, (5,), generator=g).tolist()
     prompts = [motif * 3 + torch.randint(0, 101, (k,), generator=g).tolist() for k in (1, 4, 9)]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=48, ignore_eos=True)
-    plain = Engine(EngineConfig(model_path=str(directory), page_size=page_size)).generate(prompts, params)
-    engine = Engine(spec_config(method, qwen3_draft, model_path=str(directory), page_size=page_size))
+    plain = Engine(EngineConfig(model_path=str(directory), page_size=page_size)).generate(
+        prompts, params
+    )
+    engine = Engine(
+        spec_config(method, qwen3_draft, model_path=str(directory), page_size=page_size)
+    )
     spec = engine.generate(prompts, params)
     engine.check_integrity()
     stats = engine.stats()
     assert stats["spec_accepted_tokens"] > 0
-    if method == "draft":   # the draft model disagrees with the target sometimes
+    if method == "draft":  # the draft model disagrees with the target sometimes
         assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     for a, b in zip(itertools.chain(*plain), itertools.chain(*spec)):
         assert a.token_ids == b.token_ids
@@ -160,17 +192,21 @@ def test_stop_token_inside_an_accepted_draft(tiny_hf_checkpoints):
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=30, ignore_eos=True)
     plain_engine = Engine(EngineConfig(model_path=str(directory), page_size=1))
     plain = plain_engine.generate(prompts, greedy)
-    firsts = {}   # token -> first position in prompt 0's completion
+    firsts = {}  # token -> first position in prompt 0's completion
     for i, t in enumerate(plain[0][0].token_ids):
         firsts.setdefault(t, i)
     for stop in [t for t, i in firsts.items() if 2 <= i < 25]:
         params = dataclasses.replace(greedy, stop_token_ids=[stop])
         expected = plain_engine.generate(prompts, params)
-        engine = Engine(EngineConfig(model_path=str(directory), page_size=1, speculative_method="group"))
-        engine.generate(prompts, greedy)                      # earlier completions to draft from
+        engine = Engine(
+            EngineConfig(model_path=str(directory), page_size=1, speculative_method="group")
+        )
+        engine.generate(prompts, greedy)  # earlier completions to draft from
         got = engine.generate(prompts, params)
         engine.check_integrity()
-        assert [s.token_ids for per in got for s in per] == [s.token_ids for per in expected for s in per], stop
+        assert [s.token_ids for per in got for s in per] == [
+            s.token_ids for per in expected for s in per
+        ], stop
         assert got[0][0].finish_reason == "stop"
         assert engine.stats()["spec_accepted_tokens"] > 0
 
@@ -179,12 +215,17 @@ def test_suffix_index_prefers_longest_latest_match():
     index = SuffixIndex(min_n=1, max_n=3)
     a = [5, 6, 7, 8, 5, 6, 9]
     index.update(0, a)
-    assert index.propose([1, 5, 6], 3) == [9]            # latest "5 6" continued with 9 (and then nothing yet)
-    assert index.propose([4, 6, 7], 2) == [8, 5]         # "6 7" -> 8 5
+    assert index.propose([1, 5, 6], 3) == [
+        9
+    ]  # latest "5 6" continued with 9 (and then nothing yet)
+    assert index.propose([4, 6, 7], 2) == [8, 5]  # "6 7" -> 8 5
     b = [0, 7, 8, 1]
     index.update(1, b)
-    assert index.propose([6, 7, 8], 2) == [5, 6]         # the longest match, "6 7 8", beats the newer "7 8"
-    assert index.propose([2, 7, 8], 2) == [1]            # for "7 8" the newest occurrence wins
+    assert index.propose([6, 7, 8], 2) == [
+        5,
+        6,
+    ]  # the longest match, "6 7 8", beats the newer "7 8"
+    assert index.propose([2, 7, 8], 2) == [1]  # for "7 8" the newest occurrence wins
     assert index.propose([3], 2) == []
 
 
@@ -195,11 +236,27 @@ def test_draft_model_under_kv_pressure_with_aborts(tiny_hf_checkpoints, qwen3_dr
     _, directory = tiny_hf_checkpoints("qwen3")
     rng = random.Random(0)
     prompts = [[rng.randrange(101) for _ in range(rng.randint(2, 20))] for _ in range(16)]
-    params = [SamplingParams(n=rng.choice([1, 2]), temperature=0.0, max_new_tokens=rng.randint(4, 30),
-                             ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(
+            n=rng.choice([1, 2]),
+            temperature=0.0,
+            max_new_tokens=rng.randint(4, 30),
+            ignore_eos=True,
+        )
+        for _ in prompts
+    ]
     plain = Engine(EngineConfig(model_path=str(directory), page_size=2)).generate(prompts, params)
-    engine = Engine(spec_config("draft", qwen3_draft, model_path=str(directory), page_size=2, kv_cache_tokens=160,
-                                max_running_requests=8, speculative_draft_kv_tokens=64))
+    engine = Engine(
+        spec_config(
+            "draft",
+            qwen3_draft,
+            model_path=str(directory),
+            page_size=2,
+            kv_cache_tokens=160,
+            max_running_requests=8,
+            speculative_draft_kv_tokens=64,
+        )
+    )
     ids = {engine.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
     aborted, outputs = set(), {}
     while engine.has_unfinished():
@@ -213,11 +270,13 @@ def test_draft_model_under_kv_pressure_with_aborts(tiny_hf_checkpoints, qwen3_dr
     stats = engine.stats()
     assert engine.draft_model.evictions > 0 and stats["preemptions"] > 0, stats
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
-    assert engine.draft_model.pool.num_free_pages == engine.draft_model.pool.num_pages   # all forgotten
+    assert (
+        engine.draft_model.pool.num_free_pages == engine.draft_model.pool.num_pages
+    )  # all forgotten
     for request_id, i in ids.items():
         for got, ref in zip(outputs[request_id], plain[i]):
             if request_id in aborted and got.finish_reason == "abort":
-                assert got.token_ids == ref.token_ids[:len(got.token_ids)]
+                assert got.token_ids == ref.token_ids[: len(got.token_ids)]
             else:
                 assert got.token_ids == ref.token_ids, i
 
@@ -227,7 +286,9 @@ def test_draft_model_config_errors(tiny_hf_checkpoints, tiny_vocab_draft, tmp_pa
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         EngineConfig(model_path=str(directory), speculative_method="draft")
     with pytest.raises(ValueError, match="set it to 'draft'"):
-        EngineConfig(model_path=str(directory), speculative_method="group", speculative_draft_model_path="x")
+        EngineConfig(
+            model_path=str(directory), speculative_method="group", speculative_draft_model_path="x"
+        )
     with pytest.raises(FileNotFoundError, match="speculative_draft_model_path"):
         Engine(spec_config("draft", str(tmp_path / "missing"), model_path=str(directory)))
     with pytest.raises(ValueError, match="vocab_size 6 differs from the target's 101"):
@@ -237,16 +298,16 @@ def test_draft_model_config_errors(tiny_hf_checkpoints, tiny_vocab_draft, tmp_pa
 def test_backoff_pauses_drafting_after_failed_drafts():
     backoff = DraftBackoff(min_acceptance=0.25, max_pause=8)
     pattern = []
-    for _ in range(30):   # drafts that never land: pauses 1, 2, 4, 8, 8, ... steps
+    for _ in range(30):  # drafts that never land: pauses 1, 2, 4, 8, 8, ... steps
         drafting = backoff.should_draft()
         pattern.append(drafting)
         if drafting:
             backoff.record(drafted=4, accepted=0)
     gaps = [len(run) for run in "".join("d" if d else "." for d in pattern).split("d")[1:-1]]
     assert gaps == [1, 2, 4, 8, 8], pattern
-    while not backoff.should_draft():          # sit out the current pause
+    while not backoff.should_draft():  # sit out the current pause
         pass
-    backoff.record(drafted=4, accepted=1)      # a draft that lands ends the back-off
+    backoff.record(drafted=4, accepted=1)  # a draft that lands ends the back-off
     assert backoff.pause == 0 and backoff.should_draft()
     never = DraftBackoff(min_acceptance=0.0)
     never.record(drafted=4, accepted=0)
@@ -262,8 +323,13 @@ def test_backoff_limits_wasted_drafts_on_a_near_uniform_model(tiny_vocab_model):
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)
     drafted = {}
     for min_acceptance in (0.0, 0.5):
-        engine = Engine(EngineConfig(model_path=str(directory), speculative_method="group",
-                                     speculative_min_acceptance=min_acceptance))
+        engine = Engine(
+            EngineConfig(
+                model_path=str(directory),
+                speculative_method="group",
+                speculative_min_acceptance=min_acceptance,
+            )
+        )
         engine.generate(prompts, params)
         drafted[min_acceptance] = engine.stats()
     assert drafted[0.5]["spec_backoff_steps"] > 0
@@ -272,7 +338,9 @@ def test_backoff_limits_wasted_drafts_on_a_near_uniform_model(tiny_vocab_model):
 
 def test_draft_model_pool_follows_release_and_resume(tiny_hf_checkpoints, qwen3_draft):
     _, directory = tiny_hf_checkpoints("qwen3")
-    engine = Engine(spec_config("draft", qwen3_draft, model_path=str(directory), kv_cache_tokens=256))
+    engine = Engine(
+        spec_config("draft", qwen3_draft, model_path=str(directory), kv_cache_tokens=256)
+    )
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, ignore_eos=True)
     first = engine.generate([[3, 1, 4, 1, 5]], params)
     pool = engine.draft_model.pool
@@ -295,19 +363,32 @@ def test_seeded_sampling_repeats_on_a_fresh_engine(tiny_hf_checkpoints, qwen3_dr
     g = torch.Generator().manual_seed(11)
     motif = torch.randint(0, 101, (4,), generator=g).tolist()
     prompts = [motif * 3 + torch.randint(0, 101, (k,), generator=g).tolist() for k in (2, 5, 7)]
-    rounds = [[SamplingParams(n=4, temperature=1.0, max_new_tokens=int(m), ignore_eos=True,
-                              seed=100 * r + i) for i, m in enumerate((12, 20, 28))]
-              for r in range(4)]
+    rounds = [
+        [
+            SamplingParams(
+                n=4, temperature=1.0, max_new_tokens=int(m), ignore_eos=True, seed=100 * r + i
+            )
+            for i, m in enumerate((12, 20, 28))
+        ]
+        for r in range(4)
+    ]
 
     def run() -> tuple[list[list[int]], dict]:
-        config = (EngineConfig(model_path=str(directory), page_size=2) if method == "off"
-                  else spec_config(method, qwen3_draft, model_path=str(directory), page_size=2))
+        config = (
+            EngineConfig(model_path=str(directory), page_size=2)
+            if method == "off"
+            else spec_config(method, qwen3_draft, model_path=str(directory), page_size=2)
+        )
         engine = Engine(config)
-        tokens = [s.token_ids for params in rounds
-                  for per in engine.generate(prompts, params) for s in per]
+        tokens = [
+            s.token_ids
+            for params in rounds
+            for per in engine.generate(prompts, params)
+            for s in per
+        ]
         return tokens, engine.stats()
 
     (first, stats), (second, _) = run(), run()
     if method != "off":
-        assert stats["spec_accepted_tokens"] > 0   # the proposer really drafted
+        assert stats["spec_accepted_tokens"] > 0  # the proposer really drafted
     assert first == second

@@ -24,22 +24,34 @@ def test_attention_on_strided_lanes_equals_gather():
     page, num_kv, heads, dim, num_pages = 4, 2, 4, 8, 40
     k_cache = torch.randn(num_kv, num_pages * page, dim, generator=g)
     v_cache = torch.randn(num_kv, num_pages * page, dim, generator=g)
-    suffix_lens = [5, 1, 8, 3]                       # this step's query included
+    suffix_lens = [5, 1, 8, 3]  # this step's query included
     num_seqs, width = len(suffix_lens), 8
     perm = torch.randperm(num_pages, generator=g)
-    suffix_pages = perm[:num_seqs * 2].view(num_seqs, 2)
-    prefix_pages = perm[num_seqs * 2:num_seqs * 2 + 3].view(1, 3)
+    suffix_pages = perm[: num_seqs * 2].view(num_seqs, 2)
+    prefix_pages = perm[num_seqs * 2 : num_seqs * 2 + 3].view(1, 3)
     bias = torch.zeros(num_seqs, 1, width).masked_fill_(
-        torch.arange(width) >= torch.tensor(suffix_lens).view(-1, 1, 1), float("-inf"))
-    meta = DecodeMetadata(prefix_pages, torch.zeros(1, 3 * page), torch.arange(num_seqs), num_seqs,
-                          suffix_pages, bias, torch.arange(num_seqs), torch.arange(num_seqs))
+        torch.arange(width) >= torch.tensor(suffix_lens).view(-1, 1, 1), float("-inf")
+    )
+    meta = DecodeMetadata(
+        prefix_pages,
+        torch.zeros(1, 3 * page),
+        torch.arange(num_seqs),
+        num_seqs,
+        suffix_pages,
+        bias,
+        torch.arange(num_seqs),
+        torch.arange(num_seqs),
+    )
     q = torch.randn(num_seqs, heads, dim, generator=g)
     expected = cascade_decode_attention(q, k_cache, v_cache, meta, page)
 
     # Lanes: more lanes and positions than used, finite garbage past each valid length.
     lanes_k = torch.randn(num_kv, num_seqs + 3, width + 5, dim, generator=g)
     lanes_v = torch.randn(num_kv, num_seqs + 3, width + 5, dim, generator=g)
-    gathered_k, gathered_v = _gather(k_cache, suffix_pages, page), _gather(v_cache, suffix_pages, page)
+    gathered_k, gathered_v = (
+        _gather(k_cache, suffix_pages, page),
+        _gather(v_cache, suffix_pages, page),
+    )
     for i, n in enumerate(suffix_lens):
         lanes_k[:, i, :n], lanes_v[:, i, :n] = gathered_k[:, i, :n], gathered_v[:, i, :n]
     views = lanes_k[:, :num_seqs, :width], lanes_v[:, :num_seqs, :width]
@@ -52,8 +64,13 @@ def _workload(rng: random.Random, vocab: int):
     requests = []
     for i in range(30):
         prompt = rng.choice(shared) + [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-        params = SamplingParams(n=rng.choice([1, 2, 4]), temperature=rng.choice([0.0, 1.0]),
-                                max_new_tokens=rng.randint(1, 24), seed=100 + i, ignore_eos=True)
+        params = SamplingParams(
+            n=rng.choice([1, 2, 4]),
+            temperature=rng.choice([0.0, 1.0]),
+            max_new_tokens=rng.randint(1, 24),
+            seed=100 + i,
+            ignore_eos=True,
+        )
         requests.append((prompt, params))
     return requests
 
@@ -83,10 +100,20 @@ def test_engine_with_lanes_equals_gather_path(tiny_hf_checkpoints, page_size, sp
     _, directory = tiny_hf_checkpoints("qwen2")
     results = {}
     for lanes in (True, False):
-        engine = Engine(EngineConfig(model_path=str(directory), kv_cache_tokens=96, page_size=page_size,
-                                     max_running_requests=12, max_prefill_tokens=24,
-                                     speculative_method=speculative, decode_suffix_lanes=lanes))
-        if lanes:   # the pool is tiny (to preempt often); lift the lanes' memory bound (tested below)
+        engine = Engine(
+            EngineConfig(
+                model_path=str(directory),
+                kv_cache_tokens=96,
+                page_size=page_size,
+                max_running_requests=12,
+                max_prefill_tokens=24,
+                speculative_method=speculative,
+                decode_suffix_lanes=lanes,
+            )
+        )
+        if (
+            lanes
+        ):  # the pool is tiny (to preempt often); lift the lanes' memory bound (tested below)
             engine.suffix_lanes.max_tokens = 1 << 20
         results[lanes] = _drive(engine, seed=page_size, vocab=97)
         stats = engine.stats()
@@ -97,7 +124,7 @@ def test_engine_with_lanes_equals_gather_path(tiny_hf_checkpoints, page_size, sp
     aborted = 0
     for request_id, out in with_lanes.items():
         for a, b in zip(out.samples, without[request_id].samples):
-            assert a == b, request_id     # tokens, logprobs (exactly) and finish reason
+            assert a == b, request_id  # tokens, logprobs (exactly) and finish reason
             aborted += a.finish_reason == "abort"
     assert aborted > 0
 
@@ -106,20 +133,28 @@ def test_memory_bound_falls_back_to_gather(tiny_hf_checkpoints):
     _, directory = tiny_hf_checkpoints("qwen2")
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7, ignore_eos=True)
-    reference = Engine(EngineConfig(model_path=str(directory), page_size=4,
-                                    decode_suffix_lanes=False)).generate(prompts, params)
+    reference = Engine(
+        EngineConfig(model_path=str(directory), page_size=4, decode_suffix_lanes=False)
+    ).generate(prompts, params)
     engine = Engine(EngineConfig(model_path=str(directory), page_size=4))
-    engine.suffix_lanes.max_tokens = 6 * 8      # 6 lanes of 8 positions, less than 12 new tokens need
+    engine.suffix_lanes.max_tokens = 6 * 8  # 6 lanes of 8 positions, less than 12 new tokens need
     assert engine.generate(prompts, params) == reference
     assert engine.suffix_lanes.capacity <= 8 and not engine.suffix_lanes.lane_of_epoch
 
 
 def test_plan_refuses_past_bound_and_forgets():
-    pool = KVPool(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2,
-                  dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVPool(
+        num_layers=1,
+        num_pages=8,
+        page_size=4,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     lanes = SuffixLanes(pool, max_tokens=4)
 
-    class Seq:   # the attributes `plan` reads, for a sequence about to decode its 9th suffix token
+    class Seq:  # the attributes `plan` reads, for a sequence about to decode its 9th suffix token
         num_tree_pages, num_computed, draft, kv_epoch, pages = 0, 8, [], 1, [0, 1, 2]
 
     assert lanes.plan([Seq()]) is None and lanes.k is None and not lanes.lane_of_epoch

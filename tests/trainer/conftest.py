@@ -48,18 +48,21 @@ def parallel_results(hf_dirs, tmp_path_factory):
     start-up and imports dominate these tiny runs)."""
     import json
 
-    plan = [[layout, backend, tp, pp, [str(hf_dirs[f]) for f in families]]
-            for layout, (backend, tp, pp, families) in PARALLEL_LAYOUTS.items()]
+    plan = [
+        [layout, backend, tp, pp, [str(hf_dirs[f]) for f in families]]
+        for layout, (backend, tp, pp, families) in PARALLEL_LAYOUTS.items()
+    ]
     out = tmp_path_factory.mktemp("parallel") / "results.pt"
     torchrun(HERE / "scenarios.py", [str(out), json.dumps(plan)], timeout=500)
     by_layout = torch.load(out, weights_only=False)
-    return {layout: {f: by_layout[layout][str(hf_dirs[f])] for f in families}
-            for layout, (_, _, _, families) in PARALLEL_LAYOUTS.items()}
+    return {
+        layout: {f: by_layout[layout][str(hf_dirs[f])] for f in families}
+        for layout, (_, _, _, families) in PARALLEL_LAYOUTS.items()
+    }
 
 
 def pytest_configure(config):
     # megatron-core 0.16.1 warns on every layer build / TP call about APIs it is migrating;
     # none of them concern this code, and they bury real warnings.
-    for line in ("ignore::DeprecationWarning:megatron.*",
-                 "ignore::UserWarning:megatron.*"):
+    for line in ("ignore::DeprecationWarning:megatron.*", "ignore::UserWarning:megatron.*"):
         config.addinivalue_line("filterwarnings", line)

@@ -13,6 +13,7 @@ PLAN a JSON list of [layout, backend, tp, pp, [model dirs]] (see `main`).
 from __future__ import annotations
 
 import sys
+
 import torch
 
 from trainer.config import LossConfig, OptimConfig, RLBatch, TrainerConfig
@@ -27,13 +28,16 @@ def fixed_batch(vocab_size: int) -> RLBatch:
 
 
 def trainer_config(model_dir: str, tp: int = 1, pp: int = 1, **kw) -> TrainerConfig:
-    base = dict(model_path=str(model_dir), tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp, max_tokens_per_micro_batch=20,
-                # eps well above the smallest grads keeps Adam's first step ~linear in the
-                # grad, so layouts can be compared at 1e-5 while weights still move ~1e-3.
-                optim=OptimConfig(lr=1e-3, eps=1e-3, grad_clip=1.0, weight_decay=0.01),
-                loss=LossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28,
-                                entropy_coef=0.01))
+    base = dict(
+        model_path=str(model_dir),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        max_tokens_per_micro_batch=20,
+        # eps well above the smallest grads keeps Adam's first step ~linear in the
+        # grad, so layouts can be compared at 1e-5 while weights still move ~1e-3.
+        optim=OptimConfig(lr=1e-3, eps=1e-3, grad_clip=1.0, weight_decay=0.01),
+        loss=LossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28, entropy_coef=0.01),
+    )
     base.update(kw)
     return TrainerConfig(**base)
 
@@ -50,8 +54,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, backend: str = "megatron") -> 
     exported = trainer.hf_state_dict()
     metrics = trainer.train_step(batch)
     after = trainer.hf_state_dict()
-    return dict(logprobs=logprobs, entropy=entropy, exported=exported, metrics=metrics,
-                after=after)
+    return dict(logprobs=logprobs, entropy=entropy, exported=exported, metrics=metrics, after=after)
 
 
 def main(argv: list[str]) -> None:
@@ -63,11 +66,13 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     out, plan = argv[0], json.loads(argv[1])
-    results = {layout: {d: run(d, tp, pp, backend) for d in dirs}
-               for layout, backend, tp, pp, dirs in plan}
+    results = {
+        layout: {d: run(d, tp, pp, backend) for d in dirs} for layout, backend, tp, pp, dirs in plan
+    }
     if dist.get_rank() == 0:
         torch.save(results, out)
     from trainer.parallel import destroy_parallel
+
     destroy_parallel()
 
 

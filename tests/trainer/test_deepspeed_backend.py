@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import FAMILIES, hf_response_logprobs, max_abs_diff
+
+from trainer.config import LossConfig, OptimConfig
 
 import scenarios
-from trainer.config import LossConfig, OptimConfig
+from trainer_helpers import FAMILIES, hf_response_logprobs, max_abs_diff
 
 
 def _trainer(directory, **kw):
@@ -34,8 +35,9 @@ def test_logprobs_equal_hf(family, tiny_hf_checkpoints):
 
 def test_sft_steps_lower_the_loss(tiny_hf_checkpoints):
     hf_model, directory = tiny_hf_checkpoints("llama")
-    trainer = _trainer(directory, loss=LossConfig(policy_loss="sft"),
-                       optim=OptimConfig(lr=3e-3, grad_clip=1.0))
+    trainer = _trainer(
+        directory, loss=LossConfig(policy_loss="sft"), optim=OptimConfig(lr=3e-3, grad_clip=1.0)
+    )
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     losses = [trainer.train_step(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.1, losses
@@ -92,8 +94,12 @@ def test_zero3_logprobs_and_first_step_match_megatron(tiny_hf_checkpoints, singl
 
 def test_first_step_kl_zero_with_reference_then_positive(tiny_hf_checkpoints):
     hf_model, directory = tiny_hf_checkpoints("qwen2")
-    trainer = _trainer(directory, use_reference=True, reference_on_cpu=True,
-                       loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_kind="low-var-kl"))
+    trainer = _trainer(
+        directory,
+        use_reference=True,
+        reference_on_cpu=True,
+        loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_kind="low-var-kl"),
+    )
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     ref = trainer.compute_ref_logprobs(batch)
     ref_lp, _ = hf_response_logprobs(hf_model, batch.tokens, batch.prompt_lens)
@@ -105,8 +111,12 @@ def test_first_step_kl_zero_with_reference_then_positive(tiny_hf_checkpoints):
 
 def test_bf16_steps_lower_the_loss(tiny_hf_checkpoints):
     hf_model, directory = tiny_hf_checkpoints("llama")
-    trainer = _trainer(directory, dtype="bfloat16", loss=LossConfig(policy_loss="sft"),
-                       optim=OptimConfig(lr=3e-3, grad_clip=1.0))
+    trainer = _trainer(
+        directory,
+        dtype="bfloat16",
+        loss=LossConfig(policy_loss="sft"),
+        optim=OptimConfig(lr=3e-3, grad_clip=1.0),
+    )
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     losses = [trainer.train_step(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.1, losses

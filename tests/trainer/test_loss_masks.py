@@ -9,17 +9,26 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import scenarios
 import torch
 
 from trainer.config import LossConfig
+
+import scenarios
 
 CAP, KL_COEF, ENT_COEF = 1.5, 0.1, 0.01
 
 
 def loss_config() -> LossConfig:
-    return LossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28, entropy_coef=ENT_COEF,
-                      kl_coef=KL_COEF, kl_kind="k3", is_correction="tis", is_cap=CAP)
+    return LossConfig(
+        policy_loss="ppo",
+        clip_low=0.2,
+        clip_high=0.28,
+        entropy_coef=ENT_COEF,
+        kl_coef=KL_COEF,
+        kl_kind="k3",
+        is_correction="tis",
+        is_cap=CAP,
+    )
 
 
 def masked_batch(vocab_size: int, garbage: float):
@@ -34,11 +43,11 @@ def masked_batch(vocab_size: int, garbage: float):
         m[(torch.arange(n) + i) % 3 == 2] = 0.0
         masks.append(m)
         rollout.append(torch.where(m > 0, -torch.rand(n, generator=g) * 3, torch.zeros(n)))
-        ref.append(torch.where(m > 0, -torch.rand(n, generator=g) * 3,
-                               torch.full((n,), -garbage)))
+        ref.append(torch.where(m > 0, -torch.rand(n, generator=g) * 3, torch.full((n,), -garbage)))
         adv.append(torch.where(m > 0, a, torch.full((n,), garbage)))
-    return dataclasses.replace(batch, advantages=adv, loss_masks=masks, rollout_logprobs=rollout,
-                               ref_logprobs=ref)
+    return dataclasses.replace(
+        batch, advantages=adv, loss_masks=masks, rollout_logprobs=rollout, ref_logprobs=ref
+    )
 
 
 def hand_objective(hf_model, batch):
@@ -53,11 +62,12 @@ def hand_objective(hf_model, batch):
     m = torch.cat(batch.loss_masks) > 0
     lp, ent = lp[m], ent[m]
     old = lp.detach()
-    adv, rollout, ref = (torch.cat(x)[m].float() for x in (batch.advantages,
-                                                            batch.rollout_logprobs,
-                                                            batch.ref_logprobs))
-    ratio = torch.exp(lp - old)                       # 1, with the policy's gradient
-    w = torch.exp(old - rollout).clamp(max=CAP)       # TIS
+    adv, rollout, ref = (
+        torch.cat(x)[m].float()
+        for x in (batch.advantages, batch.rollout_logprobs, batch.ref_logprobs)
+    )
+    ratio = torch.exp(lp - old)  # 1, with the policy's gradient
+    w = torch.exp(old - rollout).clamp(max=CAP)  # TIS
     pg = (-adv * ratio * w).mean()
     log_r = lp - ref
     kl = (torch.exp(-log_r) - 1 + log_r).mean()
@@ -68,19 +78,23 @@ def hand_objective(hf_model, batch):
 def hf_grad_norm(hf_model, loss) -> float:
     hf_model.zero_grad()
     loss.backward()
-    norm = torch.sqrt(sum(p.grad.double().square().sum() for p in hf_model.parameters()
-                          if p.grad is not None))
+    norm = torch.sqrt(
+        sum(p.grad.double().square().sum() for p in hf_model.parameters() if p.grad is not None)
+    )
     hf_model.zero_grad()
     return float(norm)
 
 
 def make(backend: str, directory):
-    cfg = scenarios.trainer_config(directory, backend=backend, loss=loss_config(),
-                                   use_reference=True)
+    cfg = scenarios.trainer_config(
+        directory, backend=backend, loss=loss_config(), use_reference=True
+    )
     if backend == "megatron":
         from trainer.megatron_trainer import MegatronTrainer
+
         return MegatronTrainer(cfg)
     from trainer.deepspeed_trainer import DeepSpeedTrainer
+
     return DeepSpeedTrainer(cfg)
 
 

@@ -41,22 +41,25 @@ def test_aggregation_modes_by_hand():
     # seq-mean: (mean(2, 4) + mean(1, 3)) / 2 = (3 + 2) / 2
     assert float(losses.aggregate(t(v), t(MASK), SEQ_IDS, "seq-mean")) == pytest.approx(2.5)
     # seq-mean-token-sum: (6 + 4) / 2
-    assert float(losses.aggregate(t(v), t(MASK), SEQ_IDS, "seq-mean-token-sum")) == \
-        pytest.approx(5.0)
+    assert float(losses.aggregate(t(v), t(MASK), SEQ_IDS, "seq-mean-token-sum")) == pytest.approx(
+        5.0
+    )
     # explicit global normalizers (a micro-batch's share of a bigger batch)
-    assert float(losses.aggregate(t(v), t(MASK), SEQ_IDS, "token-mean", total_tokens=10)) == \
-        pytest.approx(1.0)
-    assert float(losses.aggregate(t(v), t(MASK), SEQ_IDS, "seq-mean", total_seqs=5)) == \
-        pytest.approx(1.0)
+    assert float(
+        losses.aggregate(t(v), t(MASK), SEQ_IDS, "token-mean", total_tokens=10)
+    ) == pytest.approx(1.0)
+    assert float(
+        losses.aggregate(t(v), t(MASK), SEQ_IDS, "seq-mean", total_seqs=5)
+    ) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         losses.aggregate(t(v), t(MASK), SEQ_IDS, "mean")
 
 
-@pytest.mark.parametrize("lo,hi,dual", [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 3.0),
-                                        (0.1, 0.1, 1.5)])
+@pytest.mark.parametrize(
+    "lo,hi,dual", [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 3.0), (0.1, 0.1, 1.5)]
+)
 def test_ppo_clipped_surrogate_by_hand(lo, hi, dual):
-    out = losses.ppo_policy_loss(t(LOGP), t(OLD), t(ADV), clip_low=lo, clip_high=hi,
-                                 dual_clip=dual)
+    out = losses.ppo_policy_loss(t(LOGP), t(OLD), t(ADV), clip_low=lo, clip_high=hi, dual_clip=dual)
     want = [_ppo_token(a, b, c, lo, hi, dual) for a, b, c in zip(LOGP, OLD, ADV)]
     assert out.loss.tolist() == pytest.approx(want, abs=1e-12)
     assert out.ratio.tolist() == pytest.approx([math.exp(a - b) for a, b in zip(LOGP, OLD)])
@@ -73,8 +76,9 @@ def test_clip_higher_changes_only_the_upper_bound():
 
 def test_dual_clip_bounds_negative_advantages():
     # token 3: r = e^0.7 = 2.01, A = -1: the plain clipped loss is 2.01, dual clip 1.5 caps it
-    out = losses.ppo_policy_loss(t(LOGP), t(OLD), t(ADV), clip_low=0.2, clip_high=0.2,
-                                 dual_clip=1.5)
+    out = losses.ppo_policy_loss(
+        t(LOGP), t(OLD), t(ADV), clip_low=0.2, clip_high=0.2, dual_clip=1.5
+    )
     assert float(out.loss[3]) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="dual_clip"):
         losses.ppo_policy_loss(t(LOGP), t(OLD), t(ADV), dual_clip=0.9)
@@ -94,8 +98,7 @@ def test_ppo_gradient_by_hand():
 def test_gspo_sequence_ratio_by_hand():
     lo, hi = 0.05, 0.1
     lp = t(LOGP).requires_grad_()
-    out = losses.gspo_policy_loss(lp, t(OLD), t(ADV), t(MASK), SEQ_IDS, clip_low=lo,
-                                  clip_high=hi)
+    out = losses.gspo_policy_loss(lp, t(OLD), t(ADV), t(MASK), SEQ_IDS, clip_low=lo, clip_high=hi)
     # s_0 = exp(mean over unmasked tokens 0, 1 of (lp - old)) = exp((0.2 - 0.1) / 2)
     s0 = math.exp(((LOGP[0] - OLD[0]) + (LOGP[1] - OLD[1])) / 2)
     s1 = math.exp(((LOGP[3] - OLD[3]) + (LOGP[4] - OLD[4])) / 2)
@@ -132,8 +135,9 @@ def test_kl_estimators_by_hand(kind):
 
 def test_kl_is_zero_when_policies_match():
     for kind in losses.KL_KINDS:
-        assert torch.equal(losses.kl_divergence(t(LOGP), t(LOGP), kind), torch.zeros(5,
-                           dtype=torch.float64))
+        assert torch.equal(
+            losses.kl_divergence(t(LOGP), t(LOGP), kind), torch.zeros(5, dtype=torch.float64)
+        )
 
 
 def test_importance_corrections_by_hand():
@@ -158,18 +162,21 @@ def test_clipped_value_loss_by_hand():
     # token 1: v - old = -0.5 is clipped to -0.2, so v_clip = 0.3; the max of (0 + 1)^2 = 1
     # and (0.3 + 1)^2 = 1.69 is the clipped branch
     assert got[1] == pytest.approx(0.5 * 1.69)
-    assert losses.value_loss(t(v), t(old), t(ret), clip=None).tolist() == \
-        pytest.approx([0.5 * (a - b) ** 2 for a, b in zip(v, ret)])
+    assert losses.value_loss(t(v), t(old), t(ret), clip=None).tolist() == pytest.approx(
+        [0.5 * (a - b) ** 2 for a, b in zip(v, ret)]
+    )
 
 
 def test_sft_cross_entropy_by_hand():
-    assert float(losses.aggregate(losses.sft_loss(t(LOGP)), t(MASK), SEQ_IDS, "token-mean")) \
-        == pytest.approx((1.0 + 0.5 + 0.2 + 1.5) / 4)
+    assert float(
+        losses.aggregate(losses.sft_loss(t(LOGP)), t(MASK), SEQ_IDS, "token-mean")
+    ) == pytest.approx((1.0 + 0.5 + 0.2 + 1.5) / 4)
 
 
 def test_first_step_ratio_exactly_one():
-    out = losses.ppo_policy_loss(t(LOGP), t(LOGP), t(ADV), clip_low=0.2, clip_high=0.28,
-                                 dual_clip=3.0)
+    out = losses.ppo_policy_loss(
+        t(LOGP), t(LOGP), t(ADV), clip_low=0.2, clip_high=0.28, dual_clip=3.0
+    )
     assert torch.equal(out.ratio, torch.ones(5, dtype=torch.float64))
     assert out.loss.tolist() == [-a for a in ADV]
     assert out.clipped.sum() == 0

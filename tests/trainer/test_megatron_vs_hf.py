@@ -8,11 +8,12 @@ import math
 
 import pytest
 import torch
-from trainer_helpers import FAMILIES, hf_response_logprobs, max_abs_diff
 from safetensors.torch import load_file
 
-import scenarios
 from trainer.config import LossConfig, OptimConfig, RLBatch
+
+import scenarios
+from trainer_helpers import FAMILIES, hf_response_logprobs, max_abs_diff
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -61,8 +62,11 @@ def test_first_step_ratio_one_and_kl_zero(tiny_hf_checkpoints):
 
     hf_model, directory = tiny_hf_checkpoints("qwen3")
     cfg = scenarios.trainer_config(
-        directory, use_reference=True, reference_on_cpu=True,
-        loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_kind="k3", entropy_coef=0.0))
+        directory,
+        use_reference=True,
+        reference_on_cpu=True,
+        loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_kind="k3", entropy_coef=0.0),
+    )
     trainer = MegatronTrainer(cfg)
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     metrics = trainer.train_step(batch)
@@ -103,8 +107,9 @@ def test_sft_steps_lower_the_loss(tiny_hf_checkpoints):
     from trainer.megatron_trainer import MegatronTrainer
 
     hf_model, directory = tiny_hf_checkpoints("llama")
-    cfg = scenarios.trainer_config(directory, loss=LossConfig(policy_loss="sft"),
-                                   optim=OptimConfig(lr=3e-3, grad_clip=1.0))
+    cfg = scenarios.trainer_config(
+        directory, loss=LossConfig(policy_loss="sft"), optim=OptimConfig(lr=3e-3, grad_clip=1.0)
+    )
     trainer = MegatronTrainer(cfg)
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     losses = [trainer.train_step(batch)["loss"] for _ in range(4)]
@@ -120,8 +125,10 @@ def test_micro_batch_split_does_not_change_the_step(tiny_hf_checkpoints):
     after = []
     for budget in (12, 1000):
         cfg = scenarios.trainer_config(
-            directory, max_tokens_per_micro_batch=budget,
-            loss=LossConfig(policy_loss="ppo", agg_mode="seq-mean", entropy_coef=0.01))
+            directory,
+            max_tokens_per_micro_batch=budget,
+            loss=LossConfig(policy_loss="ppo", agg_mode="seq-mean", entropy_coef=0.01),
+        )
         trainer = MegatronTrainer(cfg)
         trainer.train_step(batch)
         after.append(trainer.hf_state_dict())
@@ -173,7 +180,7 @@ def test_critic_values_match_hf_hidden_states_and_learn(tiny_hf_checkpoints):
         fresh.model.raw.output_layer.value.weight.copy_(head)
         for seq, p, v in zip(batch.tokens, batch.prompt_lens, fresh.compute_values(batch)):
             hidden = hf_model.model(torch.tensor([seq])).last_hidden_state[0]
-            want = hidden[p - 1:len(seq) - 1] @ head[0]
+            want = hidden[p - 1 : len(seq) - 1] @ head[0]
             assert float((v - want).abs().max()) <= 1e-5
 
 
@@ -190,11 +197,13 @@ def test_critic_learns_values_that_depend_on_the_response(tiny_hf_checkpoints):
         outcome = float(seq[5] % 2)
         tokens.append(seq)
         returns.append(torch.tensor([0.5, outcome, outcome, outcome]))
-    batch = RLBatch(tokens=tokens, prompt_lens=[5] * 32, advantages=[torch.zeros(4)] * 32,
-                    returns=returns)
-    critic = MegatronCritic(scenarios.trainer_config(directory, optim=OptimConfig(lr=1e-2)),
-                            value_clip=None)
-    assert explained_variance(critic.compute_values(batch), returns) == 0.0   # zero head
+    batch = RLBatch(
+        tokens=tokens, prompt_lens=[5] * 32, advantages=[torch.zeros(4)] * 32, returns=returns
+    )
+    critic = MegatronCritic(
+        scenarios.trainer_config(directory, optim=OptimConfig(lr=1e-2)), value_clip=None
+    )
+    assert explained_variance(critic.compute_values(batch), returns) == 0.0  # zero head
     for _ in range(10):
         critic.train_step(batch)
     assert explained_variance(critic.compute_values(batch), returns) > 0.9
@@ -206,11 +215,12 @@ def test_unpacked_batch_forward_equals_hf(tiny_hf_checkpoints):
 
     hf_model, directory = tiny_hf_checkpoints("llama")
     trainer = MegatronTrainer(scenarios.trainer_config(directory))
-    ids = torch.randint(0, hf_model.config.vocab_size, (2, 11),
-                        generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(
+        0, hf_model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5)
+    )
     pos = torch.arange(11).expand(2, 11)
     with torch.no_grad():
-        got = trainer.policy.raw(ids, pos, None)[..., :hf_model.config.vocab_size]
+        got = trainer.policy.raw(ids, pos, None)[..., : hf_model.config.vocab_size]
         want = hf_model(ids).logits
     assert float((got - want).abs().max()) <= 1e-5
 
@@ -223,8 +233,10 @@ def test_engine_logprob_correction_and_diff_metrics(mode, tiny_hf_checkpoints):
     from trainer.megatron_trainer import MegatronTrainer
 
     hf_model, directory = tiny_hf_checkpoints("qwen2")
-    cfg = scenarios.trainer_config(directory, loss=LossConfig(
-        policy_loss="ppo", is_correction=mode, is_cap=1.5, entropy_coef=0.0))
+    cfg = scenarios.trainer_config(
+        directory,
+        loss=LossConfig(policy_loss="ppo", is_correction=mode, is_cap=1.5, entropy_coef=0.0),
+    )
     trainer = MegatronTrainer(cfg)
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     old = trainer.compute_logprobs(batch)
@@ -249,9 +261,14 @@ def test_bf16_mixed_precision_trains_with_fp32_master(tiny_hf_checkpoints):
     from trainer.megatron_trainer import MegatronTrainer
 
     hf_model, directory = tiny_hf_checkpoints("llama")
-    trainer = MegatronTrainer(scenarios.trainer_config(
-        directory, dtype="bfloat16", loss=LossConfig(policy_loss="sft"),
-        optim=OptimConfig(lr=3e-3, grad_clip=1.0)))
+    trainer = MegatronTrainer(
+        scenarios.trainer_config(
+            directory,
+            dtype="bfloat16",
+            loss=LossConfig(policy_loss="sft"),
+            optim=OptimConfig(lr=3e-3, grad_clip=1.0),
+        )
+    )
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     ref, _ = hf_response_logprobs(hf_model, batch.tokens, batch.prompt_lens)
     assert max_abs_diff(trainer.compute_logprobs(batch), ref) <= 0.1  # bf16 rounding only

@@ -23,10 +23,11 @@ from typing import NamedTuple
 import pytest
 import torch
 from exact_float64 import exact_float64
-from tiny_hf import make_hf_model, save_hf_model
 
 from trainer import make_trainer
 from trainer.config import LossConfig, OptimConfig, RLBatch, TrainerConfig
+
+from tiny_hf import make_hf_model, save_hf_model
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-3, 0.01
 CLIP_LOW, CLIP_HIGH, DUAL_CLIP = 0.2, 0.28, 3.0
@@ -35,18 +36,21 @@ BOUNDS = {"megatron": 1e-10, "deepspeed": 2e-5}
 
 
 class Case(NamedTuple):
-    agg: str                    # token-mean | seq-mean
-    tis: bool                   # truncated importance sampling against the "engine" log-probs
-    grad_clip: float | None     # max grad norm (it triggers: the norms here are > 1)
+    agg: str  # token-mean | seq-mean
+    tis: bool  # truncated importance sampling against the "engine" log-probs
+    grad_clip: float | None  # max grad norm (it triggers: the norms here are > 1)
 
 
 # Clipping to a norm makes the update blind to the gradient's scale (so to a wrong loss
 # normalizer); without it, Adam's eps keeps the update sensitive to that scale.
-CASES = {"token-mean": Case("token-mean", False, None),
-         "seq-mean-tis-clip": Case("seq-mean", True, 1.0)}
+CASES = {
+    "token-mean": Case("token-mean", False, None),
+    "seq-mean-tis-clip": Case("seq-mean", True, 1.0),
+}
 
 
 # ----------------------------------------------------------------------------- the batch
+
 
 def make_batch(vocab: int) -> RLBatch:
     """Tokens, per-sequence advantages of both signs, masks with zeros inside responses."""
@@ -54,15 +58,18 @@ def make_batch(vocab: int) -> RLBatch:
     lengths, prompts = (11, 8, 14, 9), (3, 2, 6, 4)
     tokens = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     adv_values = (1.3, -0.8, -1.7, 0.6)
-    advantages = [torch.full((n - p,), a, dtype=torch.float64)
-                  for n, p, a in zip(lengths, prompts, adv_values)]
+    advantages = [
+        torch.full((n - p,), a, dtype=torch.float64)
+        for n, p, a in zip(lengths, prompts, adv_values)
+    ]
     masks = []
     for n, p in zip(lengths, prompts):
         m = torch.ones(n - p, dtype=torch.float64)
-        m[1:3] = 0.0            # e.g. tool output inside a multi-turn response
+        m[1:3] = 0.0  # e.g. tool output inside a multi-turn response
         masks.append(m)
-    batch = RLBatch(tokens=tokens, prompt_lens=list(prompts), advantages=advantages,
-                    loss_masks=masks)
+    batch = RLBatch(
+        tokens=tokens, prompt_lens=list(prompts), advantages=advantages, loss_masks=masks
+    )
     return batch
 
 
@@ -72,16 +79,22 @@ def with_old_logprobs(batch: RLBatch, initial: list[torch.Tensor]) -> RLBatch:
     g = torch.Generator().manual_seed(11)
     old = [lp - 1.2 * torch.randn(lp.shape, generator=g, dtype=torch.float64) for lp in initial]
     engine = [o + 0.3 * torch.randn(o.shape, generator=g, dtype=torch.float64) for o in old]
-    return RLBatch(tokens=batch.tokens, prompt_lens=batch.prompt_lens,
-                   advantages=batch.advantages, loss_masks=batch.loss_masks,
-                   old_logprobs=old, rollout_logprobs=engine)
+    return RLBatch(
+        tokens=batch.tokens,
+        prompt_lens=batch.prompt_lens,
+        advantages=batch.advantages,
+        loss_masks=batch.loss_masks,
+        old_logprobs=old,
+        rollout_logprobs=engine,
+    )
 
 
 # ----------------------------------------------------------------------------- the reference
 
+
 def response_logprobs_entropy(model, tokens: list[int], prompt_len: int):
     ids = torch.tensor([tokens])
-    z = model(ids).logits[0, prompt_len - 1:-1].double() / TEMPERATURE
+    z = model(ids).logits[0, prompt_len - 1 : -1].double() / TEMPERATURE
     logp = torch.log_softmax(z, dim=-1)
     picked = logp.gather(-1, ids[0, prompt_len:, None])[:, 0]
     return picked, -(logp.exp() * logp).sum(-1)
@@ -116,7 +129,7 @@ def reference_loss(model, frozen, batch: RLBatch, case: Case) -> tuple[torch.Ten
         if case.tis:
             w = torch.exp(batch.old_logprobs[i] - batch.rollout_logprobs[i]).clamp(max=TIS_CAP)
             surrogate = surrogate * w
-        log_q = ref - lp                     # log(pi_ref / pi)
+        log_q = ref - lp  # log(pi_ref / pi)
         kl = (torch.exp(log_q) - 1 - log_q).clamp(-10, 10)
         per_token = surrogate + KL_COEF * kl - ENTROPY_COEF * ent
         per_seq_sums.append((per_token * m).sum())
@@ -136,17 +149,23 @@ def reference_steps(model, batch: RLBatch, case: Case, steps: int):
     frozen = copy.deepcopy(model).requires_grad_(False)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
-         {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=EPS)
+        [
+            {"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
     weights, losses, norms, counts = [], [], [], None
     for _ in range(steps):
         opt.zero_grad()
         loss, c = reference_loss(model, frozen, batch, case)
         counts = counts or c
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(
-            params.values(), case.grad_clip or float("inf"))))
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(params.values(), case.grad_clip or float("inf")))
+        )
         opt.step()
         losses.append(float(loss.detach()))
         weights.append({k: v.detach().clone() for k, v in params.items()})
@@ -154,6 +173,7 @@ def reference_steps(model, batch: RLBatch, case: Case, steps: int):
 
 
 # ----------------------------------------------------------------------------- the backends
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -165,16 +185,28 @@ def model_dir(tmp_path_factory):
 
 def backend_config(directory, backend: str, case: Case) -> TrainerConfig:
     return TrainerConfig(
-        model_path=str(directory), backend=backend,
+        model_path=str(directory),
+        backend=backend,
         dtype="float64" if backend == "megatron" else "float32",
-        max_tokens_per_micro_batch=16, use_reference=True,
-        optim=OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                          grad_clip=case.grad_clip),
-        loss=LossConfig(policy_loss="ppo", clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
-                        dual_clip=DUAL_CLIP, agg_mode=case.agg, kl_coef=KL_COEF,
-                        kl_kind="low-var-kl", entropy_coef=ENTROPY_COEF,
-                        is_correction="tis" if case.tis else None, is_cap=TIS_CAP,
-                        temperature=TEMPERATURE))
+        max_tokens_per_micro_batch=16,
+        use_reference=True,
+        optim=OptimConfig(
+            lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, grad_clip=case.grad_clip
+        ),
+        loss=LossConfig(
+            policy_loss="ppo",
+            clip_low=CLIP_LOW,
+            clip_high=CLIP_HIGH,
+            dual_clip=DUAL_CLIP,
+            agg_mode=case.agg,
+            kl_coef=KL_COEF,
+            kl_kind="low-var-kl",
+            entropy_coef=ENTROPY_COEF,
+            is_correction="tis" if case.tis else None,
+            is_cap=TIS_CAP,
+            temperature=TEMPERATURE,
+        ),
+    )
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -190,8 +222,9 @@ def test_steps_equal_the_reference(backend, case, model_dir):
     vocab = hf.config.vocab_size
     batch = make_batch(vocab)
     with torch.no_grad():
-        initial = [response_logprobs_entropy(hf, t, p)[0]
-                   for t, p in zip(batch.tokens, batch.prompt_lens)]
+        initial = [
+            response_logprobs_entropy(hf, t, p)[0] for t, p in zip(batch.tokens, batch.prompt_lens)
+        ]
     batch = with_old_logprobs(batch, initial)
     start = {k: v.detach().clone() for k, v in hf.named_parameters()}
     ref_weights, ref_losses, ref_norms, counts = reference_steps(hf, batch, case_, steps=3)
@@ -201,12 +234,12 @@ def test_steps_equal_the_reference(backend, case, model_dir):
 
     trainer = make_trainer(backend_config(model_dir, backend, case_))
     got = []
-    for step in range(3):
+    for _ in range(3):
         metrics = trainer.train_step(batch)
         got.append((metrics, trainer.hf_state_dict()))
     assert got[0][0]["clipfrac"] > 0
     bound = BOUNDS[backend]
-    for step in (0, 2):    # after 1 and after 3 steps
+    for step in (0, 2):  # after 1 and after 3 steps
         metrics, weights = got[step]
         assert max_diff(weights, ref_weights[step]) <= bound, f"after {step + 1} steps"
         assert metrics["loss"] == pytest.approx(ref_losses[step], abs=bound, rel=bound)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_helpers import FAMILIES, hf_response_logprobs, max_abs_diff
 from safetensors.torch import load_file
 
 import scenarios
+from trainer_helpers import FAMILIES, hf_response_logprobs, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,7 @@ def test_export_round_trips_bitwise(layout, family, hf_dirs, parallel_results):
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_step_equals_single_process(layout, family, parallel_results,
-                                        single_process_results):
+def test_one_step_equals_single_process(layout, family, parallel_results, single_process_results):
     par, one = parallel_results[layout][family], single_process_results[family]
     assert _max_state_diff(par["after"], one["after"]) <= 1e-5
     assert par["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
@@ -60,8 +59,9 @@ def test_data_parallel_step_equals_single_process(parallel_results, single_proce
 
 
 @pytest.mark.parametrize("layout", ["deepspeed-dp2", "zero3-dp2"])
-def test_deepspeed_data_parallel_step_equals_megatron_single_process(layout, parallel_results,
-                                                                    single_process_results):
+def test_deepspeed_data_parallel_step_equals_megatron_single_process(
+    layout, parallel_results, single_process_results
+):
     """ZeRO-2 / ZeRO-3 over 2 gloo processes: same log-probs and the same optimizer step as the
     single-process megatron run (DeepSpeed averages over DP; our shares are scaled back)."""
     par = parallel_results[layout]["qwen3"]

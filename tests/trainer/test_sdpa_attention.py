@@ -30,9 +30,11 @@ def test_bucketed_packed_attention_equals_one_call_per_sequence():
     for n in lengths:
         bounds.append(bounds[-1] + n)
     t, heads, groups, d = bounds[-1], 4, 2, 8
-    q, k, v = (torch.randn(t, n, d, generator=g, dtype=torch.float64, requires_grad=True)
-               for n in (heads, groups, groups))
-    scale = d ** -0.5
+    q, k, v = (
+        torch.randn(t, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+        for n in (heads, groups, groups)
+    )
+    scale = d**-0.5
     got = packed_causal_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), scale)
     want = one_by_one(q, k, v, bounds, scale)
     assert got.shape == want.shape == (t, heads, d)
@@ -46,6 +48,11 @@ def test_bucketed_packed_attention_equals_one_call_per_sequence():
 
 def test_one_token_sequences_attend_to_themselves_only():
     v = torch.arange(12, dtype=torch.float64).view(3, 1, 4)
-    out = packed_causal_attention(torch.zeros(3, 2, 4, dtype=torch.float64), torch.zeros(3, 1, 4,
-                                  dtype=torch.float64), v, torch.tensor([0, 1, 2, 3]), 1.0)
+    out = packed_causal_attention(
+        torch.zeros(3, 2, 4, dtype=torch.float64),
+        torch.zeros(3, 1, 4, dtype=torch.float64),
+        v,
+        torch.tensor([0, 1, 2, 3]),
+        1.0,
+    )
     assert torch.equal(out, v.expand(3, 2, 4))

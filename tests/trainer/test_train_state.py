@@ -12,12 +12,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import scenarios
 from trainer import make_trainer
 from trainer.config import OptimConfig
 
-OPTIM = OptimConfig(lr=1e-3, eps=1e-3, grad_clip=1.0, weight_decay=0.01, lr_schedule="cosine",
-                    warmup_steps=1, total_steps=5)
+import scenarios
+
+OPTIM = OptimConfig(
+    lr=1e-3,
+    eps=1e-3,
+    grad_clip=1.0,
+    weight_decay=0.01,
+    lr_schedule="cosine",
+    warmup_steps=1,
+    total_steps=5,
+)
 
 
 def _reloaded(state, tmp_path):
@@ -29,13 +37,16 @@ def _reloaded(state, tmp_path):
 def _export(trainer, src, dst):
     """The trainer's weights as a Hugging Face directory (what a checkpoint holds)."""
     dst.mkdir()
-    save_file({k: v.contiguous() for k, v in trainer.hf_state_dict().items()},
-              str(dst / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in trainer.hf_state_dict().items()},
+        str(dst / "model.safetensors"),
+    )
     shutil.copy(src / "config.json", dst / "config.json")
 
 
-@pytest.mark.parametrize("backend,dtype", [("megatron", "float32"), ("megatron", "bfloat16"),
-                                           ("deepspeed", "float32")])
+@pytest.mark.parametrize(
+    "backend,dtype", [("megatron", "float32"), ("megatron", "bfloat16"), ("deepspeed", "float32")]
+)
 def test_policy_trainer_resumes_exactly(backend, dtype, tiny_hf_checkpoints, tmp_path):
     hf_model, directory = tiny_hf_checkpoints("qwen2")
     cfg = scenarios.trainer_config(directory, backend=backend, dtype=dtype, optim=OPTIM)
@@ -61,12 +72,13 @@ def test_critic_resumes_exactly(tiny_hf_checkpoints, tmp_path):
     hf_model, directory = tiny_hf_checkpoints("qwen2")
     cfg = scenarios.trainer_config(directory, optim=dataclasses.replace(OPTIM, lr=1e-2))
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
-    batch = dataclasses.replace(batch, returns=[torch.linspace(-1.0, 1.0, len(a))
-                                                for a in batch.advantages])
+    batch = dataclasses.replace(
+        batch, returns=[torch.linspace(-1.0, 1.0, len(a)) for a in batch.advantages]
+    )
     original = MegatronCritic(cfg)
     for _ in range(2):
         original.train_step(batch)
-    resumed = MegatronCritic(cfg)   # a fresh critic on the base weights, then the state
+    resumed = MegatronCritic(cfg)  # a fresh critic on the base weights, then the state
     resumed.load_train_state(_reloaded(original.train_state(), tmp_path))
     for _ in range(2):
         assert original.train_step(batch) == resumed.train_step(batch)

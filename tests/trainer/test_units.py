@@ -16,6 +16,7 @@ from trainer.packing import pack, pack_all, plan_micro_batches
 @pytest.fixture(scope="module")
 def world():
     from trainer.parallel import init_parallel
+
     init_parallel()
 
 
@@ -66,15 +67,33 @@ def test_pack_layout():
 
 
 def test_arch_reads_both_rope_layouts():
-    base = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+    base = dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+    )
     old = arch_from_hf_config({**base, "rope_theta": 12345.0})
-    new = arch_from_hf_config({**base, "rope_parameters": {"rope_type": "default",
-                                                          "rope_theta": 12345.0}})
+    new = arch_from_hf_config(
+        {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 12345.0}}
+    )
     assert old.rope == new.rope and old.rope.theta == 12345.0
-    scaled_old = arch_from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}})
+    scaled_old = arch_from_hf_config(
+        {
+            **base,
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
+    )
     assert scaled_old.rope.rope_type == "llama3" and scaled_old.rope.theta == 5e5
     assert old.qkv_bias and not old.qk_norm and old.head_dim == 16
 
@@ -88,15 +107,27 @@ def test_inv_freq_matches_transformers(rope):
     if rope == "linear":
         params["factor"] = 4.0
     if rope == "llama3":
-        params.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=64)
-    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-               num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
-               max_position_embeddings=512, rope_parameters=params)
+        params.update(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+    cfg = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=512,
+        rope_parameters=params,
+    )
     hf = transformers.LlamaConfig(**cfg)
     arch = arch_from_hf_config({"model_type": "llama", **cfg})
     if rope == "default":
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         ref = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)[0]
     else:
         ref = ROPE_INIT_FUNCTIONS[rope](hf, "cpu")[0]
@@ -104,14 +135,24 @@ def test_inv_freq_matches_transformers(rope):
 
 
 def test_unsupported_configs_name_the_field():
-    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+    )
     with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'"):
         arch_from_hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
-        arch_from_hf_config({**base, "model_type": "llama",
-                             "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
-                                                 "factor": 4.0}})
+        arch_from_hf_config(
+            {
+                **base,
+                "model_type": "llama",
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+            }
+        )
     with pytest.raises(UnsupportedModelError, match="hidden_act"):
         arch_from_hf_config({**base, "model_type": "llama", "hidden_act": "gelu"})
 
@@ -144,16 +185,27 @@ def test_micro_batch_shares_sum_to_the_batch_objective(agg_mode, policy_loss):
     def rand():
         return [torch.randn(n, generator=g, dtype=torch.float64) for n in resp]
 
-    batch = RLBatch(tokens=tokens, prompt_lens=prompts, advantages=rand(),
-                    old_logprobs=[-x.abs() for x in rand()],
-                    ref_logprobs=[-x.abs() for x in rand()],
-                    rollout_logprobs=[-x.abs() for x in rand()],
-                    loss_masks=[(torch.rand(n, generator=g) > 0.2).double() for n in resp])
+    batch = RLBatch(
+        tokens=tokens,
+        prompt_lens=prompts,
+        advantages=rand(),
+        old_logprobs=[-x.abs() for x in rand()],
+        ref_logprobs=[-x.abs() for x in rand()],
+        rollout_logprobs=[-x.abs() for x in rand()],
+        loss_masks=[(torch.rand(n, generator=g) > 0.2).double() for n in resp],
+    )
     logprobs = [-x.abs() for x in rand()]
     entropy = [x.abs() for x in rand()]
-    cfg = LossConfig(policy_loss=policy_loss, agg_mode=agg_mode, clip_low=0.2, clip_high=0.3,
-                     kl_coef=0.1, kl_kind="k3", entropy_coef=0.01,
-                     is_correction=None if policy_loss == "sft" else "tis")
+    cfg = LossConfig(
+        policy_loss=policy_loss,
+        agg_mode=agg_mode,
+        clip_low=0.2,
+        clip_high=0.3,
+        kl_coef=0.1,
+        kl_kind="k3",
+        entropy_coef=0.01,
+        is_correction=None if policy_loss == "sft" else "tis",
+    )
     norm = objective.normalizers(batch)
 
     def total(budget):
@@ -165,8 +217,11 @@ def test_micro_batch_shares_sum_to_the_batch_objective(agg_mode, policy_loss):
             share, metrics = objective.micro_batch_objective(lp, ent, data, cfg, norm)
             loss += float(share)
             for k, v in metrics.items():
-                metric_sum[k] = max(metric_sum.get(k, 0.0), float(v)) if k == "ratio_max" \
+                metric_sum[k] = (
+                    max(metric_sum.get(k, 0.0), float(v))
+                    if k == "ratio_max"
                     else metric_sum.get(k, 0.0) + float(v)
+                )
         return loss, metric_sum
 
     whole, whole_metrics = total(1000)
@@ -199,7 +254,7 @@ def test_explained_variance_closed_forms():
     g = torch.Generator().manual_seed(0)
     returns = [torch.rand(n, generator=g) for n in (3, 5, 2)]
     mean = float(torch.cat(returns).mean())
-    assert explained_variance(returns, returns) == 1.0                       # perfect critic
+    assert explained_variance(returns, returns) == 1.0  # perfect critic
     assert abs(explained_variance([torch.full_like(r, mean) for r in returns], returns)) < 1e-12
     # V = R + noise: 1 - Var(noise) / Var(R), computed by hand
     noise = [torch.randn(r.shape, generator=g) * 0.1 for r in returns]

@@ -41,11 +41,22 @@ def _free_port() -> int:
 def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 300) -> None:
     """Run `script` under torchrun with `nproc` CPU processes; fail the test on error."""
     repo = HERE.parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests"), str(HERE)])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", str(script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=str(repo))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests"), str(HERE)]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        str(script),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(repo)
+    )
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script.name} {args} failed:\n{proc.stderr[-6000:]}")

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from tiny_hf import make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
+
+from tiny_hf import make_hf_model, save_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [7, 7, 1]]
@@ -26,6 +27,7 @@ PROMPTS = [[1, 2, 3, 4], [7, 7, 1]]
 class EngineActor:
     def __init__(self, model_dir: str):
         from weight_sync import BucketReceiver
+
         torch.set_num_threads(1)
         self.engine = Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=256))
         self.receiver = BucketReceiver(self.engine)
@@ -38,13 +40,16 @@ class EngineActor:
 
     def receive_broadcast(self, port: int):
         from weight_sync import BroadcastReceiver, SyncGroup
+
         group = SyncGroup.create("127.0.0.1", port, rank=0, size=2)
         return BroadcastReceiver(self.engine, group, sources=[1]).receive().num_buckets
 
     def snapshot(self):
-        return ({n: p.detach().numpy().copy() for n, p in self.engine.model.named_parameters()},
-                [[s.token_ids for s in per] for per in self.engine.generate(PROMPTS, GREEDY)],
-                self.engine.weight_version)
+        return (
+            {n: p.detach().numpy().copy() for n, p in self.engine.model.named_parameters()},
+            [[s.token_ids for s in per] for per in self.engine.generate(PROMPTS, GREEDY)],
+            self.engine.weight_version,
+        )
 
 
 class _RefFuture:
@@ -61,12 +66,16 @@ class SenderActor:
 
     def __init__(self, model_dir: str):
         from rollout.weights import iter_safetensors
+
         torch.set_num_threads(1)
         self.weights = dict(iter_safetensors(model_dir))
 
     def send_colocated(self, engine) -> int:
         from weight_sync import ColocatedSender
-        sender = ColocatedSender(lambda h, m: _RefFuture(engine.load.remote(h, m)), bucket_bytes=16 << 10)
+
+        sender = ColocatedSender(
+            lambda h, m: _RefFuture(engine.load.remote(h, m)), bucket_bytes=16 << 10
+        )
         report = sender.send(self.weights.items())
         ray.get(engine.commit.remote())
         sender.close()
@@ -74,8 +83,13 @@ class SenderActor:
 
     def send_broadcast(self, port: int) -> int:
         from weight_sync import BroadcastSender, SyncGroup
+
         group = SyncGroup.create("127.0.0.1", port, rank=1, size=2)
-        return BroadcastSender(group, sources=[1], bucket_bytes=16 << 10).send(self.weights.items()).num_buckets
+        return (
+            BroadcastSender(group, sources=[1], bucket_bytes=16 << 10)
+            .send(self.weights.items())
+            .num_buckets
+        )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +98,13 @@ def ray_local():
     # Workers import this module by name to build the actors, so they get the test paths; the
     # node stays on loopback.
     path = os.pathsep.join([str(here.parent.parent), str(here.parent), str(here)])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}},
+    )
     yield
     ray.shutdown()
 
@@ -103,18 +122,23 @@ def test_both_transports_between_ray_actors(ray_local, tmp_path):
     new2 = save_hf_model(make_hf_model("qwen3", seed=2), tmp_path / "new2")
     engine = EngineActor.options(num_cpus=0).remote(str(old))
     from rollout.weights import iter_safetensors
+
     for model_dir, transport in ((new1, "colocated"), (new2, "broadcast")):
         sender = SenderActor.options(num_cpus=0).remote(str(model_dir))
         if transport == "colocated":
             buckets = ray.get(sender.send_colocated.remote(engine))
         else:
             port = _port()
-            received, buckets = ray.get([engine.receive_broadcast.remote(port), sender.send_broadcast.remote(port)])
+            received, buckets = ray.get(
+                [engine.receive_broadcast.remote(port), sender.send_broadcast.remote(port)]
+            )
             assert received == buckets
         assert buckets > 1
         params, outputs, version = ray.get(engine.snapshot.remote())
         assert version == (1 if transport == "colocated" else 2)
         for name, tensor in iter_safetensors(model_dir):
             assert torch.equal(torch.tensor(params[name]), tensor), f"{transport}: {name}"
-        fresh = Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=256)).generate(PROMPTS, GREEDY)
+        fresh = Engine(EngineConfig(model_path=str(model_dir), kv_cache_tokens=256)).generate(
+            PROMPTS, GREEDY
+        )
         assert outputs == [[s.token_ids for s in per] for per in fresh]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tiny_hf import make_hf_model, save_hf_model
 
 HERE = Path(__file__).resolve().parent
@@ -29,18 +30,55 @@ def _port() -> int:
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
 def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
     model_dir = save_hf_model(make_hf_model("qwen2"), tmp_path / "model")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests" / "trainer")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "trainer")]
+        ),
+    }
     listen_port, group_port = _port(), _port()
     engine_out, trainer_out = tmp_path / "engine.pt", tmp_path / "trainer.pt"
-    engine = subprocess.Popen([sys.executable, str(SCRIPT), "engine", str(engine_out), str(model_dir), str(pp),
-                               str(listen_port), str(group_port)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "engine",
+            str(engine_out),
+            str(model_dir),
+            str(pp),
+            str(listen_port),
+            str(group_port),
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        trainer = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                  f"--master_port={_port()}", str(SCRIPT), "trainer", str(trainer_out),
-                                  str(model_dir), str(tp), str(pp), str(listen_port), str(group_port)],
-                                 env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
+        trainer = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                f"--master_port={_port()}",
+                str(SCRIPT),
+                "trainer",
+                str(trainer_out),
+                str(model_dir),
+                str(tp),
+                str(pp),
+                str(listen_port),
+                str(group_port),
+            ],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         engine_log, _ = engine.communicate(timeout=120)
     finally:
         engine.kill()
@@ -55,10 +93,19 @@ def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
         assert set(state) == set(params) or set(state) - {"lm_head.weight"} == set(params)
         for name, tensor in state.items():
             assert torch.equal(params[name], tensor), f"{transport}: {name} differs"
-        engine_lp, trainer_lp = want[transport]["engine_logprobs"], want[transport]["trainer_logprobs"]
+        engine_lp, trainer_lp = (
+            want[transport]["engine_logprobs"],
+            want[transport]["trainer_logprobs"],
+        )
         assert len(engine_lp) == 6
         err = max(float((a - b.float()).abs().max()) for a, b in zip(engine_lp, trainer_lp))
         assert err <= 1e-5, f"{transport}: engine vs trainer logprobs differ by {err}"
     # The weights moved between rounds: the second sync carried a new training step.
-    assert any(not torch.equal(got["colocated"][n], got["broadcast"][n]) for n in got["colocated"] if n != "weight_version")
-    assert want["colocated_report"]["num_buckets"] > 1 and want["broadcast_report"]["num_buckets"] > 1
+    assert any(
+        not torch.equal(got["colocated"][n], got["broadcast"][n])
+        for n in got["colocated"]
+        if n != "weight_version"
+    )
+    assert (
+        want["colocated_report"]["num_buckets"] > 1 and want["broadcast_report"]["num_buckets"] > 1
+    )

@@ -13,13 +13,23 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_hf import make_hf_model, save_hf_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.weights import iter_safetensors
-from weight_sync import (BroadcastReceiver, BroadcastSender, BucketPacker, BucketReceiver, ColocatedSender, Done,
-                         SyncGroup, WeightSyncError, unpack)
+from weight_sync import (
+    BroadcastReceiver,
+    BroadcastSender,
+    BucketPacker,
+    BucketReceiver,
+    ColocatedSender,
+    Done,
+    SyncGroup,
+    WeightSyncError,
+    unpack,
+)
 from weight_sync.checksum import checksum
+
+from tiny_hf import make_hf_model, save_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
@@ -35,14 +45,26 @@ def two_checkpoints(tmp_path_factory):
 
 def test_pack_unpack_is_bitwise_and_respects_bucket_size():
     g = torch.Generator().manual_seed(0)
-    tensors = [(f"w{i}", torch.randn(s, generator=g).to(dt)) for i, (s, dt) in enumerate(
-        [((10, 10), torch.float32), ((7,), torch.bfloat16), ((300,), torch.float32),
-         ((5, 3), torch.float32), ((40,), torch.bfloat16), ((3,), torch.float32)])]
+    tensors = [
+        (f"w{i}", torch.randn(s, generator=g).to(dt))
+        for i, (s, dt) in enumerate(
+            [
+                ((10, 10), torch.float32),
+                ((7,), torch.bfloat16),
+                ((300,), torch.float32),
+                ((5, 3), torch.float32),
+                ((40,), torch.bfloat16),
+                ((3,), torch.float32),
+            ]
+        )
+    ]
     packer = BucketPacker(bucket_bytes=512)
     seen = {}
     for buffer, manifest in packer.pack(tensors):
         assert all(buffer.dtype == manifest.dtype for _ in manifest.entries)
-        assert manifest.nbytes <= 512 or len(manifest.entries) == 1     # only an oversize tensor exceeds it
+        assert (
+            manifest.nbytes <= 512 or len(manifest.entries) == 1
+        )  # only an oversize tensor exceeds it
         for name, view in unpack(buffer, manifest):
             seen[name] = view.clone()
     assert seen.keys() == dict(tensors).keys()
@@ -71,7 +93,9 @@ def test_colocated_sync_updates_engine_bitwise(two_checkpoints):
     old, new = two_checkpoints
     engine = _engine(old)
     receiver = BucketReceiver(engine)
-    sender = ColocatedSender(lambda handle, manifest: Done(receiver.load(handle, manifest)), bucket_bytes=8 << 10)
+    sender = ColocatedSender(
+        lambda handle, manifest: Done(receiver.load(handle, manifest)), bucket_bytes=8 << 10
+    )
     new_weights = dict(iter_safetensors(new))
     report = sender.send(new_weights.items())
     receiver.commit()
@@ -92,7 +116,7 @@ def test_corrupted_bucket_is_caught_and_not_loaded(two_checkpoints):
 
     def corrupting_deliver(handle, manifest):
         deliveries.append(manifest)
-        if len(deliveries) == 2:   # flip one byte of the second bucket's first tensor in flight
+        if len(deliveries) == 2:  # flip one byte of the second bucket's first tensor in flight
             buffer = receiver.opener.open(handle)
             buffer.view(torch.uint8)[manifest.entries[0].offset * buffer.element_size()] ^= 0xFF
         return Done(receiver.load(handle, manifest))
@@ -102,28 +126,34 @@ def test_corrupted_bucket_is_caught_and_not_loaded(two_checkpoints):
         sender.send(iter_safetensors(new))
     assert deliveries[1].entries[0].name in str(err.value)
     sender.close()
-    with pytest.raises(RuntimeError, match="commit_weights"):    # half-updated engine refuses
+    with pytest.raises(RuntimeError, match="commit_weights"):  # half-updated engine refuses
         engine.generate(PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("which", ["first", "middle", "last"])
 def test_corrupted_tensor_anywhere_leaves_its_whole_bucket_unloaded(two_checkpoints, which):
     """One flipped bit in any tensor of a bucket (first, middle or last byte of it): the error
-    names that tensor, every tensor of the bucket keeps its old value, the earlier buckets are in."""
+    names that tensor, every tensor of the bucket keeps its old value, the earlier buckets are
+    in."""
     old, new = two_checkpoints
     weights = list(iter_safetensors(new))
     engine = _engine(old)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     receiver = BucketReceiver(engine)
-    loaded, corrupted = [], []                   # manifests delivered intact / the corrupted one
+    loaded, corrupted = [], []  # manifests delivered intact / the corrupted one
 
     def corrupting_deliver(handle, manifest):
-        if loaded and not corrupted and len(manifest.entries) >= 3:   # a later bucket of several tensors
-            entry = {"first": manifest.entries[0], "middle": manifest.entries[len(manifest.entries) // 2],
-                     "last": manifest.entries[-1]}[which]
+        if (
+            loaded and not corrupted and len(manifest.entries) >= 3
+        ):  # a later bucket of several tensors
+            entry = {
+                "first": manifest.entries[0],
+                "middle": manifest.entries[len(manifest.entries) // 2],
+                "last": manifest.entries[-1],
+            }[which]
             element = {"first": 0, "middle": entry.numel // 2, "last": entry.numel - 1}[which]
             buffer = receiver.opener.open(handle)
-            buffer[entry.offset + element:entry.offset + element + 1].view(torch.uint8)[0] ^= 0x01
+            buffer[entry.offset + element : entry.offset + element + 1].view(torch.uint8)[0] ^= 0x01
             corrupted.append((manifest, entry.name))
         else:
             loaded.append(manifest)
@@ -133,13 +163,15 @@ def test_corrupted_tensor_anywhere_leaves_its_whole_bucket_unloaded(two_checkpoi
     with pytest.raises(WeightSyncError, match="checksum mismatch") as err:
         sender.send(weights)
     sender.close()
-    (bucket, victim), = corrupted
+    ((bucket, victim),) = corrupted
     assert victim in str(err.value)
     params, new_values = dict(engine.model.named_parameters()), dict(weights)
-    assert any(not torch.equal(before[e.name], new_values[e.name]) for e in bucket.entries)   # not vacuous
-    for e in bucket.entries:                     # nothing of the corrupted bucket was loaded
+    assert any(
+        not torch.equal(before[e.name], new_values[e.name]) for e in bucket.entries
+    )  # not vacuous
+    for e in bucket.entries:  # nothing of the corrupted bucket was loaded
         assert torch.equal(params[e.name], before[e.name]), e.name
-    for e in (e for m in loaded for e in m.entries):   # the buckets before it were
+    for e in (e for m in loaded for e in m.entries):  # the buckets before it were
         assert torch.equal(params[e.name], new_values[e.name]), e.name
 
 
@@ -166,6 +198,7 @@ def test_sender_holds_at_most_two_buckets(two_checkpoints):
 
 # -- across processes ------------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -180,7 +213,12 @@ def _colocated_receiver_process(model_dir, conn):
         handle, manifest = msg
         conn.send(receiver.load(handle, manifest))
     receiver.commit()
-    conn.send((engine.generate(PROMPTS, GREEDY), {n: p.numpy().copy() for n, p in engine.model.named_parameters()}))
+    conn.send(
+        (
+            engine.generate(PROMPTS, GREEDY),
+            {n: p.numpy().copy() for n, p in engine.model.named_parameters()},
+        )
+    )
 
 
 class _PipeFuture:
@@ -198,9 +236,11 @@ def test_colocated_sync_across_processes(two_checkpoints):
     proc = ctx.Process(target=_colocated_receiver_process, args=(str(old), child))
     proc.start()
     try:
+
         def deliver(handle, manifest):
             parent.send((handle, manifest))
             return _PipeFuture(parent)
+
         sender = ColocatedSender(deliver, bucket_bytes=16 << 10)
         report = sender.send(iter_safetensors(new))
         parent.send(None)
@@ -219,14 +259,23 @@ def _broadcast_process(rank, world, port, old, new, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        if rank == 0:   # trainer source
-            report = BroadcastSender(SyncGroup.default(), sources=[0], bucket_bytes=16 << 10).send(iter_safetensors(new))
+        if rank == 0:  # trainer source
+            report = BroadcastSender(SyncGroup.default(), sources=[0], bucket_bytes=16 << 10).send(
+                iter_safetensors(new)
+            )
             queue.put(("sender", report.num_buckets))
-        else:           # engine
+        else:  # engine
             engine = _engine(old)
             report = BroadcastReceiver(engine, SyncGroup.default(), sources=[0]).receive()
-            queue.put(("engine", rank, engine.generate(PROMPTS, GREEDY),
-                       {n: p.numpy().copy() for n, p in engine.model.named_parameters()}, report.num_buckets))
+            queue.put(
+                (
+                    "engine",
+                    rank,
+                    engine.generate(PROMPTS, GREEDY),
+                    {n: p.numpy().copy() for n, p in engine.model.named_parameters()},
+                    report.num_buckets,
+                )
+            )
     finally:
         dist.destroy_process_group()
 
@@ -236,8 +285,10 @@ def test_broadcast_sync_to_two_engines(two_checkpoints):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     world, port = 3, _free_port()
-    procs = [ctx.Process(target=_broadcast_process, args=(r, world, port, str(old), str(new), queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_broadcast_process, args=(r, world, port, str(old), str(new), queue))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = [queue.get(timeout=180) for _ in range(world)]

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from weight_sync import BucketPacker, unpack
-from weight_sync import native
+from weight_sync import BucketPacker, native, unpack
 from weight_sync.checksum import checksum, copy_with_checksums, wxh64_reference
 
-pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no C compiler: wxh64 falls back to xxh3")
+pytestmark = pytest.mark.skipif(
+    native.kernel() is None, reason="no C compiler: wxh64 falls back to xxh3"
+)
 
 LENGTHS = [0, 1, 3, 7, 8, 9, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097, 65_537]
 
@@ -34,13 +35,15 @@ def test_native_matches_reference_on_odd_lengths_and_alignments(n):
     pool = _bytes(n + 64, seed=n)
     out = np.zeros(n + 64, dtype=np.uint8)
     for src_off in (0, 1, 3, 4, 8, 13, 32):
-        src = pool[src_off:src_off + n]
+        src = pool[src_off : src_off + n]
         expected = wxh64_reference(src.tobytes())
         assert checksum(torch.from_numpy(src.copy()), "wxh64") == expected
-        assert checksum(torch.from_numpy(pool)[src_off:src_off + n], "wxh64") == expected   # unaligned view
+        assert (
+            checksum(torch.from_numpy(pool)[src_off : src_off + n], "wxh64") == expected
+        )  # unaligned view
         for dst_off in (0, 4, 5, 8, 24):
             for streaming in (0, 1):
-                dst = out[dst_off:dst_off + n]
+                dst = out[dst_off : dst_off + n]
                 dst[:] = 0
                 v = lib.wxh64_copy_sum(src.ctypes.data, dst.ctypes.data, n, 0, streaming)
                 assert np.array_equal(dst, src), (src_off, dst_off, streaming)
@@ -49,6 +52,7 @@ def test_native_matches_reference_on_odd_lengths_and_alignments(n):
 
 def _finalize(v: int, n: int) -> int:
     from weight_sync.checksum import _finalize as finalize
+
     return finalize(v, n)
 
 
@@ -61,13 +65,17 @@ def test_chunked_across_threads_matches_reference(n):
     dst = torch.empty_like(data)
     assert copy_with_checksums([(dst, data)], "wxh64") == [expected]
     assert torch.equal(dst, data)
-    lib = native.kernel()   # any split at a whole word adds up to the same sum
+    lib = native.kernel()  # any split at a whole word adds up to the same sum
     cut = (n // 3) // 8 * 8
-    v = (lib.wxh64_sum(data.data_ptr(), cut, 0) + lib.wxh64_sum(data.data_ptr() + cut, n - cut, cut // 8))
+    v = lib.wxh64_sum(data.data_ptr(), cut, 0) + lib.wxh64_sum(
+        data.data_ptr() + cut, n - cut, cut // 8
+    )
     assert _finalize(v & ((1 << 64) - 1), n) == expected
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]
+)
 def test_checksum_of_tensors_matches_reference(dtype):
     t = (torch.randn(3, 1001) * 100).to(dtype)
     assert checksum(t, "wxh64") == wxh64_reference(t.contiguous().view(torch.uint8).numpy())
@@ -103,17 +111,22 @@ def test_swapped_shifted_and_resized_buffers_change_it():
     swapped_words = x.clone()
     swapped_words.view(torch.int64)[[10, 900]] = swapped_words.view(torch.int64)[[900, 10]]
     swapped_floats = x.clone()
-    swapped_floats[[0, 1]] = swapped_floats[[1, 0]]           # inside one 64-bit word
+    swapped_floats[[0, 1]] = swapped_floats[[1, 0]]  # inside one 64-bit word
     assert checksum(swapped_words, "wxh64") != reference
     assert checksum(swapped_floats, "wxh64") != reference
-    assert checksum(torch.roll(x, 2), "wxh64") != reference   # shifted by one word
+    assert checksum(torch.roll(x, 2), "wxh64") != reference  # shifted by one word
     zeros = torch.zeros(16, dtype=torch.uint8)
-    assert checksum(zeros, "wxh64") != checksum(zeros[:15], "wxh64")   # the length counts
+    assert checksum(zeros, "wxh64") != checksum(zeros[:15], "wxh64")  # the length counts
 
 
 def test_packer_uses_wxh64_and_round_trips_bitwise():
-    tensors = [("a", torch.randn(1000)), ("b", torch.randn(7, 13)), ("c", torch.randn(3, 5).t()),   # non-contiguous
-               ("d", torch.randn(9).to(torch.bfloat16)), ("e", torch.randn(5 << 20))]
+    tensors = [
+        ("a", torch.randn(1000)),
+        ("b", torch.randn(7, 13)),
+        ("c", torch.randn(3, 5).t()),  # non-contiguous
+        ("d", torch.randn(9).to(torch.bfloat16)),
+        ("e", torch.randn(5 << 20)),
+    ]
     for verify in (True, False):
         seen = {}
         for buffer, manifest in BucketPacker(bucket_bytes=64 << 10, verify=verify).pack(tensors):
@@ -121,16 +134,23 @@ def test_packer_uses_wxh64_and_round_trips_bitwise():
             for entry, (name, view) in zip(manifest.entries, unpack(buffer, manifest)):
                 seen[name] = view.clone()
                 if verify:
-                    assert entry.checksum == wxh64_reference(view.contiguous().view(torch.uint8).numpy())
+                    assert entry.checksum == wxh64_reference(
+                        view.contiguous().view(torch.uint8).numpy()
+                    )
         for name, tensor in tensors:
             assert torch.equal(seen[name], tensor), name
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return subprocess.run([sys.executable, "-W", "always::RuntimeWarning", "-c", textwrap.dedent(code)],
-                          cwd=root, env={**os.environ, "PYTHONPATH": root, **env}, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-W", "always::RuntimeWarning", "-c", textwrap.dedent(code)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 FALLBACK_PROBE = """
@@ -142,16 +162,22 @@ FALLBACK_PROBE = """
         print(manifest.checksum_algorithm)
         assert all(torch.equal(v, dict(tensors)[n]) for n, v in unpack(buffer, manifest))
     print(algorithm_for(torch.zeros(1)))
-    print(checksum(torch.arange(10, dtype=torch.float32), "wxh64"))   # a receiver without the kernel
+    # a receiver without the kernel
+    print(checksum(torch.arange(10, dtype=torch.float32), "wxh64"))
 """
 
 
 def test_without_a_compiler_falls_back_to_xxh3_with_one_warning(tmp_path):
-    result = _run(FALLBACK_PROBE, {"PATH": str(tmp_path), "CC": "", "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "c")})
+    result = _run(
+        FALLBACK_PROBE,
+        {"PATH": str(tmp_path), "CC": "", "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "c")},
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split()
     assert lines[:2] == ["xxh3", "xxh3"]
-    assert int(lines[2]) == checksum(torch.arange(10, dtype=torch.float32), "wxh64")  # reference agrees
+    assert int(lines[2]) == checksum(
+        torch.arange(10, dtype=torch.float32), "wxh64"
+    )  # reference agrees
     assert result.stderr.count("native wxh64 kernel unavailable") == 1, result.stderr
     assert "no C compiler" in result.stderr
 
@@ -162,7 +188,9 @@ def test_kernel_builds_into_a_fresh_cache_keyed_by_source(tmp_path):
     assert result.stdout.split()[:2] == ["wxh64", "wxh64"]
     assert "unavailable" not in result.stderr
     files = list(tmp_path.iterdir())
-    assert len(files) == 1 and files[0].name.startswith("wxh64-") and files[0].suffix == ".so", files
+    assert len(files) == 1 and files[0].name.startswith("wxh64-") and files[0].suffix == ".so", (
+        files
+    )
 
 
 PLANTED_C = """
@@ -192,8 +220,10 @@ def test_a_library_planted_in_the_shared_temp_dir_is_not_loaded(tmp_path, foreig
     source.write_text(PLANTED_C)
     cc = native._compiler()
     planted = planted_dir / native.library_name(cc)
-    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted),
-                    str(source)], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted), str(source)],
+        check=True,
+    )
     (tmp_path / "file").write_text("")
     env = {"TMPDIR": str(shared_tmp), "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "file" / "c")}
     result = _run("from weight_sync import native; print(native.kernel() is None)", env)
@@ -211,8 +241,10 @@ def test_the_temp_fallback_is_created_private_and_used(tmp_path):
     shared_tmp = tmp_path / "tmp"
     shared_tmp.mkdir()
     (tmp_path / "file").write_text("")
-    result = _run(FALLBACK_PROBE, {"TMPDIR": str(shared_tmp),
-                                   "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "file" / "c")})
+    result = _run(
+        FALLBACK_PROBE,
+        {"TMPDIR": str(shared_tmp), "MILES_LIKE_NATIVE_CACHE": str(tmp_path / "file" / "c")},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[:2] == ["wxh64", "wxh64"]
     directory = shared_tmp / f"miles_like_native_{os.getuid()}"

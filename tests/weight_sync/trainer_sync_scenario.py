@@ -33,7 +33,9 @@ class _ConnFuture:
         return self.conn.recv()
 
 
-def engine_role(out: str, model_dir: str, num_sources: int, listen_port: int, group_port: int) -> None:
+def engine_role(
+    out: str, model_dir: str, num_sources: int, listen_port: int, group_port: int
+) -> None:
     from rollout import Engine, EngineConfig, SamplingParams
     from weight_sync import BroadcastReceiver, BucketReceiver, SyncGroup
 
@@ -45,13 +47,19 @@ def engine_role(out: str, model_dir: str, num_sources: int, listen_port: int, gr
         conns = {}
         for _ in range(num_sources):
             conn = listener.accept()
-            conns[conn.recv()] = conn          # each source first says which stage it is
+            conns[conn.recv()] = conn  # each source first says which stage it is
         stages = sorted(conns)
 
         def sample_and_report(round_name):
-            results[round_name] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+            results[round_name] = {
+                n: p.detach().clone() for n, p in engine.model.named_parameters()
+            }
             outs = engine.generate(PROMPTS, params)
-            samples = [(prompt + s.token_ids, len(prompt), s.logprobs) for prompt, per in zip(PROMPTS, outs) for s in per]
+            samples = [
+                (prompt + s.token_ids, len(prompt), s.logprobs)
+                for prompt, per in zip(PROMPTS, outs)
+                for s in per
+            ]
             conns[stages[0]].send(samples)
 
         # Round 1: colocated, stage by stage.
@@ -68,17 +76,20 @@ def engine_role(out: str, model_dir: str, num_sources: int, listen_port: int, gr
         results["weight_version"] = engine.weight_version
         torch.save(results, out)
         for conn in conns.values():
-            conn.recv()   # wait for the trainer's goodbye before closing
+            conn.recv()  # wait for the trainer's goodbye before closing
             conn.close()
 
 
-def trainer_role(out: str, model_dir: str, tp: int, pp: int, listen_port: int, group_port: int) -> None:
+def trainer_role(
+    out: str, model_dir: str, tp: int, pp: int, listen_port: int, group_port: int
+) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from scenarios import fixed_batch, trainer_config
 
     from trainer import RLBatch, make_trainer
     from weight_sync import BroadcastSender, ColocatedSender, SyncGroup
+
+    from scenarios import fixed_batch, trainer_config
 
     trainer = make_trainer(trainer_config(model_dir, tp, pp))
     batch = fixed_batch(trainer.vocab_size)
@@ -97,20 +108,25 @@ def trainer_role(out: str, model_dir: str, tp: int, pp: int, listen_port: int, g
         rl = RLBatch(tokens=[t for t, _, _ in samples], prompt_lens=[p for _, p, _ in samples])
         trainer_lp = trainer.compute_logprobs(rl)
         state = trainer.hf_state_dict()
-        results[round_name] = dict(state=state, engine_logprobs=[torch.tensor(lp) for _, _, lp in samples],
-                                   trainer_logprobs=[lp.cpu() for lp in trainer_lp])
+        results[round_name] = dict(
+            state=state,
+            engine_logprobs=[torch.tensor(lp) for _, _, lp in samples],
+            trainer_logprobs=[lp.cpu() for lp in trainer_lp],
+        )
 
     for _ in range(2):
         trainer.train_step(batch)
     if is_source:
+
         def deliver(handle, manifest):
             conn.send((handle, manifest))
             return _ConnFuture(conn)
+
         sender = ColocatedSender(deliver, bucket_bytes=16 << 10)
         results["colocated_report"] = sender.send(trainer.export_hf_weights())._asdict()
         conn.send("done")
     else:
-        for _ in trainer.export_hf_weights():   # take part in the TP all-gathers
+        for _ in trainer.export_hf_weights():  # take part in the TP all-gathers
             pass
     check("colocated")
 
@@ -118,8 +134,11 @@ def trainer_role(out: str, model_dir: str, tp: int, pp: int, listen_port: int, g
     if is_source:
         group = SyncGroup.create("127.0.0.1", group_port, rank=1 + stage, size=1 + pp)
         sources = list(range(1, 1 + pp))
-        results["broadcast_report"] = BroadcastSender(group, sources, bucket_bytes=16 << 10).send(
-            trainer.export_hf_weights())._asdict()
+        results["broadcast_report"] = (
+            BroadcastSender(group, sources, bucket_bytes=16 << 10)
+            .send(trainer.export_hf_weights())
+            ._asdict()
+        )
     else:
         for _ in trainer.export_hf_weights():
             pass
@@ -130,6 +149,7 @@ def trainer_role(out: str, model_dir: str, tp: int, pp: int, listen_port: int, g
     if dist.get_rank() == 0:
         torch.save(results, out)
     from trainer.parallel import destroy_parallel
+
     destroy_parallel()
 
 

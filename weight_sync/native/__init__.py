@@ -38,22 +38,30 @@ _tried = False
 
 def _cache_dir() -> Path:
     root = os.environ.get("MILES_LIKE_NATIVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "miles_like", "native")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "miles_like", "native"
+    )
     return Path(root)
 
 
 def _cpu_id() -> str:
-    """-march=native code only runs where it was built: key the cache by the CPU's model and flags."""
+    """-march=native code only runs where it was built: key the cache by the CPU's model and
+    flags."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [l for l in f if l.startswith(("model name", "flags", "Features", "CPU part"))]
+            lines = [
+                line
+                for line in f
+                if line.startswith(("model name", "flags", "Features", "CPU part"))
+            ]
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.processor()
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return (
+        os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    )
 
 
 class UnsafeCacheDir(RuntimeError):
@@ -73,9 +81,11 @@ def _private_dir(path: Path) -> Path:
     st = os.lstat(path)
     mode = stat.S_IMODE(st.st_mode)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or mode & 0o022:
-        raise UnsafeCacheDir(f"{path} is not a directory owned by uid {os.getuid()} with mode 0700 "
-                             f"(owner {st.st_uid}, mode {mode:o}); remove it, or point "
-                             "MILES_LIKE_NATIVE_CACHE at a private directory")
+        raise UnsafeCacheDir(
+            f"{path} is not a directory owned by uid {os.getuid()} with mode 0700 "
+            f"(owner {st.st_uid}, mode {mode:o}); remove it, or point "
+            "MILES_LIKE_NATIVE_CACHE at a private directory"
+        )
     if mode != 0o700:
         os.chmod(path, 0o700)
     return path
@@ -84,8 +94,11 @@ def _private_dir(path: Path) -> Path:
 def library_name(cc: str) -> str:
     """The cached library's file name: keyed by the source, the flags, the compiler and this CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id(),
-                                    platform.machine()]).encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        "\0".join(
+            [SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id(), platform.machine()]
+        ).encode()
+    ).hexdigest()[:20]
     return f"wxh64-{key}.so"
 
 
@@ -93,7 +106,7 @@ def _build(cc: str) -> Path:
     name = library_name(cc)
     try:
         directory = _private_dir(_cache_dir())
-    except OSError:   # read-only home: a per-user directory under the system temp dir
+    except OSError:  # read-only home: a per-user directory under the system temp dir
         directory = _private_dir(Path(tempfile.gettempdir()) / f"miles_like_native_{os.getuid()}")
     target = directory / name
     if target.exists():
@@ -102,7 +115,9 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        result = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:2000]}")
         os.replace(tmp, target)
@@ -116,7 +131,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.wxh64_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
     lib.wxh64_sum.restype = ctypes.c_uint64
-    lib.wxh64_copy_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int]
+    lib.wxh64_copy_sum.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_uint64,
+        ctypes.c_int,
+    ]
     lib.wxh64_copy_sum.restype = ctypes.c_uint64
     lib.wxh64_has_avx2.restype = ctypes.c_int
     return lib
@@ -142,11 +163,14 @@ def kernel() -> ctypes.CDLL | None:
                 _kernel = _load(_build(cc))
             except UnsafeCacheDir as e:
                 reason = f"refusing to load native code from a shared place: {e}"
-            except Exception as e:   # noqa: BLE001 -- any build/load failure means: fall back
+            except Exception as e:  # noqa: BLE001 -- any build/load failure means: fall back
                 reason = f"building {SOURCE.name} failed: {e}"
         if reason is not None and os.environ.get("MILES_LIKE_NATIVE", "1") != "0":
-            warnings.warn(f"weight_sync: native wxh64 kernel unavailable ({reason}); using xxh3 checksums "
-                          "and torch copies, about 1.5x slower syncs.",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"weight_sync: native wxh64 kernel unavailable ({reason}); using xxh3 checksums "
+                "and torch copies, about 1.5x slower syncs.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         _tried = True
         return _kernel
