@@ -72,9 +72,9 @@ def check_draft_vocab(recipe) -> None:
         target_vocab = read_config("model.path", recipe.model.path).get("vocab_size")
         target = f"model.path {recipe.model.path!r}'s"
     else:
-        from miles_like.tokenizer import CharTokenizer  # the built-ins' vocabulary
+        from miles_like.tokenizer import builtin_tokenizer  # the built-ins' vocabulary
 
-        target_vocab = CharTokenizer().vocab_size
+        target_vocab = builtin_tokenizer().vocab_size
         target = f"model.builtin={recipe.model.builtin}'s"
     if draft_vocab is not None and target_vocab is not None and draft_vocab != target_vocab:
         raise RecipeError(
