@@ -11,7 +11,10 @@ env:
 train: env
 	$(PY) -m miles_like.train recipes/tiny_arith_grpo.yaml
 
+# Lint and format checks first (seconds), then the suite.
 test: env
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 # The CPU benchmarks, one JSON object each (minutes on 2 cores; see benchmarks/RESULTS.md).
