@@ -21,7 +21,6 @@ Built-ins:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from typing import NamedTuple
 from miles_like.reward_pool import shared_pool
 from miles_like.schema import RecipeError, closest
 from miles_like.tasks import arith
+from miles_like.user_code import import_spec
 
 RewardFn = Callable[[str, str, str], float]
 SPEC_FIELD = "reward.function"
@@ -91,31 +91,10 @@ def resolve_reward(spec: str) -> RewardFn:
     check_spec(spec)
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    m = _SPEC_RE.fullmatch(spec)
-    module_name, attr = m.group("module"), m.group("function")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise RecipeError(
-            f"{SPEC_FIELD}={spec!r}: cannot import module {e.name!r}; put it on "
-            "PYTHONPATH or fix the name"
-        ) from None
-    except Exception as e:  # the user's module failed while importing
-        raise RecipeError(
-            f"{SPEC_FIELD}={spec!r}: importing {module_name!r} raised "
-            f"{type(e).__name__}: {e}; fix that module"
-        ) from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RecipeError(
-                f"{SPEC_FIELD}={spec!r}: module {module_name!r} has no {attr!r}; "
-                "fix the function name"
-            )
-        obj = getattr(obj, part)
+    obj = import_spec(spec, SPEC_FIELD)
     if not callable(obj):
         raise RecipeError(
-            f"{SPEC_FIELD}={spec!r}: {attr!r} is not callable; name a function "
+            f"{SPEC_FIELD}={spec!r} is not callable; name a function "
             "fn(prompt, response, answer) -> float"
         )
     return obj

@@ -4,12 +4,12 @@ without importing anything (recipe validation) and resolved when the run starts.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import re
 from collections.abc import Callable
 from typing import Any
 
 from miles_like.schema import RecipeError
+from miles_like.user_code import import_spec
 
 SPEC_FIELD = "rollout.function"
 BUILTIN_ROLLOUTS = {
@@ -31,30 +31,10 @@ def check_rollout_spec(spec: str) -> None:
 def resolve_rollout_function(spec: str) -> Callable[..., Any]:
     """The async function `spec` names (a user module is imported: it must be on sys.path)."""
     check_rollout_spec(spec)
-    module_name, attr = BUILTIN_ROLLOUTS.get(spec, spec).split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise RecipeError(
-            f"{SPEC_FIELD}={spec!r}: cannot import module {e.name!r}; put it on "
-            "PYTHONPATH or fix the name"
-        ) from None
-    except Exception as e:  # noqa: BLE001 (the user's module failed while importing)
-        raise RecipeError(
-            f"{SPEC_FIELD}={spec!r}: importing {module_name!r} raised "
-            f"{type(e).__name__}: {e}; fix that module"
-        ) from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RecipeError(
-                f"{SPEC_FIELD}={spec!r}: module {module_name!r} has no {attr!r}; "
-                "fix the function name"
-            )
-        obj = getattr(obj, part)
+    obj = import_spec(BUILTIN_ROLLOUTS.get(spec, spec), SPEC_FIELD)
     if not asyncio.iscoroutinefunction(obj):
         raise RecipeError(
-            f"{SPEC_FIELD}={spec!r}: {attr!r} is not an async function; define "
+            f"{SPEC_FIELD}={spec!r} is not an async function; define "
             "async def fn(ctx, problem) -> list[Trajectory]"
         )
     return obj

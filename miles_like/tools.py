@@ -37,6 +37,7 @@ from typing import Any, Literal, NamedTuple
 import jsonschema
 
 from miles_like.schema import RecipeError
+from miles_like.user_code import import_spec
 
 __all__ = [
     "ERROR_KINDS",
@@ -216,24 +217,9 @@ def check_spec(spec: str, field: str = FIELD) -> None:
 def load_tool(spec: str, field: str = FIELD) -> Tool:
     """The tool `module:fn` names (imported here to read its schema). RecipeError otherwise."""
     check_spec(spec, field)
-    module_name, attr = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise RecipeError(
-            f"{field}={spec!r}: cannot import module {e.name!r}; put it on "
-            "PYTHONPATH or fix the name"
-        ) from None
-    except Exception as e:  # noqa: BLE001 (the user's module failed while importing)
-        raise RecipeError(
-            f"{field}={spec!r}: importing {module_name!r} raised "
-            f"{type(e).__name__}: {e}; fix that module"
-        ) from None
-    fn = getattr(module, attr, None)
+    fn = import_spec(spec, field)
     if not callable(fn):
-        raise RecipeError(
-            f"{field}={spec!r}: module {module_name!r} has no function {attr!r}; fix the name"
-        )
+        raise RecipeError(f"{field}={spec!r} is not a function; name a plain Python function")
     try:
         schema = function_schema(fn)
     except (TypeError, ValueError, jsonschema.SchemaError) as e:

@@ -88,7 +88,7 @@ def test_sft_batch_of_conversations_carries_the_masks():
         ("rollout.max_trajectory_tokens=4096", "leaves no room for a prompt"),
         ("data.chat_template=false", "set data.chat_template: true"),
         ("rollout.tools=[calc]", "rollout.tools[0]='calc': name a tool as module:function"),
-        ("rollout.tools=[miles_like.tasks.calc:nothing]", "has no function 'nothing'"),
+        ("rollout.tools=[miles_like.tasks.calc:nothing]", "has no 'nothing'"),
     ],
 )
 def test_recipe_rules_of_the_tool_loop(override, fragment):

@@ -79,7 +79,7 @@ def test_explicit_schema_attribute_wins():
     [
         ("calculator", "module:function"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-        ("user_tools:missing", "has no function 'missing'"),
+        ("user_tools:missing", "has no 'missing'"),
         ("user_tools:untyped", "untyped(x): annotate"),
         ("user_tools:star", "named arguments only"),
     ],
