@@ -33,6 +33,11 @@ def tool_message(sampled: list[int]) -> dict:
     return {"role": "user", "content": f"tool: {len(sampled)} tokens"}
 
 
+# Called once, by the first sample to finish its first turn (a test kills an engine there, so
+# that every conversation on it is midway, deterministically).
+AFTER_FIRST_TURN: list = []
+
+
 async def three_turns(ctx, problem):
     tok = ctx.tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -45,6 +50,8 @@ async def three_turns(ctx, problem):
         for turn in range(TURNS):
             g = await ctx.generate(b.token_ids, ctx.sampling(j, turn))
             b.sampled(g.token_ids, g.logprobs, g.weight_version, g.finish_reason)
+            if AFTER_FIRST_TURN:
+                AFTER_FIRST_TURN.pop()()
             sampled.append(g.token_ids)
             logprobs.append(g.logprobs)
             messages.append(

@@ -7,7 +7,6 @@ multi-turn function's trajectories rebuilt from a hand-built conversation, the s
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 
 import agent_rollouts
@@ -207,22 +206,13 @@ def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engin
         return rm.engines[i]
 
     rm.restart_engine = restart
-    victim, done = mine[0], threading.Event()
-
-    def kill_when_busy():  # a call in flight blocks the actor's other methods
-        while not done.is_set():
-            answered, _ = ray.wait([victim.stats.remote()], timeout=0.2)
-            if not answered:
-                ray.kill(victim)
-                return
-
-    killer = threading.Thread(target=kill_when_busy, daemon=True)
-    killer.start()
+    victim = mine[0]
+    # killed right after the first turn anywhere: every conversation on it is midway
+    agent_rollouts.AFTER_FIRST_TURN[:] = [lambda: ray.kill(victim)]
     try:
         rollout = rm.finish(rm.launch(0))
     finally:
-        done.set()
-        killer.join(timeout=10)
+        agent_rollouts.AFTER_FIRST_TURN.clear()
         rm.close()
         for a in rm.engines:
             ray.kill(a)
