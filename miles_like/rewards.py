@@ -22,14 +22,13 @@ Built-ins:
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from miles_like.reward_pool import shared_pool
 from miles_like.schema import RecipeError, closest
 from miles_like.tasks import arith
-from miles_like.user_code import import_spec
+from miles_like.user_code import SPEC_RE, import_spec
 
 RewardFn = Callable[[str, str, str], float]
 SPEC_FIELD = "reward.function"
@@ -69,13 +68,10 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "arith": arith_reward,
 }
 
-_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
-_SPEC_RE = re.compile(rf"(?P<module>{_DOTTED}):(?P<function>{_DOTTED})")
-
 
 def check_spec(spec: str) -> None:
     """The spec is a built-in name or has the `module:function` form (nothing imported)."""
-    if spec in BUILTIN_REWARDS or _SPEC_RE.fullmatch(spec):
+    if spec in BUILTIN_REWARDS or SPEC_RE.fullmatch(spec):
         return
     near = closest(spec, list(BUILTIN_REWARDS)) if ":" not in spec else None
     if near is not None:
@@ -115,7 +111,7 @@ def spec_of(fn: RewardFn) -> str:
             return name
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     spec = f"{module}:{qualname}"
-    if module is None or module == "__main__" or not _SPEC_RE.fullmatch(spec):
+    if module is None or module == "__main__" or not SPEC_RE.fullmatch(spec):
         raise ValueError(
             f"reward function {fn!r} runs in worker processes, which import it by "
             "name: define it at module level in an importable module (not a "

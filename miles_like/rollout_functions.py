@@ -4,23 +4,21 @@ without importing anything (recipe validation) and resolved when the run starts.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from typing import Any
 
 from miles_like.schema import RecipeError
-from miles_like.user_code import import_spec
+from miles_like.user_code import SPEC_RE, import_spec
 
 SPEC_FIELD = "rollout.function"
 BUILTIN_ROLLOUTS = {
     "single_turn": "miles_like.single_turn:single_turn",
     "tool_loop": "miles_like.tool_loop:tool_loop",
 }
-_SPEC_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 def check_rollout_spec(spec: str) -> None:
-    if spec in BUILTIN_ROLLOUTS or _SPEC_RE.fullmatch(spec):
+    if spec in BUILTIN_ROLLOUTS or SPEC_RE.fullmatch(spec):
         return
     raise RecipeError(
         f"{SPEC_FIELD}={spec!r}: use a built-in ({' | '.join(BUILTIN_ROLLOUTS)}) "

@@ -144,20 +144,18 @@ def _check_range(path: str, value: Any, meta: Mapping[str, Any]) -> None:
         return
     if isinstance(value, float) and math.isnan(value):
         raise RecipeError(f"{path}=nan; give a number")
-    lo = (
-        f"[{meta['ge']}"
-        if meta.get("ge") is not None
-        else f"({meta['gt']}"
-        if meta.get("gt") is not None
-        else "(-inf"
-    )
-    hi = (
-        f"{meta['le']}]"
-        if meta.get("le") is not None
-        else f"{meta['lt']})"
-        if meta.get("lt") is not None
-        else "inf)"
-    )
+    if meta.get("ge") is not None:
+        lo = f"[{meta['ge']}"
+    elif meta.get("gt") is not None:
+        lo = f"({meta['gt']}"
+    else:
+        lo = "(-inf"
+    if meta.get("le") is not None:
+        hi = f"{meta['le']}]"
+    elif meta.get("lt") is not None:
+        hi = f"{meta['lt']})"
+    else:
+        hi = "inf)"
     ok = (
         (meta.get("ge") is None or value >= meta["ge"])
         and (meta.get("gt") is None or value > meta["gt"])

@@ -37,7 +37,7 @@ from typing import Any, Literal, NamedTuple
 import jsonschema
 
 from miles_like.schema import RecipeError
-from miles_like.user_code import import_spec
+from miles_like.user_code import DOTTED, import_spec
 
 __all__ = [
     "ERROR_KINDS",
@@ -58,8 +58,8 @@ FIELD = "rollout.tools"
 WORKER_START_TIMEOUT_S = 120.0  # a fresh interpreter importing the tool modules
 MAX_ERROR_CHARS = 300  # an exception's message as the model sees it
 
-_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
-_SPEC_RE = re.compile(rf"(?P<module>{_DOTTED}):(?P<function>[A-Za-z_][A-Za-z0-9_]*)")
+# a tool is a plain module-level function: no dotted attribute
+_SPEC_RE = re.compile(rf"(?P<module>{DOTTED}):(?P<function>[A-Za-z_][A-Za-z0-9_]*)")
 
 
 class ToolResult(NamedTuple):

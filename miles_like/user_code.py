@@ -4,9 +4,14 @@ user code, so every failure is one `RecipeError` naming the recipe field and the
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 from miles_like.schema import RecipeError
+
+DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+# `module:attr`, both dotted names: what recipes write for user code
+SPEC_RE = re.compile(rf"(?P<module>{DOTTED}):(?P<function>{DOTTED})")
 
 
 def import_spec(spec: str, field: str) -> Any:
