@@ -1,20 +1,24 @@
-"""Tokenizers: the built-in models' character-level Hugging Face tokenizer, and `HFTokenizer`,
-the one wrapper the loop uses for every model directory (built-in or real).
+"""Tokenizers: the built-in models' byte-level Hugging Face tokenizer, and `HFTokenizer`, the
+one wrapper the loop uses for every model directory (built-in or real).
 
-The built-in tokenizer is an HF `tokenizers` tokenizer (a BPE model with no merges over a
-character vocabulary, so every character is one token) saved as `tokenizer.json` +
-`tokenizer_config.json` with our ChatML tool template (`rollout.chat.CHATML_TOOLS_TEMPLATE`):
-`AutoTokenizer.from_pretrained(dir, local_files_only=True)` loads built-in model directories
-and their checkpoints like any real model's. Ids: the special tokens first (`<|endoftext|>`=0,
-the pad token; `<|im_start|>`; `<|im_end|>`, the EOS, so the engine stops at the end of a
-turn; `<unk>` for characters outside `CHARSET`), then the tool markup tags as added non-special
-tokens (one id each, kept when decoding with `skip_special_tokens=True`, so a decoded turn still
-parses), then one id per character of `CHARSET`.
+The built-in tokenizer is transformers' own `Qwen2Tokenizer` (the built-in models are Qwen2s)
+over a vocabulary of the 256 byte-level symbols with no merges, so every byte of the text is
+one token (an ASCII character is one byte), saved as `tokenizer.json` + `tokenizer_config.json`
+with our ChatML tool template (`rollout.chat.CHATML_TOOLS_TEMPLATE`). It has to be Qwen2's class:
+for a directory whose `config.json` says `model_type: qwen2`, `AutoTokenizer` builds Qwen2's
+pipeline (its split regex, byte-level pre-tokenizer and decoder, NFC) from the vocabulary
+whatever `tokenizer_config.json` names, so a tokenizer with any other pipeline would be loaded
+as a different one (a character vocabulary without byte-level symbols loses every space and
+newline). Built this way, the built-in directories load with `AutoTokenizer.from_pretrained(dir,
+local_files_only=True)`, and with the `tokenizers` library from `tokenizer.json` alone, as the
+same tokenizer. Ids: the special tokens first (`<|endoftext|>`=0, the pad token;
+`<|im_start|>`; `<|im_end|>`, the EOS, so the engine stops at the end of a turn), then the tool
+markup tags as added non-special tokens (one id each, kept when decoding with
+`skip_special_tokens=True`, so a decoded turn still parses), then the 256 bytes in byte order.
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 from rollout.chat import (
@@ -27,33 +31,33 @@ from rollout.chat import (
     render_ids,
 )
 
-PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
-SPECIAL_TOKENS = (PAD, IM_START, IM_END, UNK)
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, IM_START, IM_END)
 MARKUP_TOKENS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
-CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+FIRST_BYTE_ID = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)  # the id of byte 0; byte b is this + b
 
 
 def build_char_tokenizer():
-    """The built-in models' tokenizer, as a transformers `PreTrainedTokenizerFast`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    """The built-in models' tokenizer, as a transformers `Qwen2Tokenizer`."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + MARKUP_TOKENS + tuple(CHARSET))}
-    # No pre-tokenizer and no merges: the text (between added tokens) is split into characters.
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.decoder = decoders.Fuse()  # characters are joined as they are, with no separator
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+    symbols = bytes_to_unicode()  # byte -> its byte-level symbol (the pre-tokenizer's alphabet)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + MARKUP_TOKENS)}
+    vocab.update({symbols[b]: FIRST_BYTE_ID + b for b in range(256)})
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],  # no merges: each byte stays its own token
+        unk_token=PAD,  # never produced: every byte is in the vocabulary
         eos_token=IM_END,
         pad_token=PAD,
-        unk_token=UNK,
         additional_special_tokens=[IM_START],
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHATML_TOOLS_TEMPLATE
-    return fast
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    tok.chat_template = CHATML_TOOLS_TEMPLATE
+    return tok
 
 
 def save_char_tokenizer(directory: str | Path) -> None:
@@ -129,6 +133,3 @@ def builtin_tokenizer() -> HFTokenizer:
 def load_tokenizer(directory: str | Path) -> HFTokenizer:
     """The model directory's Hugging Face tokenizer (built-in models have one too)."""
     return HFTokenizer.load(directory)
-
-
-assert set(string.digits + "+-*=") <= set(CHARSET)  # the arithmetic task's alphabet

@@ -1,6 +1,7 @@
-"""The built-in models' tokenizer: a character-level HF `tokenizers` tokenizer that transformers'
-`AutoTokenizer` loads from a model directory, with our ChatML tool template; ids, round trips,
-the model store's cache key, and a tiny model built for its vocabulary running in the engine."""
+"""The built-in models' tokenizer: a byte-level HF tokenizer that transformers' `AutoTokenizer`
+loads from a model directory as the same tokenizer (also where `config.json` says qwen2), with
+our ChatML tool template; ids, round trips, the model store's cache key, and a tiny model built
+for its vocabulary running in the engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from miles_like.builtin_models import BUILTIN_MODELS, hf_config
 from miles_like.tokenizer import (
-    CHARSET,
+    FIRST_BYTE_ID,
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
     HFTokenizer,
@@ -44,29 +45,29 @@ def test_saved_directory_loads_with_auto_tokenizer(saved):
     config = json.loads((directory / "tokenizer_config.json").read_text())
     assert config["chat_template"] == TOK.tok.chat_template and config["eos_token"] == "<|im_end|>"
     assert tok.chat_template == TOK.tok.chat_template
-    assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("<|endoftext|>", "<|im_end|>", "<unk>")
-    assert len(tok) == len(SPECIAL_TOKENS) + len(MARKUP_TOKENS) + len(CHARSET) == 105
+    assert (tok.pad_token, tok.eos_token) == ("<|endoftext|>", "<|im_end|>")
+    assert len(tok) == len(SPECIAL_TOKENS) + len(MARKUP_TOKENS) + 256 == 263
     assert load_tokenizer(directory).hf_config_fields() == TOK.hf_config_fields()
 
 
-def test_ids_are_one_per_character(saved):
+def test_ids_are_one_per_byte(saved):
     _, tok = saved
-    first_char = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
-    assert tok.encode(CHARSET, add_special_tokens=False) == list(range(first_char, 105))
+    ascii_text = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+    want = [FIRST_BYTE_ID + b for b in ascii_text.encode()]
+    assert tok.encode(ascii_text, add_special_tokens=False) == want
     assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS + MARKUP_TOKENS)) == list(
-        range(first_char)
+        range(FIRST_BYTE_ID)
     )
-    assert tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+    assert tok.encode("é", add_special_tokens=False) == [FIRST_BYTE_ID + b for b in "é".encode()]
     assert tok.encode("12", add_special_tokens=True) == tok.encode("12", add_special_tokens=False)
 
 
+PIECES = st.one_of(st.text(max_size=8), st.sampled_from(SPECIAL_TOKENS + MARKUP_TOKENS))
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.sampled_from(list(CHARSET) + list(SPECIAL_TOKENS[:3]) + list(MARKUP_TOKENS)), max_size=60
-    ).map("".join)
-)
-def test_round_trip_over_the_charset(saved, text):
+@given(st.lists(PIECES, max_size=12).map("".join))
+def test_round_trip_of_any_text(saved, text):
     _, tok = saved
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=False) == text
@@ -78,12 +79,37 @@ def test_round_trip_over_the_charset(saved, text):
     assert tok.decode(ids, skip_special_tokens=True) == stripped
 
 
+AGREE_TEXT = '<|im_start|>user\n12 + 34 =<|im_end|>\n<tool_call>\n{"a": 1}\n</tool_call>\t~  é'
+
+
 def test_saved_and_built_tokenizers_agree(saved):
     _, tok = saved
-    text = '<|im_start|>user\n12+34=<|im_end|>\n<tool_call>{"a": 1}</tool_call>\t~'
-    assert tok.encode(text, add_special_tokens=False) == TOK.tok.encode(
-        text, add_special_tokens=False
-    )
+    want = TOK.tok.encode(AGREE_TEXT, add_special_tokens=False)
+    assert tok.encode(AGREE_TEXT, add_special_tokens=False) == want
+    tags = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")  # one id each
+    assert len(want) == len(AGREE_TEXT.encode()) - len("".join(tags).encode()) + len(tags)
+
+
+def test_a_model_directory_loads_the_same_tokenizer(tmp_path, monkeypatch):
+    """With the built-in model's `config.json` (model_type qwen2) beside it, `AutoTokenizer`
+    picks its class by the model type, and `tokenizers` reads `tokenizer.json` alone: both
+    must still be the built tokenizer (a space or newline lost there was a real bug)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from miles_like import model_store
+    from miles_like.recipe import ModelSection
+
+    monkeypatch.setenv("MILES_LIKE_CACHE", str(tmp_path))
+    directory = model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0)
+    assert json.loads((directory / "config.json").read_text())["model_type"] == "qwen2"
+    want = TOK.tok.encode(AGREE_TEXT, add_special_tokens=False)
+    auto = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    assert auto.encode(AGREE_TEXT, add_special_tokens=False) == want
+    assert auto.decode(want, skip_special_tokens=False) == AGREE_TEXT
+    raw = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert raw.encode(AGREE_TEXT, add_special_tokens=False).ids == want
+    assert load_tokenizer(directory).tok.encode(AGREE_TEXT, add_special_tokens=False) == want
 
 
 def test_prompt_and_response_go_through_the_chat_template():
@@ -106,7 +132,7 @@ def test_missing_tokenizer_is_one_clear_error(tmp_path):
 
 def test_builtin_config_carries_the_tokenizer_fields():
     cfg = hf_config("tiny-qwen2", TOK)
-    assert cfg["vocab_size"] == 105 and cfg["eos_token_id"] == TOK.eos_token_ids[0]
+    assert cfg["vocab_size"] == 263 and cfg["eos_token_id"] == TOK.eos_token_ids[0]
     assert cfg["pad_token_id"] == TOK.tok.pad_token_id == 0
     assert set(BUILTIN_MODELS) >= {"tiny-qwen2"}
     with pytest.raises(ValueError, match="model.builtin"):
@@ -150,10 +176,15 @@ def test_engine_runs_a_tiny_model_built_for_the_tokenizer(tmp_path):
     for sample in out:
         assert 1 <= len(sample.token_ids) <= 5
         assert all(0 <= t < TOK.vocab_size for t in sample.token_ids)
-        # what rewards see (specials skipped) encodes back to exactly the other sampled tokens
+        # what rewards see (specials skipped) is the sampled bytes as UTF-8 (a random model
+        # samples invalid sequences too: Python's decoder replaces them as the tokenizer does)
+        markup = {TOK.tok.convert_tokens_to_ids(t): t.encode() for t in MARKUP_TOKENS}
         special = set(TOK.tok.all_special_ids)
-        plain = [t for t in sample.token_ids if t not in special]
-        text = TOK.decode(sample.token_ids)
-        assert TOK.tok.encode(text, add_special_tokens=False) == plain
+        sampled = b"".join(
+            markup.get(t, bytes([t - FIRST_BYTE_ID]) if t >= FIRST_BYTE_ID else b"")
+            for t in sample.token_ids
+            if t not in special
+        )
+        assert TOK.decode(sample.token_ids) == sampled.decode("utf-8", errors="replace")
         assert sample.finish_reason in ("stop", "length")
         assert torch.isfinite(torch.as_tensor(sample.logprobs)).all()
