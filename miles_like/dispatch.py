@@ -139,18 +139,17 @@ class Dispatch:
         samples)` as each request finishes, on this loop; returns the groups complete within
         `quota` in completion order. An engine that dies is replaced and the whole call sent
         again (same seeds, same outcome); what was already delivered is not delivered twice."""
-        loop = asyncio.get_running_loop()
         delivered: set[int] = set()
         while True:
             gen = self.engines[i].generate_stream.remote(prompts, params, groups, quota)
-            it = iter(gen)
             try:
                 while True:
-                    ref = await asyncio.wait_for(
-                        loop.run_in_executor(None, next, it, None), self.timeout_s
-                    )
-                    if ref is None:
-                        raise RuntimeError(f"engine {i} generate_stream ended without counters")
+                    try:
+                        ref = await asyncio.wait_for(gen.__anext__(), self.timeout_s)
+                    except StopAsyncIteration:
+                        raise RuntimeError(
+                            f"engine {i} generate_stream ended without its counters"
+                        ) from None
                     item = await asyncio.wait_for(
                         asyncio.wrap_future(ref.future()), self.timeout_s
                     )
