@@ -13,7 +13,8 @@ checkpoint was taken (same samples, same updates, same metrics as a run never st
     reference/              runs with a KL term: the frozen reference (hard links when possible)
     controller.pt           the controller's RNG states
     state.json              next step, data position, weight version, wandb run id, trainer
-                            layout, the step's metrics row; written last
+                            layout, the step's metrics row, over-sampled runs' carried partial
+                            groups (`oversampling.to_state`); written last
 
 It is written into `.tmp-step_000012/` and renamed: a `step_*` directory holding a `state.json`
 is complete, and resuming considers nothing else. Old checkpoints are renamed to `.del-*`

@@ -126,6 +126,67 @@ class Dispatch:
                     ]
                 )
 
+    async def stream(
+        self,
+        i: int,
+        prompts: list[list[int]],
+        params: list,
+        groups: list[int],
+        quota: int | None,
+        on_result: Callable[[int, list[Generation]], None],
+    ) -> list[int]:
+        """One `generate_stream` call on engine i (over-sampled rollouts): `on_result(index,
+        samples)` as each request finishes, on this loop; returns the groups complete within
+        `quota` in completion order. An engine that dies is replaced and the whole call sent
+        again (same seeds, same outcome); what was already delivered is not delivered twice."""
+        delivered: set[int] = set()
+        while True:
+            gen = self.engines[i].generate_stream.remote(prompts, params, groups, quota)
+            try:
+                while True:
+                    try:
+                        ref = await asyncio.wait_for(gen.__anext__(), self.timeout_s)
+                    except StopAsyncIteration:
+                        raise RuntimeError(
+                            f"engine {i} generate_stream ended without its counters"
+                        ) from None
+                    item = await asyncio.wait_for(
+                        asyncio.wrap_future(ref.future()), self.timeout_s
+                    )
+                    self.last_progress = time.monotonic()
+                    if isinstance(item, dict):
+                        break
+                    k, samples, version = item
+                    if k not in delivered:
+                        delivered.add(k)
+                        self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
+                        on_result(
+                            k,
+                            [
+                                Generation(
+                                    list(s.token_ids), list(s.logprobs), s.finish_reason, version
+                                )
+                                for s in samples
+                            ],
+                        )
+            except TimeoutError:
+                raise CallTimeout(
+                    [Call(f"engine {i}", "generate_stream", None)], self.timeout_s
+                ) from None
+            except Exception as e:
+                if not is_death(e):
+                    raise
+                died = ActorDied(f"engine {i}", "generate_stream", e)
+                if self.replace is None:
+                    raise died from None
+                await self.replace(i, died, len(prompts))
+                self.last_progress = time.monotonic()
+                self.tallies["engine_restarts"] += 1
+                continue
+            for k in COUNTERS:
+                self.tallies[k] += item[k]
+            return list(item["complete"])
+
     async def _call(self, i: int, prompts: list[list[int]], params: list):
         """One `generate` on engine i, sent again to its replacement if it dies."""
         while True:

@@ -192,4 +192,6 @@ def _controller_state(rt: Runtime, tracker: Tracker, next_step: int, pending, ro
         "wandb_run_id": tracker.wandb_run_id,
         **rt.layout_state(),
         "last_row": json_row(row),
+        # over-sampling with retract: the partial groups the pending rollout continues
+        **({"carried": rt.rollouts.carry_state(pending)} if rt.rollouts.streaming else {}),
     }

@@ -202,6 +202,22 @@ class RolloutSection(Section):
         "127.0.0.1 behind a cache-aware router during rollouts "
         "(ctx.base_url, for agent code)",
     )
+    over_sampling: float = setting(
+        1.0,
+        "launch ceil(prompts_per_step x this) groups a step; the first prompts_per_step to "
+        "complete are the batch, the rest go by rollout.partial (single_turn only)",
+        ge=1.0,
+    )
+    partial: Literal["abort", "retract", "in_place"] | None = setting(
+        None,
+        "over_sampling > 1: the unfinished groups are dropped (abort) or continue next step "
+        "under the new weights, tokens kept, KV prefilled again (retract); in_place is refused",
+    )
+    stream_scoring: bool = setting(
+        False,
+        "score each group as soon as its n samples finish, overlapping generation "
+        "(single_turn only; always on with over_sampling > 1)",
+    )
 
     def check(self) -> None:
         from miles_like.rollout_functions import check_rollout_spec  # imports nothing from here
@@ -520,6 +536,7 @@ class Recipe(Section):
                 "rollout.function=tool_loop renders tool calls and results with "
                 "the chat template; set data.chat_template: true"
             )
+        self._check_over_sampling()
         total = rollout.max_trajectory_tokens
         if total is not None and total < rollout.max_new_tokens:
             raise RecipeError(
@@ -540,6 +557,45 @@ class Recipe(Section):
                 f"{self.trainer.max_tokens_per_micro_batch}; raise the latter"
             )
 
+
+
+    def _check_over_sampling(self) -> None:
+        """rollout.over_sampling / partial / stream_scoring (`oversampling.py`)."""
+        rollout = self.rollout
+        over = rollout.over_sampling > 1
+        if rollout.partial is not None and not over:
+            raise RecipeError(
+                f"rollout.partial={rollout.partial} needs groups left over: set "
+                "rollout.over_sampling > 1 (e.g. 1.5), or rollout.partial: null"
+            )
+        if over and rollout.partial is None:
+            raise RecipeError(
+                f"rollout.over_sampling={rollout.over_sampling:g} leaves unfinished groups: "
+                "say what happens to them with rollout.partial: abort | retract"
+            )
+        if rollout.partial == "in_place" and self.cluster.colocate:
+            raise RecipeError(
+                "rollout.partial=in_place keeps KV across the weight update, but colocated "
+                "engines release their KV for training; use rollout.partial: retract"
+            )
+        if rollout.partial == "in_place":
+            raise RecipeError(
+                "rollout.partial=in_place: the engine cannot yet keep paused requests' KV "
+                "across update_weights (it must be idle); use rollout.partial: retract"
+            )
+        if (over or rollout.stream_scoring) and rollout.function != "single_turn":
+            field = "over_sampling" if over else "stream_scoring"
+            raise RecipeError(
+                f"rollout.{field} works with rollout.function: single_turn (a multi-turn "
+                f"function's groups finish at controller-timed moments), not "
+                f"{rollout.function!r}"
+            )
+        if (over or rollout.stream_scoring) and self.algorithm.dynamic_sampling:
+            field = "over_sampling" if over else "stream_scoring"
+            raise RecipeError(
+                f"rollout.{field} and algorithm.dynamic_sampling both choose which groups a "
+                "step trains on; use one of them"
+            )
 
 def device_type(accelerator: str) -> str:
     """What `cluster.accelerator` resolves to on this machine: "cuda" or "cpu"."""

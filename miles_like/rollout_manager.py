@@ -34,6 +34,7 @@ from miles_like.calls import ActorDied
 from miles_like.data import Problem, PromptSource
 from miles_like.dispatch import Dispatch
 from miles_like.errors import RolloutFailed
+from miles_like.oversampling import OpenGroup, OverSampledRollout, from_state, launched, to_state
 from miles_like.reward_shaping import informative_groups, overlong_penalty
 from miles_like.rewards import compute_rewards
 from miles_like.rollout_context import RolloutContext
@@ -61,6 +62,7 @@ class PendingRollout(NamedTuple):
     dispatch: Dispatch
     started: float
     consumed_before: int  # the prompt source's position before this rollout drew its prompts
+    carried_before: tuple = ()  # oversampling.OpenGroup carried into this rollout
 
 
 def _split(n: int, parts: int) -> list[range]:
@@ -121,6 +123,9 @@ class RolloutManager:
             if r.tools
             else None
         )
+        # over-sampling / streaming scoring (single-turn only): `oversampling.py`
+        self.streaming = r.over_sampling > 1 or r.stream_scoring
+        self.carry: list[OpenGroup] = []  # groups the last rollout left unfinished (retract)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="rollouts", daemon=True).start()
 
@@ -138,6 +143,8 @@ class RolloutManager:
         self, step: int, problems: list[Problem] | None = None, round_: int = 0
     ) -> PendingRollout:
         """Start the rollout (non-blocking) of `problems`, default the next batch of prompts."""
+        if self.streaming:
+            return self._launch_streaming(step)
         consumed_before = self.source.consumed
         if problems is None:
             problems = self.source.next_batch(self.recipe.rollout.prompts_per_step)
@@ -157,6 +164,43 @@ class RolloutManager:
         return PendingRollout(
             step, problems, future, inbox, dispatch, time.perf_counter(), consumed_before
         )
+
+    def _launch_streaming(self, step: int) -> PendingRollout:
+        """The carried groups, then fresh prompts up to the launched count (`oversampling.py`)."""
+        r = self.recipe.rollout
+        consumed_before = self.source.consumed
+        carried, self.carry = self.carry, []
+        fresh = self.source.next_batch(
+            launched(r.prompts_per_step, r.over_sampling) - len(carried)
+        )
+        groups = carried + [OpenGroup(p, ()) for p in fresh]
+        params = self._params(step, 0, len(groups))
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        dispatch = Dispatch(
+            self.engines, self.recipe.cluster.call_timeout_s, replace=self._replacer(inbox)
+        )
+        future = asyncio.run_coroutine_threadsafe(
+            OverSampledRollout(self, list(groups), params, dispatch).run(), self._loop
+        )
+        future.add_done_callback(lambda _: inbox.put(None))
+        return PendingRollout(
+            step,
+            [g.problem for g in groups],
+            future,
+            inbox,
+            dispatch,
+            time.perf_counter(),
+            consumed_before,
+            tuple(carried),
+        )
+
+    def carry_state(self, pending: PendingRollout | None) -> list[dict]:
+        """The carried groups before `pending` was launched (a resumed run launches it again),
+        for the checkpoint's state.json."""
+        return to_state(pending.carried_before if pending is not None else self.carry)
+
+    def restore_carry(self, rows: list[dict]) -> None:
+        self.carry = from_state(rows)
 
     def _replacer(self, inbox: queue.SimpleQueue):
         async def replace(i: int, died: ActorDied, requests: int) -> None:
@@ -329,6 +373,11 @@ class RolloutManager:
     def finish(self, pending: PendingRollout) -> Rollout:
         """Wait for `pending`, score it, and (dynamic sampling) refill dropped groups."""
         r = self.recipe
+        if self.streaming:
+            outcome = self._wait(pending)
+            self.carry = outcome.carried
+            batch = outcome.batch
+            return self._rollout(pending, batch, batch, outcome.tallies, 1, outcome.metrics)
         generated, tallies = self._collect(pending)
         kept, rounds = generated, 1
         if r.algorithm.dynamic_sampling:
@@ -351,6 +400,12 @@ class RolloutManager:
                 rounds += 1
             # nothing informative after every round: train on what there is (zero advantages)
             kept = kept[: r.rollout.prompts_per_step] or generated[: r.rollout.prompts_per_step]
+        return self._rollout(pending, generated, kept, tallies, rounds, {})
+
+    def _rollout(
+        self, pending: PendingRollout, generated, kept, tallies: Counter, rounds: int, extra: dict
+    ) -> Rollout:
+        r = self.recipe
         seconds = time.perf_counter() - pending.started
         metrics = self._metrics(generated)
         hits, computed = tallies["prefix_cache_hit_tokens"], tallies["prefill_tokens_computed"]
@@ -373,6 +428,7 @@ class RolloutManager:
                 dynamic_dropped_groups=tallies["dropped_groups"],
                 dynamic_kept_groups=len(kept),
             )
+        metrics.update(extra)
         return Rollout(kept, metrics)
 
     @staticmethod

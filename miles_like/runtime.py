@@ -200,6 +200,8 @@ class Runtime:
             log=log,
             front=self.front,
         )
+        if self.state is not None:  # the partial groups the checkpoint's pending rollout continued
+            self.rollouts.restore_carry(self.state.get("carried", []))
         self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
 
     def _engine_config(self, model_dir: Path):

@@ -426,6 +426,44 @@ class EngineWorker:
             "weight_version": results[0].weight_version if results else after["weight_version"],
         }
 
+    @ray.method(num_returns="streaming")
+    def generate_stream(
+        self, prompts: list[list[int]], params: list, groups: list[int], quota: int | None
+    ):
+        """`generate` as a stream, for over-sampled rollouts: yields `(index, samples, weight
+        version)` for each
+        request as it finishes, then one dict: the counters of `generate` and `complete`, the
+        groups (`groups[index]`) complete within `quota` in completion order (the rest of the
+        batch was aborted once `quota` were: `AsyncEngine.submit_many`). The window is open
+        for the whole call, so every sample of it has the one `weight_version` reported."""
+        import concurrent.futures
+
+        from rollout.async_engine import AsyncEngine
+
+        was_open = self.async_engine.is_open
+        self.async_engine.resume()
+        try:
+            before = self.engine.stats()
+            futures = self.async_engine.submit_many(
+                list(zip(prompts, params)), groups=groups, quota=quota
+            )
+            index = {id(f): i for i, f in enumerate(futures)}
+            version = before["weight_version"]
+            for f in concurrent.futures.as_completed(futures):
+                result = f.result()
+                version = result.weight_version
+                yield index[id(f)], result.samples, version
+            complete = AsyncEngine.complete_groups(futures).result() if futures else []
+            after = self.engine.stats()
+        finally:
+            if not was_open:
+                self.async_engine.pause()
+        yield {
+            **{k: after[k] - before[k] for k in self.CACHE_COUNTERS},
+            "weight_version": version,
+            "complete": complete,
+        }
+
     @ray.method(concurrency_group="serve")
     def generate_one(self, prompt_ids: list[int], params):
         """One request, batched with every other concurrent call (the window must be open:

@@ -10,6 +10,13 @@ returns once nothing is in flight (or everything was aborted); only then may the
 lifecycle calls on the engine (`update_weights`, `release_memory`, ...). `resume()` reopens.
 Invariant: while paused nothing steps, so no request is served by half-updated weights, and
 every request of a `GenerationResult` was sampled by the one `weight_version` it reports.
+
+A quota (`submit_many(..., groups=, quota=)`, over-sampling): the requests belong to groups; a
+group is complete once all of its requests are; once `quota` groups are complete the step loop
+aborts the batch's other requests before its next step (they end with finish_reason "abort" and
+the tokens they have). Which groups are complete, and where the others stop, is decided by the
+step loop alone: groups complete in the order of the engine step that finished their last
+request, ties by group id, so given the same submissions the outcome does not depend on timing.
 """
 
 from __future__ import annotations
@@ -42,6 +49,49 @@ class _Submission(NamedTuple):
     params: SamplingParams
     stop_check: StopCheck | None
     future: Future
+    quota: _Quota | None = None
+    group: int = 0
+
+
+class _Quota:
+    """The groups of one `submit_many` call with a quota (step-loop owned but `complete`)."""
+
+    def __init__(self, groups: Seq[int], quota: int):
+        self.left: dict[int, int] = {}  # group -> its requests not finished
+        for g in groups:
+            self.left[g] = self.left.get(g, 0) + 1
+        self.quota = quota
+        self.request_ids: set[int] = set()
+        self.complete: Future[list[int]] = Future()  # -> the complete groups, in order
+        self._done: list[int] = []
+        self._unresolved = len(groups)
+
+    def finished(self, groups_now: list[int]) -> list[int] | None:
+        """The groups whose requests finished in one step; the request ids to abort once the
+        quota is reached (None before)."""
+        newly = []
+        for g in groups_now:
+            self.left[g] -= 1
+            if self.left[g] == 0:
+                newly.append(g)
+        self._unresolved -= len(groups_now)
+        reached = False
+        if not self.complete.done():
+            for g in sorted(newly):
+                self._done.append(g)
+                if len(self._done) == self.quota:
+                    reached = True
+                    break
+            if reached or self._unresolved == 0:
+                self.complete.set_result(list(self._done))
+        return sorted(self.request_ids) if reached else None
+
+    def failed(self) -> None:
+        """A request that never ran (cancelled, refused, its step failed): its group cannot
+        complete; the others still can."""
+        self._unresolved -= 1
+        if self._unresolved == 0 and not self.complete.done():
+            self.complete.set_result(list(self._done))
 
 
 class AsyncEngine:
@@ -55,6 +105,7 @@ class AsyncEngine:
         self._stopping = False
         self._failure: BaseException | None = None  # the step loop died: nothing is served
         self._futures: dict[int, Future] = {}  # request id -> future (thread-owned)
+        self._groups: dict[int, tuple[_Quota, int]] = {}  # request id -> its quota, group
         self._cancels: list[Future] = []
         self._thread = threading.Thread(target=self._loop, name="AsyncEngine", daemon=True)
         self._thread.start()
@@ -69,12 +120,32 @@ class AsyncEngine:
         return future
 
     def submit_many(
-        self, requests: Seq[tuple[Seq[int], SamplingParams]], stop_check: StopCheck | None = None
+        self,
+        requests: Seq[tuple[Seq[int], SamplingParams]],
+        stop_check: StopCheck | None = None,
+        *,
+        groups: Seq[int] | None = None,
+        quota: int | None = None,
     ) -> list[Future[GenerationResult]]:
         """Queue several requests at once, as `submit` does each: the step loop admits them
         together, in order, as `Engine.generate` does, so the batches they are computed in do
-        not depend on thread timing (nor do the prefix-cache hits between them)."""
+        not depend on thread timing (nor do the prefix-cache hits between them).
+
+        With `groups` (one group id per request) and `quota`, the rest of the batch is aborted
+        once `quota` groups are complete (module doc); `self.complete_groups(futures)` then
+        gives those groups in completion order."""
         futures: list[Future] = [Future() for _ in requests]
+        q = None
+        if quota is not None:
+            if groups is None or len(groups) != len(requests):
+                raise ValueError("a quota needs one group id per request")
+            if quota < 1:
+                raise ValueError(f"quota={quota}: must be >= 1")
+            q = _Quota(groups, quota)
+            if not requests:
+                q.complete.set_result([])
+            for f in futures:
+                f.quota = q  # type: ignore[attr-defined]
         with self._cond:
             if self._failure is not None:
                 raise EngineUnavailable(f"engine step loop failed: {self._failure!r}")
@@ -82,11 +153,20 @@ class AsyncEngine:
                 raise EngineUnavailable("engine is closed")
             if not self._open:
                 raise EngineUnavailable("engine is updating weights; retry")
-            for (prompt_ids, params), future in zip(requests, futures):
-                self._inbox.append(_Submission(list(prompt_ids), params, stop_check, future))
+            for k, ((prompt_ids, params), future) in enumerate(zip(requests, futures)):
+                group = groups[k] if q is not None else 0
+                self._inbox.append(
+                    _Submission(list(prompt_ids), params, stop_check, future, q, group)
+                )
             self._in_flight += len(futures)
             self._cond.notify_all()
         return futures
+
+    @staticmethod
+    def complete_groups(futures: Seq[Future]) -> Future[list[int]]:
+        """For the futures of one `submit_many` call with a quota: a future of the groups that
+        completed within the quota, in completion order (all of them if fewer completed)."""
+        return futures[0].quota.complete  # type: ignore[attr-defined]
 
     async def generate(
         self, prompt_ids: Seq[int], params: SamplingParams, stop_check: StopCheck | None = None
@@ -170,8 +250,13 @@ class AsyncEngine:
             except BaseException as exc:  # noqa: BLE001 -- delivered to every waiting caller
                 self._fail_all(exc)
                 continue
+            by_quota: dict[int, tuple[_Quota, list[int]]] = {}
             for out in finished:
                 future = self._futures.pop(out.request_id)
+                q, group = self._groups.pop(out.request_id, (None, 0))
+                if q is not None:
+                    q.request_ids.discard(out.request_id)
+                    by_quota.setdefault(id(q), (q, []))[1].append(group)
                 future.set_result(
                     GenerationResult(
                         out.prompt_token_ids,
@@ -181,18 +266,28 @@ class AsyncEngine:
                     )
                 )
                 self._resolved(1)
+            for q, groups_now in by_quota.values():
+                for request_id in q.finished(groups_now) or ():
+                    self.engine.abort(request_id)  # takes effect at the next step
 
     def _add(self, sub: _Submission) -> None:
         if not sub.future.set_running_or_notify_cancel():  # cancelled while queued
+            if sub.quota is not None:
+                sub.quota.failed()
             self._resolved(1)
             return
         try:
             request_id = self.engine.add_request(sub.prompt_ids, sub.params, sub.stop_check)
         except Exception as exc:  # noqa: BLE001 -- the request's own error, e.g. too long
             sub.future.set_exception(exc)
+            if sub.quota is not None:
+                sub.quota.failed()
             self._resolved(1)
             return
         self._futures[request_id] = sub.future
+        if sub.quota is not None:
+            sub.quota.request_ids.add(request_id)
+            self._groups[request_id] = (sub.quota, sub.group)
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step raised: every in-flight request fails with it. The engine's requests are
@@ -206,6 +301,9 @@ class AsyncEngine:
         except BaseException as again:  # noqa: BLE001
             with self._cond:
                 self._failure = again
+        groups, self._groups = self._groups, {}
+        for q, _ in groups.values():
+            q.failed()
         for future in futures.values():
             future.set_exception(exc)
         self._resolved(len(futures))

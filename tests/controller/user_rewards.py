@@ -11,3 +11,33 @@ class Scorers:
     @staticmethod
     def first_char_match(prompt: str, response: str, answer: str) -> float:
         return float(response[:1] == answer[:1])
+
+
+SLOW_S = 0.05  # the known time one call of slow_length_score takes
+
+
+def slow_brevity_score(prompt: str, response: str, answer: str) -> float:
+    """brevity_score, taking SLOW_S seconds (the streaming-scoring test)."""
+    import time
+
+    time.sleep(SLOW_S)
+    return -float(len(response))
+
+
+def brevity_score(prompt: str, response: str, answer: str) -> float:
+    """Dense and pushing towards short answers: responses end at varied lengths (the
+    over-sampling tests need groups that complete at different steps)."""
+    return -float(len(response))
+
+
+SLOW_EXACT_S = 0.1  # the known time one call of slow_exact_match takes
+
+
+def slow_exact_match(prompt: str, response: str, answer: str) -> float:
+    """The built-in exact_match, taking SLOW_EXACT_S seconds (test_streaming_scoring)."""
+    import time
+
+    from miles_like.rewards import exact_match
+
+    time.sleep(SLOW_EXACT_S)
+    return exact_match(prompt, response, answer)

@@ -1,0 +1,163 @@
+"""Over-sampling, partial rollouts and streaming scoring, end to end on Ray (`oversampling.py`).
+
+* Streaming: scoring each group as it completes (a slow reward, one reward worker) gives
+  exactly the metrics of scoring at the end, every key but timings (the overlap itself is
+  measured where the lengths are controlled: test_streaming_scoring.py).
+* Abort: the batch is prompts_per_step complete groups, the rest are dropped and counted.
+* Retract + kill -9: a run with partial groups carried over is SIGKILLed mid-step (after a
+  checkpoint, not at one) and resumed with checkpoint.resume=auto: every metrics.jsonl key but
+  the timings equals an uninterrupted run (float64), and the carried samples really were
+  continued (staleness 1 on trained tokens, carried unfinished samples counted).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_resume_e2e import (
+    COMMON,
+    RECIPE,
+    ROOT,
+    _kill_group,
+    _wait_session_gone,
+    is_timing,
+    rows_of,
+)
+
+from miles_like.cli import main
+from miles_like.loop import run
+from miles_like.rewards import compute_rewards, resolve_reward
+
+pytestmark = pytest.mark.slow
+
+# responses that end at varied lengths (a brevity reward, T < 1, room to run long), so groups
+# complete at different engine steps and the ones left over are really cut mid-sample
+OVER = (
+    "rollout.over_sampling=2",
+    "rollout.n=2",
+    "rollout.max_new_tokens=40",
+    "rollout.temperature=0.8",
+    "reward.function=user_rewards:brevity_score",
+)
+
+
+def run_in_process(out: Path, *overrides: str) -> list[dict]:
+    assert main([RECIPE, f"tracking.output_dir={out}", *COMMON, *overrides], run=run) == 0
+    return rows_of(out)
+
+
+def same_rows(a_rows: list[dict], b_rows: list[dict]) -> None:
+    assert len(a_rows) == len(b_rows)
+    for a, b in zip(a_rows, b_rows):
+        keys = {k for k in a.keys() | b.keys() if not is_timing(k)}
+        diff = {k: (a.get(k), b.get(k)) for k in sorted(keys) if a.get(k) != b.get(k)}
+        assert not diff, f"step {a['step']}: {diff}"
+
+
+def test_streaming_scoring_is_exact(ray_local, cache, tmp_path):
+    slow = (
+        "steps=2",
+        "checkpoint.every_steps=0",
+        "rollout.max_new_tokens=128",
+        "rollout.temperature=0.8",
+        "rollout.prompts_per_step=8",
+        "rollout.n=2",
+        "reward.function=user_rewards:slow_brevity_score",
+        "reward.max_workers=1",
+    )
+    # the reward pool is the process's, started on first use: start it before either run
+    result = compute_rewards(
+        resolve_reward("user_rewards:slow_brevity_score"), ["p"], ["r"], ["a"], max_workers=1
+    )
+    assert result.scores == [-1.0]
+    at_end = run_in_process(tmp_path / "at_end", *slow)
+    streamed = run_in_process(tmp_path / "streamed", *slow, "rollout.stream_scoring=true")
+    same_rows(streamed, at_end)
+
+
+def test_abort_trains_complete_groups_and_drops_the_rest(ray_local, cache, tmp_path):
+    rows = run_in_process(
+        tmp_path / "abort", "steps=2", "checkpoint.every_steps=0", *OVER, "rollout.partial=abort"
+    )
+    for r in rows:
+        assert r["rollout/samples"] == 4 * 2  # prompts_per_step x n complete samples trained
+        assert r["rollout/launched_groups"] == 8  # 4 x 2, all fresh: nothing carried
+        assert r["rollout/aborted_groups"] == 4 and r["rollout/carried_groups"] == 0
+        assert r["rollout/staleness_max"] == 0 and r["rollout/continued_groups"] == 0
+    assert sum(r["rollout/aborted_samples"] for r in rows) > 0  # some were cut mid-sample
+
+
+STEPS = 6
+KILL_AFTER = 3  # checkpoint step_000003 complete, then killed mid step 3
+DELAY_S = 2.0
+
+
+def test_retract_kill9_mid_step_and_resume_is_exact(ray_local, cache, tmp_path, capsys):
+    over = (*OVER, "rollout.partial=retract")
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    log_path = tmp_path / "killed.log"
+    marker = killed / "checkpoints" / f"step_{KILL_AFTER:06d}" / "state.json"
+    import os
+
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("WANDB_SERVICE", None)
+    killed.mkdir(parents=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "miles_like.train", RECIPE, f"tracking.output_dir={killed}"]
+            + [*COMMON, *over],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        rows_at_kill: list[int] = []
+
+        def kill_mid_step():
+            deadline = time.monotonic() + 900
+            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(DELAY_S)  # into step KILL_AFTER: not at a checkpoint
+            rows_at_kill.append(len((killed / "metrics.jsonl").read_text().splitlines()))
+            _kill_group(proc.pid)
+
+        watcher = threading.Thread(target=kill_mid_step, daemon=True)
+        try:
+            deadline = time.monotonic() + 300
+            while (
+                "warm start:" not in log_path.read_text()
+                and proc.poll() is None
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
+            watcher.start()
+            ref_rows = run_in_process(reference, *over)
+            watcher.join(timeout=900)
+        finally:
+            _kill_group(proc.pid)
+            proc.wait()
+            leaked = _wait_session_gone(proc.pid, timeout=30)
+    assert marker.exists(), log_path.read_text()[-3000:]
+    assert not leaked
+    assert rows_at_kill and rows_at_kill[0] < STEPS, "the run ended before it was killed"
+    capsys.readouterr()
+    resumed = run_in_process(killed, "checkpoint.resume=auto", *over)
+    printed = capsys.readouterr().out
+    assert "resume: continuing from " in printed
+    # partial samples were in flight and continued under newer weights
+    assert any(r["rollout/carried_samples"] > 0 for r in ref_rows)
+    assert any(r["rollout/staleness_max"] >= 1 for r in ref_rows)
+    assert any(r["rollout/continued_groups"] > 0 for r in ref_rows)
+    assert all(r["train/grad_norm"] > 0 for r in ref_rows)
+    assert [r["step"] for r in resumed] == list(range(STEPS))
+    same_rows(resumed, ref_rows)

@@ -1,0 +1,124 @@
+"""Streaming scoring (`oversampling.OverSampledRollout`) on a real `EngineWorker` actor.
+
+A long-tailed rollout: 7 groups of 4 tokens and one of 160 (`ignore_eos`, per-group
+`max_new_tokens`), n = 2, a reward taking SLOW_S per call on one reward worker. Each group is
+scored as soon as its samples are done, so the scoring of the short groups runs while the long
+one still decodes:
+
+* exact: the rollout's groups (trajectories, scores, shaped rewards) equal scoring the same
+  trajectories at the end (`RolloutManager._score`, the non-streaming path);
+* overlapped: its wall time is below generation (the same rollout with an instant reward) +
+  n_groups x n x SLOW_S by at least half the short groups' scoring time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from miles_like.data import Problem
+from miles_like.dispatch import Dispatch
+from miles_like.oversampling import OpenGroup, OverSampledRollout
+from miles_like.recipe import load_recipe
+from miles_like.rewards import compute_rewards, exact_match
+from miles_like.rollout_manager import RolloutManager
+from miles_like.tokenizer import HFTokenizer
+from rollout import EngineConfig, SamplingParams
+
+from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
+from user_rewards import SLOW_EXACT_S as SLOW
+from user_rewards import slow_exact_match as slow_exact
+
+ROOT = Path(__file__).resolve().parents[2]
+LENGTHS = [4, 4, 4, 160, 4, 4, 4, 4]
+N = 2
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(here)])
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    yield
+    ray.shutdown()
+
+
+def test_streamed_scores_equal_scoring_at_the_end_and_overlap_generation(ray_local, tmp_path):
+    from miles_like.workers import EngineWorker
+
+    tok = save_bpe_tokenizer(tmp_path, ["one two three four five six"] * 20, vocab_size=280)
+    save_hf_model(make_hf_model("qwen2", vocab_size=len(tok)), tmp_path)
+    worker = EngineWorker.remote(
+        EngineConfig(
+            model_path=str(tmp_path), kv_cache_tokens=4096, page_size=4, max_model_len=256
+        ),
+        1,
+    )
+    recipe = load_recipe(
+        ROOT / "recipes" / "tiny_arith_grpo.yaml",
+        [
+            f"rollout.prompts_per_step={len(LENGTHS)}",
+            f"rollout.n={N}",
+            "rollout.max_new_tokens=160",
+            "rollout.stream_scoring=true",
+            "reward.max_workers=1",
+        ],
+        check_paths_exist=False,
+    )
+    problems = [Problem(f"p{g}", [3 + g, 5, 7, 9, 11], "one") for g in range(len(LENGTHS))]
+    params = [
+        SamplingParams(n=N, max_new_tokens=k, seed=10 * g, ignore_eos=True)
+        for g, k in enumerate(LENGTHS)
+    ]
+
+    def rollout(reward_fn):
+        manager = SimpleNamespace(
+            recipe=recipe,
+            engines=[worker],
+            tokenizer=HFTokenizer.load(tmp_path),
+            reward_fn=reward_fn,
+        )
+        groups = [OpenGroup(p, ()) for p in problems]
+        start = time.perf_counter()
+        out = asyncio.run(
+            OverSampledRollout(manager, groups, params, Dispatch([worker], 300.0)).run()
+        )
+        return out, time.perf_counter() - start
+
+    for fn in (exact_match, slow_exact):  # start both reward pools (one per function) first
+        assert compute_rewards(fn, ["p"], ["one"], ["one"], max_workers=1).scores == [1.0]
+    rollout(exact_match)  # the actor's start and first steps
+    timed = {exact_match: [], slow_exact: []}
+    for _ in range(2):  # alternating, the fastest of each (the box is shared)
+        for fn in timed:
+            out, seconds = rollout(fn)
+            timed[fn].append(seconds)
+    streamed, generation_s, wall_s = out, min(timed[exact_match]), min(timed[slow_exact])
+
+    at_end, counts = RolloutManager._score(
+        SimpleNamespace(recipe=recipe, reward_fn=slow_exact),
+        problems,
+        [g.trajectories for g in streamed.batch],
+    )
+    assert streamed.batch == at_end
+    assert [len(t.token_ids) - t.prompt_len for g in at_end for t in g.trajectories] == [
+        k for k in LENGTHS for _ in range(N)
+    ]
+    assert counts["reward_errors"] == 0 and streamed.tallies["reward_errors"] == 0
+    scoring_s = len(LENGTHS) * N * SLOW
+    short_scoring_s = (len(LENGTHS) - 1) * N * SLOW
+    print(f"generation {generation_s:.2f} s, streamed {wall_s:.2f} s, scoring {scoring_s:.2f} s")
+    assert generation_s > short_scoring_s, "the long group must outlast the short ones' scoring"
+    assert wall_s < generation_s + scoring_s - 0.5 * short_scoring_s
