@@ -71,7 +71,7 @@ class Runtime:
         self.recipe = recipe
         self.log = log
         self.timeout_s = recipe.cluster.call_timeout_s
-        self.layout = placement.plan(recipe.cluster)
+        self.layout = placement.plan(recipe.cluster, recipe.rollout.tp)
         self.tag = uuid.uuid4().hex[:8]  # this run's actor names: miles_like.{tag}.*
         self.resume, self.state = resume, state
         self.weight_version = state["weight_version"] if state else 0  # syncs into the engines
@@ -110,7 +110,7 @@ class Runtime:
             self.source.skip_to(state["data_consumed"])
         placement.start_ray(recipe.cluster, self.layout)
         self.pg = placement.reserve(self.layout, strategy=recipe.cluster.placement_strategy)
-        self.trainers, self.engines = [], []
+        self.trainers, self.engines, self.replicas = [], [], []
         try:
             self._start_actors(base_dir, max_prompt)
         except BaseException:
@@ -166,13 +166,24 @@ class Runtime:
                     for rank, t in enumerate(self.trainers)
                 ]
             )
-        self.engines = placement.create_engines(
+        # every rank of every replica; `engines` are their rank 0s, which stand for the replica
+        # in every call but the resharding sync
+        self.replicas = placement.create_engines(
             self.layout,
             self.pg,
             self._engine_config(engine_dir),
-            [placement.engine_name(self.tag, i) for i in range(len(self.layout.engine_bundles))],
+            [placement.engine_name(self.tag, i) for i in range(self.layout.num_replicas)],
             self.timeout_s,
         )
+        self.engines = [ranks[0] for ranks in self.replicas]
+        # trainer TP rank r feeds engine TP rank r its own shards when the sizes match
+        self.sharded_sync = (
+            self.layout.colocated
+            and self.layout.engine_tp > 1
+            and recipe.trainer.tp == self.layout.engine_tp
+            and recipe.trainer.backend == "megatron"
+        )
+        self.sync_bytes_per_rank = 0.0
         if self.weight_version:
             self._on_engines("set_weight_version", self.weight_version)
         self.bucket_bytes = _bucket_bytes(self.model_dir)
@@ -277,8 +288,26 @@ class Runtime:
 
     def sync_weights(self) -> float:
         """Push the trainer's weights into every engine (engines resumed first when colocated).
-        Returns the bytes sent."""
-        if self.layout.colocated:
+        Returns the bytes sent; `sync_bytes_per_rank` is the most one trainer rank sent."""
+        if self.sharded_sync:  # rank 0's resume returns once every rank of its replica resumed
+            self._on_engines("resume")
+            nodes = [
+                self._wait(each(f"engine {i} rank", ranks, "node_id"))
+                for i, ranks in enumerate(self.replicas)
+            ]
+            reports = self._wait(
+                each(
+                    "trainer rank",
+                    self.trainers,
+                    "push_colocated_shards",
+                    self.replicas,
+                    nodes,
+                    self.bucket_bytes,
+                    self.timeout_s,
+                )
+            )
+            self._on_engines("commit")
+        elif self.layout.colocated:
             self._on_engines("resume")
             nodes = self._on_engines("node_id")
             reports = self._wait(
@@ -302,6 +331,7 @@ class Runtime:
         if self.staged_memory:
             self._on_trainers("offload")
         self.weight_version += 1
+        self.sync_bytes_per_rank = max(r["bytes"] for r in reports)
         return sum(r["bytes"] for r in reports)
 
     def flush_prefix_caches(self) -> None:
@@ -315,12 +345,13 @@ class Runtime:
         trainer's current weights (written to a scratch HF directory), at the current weight
         version; disaggregated, every member rejoins a new broadcast group. Returns it."""
         self.engine_restarts += 1
-        ray.kill(self.engines[index])  # already dead; make sure its resources are free
+        for rank in self.replicas[index]:  # one rank is dead: make sure every rank's are free
+            ray.kill(rank)
         scratch = Path(self.recipe.tracking.output_dir) / f".engine-restart-{self.tag}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
             self._save_hf(scratch)
-            (engine,) = placement.create_engines(
+            (ranks,) = placement.create_engines(
                 self.layout,
                 self.pg,
                 self._engine_config(scratch),
@@ -330,7 +361,8 @@ class Runtime:
             )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        self.engines[index] = engine
+        self.replicas[index] = ranks
+        engine = self.engines[index] = ranks[0]
         if getattr(self, "front", None) is not None:
             self.front.replace(index, engine)
         self._wait([call(f"engine {index}", engine, "set_weight_version", self.weight_version)])
@@ -398,4 +430,4 @@ class Runtime:
             self.rollouts.close()
         if getattr(self, "front", None) is not None:
             self.front.close()
-        placement.release(self.pg, self.trainers + self.engines)
+        placement.release(self.pg, self.trainers + [a for ranks in self.replicas for a in ranks])
