@@ -176,10 +176,10 @@ class Runtime:
             self.timeout_s,
         )
         self.engines = [ranks[0] for ranks in self.replicas]
-        # trainer TP rank r feeds engine TP rank r its own shards when the sizes match
+        # trainer TP rank r feeds engine TP rank r its own shards when the sizes match, over
+        # either transport (the resharding sync)
         self.sharded_sync = (
-            self.layout.colocated
-            and self.layout.engine_tp > 1
+            self.layout.engine_tp > 1
             and recipe.trainer.tp == self.layout.engine_tp
             and recipe.trainer.backend == "megatron"
         )
@@ -219,7 +219,12 @@ class Runtime:
 
     def _join_sync_group(self) -> None:
         """Disaggregated: the engines and the trainer's sources form the broadcast group. Its
-        rank 0 is engine 0, so it meets on engine 0's node."""
+        rank 0 is engine 0, so it meets on engine 0's node. The resharding sync has one group
+        per TP rank index r (engine rank r of every replica, trainer TP rank r of every stage),
+        meeting on replica 0's rank r."""
+        if self.sharded_sync:
+            self._join_shard_groups()
+            return
         ((host, port),) = self._wait([call("engine 0", self.engines[0], "rendezvous")])
         e = len(self.engines)
         self._wait(
@@ -246,6 +251,38 @@ class Runtime:
                 e,
                 self.num_stages,
                 self.timeout_s,
+            )
+        )
+
+    def _join_shard_groups(self) -> None:
+        k, e = self.layout.engine_tp, len(self.replicas)
+        groups = self._wait(each("engine 0 rank", self.replicas[0], "rendezvous"))
+        self._wait(
+            [
+                call(
+                    f"engine {i} rank {r}",
+                    ranks[r],
+                    "join_sync_group",
+                    *groups[r],
+                    i,
+                    e,
+                    self.num_stages,
+                    self.timeout_s,
+                    True,
+                )
+                for i, ranks in enumerate(self.replicas)
+                for r in range(k)
+            ]
+            + each(
+                "trainer rank",
+                self.trainers,
+                "join_sync_group",
+                None,
+                None,
+                e,
+                self.num_stages,
+                self.timeout_s,
+                groups,
             )
         )
 
@@ -289,7 +326,8 @@ class Runtime:
     def sync_weights(self) -> float:
         """Push the trainer's weights into every engine (engines resumed first when colocated).
         Returns the bytes sent; `sync_bytes_per_rank` is the most one trainer rank sent."""
-        if self.sharded_sync:  # rank 0's resume returns once every rank of its replica resumed
+        if self.sharded_sync and self.layout.colocated:
+            # rank 0's resume returns once every rank of its replica has resumed
             self._on_engines("resume")
             nodes = [
                 self._wait(each(f"engine {i} rank", ranks, "node_id"))
@@ -323,9 +361,17 @@ class Runtime:
             )
             self._on_engines("commit")
         else:  # sources and engines meet in the broadcasts: one wait for all of them
+            receivers = (
+                [
+                    call(f"engine {i} rank {r}", a, "receive_broadcast")
+                    for i, ranks in enumerate(self.replicas)
+                    for r, a in enumerate(ranks)
+                ]
+                if self.sharded_sync
+                else each("engine", self.engines, "receive_broadcast")
+            )
             reports = self._wait(
-                each("trainer rank", self.trainers, "push_broadcast", self.bucket_bytes)
-                + each("engine", self.engines, "receive_broadcast")
+                each("trainer rank", self.trainers, "push_broadcast", self.bucket_bytes) + receivers
             )
             reports = reports[: len(self.trainers)]
         if self.staged_memory:

@@ -282,15 +282,35 @@ class TrainerWorker:
         return _AllAcked(refs, timeout_s)
 
     def join_sync_group(
-        self, host: str, port: int, num_engines: int, num_stages: int, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        num_engines: int,
+        num_stages: int,
+        timeout_s: float,
+        shard_groups: Sequence[tuple[str, int]] | None = None,
     ) -> bool:
         """Disaggregated: sources join the standalone sync group with the engines (engines are
         ranks 0..E-1, the source of stage s is rank E+s): at start, and again with every member
         when an engine was replaced. Its collectives fail after `timeout_s`. Returns whether
-        this rank joined."""
+        this rank joined.
+
+        `shard_groups` (the resharding sync, trainer TP = engine TP = k): k groups, group r at
+        `shard_groups[r]` holding engine rank r of every replica and the trainer TP rank r of
+        data-parallel rank 0 of every stage, which broadcasts its own shards there."""
         from weight_sync import SyncGroup
 
-        source, stage = self.sync_role()
+        if shard_groups is not None:
+            from megatron.core import parallel_state as ps
+
+            self.sharded_broadcast = True
+            if ps.get_data_parallel_rank() != 0:
+                return False
+            host, port = shard_groups[ps.get_tensor_model_parallel_rank()]
+            source, stage = True, ps.get_pipeline_model_parallel_rank()
+        else:
+            self.sharded_broadcast = False
+            source, stage = self.sync_role()
         if source:
             self.sync_group = SyncGroup.create(
                 host,
@@ -307,14 +327,19 @@ class TrainerWorker:
         """Broadcast this stage's export over the sync group (see `join_sync_group`)."""
         from weight_sync import BroadcastSender
 
-        source, _ = self.sync_role()
+        if self.sharded_broadcast:  # every trainer TP rank of DP rank 0 feeds its shard group
+            stream = self.policy.export_engine_shards()
+            source = getattr(self, "sync_group", None) is not None
+        else:
+            stream = self.policy.export_hf_weights()
+            source = self.sync_role()[0]
         if not source:
-            for _ in self.policy.export_hf_weights():
+            for _ in stream:
                 pass
             return {"bytes": 0.0}
         report = BroadcastSender(
             self.sync_group, self.sync_sources, bucket_bytes=bucket_bytes
-        ).send(self.policy.export_hf_weights())
+        ).send(stream)
         return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets)}
 
     def save_hf(self, directory: str) -> None:
@@ -636,8 +661,18 @@ class EngineWorker:
         }
 
     def join_sync_group(
-        self, host: str, port: int, rank: int, num_engines: int, num_stages: int, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        num_engines: int,
+        num_stages: int,
+        timeout_s: float,
+        own_shards: bool = False,
     ) -> None:
+        """Join the broadcast group as its `rank`: rank 0 of a replica taking full tensors for
+        every rank, or (`own_shards`, the resharding sync) any rank taking its own shards in the
+        group of its TP rank index."""
         from weight_sync import BroadcastReceiver, SyncGroup
 
         group = SyncGroup.create(
@@ -649,7 +684,9 @@ class EngineWorker:
             timeout_s=timeout_s,
         )
         self.broadcast_receiver = BroadcastReceiver(
-            self.engine, group, sources=list(range(num_engines, num_engines + num_stages))
+            self.shard_receiver.engine if own_shards else self.engine,
+            group,
+            sources=list(range(num_engines, num_engines + num_stages)),
         )
 
     def flush_prefix_cache(self) -> None:
@@ -662,6 +699,9 @@ class EngineWorker:
         self.engine.weight_version = version
 
     def receive_broadcast(self) -> int:
+        if self.engine is None:  # a follower: its own shards; rank 0 commits for the replica
+            self.broadcast_receiver.receive()
+            return -1
         self.close()
         self.broadcast_receiver.receive()
         return self.engine.weight_version

@@ -13,14 +13,13 @@ Checked against references that share no code with the resharding sync:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
+from tp_slices import digest, expected_slice
 
 from miles_like.cli import main
 from miles_like.loop import run
@@ -28,28 +27,6 @@ from miles_like.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows halved
-ROW = ("o_proj", "down_proj")  # input columns halved
-VOCAB = ("embed_tokens", "lm_head")  # rows in chunks of ceil(V / k)
-
-
-def expected_slice(name: str, full: torch.Tensor, k: int, rank: int) -> torch.Tensor:
-    module = name.split(".")[-2]
-    if module in COLUMN:
-        return full.chunk(k, dim=0)[rank]
-    if module in ROW:
-        return full.chunk(k, dim=1)[rank]
-    if module in VOCAB:
-        chunk = -(-full.shape[0] // k)
-        return full[rank * chunk : (rank + 1) * chunk]
-    return full  # norms
-
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(
-        t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    ).hexdigest()
 
 
 @pytest.mark.parametrize("trainer_tp", [2, 1])
