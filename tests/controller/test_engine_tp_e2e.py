@@ -5,9 +5,9 @@ Checked against references that share no code with the resharding sync:
 * the float64 bounds of today: engine-vs-trainer `train/logprob_diff_max` <= 1e-10 and the first
   update's PPO-KL <= 1e-12 (the engine's shards must hold exactly the trainer's weights);
 * after the last sync every engine rank's parameters are bitwise equal to slices of the
-  trainer's full weights (its Hugging Face export), the slices written out here from the layout
-  rules (heads / rows / input columns halved, vocabulary rows in chunks of ceil(V / 2), norms
-  whole);
+  trainer's full weights (its Hugging Face export), the slices written out from the layout
+  rules in `tp_slices.py` (heads / rows / input columns halved, vocabulary rows in chunks of
+  ceil(V / 2), norms whole);
 * the bytes each trainer rank sent are exactly its engine rank's slices: no full tensor moved.
 """
 
