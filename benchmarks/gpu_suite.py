@@ -24,6 +24,13 @@ Sections (`--sections` picks some; each is timed, and one that fails is reported
   (weight bytes + K/V bytes) / peak bandwidth: torch attention, Triton with CUDA graphs, Triton
   without.
 * weight_sync: `weight_sync.py --device cuda`: CUDA IPC colocated sync and NCCL broadcast, GB/s.
+* engine_tp: `engine_tp.py`: one engine replica over 2 GPUs (NCCL) against TP=1 on the same
+  float32 weights: greedy samples identical, log-probs within 1e-4 (exit 1 otherwise), decode
+  tokens / s of both. Skipped, with the reason, on fewer than 2 GPUs.
+* rl_step_bf16: the default recipe's first 2 RL steps in bfloat16 through the CLI (Ray actors,
+  colocated, the recipe's default engine path: Triton attention with decode graphs on CUDA):
+  step seconds, engine-vs-trainer mismatch (`train/mismatch_kl`, `train/logprob_diff_max`), the
+  weight sync's seconds and bytes.
 
 Prints one JSON object (and rewrites `--json-out` after every section, so a run cut short by the
 time limit keeps what it measured); `--results-md` appends a dated summary to RESULTS.md.
@@ -68,6 +75,8 @@ SECTIONS = (
     "speculation",
     "decode_roofline",
     "weight_sync",
+    "engine_tp",
+    "rl_step_bf16",
 )
 
 
@@ -149,6 +158,7 @@ def main() -> int:
         not report["errors"]
         and all(c["ok"] for c in kernel_checks)
         and report.get("decode_graphs", {}).get("ok", True)
+        and report.get("engine_tp", {}).get("ok", True)
     )
     text = json.dumps(report)
     print(text)
@@ -335,6 +345,69 @@ def section_weight_sync(device, args, peak_gbps) -> dict:
     return json.loads(proc.stdout)
 
 
+def section_engine_tp(device, args, peak_gbps) -> dict:
+    """A subprocess, as weight_sync: the benchmark spawns its ranks from its own module."""
+    import subprocess
+
+    import torch
+
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return {"skipped": f"engine TP=2 needs 2 CUDA devices; {torch.cuda.device_count()} here"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "engine_tp.py"), "--device", device.type]
+        + (["--quick"] if args.dry_run else []),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine_tp.py exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def section_rl_step_bf16(device, args, peak_gbps) -> dict:
+    """The default recipe's first RL steps in bfloat16, through the CLI as a user runs it."""
+    import subprocess
+    import tempfile
+
+    small = ["rollout.prompts_per_step=2", "rollout.n=2"] if args.dry_run else []
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "miles_like.train",
+                str(REPO / "recipes" / "tiny_arith_grpo.yaml"),
+                "steps=2",
+                "sft.steps=0",
+                "model.dtype=bfloat16",
+                "trainer.updates_per_rollout=1",
+                f"cluster.accelerator={device.type}",
+                f"tracking.output_dir={out}",
+                "tracking.wandb_mode=disabled",
+                *small,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"miles_like.train exited {proc.returncode}: {proc.stderr[-2000:]}")
+        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    keys = (
+        "perf/step_s",
+        "perf/rollout_s",
+        "perf/train_s",
+        "perf/weight_sync_s",
+        "perf/weight_sync_bytes",
+        "train/mismatch_kl",
+        "train/logprob_diff_max",
+        "rollout/reward_mean",
+    )
+    return {"steps": [{k: r.get(k) for k in keys} for r in rows]}
+
+
 SECTION_RUNNERS = {
     "kernels": section_kernels,
     "decode_graphs": section_decode_graphs,
@@ -342,6 +415,8 @@ SECTION_RUNNERS = {
     "speculation": section_speculation,
     "decode_roofline": section_decode_roofline,
     "weight_sync": section_weight_sync,
+    "engine_tp": section_engine_tp,
+    "rl_step_bf16": section_rl_step_bf16,
 }
 
 
@@ -429,6 +504,26 @@ def markdown_summary(report: dict) -> str:
             f"the same bytes ({sync['copy_s']:.4f} s); without checksums {n['total_s']:.3f} s "
             f"({n['x_copy']:.2f}x); engine weights bitwise equal: "
             f"{c['bitwise_equal'] and n['bitwise_equal']}.",
+        ]
+    tp = report.get("engine_tp")
+    if tp:
+        lines += [
+            "",
+            f"Engine TP=2: skipped ({tp['skipped']})."
+            if "skipped" in tp
+            else f"Engine TP=2 ({tp['backend']}): {tp['identical_samples']} / {tp['samples']} "
+            f"greedy samples identical to TP=1, log-probs within {tp['max_logprob_diff']:.1e}; "
+            f"{tp['tp2_tokens_per_s']} tok/s vs {tp['tp1_tokens_per_s']} at TP=1 (tiny model).",
+        ]
+    rl = report.get("rl_step_bf16")
+    if rl:
+        lines += ["", "| bf16 RL step | step s | rollout s | train s | sync s | mismatch_kl |"]
+        lines += ["|---|---|---|---|---|---|"]
+        lines += [
+            f"| {i} | {r['perf/step_s']:.2f} | {r['perf/rollout_s']:.2f} | "
+            f"{r['perf/train_s']:.2f} | {r['perf/weight_sync_s']:.2f} | "
+            f"{r['train/mismatch_kl']:.2e} |"
+            for i, r in enumerate(rl["steps"])
         ]
     for section, error in report["errors"].items():
         lines += ["", f"Section `{section}` failed: {error}"]

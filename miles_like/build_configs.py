@@ -47,6 +47,7 @@ FIELD_NAMES: dict[str, str] = {
     "EngineConfig.speculative_draft_model_path": "rollout.speculative_draft_model_path",
     "EngineConfig.attention_backend": "rollout.attention_backend",
     "EngineConfig.decode_graphs": "rollout.decode_graphs",
+    "EngineConfig.tensor_parallel_size": "rollout.tp",
 }
 _FIELD_RE = re.compile(
     "|".join(re.escape(k) + r"(?![A-Za-z0-9_])" for k in sorted(FIELD_NAMES, key=len, reverse=True))
@@ -136,8 +137,8 @@ def critic_config(recipe: Recipe, model_path: str) -> TrainerConfig:
 def engine_config(recipe: Recipe, model_path: str, device: str = "cpu") -> EngineConfig:
     r = recipe.rollout
     backend = r.attention_backend
-    if backend == "auto":
-        backend = "triton" if device.startswith("cuda") else "torch"
+    if backend == "auto":  # engine TP runs the torch backend (rollout/parallel_layers.py)
+        backend = "triton" if device.startswith("cuda") and r.tp == 1 else "torch"
     return _build(
         lambda: EngineConfig(
             model_path=model_path,
@@ -145,6 +146,7 @@ def engine_config(recipe: Recipe, model_path: str, device: str = "cpu") -> Engin
             dtype=recipe.model.dtype,
             attention_backend=backend,
             decode_graphs=r.decode_graphs,
+            tensor_parallel_size=r.tp,
             kv_cache_tokens=r.kv_cache_tokens,
             page_size=r.page_size,
             max_running_requests=r.max_running_requests,

@@ -170,6 +170,8 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
             **{f"perf/{k}_s": v for k, v in timer.seconds.items()},
             "perf/step_s": step_s,
             "perf/weight_sync_bytes": sync_bytes,
+            # the most one trainer rank sent (resharding sync: its own shards only)
+            "perf/weight_sync_bytes_per_rank": rt.sync_bytes_per_rank if sync_bytes else 0.0,
         }
         row.setdefault("perf/weight_sync_s", 0.0)
         row["perf/idle_s"] = max(0.0, step_s - sum(timer.seconds.values()))

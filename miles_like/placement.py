@@ -28,19 +28,33 @@ class Layout(NamedTuple):
     engine_bundles: list[int]  # bundle of each engine replica
     colocated: bool
     threads: int  # torch threads per worker on CPU
+    engine_tp: int = 1  # ranks per engine replica: replica i holds engine_bundles[i k : (i+1) k]
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.engine_bundles) // self.engine_tp
+
+    def replica_bundles(self, index: int) -> list[int]:
+        k = self.engine_tp
+        return self.engine_bundles[index * k : (index + 1) * k]
 
 
-def plan(cluster) -> Layout:
-    """Where every actor goes, from the recipe's cluster section."""
+def plan(cluster, engine_tp: int = 1) -> Layout:
+    """Where every actor goes, from the recipe's cluster section and `rollout.tp` (`engine_tp`
+    consecutive engine bundles per replica; the recipe checks it divides them). Colocated,
+    engine rank j of replica i shares bundle i k + j with trainer rank i k + j, so trainer TP
+    rank r (innermost in megatron's rank order) sits with engine TP rank r."""
     accelerator = cluster.accelerator
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     d = cluster.devices
     threads = max(1, (os.cpu_count() or 1) // d)
     if cluster.colocate:
-        return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads)
+        return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads, engine_tp)
     r = cluster.rollout_devices if cluster.rollout_devices is not None else d // 2
-    return Layout(accelerator, d, list(range(d - r)), list(range(d - r, d)), False, threads)
+    return Layout(
+        accelerator, d, list(range(d - r)), list(range(d - r, d)), False, threads, engine_tp
+    )
 
 
 def start_ray(cluster, layout: Layout) -> None:
@@ -124,17 +138,48 @@ def create_engines(
     names: list[str],
     timeout_s: float,
     indices: list[int] | None = None,
-) -> list:
-    """EngineWorkers `indices` (default all) in their bundles, named `names`, ready."""
-    indices = list(range(len(layout.engine_bundles))) if indices is None else indices
-    engines = [
-        EngineWorker.options(name=name, **_options(layout, pg, layout.engine_bundles[i])).remote(
-            engine_cfg, layout.threads
-        )
+) -> list[list]:
+    """Engine replicas `indices` (default all) in their bundles, named `names`, ready: each a list
+    of its `layout.engine_tp` EngineWorkers, rank 0 first (named `names[i]`, rank j
+    `names[i].rank{j}`). A TP replica's ranks meet where its rank 0 chose, on its node; then the
+    followers serve (`EngineWorker.follow`) and rank 0 watches them."""
+    indices = list(range(layout.num_replicas)) if indices is None else indices
+    k = layout.engine_tp
+    replicas = [
+        [
+            EngineWorker.options(
+                name=name if rank == 0 else f"{name}.rank{rank}", **_options(layout, pg, b)
+            ).remote(engine_cfg, layout.threads, rank)
+            for rank, b in enumerate(layout.replica_bundles(i))
+        ]
         for i, name in zip(indices, names, strict=True)
     ]
-    gather([call(f"engine {i}", e, "ready") for i, e in zip(indices, engines)], timeout_s)
-    return engines
+    labelled = [
+        (f"engine {i}" + (f" rank {rank}" if rank else ""), actor)
+        for i, ranks in zip(indices, replicas)
+        for rank, actor in enumerate(ranks)
+    ]
+    gather([call(label, a, "ready") for label, a in labelled], timeout_s)
+    if k == 1:
+        return replicas
+    meet = gather(
+        [call(f"engine {i}", r[0], "rendezvous") for i, r in zip(indices, replicas)], timeout_s
+    )
+    gather(
+        [
+            call(label, a, "start_tp", *meet[n // k], timeout_s)
+            for n, (label, a) in enumerate(labelled)
+        ],
+        timeout_s,
+    )
+    gather(
+        [
+            call(f"engine {i}", r[0], "watch_followers", [f.follow.remote() for f in r[1:]])
+            for i, r in zip(indices, replicas)
+        ],
+        timeout_s,
+    )
+    return replicas
 
 
 def release(pg, actors: list) -> None:

@@ -84,6 +84,34 @@ def check_draft_vocab(recipe) -> None:
         )
 
 
+def model_config(recipe) -> dict[str, Any]:
+    """The policy's `config.json`: the user's, or the built-in's."""
+    if recipe.model.path is not None:
+        return read_config("model.path", recipe.model.path)
+    from miles_like.builtin_models import hf_config
+    from miles_like.tokenizer import builtin_tokenizer
+
+    return hf_config(recipe.model.builtin, builtin_tokenizer())
+
+
+def check_engine_tp(recipe) -> None:
+    """`rollout.tp` splits attention heads, KV heads and the MLP evenly across the ranks."""
+    k = recipe.rollout.tp
+    if k == 1:
+        return
+    config = model_config(recipe)
+    heads = config.get("num_attention_heads")
+    for key, value in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", config.get("num_key_value_heads", heads)),
+        ("intermediate_size", config.get("intermediate_size")),
+    ):
+        if value is not None and value % k:
+            raise RecipeError(
+                f"rollout.tp={k} must divide the model's {key}={value}; choose a divisor of it"
+            )
+
+
 def check_accelerator(cluster) -> None:
     """`cuda` on a local cluster needs CUDA here (a remote cluster's nodes are not visible)."""
     if cluster.accelerator != "cuda" or cluster.address is not None:
@@ -112,6 +140,7 @@ def check_machine(recipe) -> None:
             "rollout.speculative_draft_model_path", draft, sharded_names=("*.safetensors",)
         )
     check_draft_vocab(recipe)
+    check_engine_tp(recipe)
     check_output_dir(recipe.tracking.output_dir)
     check_accelerator(recipe.cluster)
     if recipe.data.path is not None:

@@ -146,12 +146,18 @@ class RolloutSection(Section):
     attention_backend: Literal["auto", "torch", "triton"] = setting(
         "auto",
         "engine attention: torch (every device) | triton (CUDA kernels) | auto (triton "
-        "on CUDA, else torch)",
+        "on CUDA with rollout.tp 1, else torch)",
     )
     decode_graphs: bool | None = setting(
         None,
         "pure decode steps at static shapes, captured as CUDA graphs on a GPU; null: on "
         "with the triton backend on CUDA",
+    )
+    tp: int = setting(
+        1,
+        "engine tensor-parallel size: devices per engine replica (k Ray actors, one "
+        "scheduler on rank 0); must divide the model's attention and KV heads",
+        ge=1,
     )
     function: str = setting(
         "single_turn",
@@ -496,6 +502,16 @@ class Recipe(Section):
                 f"cluster: {trainer_devices} trainer devices (cluster.devices - "
                 "cluster.rollout_devices) is not a multiple of trainer.tp x "
                 f"trainer.pp = {self.trainer.tp * self.trainer.pp}; change one"
+            )
+        engine_devices = (
+            self.cluster.devices
+            if self.cluster.colocate
+            else (self.cluster.devices - trainer_devices)
+        )
+        if engine_devices % rollout.tp:
+            raise RecipeError(
+                f"rollout.tp={rollout.tp} must divide the {engine_devices} engine devices "
+                "(cluster.devices, or cluster.rollout_devices when not colocated); change one"
             )
         samples = rollout.prompts_per_step * rollout.n
         if self.trainer.updates_per_rollout > samples:

@@ -71,7 +71,7 @@ class Runtime:
         self.recipe = recipe
         self.log = log
         self.timeout_s = recipe.cluster.call_timeout_s
-        self.layout = placement.plan(recipe.cluster)
+        self.layout = placement.plan(recipe.cluster, recipe.rollout.tp)
         self.tag = uuid.uuid4().hex[:8]  # this run's actor names: miles_like.{tag}.*
         self.resume, self.state = resume, state
         self.weight_version = state["weight_version"] if state else 0  # syncs into the engines
@@ -110,7 +110,7 @@ class Runtime:
             self.source.skip_to(state["data_consumed"])
         placement.start_ray(recipe.cluster, self.layout)
         self.pg = placement.reserve(self.layout, strategy=recipe.cluster.placement_strategy)
-        self.trainers, self.engines = [], []
+        self.trainers, self.engines, self.replicas = [], [], []
         try:
             self._start_actors(base_dir, max_prompt)
         except BaseException:
@@ -166,13 +166,24 @@ class Runtime:
                     for rank, t in enumerate(self.trainers)
                 ]
             )
-        self.engines = placement.create_engines(
+        # every rank of every replica; `engines` are their rank 0s, which stand for the replica
+        # in every call but the resharding sync
+        self.replicas = placement.create_engines(
             self.layout,
             self.pg,
             self._engine_config(engine_dir),
-            [placement.engine_name(self.tag, i) for i in range(len(self.layout.engine_bundles))],
+            [placement.engine_name(self.tag, i) for i in range(self.layout.num_replicas)],
             self.timeout_s,
         )
+        self.engines = [ranks[0] for ranks in self.replicas]
+        # trainer TP rank r feeds engine TP rank r its own shards when the sizes match, over
+        # either transport (the resharding sync)
+        self.sharded_sync = (
+            self.layout.engine_tp > 1
+            and recipe.trainer.tp == self.layout.engine_tp
+            and recipe.trainer.backend == "megatron"
+        )
+        self.sync_bytes_per_rank = 0.0
         if self.weight_version:
             self._on_engines("set_weight_version", self.weight_version)
         self.bucket_bytes = _bucket_bytes(self.model_dir)
@@ -210,7 +221,12 @@ class Runtime:
 
     def _join_sync_group(self) -> None:
         """Disaggregated: the engines and the trainer's sources form the broadcast group. Its
-        rank 0 is engine 0, so it meets on engine 0's node."""
+        rank 0 is engine 0, so it meets on engine 0's node. The resharding sync has one group
+        per TP rank index r (engine rank r of every replica, trainer TP rank r of every stage),
+        meeting on replica 0's rank r."""
+        if self.sharded_sync:
+            self._join_shard_groups()
+            return
         ((host, port),) = self._wait([call("engine 0", self.engines[0], "rendezvous")])
         e = len(self.engines)
         self._wait(
@@ -237,6 +253,38 @@ class Runtime:
                 e,
                 self.num_stages,
                 self.timeout_s,
+            )
+        )
+
+    def _join_shard_groups(self) -> None:
+        k, e = self.layout.engine_tp, len(self.replicas)
+        groups = self._wait(each("engine 0 rank", self.replicas[0], "rendezvous"))
+        self._wait(
+            [
+                call(
+                    f"engine {i} rank {r}",
+                    ranks[r],
+                    "join_sync_group",
+                    *groups[r],
+                    i,
+                    e,
+                    self.num_stages,
+                    self.timeout_s,
+                    True,
+                )
+                for i, ranks in enumerate(self.replicas)
+                for r in range(k)
+            ]
+            + each(
+                "trainer rank",
+                self.trainers,
+                "join_sync_group",
+                None,
+                None,
+                e,
+                self.num_stages,
+                self.timeout_s,
+                groups,
             )
         )
 
@@ -279,8 +327,27 @@ class Runtime:
 
     def sync_weights(self) -> float:
         """Push the trainer's weights into every engine (engines resumed first when colocated).
-        Returns the bytes sent."""
-        if self.layout.colocated:
+        Returns the bytes sent; `sync_bytes_per_rank` is the most one trainer rank sent."""
+        if self.sharded_sync and self.layout.colocated:
+            # rank 0's resume returns once every rank of its replica has resumed
+            self._on_engines("resume")
+            nodes = [
+                self._wait(each(f"engine {i} rank", ranks, "node_id"))
+                for i, ranks in enumerate(self.replicas)
+            ]
+            reports = self._wait(
+                each(
+                    "trainer rank",
+                    self.trainers,
+                    "push_colocated_shards",
+                    self.replicas,
+                    nodes,
+                    self.bucket_bytes,
+                    self.timeout_s,
+                )
+            )
+            self._on_engines("commit")
+        elif self.layout.colocated:
             self._on_engines("resume")
             nodes = self._on_engines("node_id")
             reports = self._wait(
@@ -296,14 +363,23 @@ class Runtime:
             )
             self._on_engines("commit")
         else:  # sources and engines meet in the broadcasts: one wait for all of them
+            receivers = (
+                [
+                    call(f"engine {i} rank {r}", a, "receive_broadcast")
+                    for i, ranks in enumerate(self.replicas)
+                    for r, a in enumerate(ranks)
+                ]
+                if self.sharded_sync
+                else each("engine", self.engines, "receive_broadcast")
+            )
             reports = self._wait(
-                each("trainer rank", self.trainers, "push_broadcast", self.bucket_bytes)
-                + each("engine", self.engines, "receive_broadcast")
+                each("trainer rank", self.trainers, "push_broadcast", self.bucket_bytes) + receivers
             )
             reports = reports[: len(self.trainers)]
         if self.staged_memory:
             self._on_trainers("offload")
         self.weight_version += 1
+        self.sync_bytes_per_rank = max(r["bytes"] for r in reports)
         return sum(r["bytes"] for r in reports)
 
     def flush_prefix_caches(self) -> None:
@@ -317,12 +393,13 @@ class Runtime:
         trainer's current weights (written to a scratch HF directory), at the current weight
         version; disaggregated, every member rejoins a new broadcast group. Returns it."""
         self.engine_restarts += 1
-        ray.kill(self.engines[index])  # already dead; make sure its resources are free
+        for rank in self.replicas[index]:  # one rank is dead: make sure every rank's are free
+            ray.kill(rank)
         scratch = Path(self.recipe.tracking.output_dir) / f".engine-restart-{self.tag}"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
             self._save_hf(scratch)
-            (engine,) = placement.create_engines(
+            (ranks,) = placement.create_engines(
                 self.layout,
                 self.pg,
                 self._engine_config(scratch),
@@ -332,7 +409,8 @@ class Runtime:
             )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        self.engines[index] = engine
+        self.replicas[index] = ranks
+        engine = self.engines[index] = ranks[0]
         if getattr(self, "front", None) is not None:
             self.front.replace(index, engine)
         self._wait([call(f"engine {index}", engine, "set_weight_version", self.weight_version)])
@@ -400,4 +478,4 @@ class Runtime:
             self.rollouts.close()
         if getattr(self, "front", None) is not None:
             self.front.close()
-        placement.release(self.pg, self.trainers + self.engines)
+        placement.release(self.pg, self.trainers + [a for ranks in self.replicas for a in ranks])

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import ray
 import torch
@@ -216,24 +217,55 @@ class TrainerWorker:
         so its two shared buffers, lives across steps: mapping fresh shared memory every step
         would cost more than the copy. It delivers to this call's engines (an engine may have
         been replaced since the last one)."""
-        from weight_sync import ColocatedSender
-
         source, _ = self.sync_role()
         if not source:
             for _ in self.policy.export_hf_weights():
                 pass
             return {"bytes": 0.0}
+        return self._push(
+            self.policy.export_hf_weights(), engines, engine_nodes, False, timeout_s, bucket_bytes
+        )
+
+    def push_colocated_shards(
+        self,
+        replicas: Sequence[Sequence],
+        replica_nodes: Sequence[Sequence[str]],
+        bucket_bytes: int,
+        timeout_s: float,
+    ) -> dict[str, float]:
+        """The resharding sync (trainer TP = engine TP = k, megatron): trainer TP rank r of
+        data-parallel rank 0 (every pipeline stage) streams its own shards, converted to the
+        engine's layout without a gather (`trainer.bridge.export_engine_shards`), to rank r of
+        every replica (`replicas[i][r]`, on node `replica_nodes[i][r]`). Other data-parallel
+        ranks drain the same export (its vocabulary exchange is a collective of their own TP
+        group) and send nothing."""
+        from megatron.core import parallel_state as ps
+
+        shards = self.policy.export_engine_shards()
+        if ps.get_data_parallel_rank() != 0:
+            for _ in shards:
+                pass
+            return {"bytes": 0.0}
+        r = ps.get_tensor_model_parallel_rank()
+        targets = [ranks[r] for ranks in replicas]
+        nodes = [n[r] for n in replica_nodes]
+        return self._push(shards, targets, nodes, True, timeout_s, bucket_bytes)
+
+    def _push(self, stream, engines, engine_nodes, own_shards: bool, timeout_s, bucket_bytes):
+        from weight_sync import ColocatedSender
+
         here = node_id()
         self._push_to = (
             [e for e, n in zip(engines, engine_nodes, strict=True) if n == here],
             [e for e, n in zip(engines, engine_nodes, strict=True) if n != here],
             timeout_s,
+            own_shards,
         )
         if getattr(self, "_sender", None) is None:
             self._sender = ColocatedSender(
                 self._deliver, bucket_bytes=bucket_bytes, device=_device()
             )
-        report = self._sender.send(self.policy.export_hf_weights())
+        report = self._sender.send(stream)
         remote = len(self._push_to[1])
         return {
             "bytes": float(report.nbytes),
@@ -242,23 +274,43 @@ class TrainerWorker:
         }
 
     def _deliver(self, handle, manifest) -> _AllAcked:
-        local, remote, timeout_s = self._push_to
-        refs = [e.load_bucket.remote(handle, manifest) for e in local]
+        local, remote, timeout_s, own = self._push_to
+        refs = [e.load_bucket.remote(handle, manifest, own) for e in local]
         if remote:  # one copy into the object store, fetched by each remote node
             data = ray.put(self._sender.allocator.buffer(handle).cpu().clone())
-            refs += [e.load_bucket_bytes.remote(data, manifest) for e in remote]
+            refs += [e.load_bucket_bytes.remote(data, manifest, own) for e in remote]
         return _AllAcked(refs, timeout_s)
 
     def join_sync_group(
-        self, host: str, port: int, num_engines: int, num_stages: int, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        num_engines: int,
+        num_stages: int,
+        timeout_s: float,
+        shard_groups: Sequence[tuple[str, int]] | None = None,
     ) -> bool:
         """Disaggregated: sources join the standalone sync group with the engines (engines are
         ranks 0..E-1, the source of stage s is rank E+s): at start, and again with every member
         when an engine was replaced. Its collectives fail after `timeout_s`. Returns whether
-        this rank joined."""
+        this rank joined.
+
+        `shard_groups` (the resharding sync, trainer TP = engine TP = k): k groups, group r at
+        `shard_groups[r]` holding engine rank r of every replica and the trainer TP rank r of
+        data-parallel rank 0 of every stage, which broadcasts its own shards there."""
         from weight_sync import SyncGroup
 
-        source, stage = self.sync_role()
+        if shard_groups is not None:
+            from megatron.core import parallel_state as ps
+
+            self.sharded_broadcast = True
+            if ps.get_data_parallel_rank() != 0:
+                return False
+            host, port = shard_groups[ps.get_tensor_model_parallel_rank()]
+            source, stage = True, ps.get_pipeline_model_parallel_rank()
+        else:
+            self.sharded_broadcast = False
+            source, stage = self.sync_role()
         if source:
             self.sync_group = SyncGroup.create(
                 host,
@@ -275,14 +327,19 @@ class TrainerWorker:
         """Broadcast this stage's export over the sync group (see `join_sync_group`)."""
         from weight_sync import BroadcastSender
 
-        source, _ = self.sync_role()
+        if self.sharded_broadcast:  # every trainer TP rank of DP rank 0 feeds its shard group
+            stream = self.policy.export_engine_shards()
+            source = getattr(self, "sync_group", None) is not None
+        else:
+            stream = self.policy.export_hf_weights()
+            source = self.sync_role()[0]
         if not source:
-            for _ in self.policy.export_hf_weights():
+            for _ in stream:
                 pass
             return {"bytes": 0.0}
         report = BroadcastSender(
             self.sync_group, self.sync_sources, bucket_bytes=bucket_bytes
-        ).send(self.policy.export_hf_weights())
+        ).send(stream)
         return {"bytes": float(report.nbytes), "buckets": float(report.num_buckets)}
 
     def save_hf(self, directory: str) -> None:
@@ -328,6 +385,18 @@ class TrainerWorker:
         destroy_parallel()
 
 
+class _OwnShards(NamedTuple):
+    """The receiver side of one TP rank's own shards (a `weight_sync` WeightReceiver): they are
+    loaded on this rank only; rank 0's commit completes the replica's update."""
+
+    load_weights: Callable
+    commit_weights: Callable
+
+
+def _no_commit() -> None:
+    """Followers hold no prefix cache and no version: rank 0 commits for the replica."""
+
+
 def _mini_batches(n: int, updates: int) -> list[list[int]]:
     """`updates` consecutive, near-equal slices of range(n) (the first ones one larger)."""
     if not 1 <= updates <= n:
@@ -352,7 +421,7 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-@ray.remote(concurrency_groups={"serve": 512})
+@ray.remote(concurrency_groups={"serve": 512, "tp": 1})
 class EngineWorker:
     """One engine replica behind an `AsyncEngine` (its step loop is the only thread that runs the
     engine's requests). The rollout window: `open()` admits requests (`generate_one`, the HTTP
@@ -364,24 +433,108 @@ class EngineWorker:
     Ray runs `generate_one` in its own concurrency group, so many concurrent calls are batched
     together by the engine; every other method is in the default group, one at a time."""
 
-    def __init__(self, engine_cfg, threads: int):
-        from rollout import Engine
-        from rollout.async_engine import AsyncEngine
-        from weight_sync import BucketReceiver
-
+    def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
         use_node_interface()
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         _set_threads(threads)
-        self.engine = Engine(engine_cfg)
-        self.async_engine = AsyncEngine(self.engine, open=False)
-        self.receiver = BucketReceiver(self.engine)
+        self.cfg, self.tp_rank = engine_cfg, tp_rank
         self.on_gpu = engine_cfg.device.startswith("cuda")
         self.model_path = engine_cfg.model_path
         self._server = None
+        self.engine = self.follower = None
+        if engine_cfg.tensor_parallel_size == 1:
+            self._build_engine()
+
+    def _build_engine(self) -> None:
+        from rollout import Engine
+        from rollout.async_engine import AsyncEngine
+        from weight_sync import BucketReceiver
+
+        self.engine = Engine(self.cfg)
+        self.async_engine = AsyncEngine(self.engine, open=False)
+        self.receiver = BucketReceiver(self.engine)
+        # the resharding sync: this rank's own shards, loaded here only
+        self.shard_receiver = BucketReceiver(
+            _OwnShards(
+                lambda tensors: self.engine.load_weights(tensors, all_ranks=False),
+                self.engine.commit_weights,
+            )
+        )
 
     def ready(self) -> bool:
         return True
+
+    # --------------------------------------------------------------- tensor-parallel replicas
+    # A replica of k = `rollout.tp` ranks is k EngineWorkers, one per device. Rank 0 is the
+    # replica everywhere else (scheduler, AsyncEngine, HTTP endpoint, every lifecycle call); the
+    # others replay its commands (`rollout.tp_follower`) and take part only in the resharding
+    # sync (`load_bucket(own_shards=True)`). A replica lives and dies whole: a follower whose
+    # rank 0 is gone exits, and rank 0 exits when a follower dies (`watch_followers`), so the
+    # controller sees an actor death and replaces every rank (`Runtime.restart_engine`).
+    def start_tp(self, host: str, port: int, timeout_s: float) -> None:
+        """Every rank of the replica at once: join its process group (which meets on rank 0's
+        node, `rendezvous`), then build this rank: the Engine on rank 0, a follower elsewhere
+        (`follow` then serves it). Collectives fail after `timeout_s`."""
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            _backend(),
+            init_method=f"tcp://{host}:{port}",
+            rank=self.tp_rank,
+            world_size=self.cfg.tensor_parallel_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        if self.tp_rank == 0:
+            self._build_engine()
+            return
+        from rollout.tp_follower import EngineFollower
+        from weight_sync import BucketReceiver
+
+        self.follower = EngineFollower(self.cfg)
+        self.shard_receiver = BucketReceiver(_OwnShards(self.follower.load_weights, _no_commit))
+
+    @ray.method(concurrency_group="tp")
+    def follow(self) -> None:
+        """Followers: replay rank 0's commands until it stops the replica (`shutdown`). If
+        rank 0 is lost the collective fails and this process exits."""
+        try:
+            self.follower.serve()
+        except BaseException as e:  # noqa: BLE001 -- the replica is dead without its rank 0
+            print(f"engine TP rank {self.tp_rank}: lost the replica ({e!r}); exiting", flush=True)
+            os._exit(1)
+
+    def watch_followers(self, follow_refs: list) -> None:
+        """Rank 0: exit when a follower dies (its `follow` call fails), so that the replica
+        is seen dead and replaced whole. Returns at once; a thread waits."""
+        import threading
+
+        def watch(ref) -> None:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 -- any failure of a rank kills the replica
+                print(f"engine TP rank 0: a follower died ({e!r}); exiting", flush=True)
+                os._exit(1)
+
+        self._follow_refs = follow_refs
+        for ref in follow_refs:
+            threading.Thread(target=watch, args=(ref,), daemon=True).start()
+
+    def _replica_intact(self, result: Callable):
+        """`result()`; but when it fails on a TP replica because a rank is gone (its `follow`
+        ended: the ranks are out of step for good), end this process, so that the controller
+        sees the replica die and replaces it rather than reporting the error as the rollout's.
+        (The watcher would end it too; this settles the race with the failed collective.)"""
+        try:
+            return result()
+        except RuntimeError as e:
+            refs = getattr(self, "_follow_refs", [])
+            if refs and ray.wait(refs, num_returns=1, timeout=10.0)[0]:
+                print(f"engine TP rank 0: a rank is gone ({e!r}); exiting", flush=True)
+                os._exit(1)
+            raise
 
     CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
@@ -415,7 +568,7 @@ class EngineWorker:
             before = self.engine.stats()
             # all at once: admitted together, as Engine.generate does (no timing in the batch)
             futures = self.async_engine.submit_many(list(zip(prompts, params)))
-            results = [f.result() for f in futures]
+            results = [self._replica_intact(f.result) for f in futures]
             after = self.engine.stats()
         finally:
             if not was_open:
@@ -468,7 +621,7 @@ class EngineWorker:
     def generate_one(self, prompt_ids: list[int], params):
         """One request, batched with every other concurrent call (the window must be open:
         closed, it raises `EngineUnavailable`). Returns a `GenerationResult`."""
-        return self.async_engine.submit(prompt_ids, params).result()
+        return self._replica_intact(self.async_engine.submit(prompt_ids, params).result)
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None) -> str:
         """Start the OpenAI-compatible HTTP endpoint (`rollout.serve`) in a thread of this actor,
@@ -498,13 +651,28 @@ class EngineWorker:
         self.close()
         self.engine.resume_memory()
 
-    def load_bucket(self, handle, manifest):
-        self.close()
-        return self.receiver.load(handle, manifest)
+    def load_bucket(self, handle, manifest, own_shards: bool = False):
+        """A bucket of full tensors (rank 0 passes them to its followers), or with `own_shards`
+        this TP rank's own shards (the resharding sync delivers to every rank)."""
+        if self.engine is not None:
+            self.close()
+        return self._receiver(own_shards).load(handle, manifest)
 
-    def load_bucket_bytes(self, buffer: torch.Tensor, manifest):
+    def load_bucket_bytes(self, buffer: torch.Tensor, manifest, own_shards: bool = False):
         """A bucket from a sender on another node: its bytes, not a shared-memory handle."""
-        return self.receiver.load_buffer(buffer, manifest)
+        if self.engine is not None:
+            self.close()
+        return self._receiver(own_shards).load_buffer(buffer, manifest)
+
+    def _receiver(self, own_shards: bool):
+        if own_shards:
+            return self.shard_receiver
+        if self.engine is None:
+            raise RuntimeError(
+                f"engine TP rank {self.tp_rank} takes only its own shards; full tensors go to "
+                "rank 0 (engine bug)"
+            )
+        return self.receiver
 
     def commit(self) -> int:
         self.close()
@@ -522,16 +690,27 @@ class EngineWorker:
         """sha256 of every parameter's bytes, by HF name: to check a sync bitwise from outside."""
         import hashlib
 
+        model = (self.engine or self.follower).model  # under TP: this rank's shards
         return {
             name: hashlib.sha256(
                 p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             ).hexdigest()
-            for name, p in self.engine.model.named_parameters()
+            for name, p in model.named_parameters()
         }
 
     def join_sync_group(
-        self, host: str, port: int, rank: int, num_engines: int, num_stages: int, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        num_engines: int,
+        num_stages: int,
+        timeout_s: float,
+        own_shards: bool = False,
     ) -> None:
+        """Join the broadcast group as its `rank`: rank 0 of a replica taking full tensors for
+        every rank, or (`own_shards`, the resharding sync) any rank taking its own shards in the
+        group of its TP rank index."""
         from weight_sync import BroadcastReceiver, SyncGroup
 
         group = SyncGroup.create(
@@ -543,7 +722,9 @@ class EngineWorker:
             timeout_s=timeout_s,
         )
         self.broadcast_receiver = BroadcastReceiver(
-            self.engine, group, sources=list(range(num_engines, num_engines + num_stages))
+            self.shard_receiver.engine if own_shards else self.engine,
+            group,
+            sources=list(range(num_engines, num_engines + num_stages)),
         )
 
     def flush_prefix_cache(self) -> None:
@@ -556,13 +737,20 @@ class EngineWorker:
         self.engine.weight_version = version
 
     def receive_broadcast(self) -> int:
+        if self.engine is None:  # a follower: its own shards; rank 0 commits for the replica
+            self.broadcast_receiver.receive()
+            return -1
         self.close()
         self.broadcast_receiver.receive()
         return self.engine.weight_version
 
     def shutdown(self) -> None:
-        """Stop the HTTP endpoint and the step loop."""
+        """Stop the HTTP endpoint and the step loop (rank 0 of a TP replica also stops its
+        followers' `follow`)."""
+        if self.engine is None:
+            return  # a follower: its rank 0 stops it
         if self._server is not None:
             self._server.stop()
             self._server = None
         self.async_engine.close()
+        self.engine.close()

@@ -190,7 +190,7 @@ class EngineConfig:
                 _require(
                     ok,
                     f"EngineConfig.{name}={getattr(self, name)!r} is not supported with "
-                    f"tensor_parallel_size={k} yet; set it to {fix}",
+                    f"EngineConfig.tensor_parallel_size={k} yet; set it to {fix}",
                 )
         _require(
             self.attention_backend != "triton" or self.device.startswith("cuda"),

@@ -337,13 +337,19 @@ class Engine:
         self.load_weights(named_tensors)
         self.commit_weights()
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], all_ranks: bool = True
+    ) -> None:
         """The first half of a (possibly bucketed) update: copy in place, commit later. Generation
         refuses until `commit_weights`. If loading fails midway the model is a mix of old and new
-        weights, so generation then waits for a complete set."""
+        weights, so generation then waits for a complete set.
+
+        Under TP, `all_ranks` sends the tensors (full, or pre-sharded for rank 0 only when
+        False) to every rank; `all_ranks=False` loads rank 0's own shards only, the other ranks
+        loading theirs themselves (`EngineFollower.load_weights`: the resharding sync)."""
         self._require_idle("load_weights")
         self._uncommitted_update = True
-        if self.tp is not None:  # every rank takes its slice of the same full tensors
+        if self.tp is not None and all_ranks:  # every rank takes its slice of the same tensors
             named_tensors = list(named_tensors)
             self.tp.send(LoadWeights(named_tensors))
         try:
@@ -382,6 +388,7 @@ class Engine:
         self._require_idle("release_memory")
         if self.tp is not None:
             self.tp.send(Release(weights and self._weights_reloaded is None))
+            self.tp.barrier()  # returns once every rank has freed it too
         released = 0
         if self.pool.allocated:
             if self.scheduler.cache is not None:
@@ -406,6 +413,9 @@ class Engine:
         `update_weights` fills them)."""
         if self.tp is not None:
             self.tp.send(Resume())
+            # every rank holds its memory again when this returns: a follower may be sent its
+            # own weight shards right after (resharding sync)
+            self.tp.barrier()
         if not self.pool.allocated:
             self.pool.allocate()
         if self.draft_model is not None:

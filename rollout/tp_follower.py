@@ -57,6 +57,18 @@ class EngineFollower:
         )
         self.attention = TorchAttention(self.pool)
 
+    def load_weights(self, named_tensors) -> set[str]:
+        """Copy (hf_name, tensor) pairs into this rank's shard in place: full tensors are
+        narrowed, pre-sharded ones (the resharding sync sends this rank its own) copied as they
+        are. Rank 0's `commit_weights` completes the replica's update."""
+        return load_weights(
+            self.model,
+            named_tensors,
+            tied_embeddings=self.model_config.tie_word_embeddings,
+            require_all=False,
+            shards=self.shards,
+        )
+
     def serve(self) -> None:
         while True:
             command = self.tp.receive(self.device)
@@ -66,13 +78,7 @@ class EngineFollower:
                 execute(self.model, self.attention, command.plan)
             elif isinstance(command, LoadWeights):
                 try:
-                    load_weights(
-                        self.model,
-                        command.named_tensors,
-                        tied_embeddings=self.model_config.tie_word_embeddings,
-                        require_all=False,
-                        shards=self.shards,
-                    )
+                    self.load_weights(command.named_tensors)
                 except ValueError:
                     # Rank 0 fails on the same tensor: it raises to its caller and refuses
                     # to generate until a complete set arrives, which this rank then loads too.
@@ -82,6 +88,7 @@ class EngineFollower:
                 if command.weights:
                     for p in self.model.parameters():
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self.tp.barrier()  # rank 0 waits until every rank has done it
             elif isinstance(command, Resume):
                 if not self.pool.allocated:
                     self.pool.allocate()
@@ -90,6 +97,7 @@ class EngineFollower:
                         p.data = torch.empty(
                             self._param_shapes[name], dtype=p.dtype, device=p.device
                         )
+                self.tp.barrier()
             elif isinstance(command, Stop):
                 return
             else:

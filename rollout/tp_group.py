@@ -75,6 +75,7 @@ class TPGroup:
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self._src = dist.get_global_rank(self.group, 0)
+        self._cpu = dist.get_backend(self.group) == "gloo"
 
     # -- shards -------------------------------------------------------------------------------
     def split(self, full: int) -> tuple[int, int]:
@@ -108,6 +109,10 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def barrier(self) -> None:
+        """Every rank has reached this point (after a command that others act on directly)."""
+        self.min_int(0, torch.device("cpu") if self._cpu else torch.device("cuda"))
 
     # -- commands -----------------------------------------------------------------------------
     def send(self, command: NamedTuple) -> None:

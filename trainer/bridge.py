@@ -272,3 +272,96 @@ def gather_hf_state_dict(
     for part in stages:
         merged.update(part)
     return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron -> an engine's tensor-parallel shards (resharding sync)
+
+
+def engine_vocab_rows(vocab: int, engine_tp: int, engine_rank: int) -> tuple[int, int]:
+    """(start, length) of an engine TP rank's vocabulary rows (`rollout.tp_group.vocab_split`:
+    chunks of ceil(vocab / k), the last one shorter)."""
+    chunk = -(-vocab // engine_tp)
+    start = min(engine_rank * chunk, vocab)
+    return start, min(chunk, vocab - start)
+
+
+def _vocab_to_engine(local: torch.Tensor, vocab: int) -> torch.Tensor:
+    """This trainer TP rank's megatron vocab rows -> the engine rank of the same index's rows.
+
+    Megatron splits the padded vocabulary in T equal chunks, the engine the real one in chunks of
+    ceil(V / T): the rows rank r needs may live on other ranks. Each rank sends every other rank
+    exactly the rows that rank needs (one all-to-all), so no rank ever holds the full tensor."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    held = local.shape[0]  # megatron rows [rank * held, (rank + 1) * held) of the padded vocab
+
+    def overlap(src: int, dst: int) -> tuple[int, int]:
+        start, length = engine_vocab_rows(vocab, tp, dst)
+        lo, hi = max(start, src * held), min(start + length, (src + 1) * held)
+        return lo, max(0, hi - lo)
+
+    if _layouts_agree(vocab, tp, held):  # the same rows on every rank: nothing to exchange
+        return local[: engine_vocab_rows(vocab, tp, rank)[1]]
+    send_spans = [overlap(rank, dst) for dst in range(tp)]
+    send = torch.cat([local[lo - rank * held : lo - rank * held + n] for lo, n in send_spans])
+    out_rows = [overlap(src, rank)[1] for src in range(tp)]
+    out = local.new_empty((sum(out_rows),) + tuple(local.shape[1:]))
+    dist.all_to_all_single(
+        out,
+        send.contiguous(),
+        output_split_sizes=out_rows,
+        input_split_sizes=[n for _, n in send_spans],
+        group=group,
+    )
+    return out
+
+
+def _layouts_agree(vocab: int, tp: int, held: int) -> bool:
+    """Megatron's chunks of `held` rows start where the engine's do on every rank."""
+    return all(engine_vocab_rows(vocab, tp, r)[0] == min(r * held, vocab) for r in range(tp))
+
+
+def export_engine_shards(
+    model: torch.nn.Module, arch: HFArch, layout: ModelLayout
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) for an engine with this trainer's TP size: the tensors engine TP
+    rank r loads, computed on trainer TP rank r from its own shard, never gathered.
+
+    The engine (`rollout/parallel_layers.py`) splits q/k/v by heads and gate/up by rows (column
+    parallel), o/down by input columns (row parallel), the embedding and LM head by vocabulary
+    rows in chunks of ceil(V / T); norms are whole. Megatron's shard of rank r holds the same
+    heads (query groups never straddle ranks), the same gate/up rows and the same input columns,
+    so those are a local de-interleave; only vocabulary rows may cross ranks (padding differs:
+    `_vocab_to_engine`). Every TP rank of the stage must iterate it (the vocabulary exchange is
+    a collective)."""
+    seen: set[str] = set()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for name, param in _local_params(model):
+        slot = slot_for(arch, layout, name)
+        if name == "output_layer.weight" and arch.tie_word_embeddings:
+            continue
+        local = param.detach()
+        if slot.kind in ("replicated", "row"):
+            tensors = [local]
+        elif slot.kind == "vocab":
+            tensors = [_vocab_to_engine(local, arch.vocab_size)]
+        elif slot.kind == "fc1":
+            tensors = list(local.chunk(2, dim=0))
+        elif slot.kind == "qkv":
+            g, d = arch.num_kv_heads // tp, arch.head_dim
+            per = arch.num_heads // arch.num_kv_heads
+            tail = local.shape[1:]
+            q, k, v = local.reshape(g, (per + 2) * d, *tail).split([per * d, d, d], dim=1)
+            tensors = [
+                q.reshape(g * per * d, *tail),
+                k.reshape(g * d, *tail),
+                v.reshape(g * d, *tail),
+            ]
+        else:
+            raise AssertionError(slot.kind)
+        for hf_name, t in zip(slot.hf_names, tensors):
+            if hf_name not in seen:
+                seen.add(hf_name)
+                yield hf_name, t

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from trainer import objective
-from trainer.bridge import export_hf_weights, gather_hf_state_dict
+from trainer.bridge import export_engine_shards, export_hf_weights, gather_hf_state_dict
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import vocab_parallel_logprobs
 from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
@@ -160,6 +160,11 @@ class MegatronTrainer:
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for this PP stage's parameters, TP-gathered one at a time."""
         return export_hf_weights(self.policy.raw, self.arch, self.policy.layout)
+
+    def export_engine_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, this TP rank's engine shard) for an engine of the same TP size: what engine
+        TP rank r loads, from trainer TP rank r's own shard (no gather)."""
+        return export_engine_shards(self.policy.raw, self.arch, self.policy.layout)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return gather_hf_state_dict(self.policy.raw, self.arch, self.policy.layout)

@@ -27,7 +27,7 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=960,
     )
     report = json.loads(out.read_text())
     assert proc.returncode == 0 and report["ok"], (report.get("errors"), proc.stderr[-3000:])
@@ -41,6 +41,14 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path):
     assert report["speculation"]["models"]["weight_std=1.0"]["group"]["spec_verify_steps"] > 0
     assert report["decode_roofline"]["torch"]["rows"][0]["step_ms"] > 0
     assert report["weight_sync"]["colocated"]["bitwise_equal"] is True
+    # engine TP=2 (gloo ranks on CPU in the dry run): greedy samples identical to TP=1
+    tp = report["engine_tp"]
+    assert tp["ok"] and tp["identical_samples"] == tp["samples"] == 4
+    assert tp["max_logprob_diff"] < 1e-4 and tp["backend"] == "gloo"
+    # the bf16 RL steps ran through the CLI and logged their mismatch and sync
+    steps = report["rl_step_bf16"]["steps"]
+    assert len(steps) == 2 and all(s["perf/weight_sync_bytes"] > 0 for s in steps)
+    assert all(0 <= s["train/mismatch_kl"] < 1e-2 for s in steps)
     summary = md.read_text()
     for heading in (
         "Kernel checks",
@@ -49,5 +57,7 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path):
         "| speculation",
         "| decode step",
         "Weight sync",
+        "Engine TP=2",
+        "| bf16 RL step",
     ):
         assert heading in summary, heading
