@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import ray
 import torch
@@ -85,6 +87,7 @@ class TrainerWorker:
         self.rank = rank
         self.policy = None
         self.critic = None
+        self._busy: list[tuple[float, float]] = []  # compute intervals, time.time() (busy.py)
 
     def build(
         self,
@@ -125,7 +128,24 @@ class TrainerWorker:
         return node_id()
 
     # ------------------------------------------------------------------------------- training
+    @contextmanager
+    def _computing(self):
+        start = time.time()
+        try:
+            yield
+        finally:  # the results were read back (floats, CPU tensors): the device work is done
+            self._busy.append((start, time.time()))
+
+    def take_activity(self) -> list[tuple[float, float]]:
+        """The compute intervals since the last call (`miles_like.busy`)."""
+        out, self._busy = self._busy, []
+        return out
+
     def train(self, batch, updates: int) -> dict[str, float]:
+        with self._computing():
+            return self._train(batch, updates)
+
+    def _train(self, batch, updates: int) -> dict[str, float]:
         """The policy's part of one RL step: old log-probs with the current weights (the first
         update's ratio is exactly 1), the reference's when a KL term needs them, then `updates`
         optimizer steps on consecutive mini-batches. Metrics are averaged over the updates;
@@ -170,12 +190,18 @@ class TrainerWorker:
         return metrics
 
     def ref_logprobs(self, batch) -> list[torch.Tensor]:
-        return [t.cpu() for t in self.policy.compute_ref_logprobs(batch)]
+        with self._computing():
+            return [t.cpu() for t in self.policy.compute_ref_logprobs(batch)]
 
     def values(self, batch) -> list[torch.Tensor]:
-        return [t.cpu() for t in self.critic.compute_values(batch)]
+        with self._computing():
+            return [t.cpu() for t in self.critic.compute_values(batch)]
 
     def train_critic(self, batch, updates: int) -> dict[str, float]:
+        with self._computing():
+            return self._train_critic(batch, updates)
+
+    def _train_critic(self, batch, updates: int) -> dict[str, float]:
         from trainer.critic import explained_variance
 
         batch = dataclasses.replace(batch, old_values=self.critic.compute_values(batch))
@@ -352,7 +378,7 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-@ray.remote(concurrency_groups={"serve": 512})
+@ray.remote(concurrency_groups={"serve": 512, "activity": 1})
 class EngineWorker:
     """One engine replica behind an `AsyncEngine` (its step loop is the only thread that runs the
     engine's requests). The rollout window: `open()` admits requests (`generate_one`, the HTTP
@@ -366,6 +392,7 @@ class EngineWorker:
 
     def __init__(self, engine_cfg, threads: int):
         from rollout import Engine
+        from rollout.activity import ActivityLog
         from rollout.async_engine import AsyncEngine
         from weight_sync import BucketReceiver
 
@@ -374,6 +401,7 @@ class EngineWorker:
             torch.cuda.set_device(0)
         _set_threads(threads)
         self.engine = Engine(engine_cfg)
+        self.engine.activity = ActivityLog()  # drained every step (take_activity)
         self.async_engine = AsyncEngine(self.engine, open=False)
         self.receiver = BucketReceiver(self.engine)
         self.on_gpu = engine_cfg.device.startswith("cuda")
@@ -449,6 +477,12 @@ class EngineWorker:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    @ray.method(concurrency_group="activity")
+    def take_activity(self) -> list:
+        """The engine's forward passes since the last call (`rollout.activity.ForwardPass`); its
+        own group, so it answers while a rollout's `generate` runs (off-policy steps)."""
+        return self.engine.activity.take()
 
     def release(self) -> int:
         """Give the device to the trainer: the KV pool always; on GPU the weights too (the next
