@@ -109,7 +109,10 @@ class PromptSource:
             d = self.data
             stream = (
                 chain.problems(
-                    self.seed, chain.ChainSpec(d.chain_max_ops, d.chain_continue_p, d.chain_ops)
+                    self.seed,
+                    chain.ChainSpec(
+                        d.chain_max_ops, d.chain_continue_p, d.chain_ops, d.chain_max_value
+                    ),
                 )
                 if d.synthetic == "chain"
                 else arith.problems(self.seed, arith.ArithSpec(d.arith_digits, d.arith_ops))

@@ -107,6 +107,9 @@ class DataSection(Section):
         lt=1.0,
     )
     chain_ops: str = setting("+-", "synthetic chain: operators to draw from (subset of +-*)")
+    chain_max_value: int = setting(
+        99, "synthetic chain: running values stay in [0, this] (9: one digit each)", ge=9, le=9999
+    )
 
     def check(self) -> None:
         if (self.path is None) == (self.synthetic is None):
@@ -126,7 +129,9 @@ class DataSection(Section):
         except ValueError as e:  # "ops='/': use ..." names the task's field
             raise RecipeError(f"data.arith_{e}") from None
         try:
-            ChainSpec(self.chain_max_ops, self.chain_continue_p, self.chain_ops)
+            ChainSpec(
+                self.chain_max_ops, self.chain_continue_p, self.chain_ops, self.chain_max_value
+            )
         except ValueError as e:
             raise RecipeError(f"data.chain_{e}") from None
 

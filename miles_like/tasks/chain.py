@@ -8,9 +8,11 @@ batch while the rest wait, which is what `perf/rollout_tail_s` measures. The rew
 match of the value after `->`; the warm start demonstrates the step-by-step format (the answer
 is the SFT target).
 
-Values stay in [0, MAX_VALUE]: an operation that would leave that range is replaced by one that
-does not (`-` by `+` and vice versa, `*` by `+` or `-`), so running values have at most two
-digits. Seeded with `random.Random`, reproducible on every platform.
+Values stay in [0, max_value]: an operand is at most max(value, max_value - value), so `+` or
+`-` always fits, and an operation that would leave the range is replaced by one that does not
+(`-` by `+` and vice versa, `*` by `+` or `-`). `max_value: 9` keeps every running value one
+digit (learnable by the built-in tiny model), 99 gives two-digit values. Seeded with
+`random.Random`, reproducible on every platform.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 OPS = "+-*"
-MAX_VALUE = 99
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class ChainSpec:
     """Probability of one more operation after each: P(k) = (1 - p) p^(k - 1), mean 1 / (1 - p)."""
     ops: str = "+-"
     """Operators to draw from, a subset of "+-*"; operands are 1..9."""
+    max_value: int = 99
+    """Running values stay in [0, max_value]."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_ops, int) or not 1 <= self.max_ops <= 64:
@@ -41,6 +44,8 @@ class ChainSpec:
             raise ValueError(f"continue_p={self.continue_p!r}: use a probability in [0, 1)")
         if not self.ops or any(op not in OPS for op in self.ops):
             raise ValueError(f"ops={self.ops!r}: use a non-empty subset of {OPS!r}, e.g. '+-'")
+        if not isinstance(self.max_value, int) or not 9 <= self.max_value <= 9999:
+            raise ValueError(f"max_value={self.max_value!r}: use an int in [9, 9999]")
 
 
 class ChainProblem(NamedTuple):
@@ -48,11 +53,12 @@ class ChainProblem(NamedTuple):
     answer: str  # the worked solution, "10, 20, 15 -> 15"
 
 
-def _apply(value: int, op: str, operand: int) -> tuple[str, int]:
-    """`op` applied, or the replacement that keeps the value in [0, MAX_VALUE]."""
-    if op == "*" and value * operand > MAX_VALUE:
-        op = "-" if value + operand > MAX_VALUE else "+"
-    if op == "+" and value + operand > MAX_VALUE:
+def _apply(value: int, op: str, operand: int, top: int) -> tuple[str, int]:
+    """`op` applied, or the replacement that keeps the value in [0, top] (the operand is at
+    most max(value, top - value), so `+` or `-` fits)."""
+    if op == "*" and value * operand > top:
+        op = "-" if value + operand > top else "+"
+    if op == "+" and value + operand > top:
         op = "-"
     if op == "-" and operand > value:
         op = "+"
@@ -67,7 +73,8 @@ def make_problem(rng: random.Random, spec: ChainSpec) -> ChainProblem:
     prompt, steps = [str(value)], []
     for _ in range(k):
         wanted, operand = rng.choice(spec.ops), rng.randint(1, 9)
-        op, value = _apply(value, wanted, operand)
+        operand = min(operand, max(value, spec.max_value - value))
+        op, value = _apply(value, wanted, operand, spec.max_value)
         prompt.append(f"{op}{operand}")
         steps.append(value)
     return ChainProblem("".join(prompt) + "=", f"{', '.join(map(str, steps))} -> {value}")

@@ -17,7 +17,7 @@ from miles_like.data import PromptSource
 from miles_like.recipe import DataSection
 from miles_like.rewards import BUILTIN_REWARDS
 from miles_like.schema import RecipeError
-from miles_like.tasks.chain import MAX_VALUE, ChainSpec, problems, score
+from miles_like.tasks.chain import ChainSpec, problems, score
 from miles_like.tokenizer import builtin_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +38,20 @@ def running_values(prompt: str) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("spec", [ChainSpec(), ChainSpec(20, 0.8, "+-*"), ChainSpec(1, 0.5, "-")])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ChainSpec(),
+        ChainSpec(20, 0.8, "+-*"),
+        ChainSpec(1, 0.5, "-"),
+        ChainSpec(16, 0.7, "+-*", max_value=9),
+    ],
+)
 def test_answers_are_the_running_values(spec):
     for p in take(3, spec, 500):
         values = running_values(p.prompt)
         assert 1 <= len(values) <= spec.max_ops
-        assert all(0 <= v <= MAX_VALUE for v in values)
+        assert all(0 <= v <= spec.max_value for v in values)
         assert p.answer == f"{', '.join(map(str, values))} -> {values[-1]}"
         assert score(p.answer, p.answer) == 1.0
 
@@ -74,9 +82,11 @@ def test_score_is_the_value_after_the_arrow():
 
 
 def test_prompt_source_streams_chain_problems():
-    data = DataSection(synthetic="chain", chain_max_ops=5, chain_continue_p=0.5, chain_ops="+*")
+    data = DataSection(
+        synthetic="chain", chain_max_ops=5, chain_continue_p=0.5, chain_ops="+*", chain_max_value=9
+    )
     got = PromptSource(data, builtin_tokenizer(), seed=4, max_prompt_tokens=64).next_batch(30)
-    want = take(4, ChainSpec(5, 0.5, "+*"), 30)
+    want = take(4, ChainSpec(5, 0.5, "+*", 9), 30)
     assert [(g.prompt, g.answer) for g in got] == [(w.prompt, w.answer) for w in want]
 
 
@@ -86,6 +96,7 @@ def test_prompt_source_streams_chain_problems():
         (dict(chain_ops="/"), "data.chain_ops='/': use a non-empty subset of '+-*'"),
         (dict(chain_continue_p=1.0), "data.chain_continue_p"),
         (dict(chain_max_ops=0), "data.chain_max_ops"),
+        (dict(chain_max_value=5), "data.chain_max_value"),
     ],
 )
 def test_bad_fields_name_themselves(kwargs, message):
