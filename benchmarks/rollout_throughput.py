@@ -13,11 +13,23 @@ Prints one JSON object: generated tokens/s of HF, of the engine (radix cache on)
 engine with the radix cache off, the ratios to HF, the engine's stats over the timed call, and the
 load average before and after (figures from a loaded machine mean little: see
 benchmarks/RESULTS.md).
+
+Long-tailed lengths (issue 14): `--lengths pareto:ALPHA` draws each prompt's length from a
+Pareto distribution, L = min(new_tokens, floor(x_m / U^(1 / ALPHA))) with x_m = new_tokens / 8
+(at least 1), and generates exactly L tokens for each of its samples (EOS ignored,
+max_new_tokens = L). HF's static batch decodes every row to the longest drawn length; its
+tokens/s counts only the drawn lengths (the useful tokens). For each engine the JSON also has
+the timed call's tail (`_tail_s`: from 90% of the samples finished to the last), its share
+(`_tail_frac`), the share of the call in forward passes (`_busy_frac`) and the time-weighted
+batch occupancy over its peak (`_occupancy`), from the engine's activity log (`miles_like.busy`).
+
+    .venv/bin/python benchmarks/rollout_throughput.py --lengths pareto:1.2 --skip-hf
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -25,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -98,6 +111,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--skip-hf", action="store_true", help="measure the engine only")
     ap.add_argument(
+        "--lengths",
+        default="fixed",
+        type=_lengths_spec,
+        help="fixed (every sample new_tokens long) or pareto:ALPHA (each prompt's length drawn "
+        "from a Pareto distribution with shape ALPHA, capped at new_tokens)",
+    )
+    ap.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -110,6 +130,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.prompts, args.prompt_len, args.n, args.new_tokens = 4, 32, 4, 16
     return args
+
+
+def _lengths_spec(text: str) -> str:
+    if text == "fixed":
+        return text
+    kind, _, alpha = text.partition(":")
+    try:
+        ok = kind == "pareto" and float(alpha) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"--lengths {text!r}: use fixed or pareto:ALPHA with ALPHA > 0, e.g. pareto:1.2"
+        )
+    return text
+
+
+def draw_lengths(spec: str, prompts: int, new_tokens: int, seed: int) -> list[int]:
+    """Each prompt's number of new tokens (see the module docstring)."""
+    if spec == "fixed":
+        return [new_tokens] * prompts
+    alpha = float(spec.partition(":")[2])
+    x_m = max(1, new_tokens // 8)
+    g = torch.Generator().manual_seed(seed + 2)
+    u = 1.0 - torch.rand(prompts, generator=g, dtype=torch.float64)  # in (0, 1]
+    return [min(new_tokens, int(x_m / float(v) ** (1.0 / alpha))) for v in u]
 
 
 def build_model(args, directory: Path):
@@ -142,6 +188,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_hf(model, prompts: list[list[int]], n: int, new_tokens: int) -> tuple[float, int]:
+    """Seconds and generated tokens of one static batch, every row `new_tokens` long."""
     ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(
         attention_mask=torch.ones_like(ids),
@@ -164,20 +211,36 @@ def run_hf(model, prompts: list[list[int]], n: int, new_tokens: int) -> tuple[fl
     return seconds, generated
 
 
-def run_engine(engine, prompts, params) -> tuple[float, int, dict, bool]:
+class EngineRun(NamedTuple):
+    seconds: float
+    generated: int
+    stats: dict
+    full: bool  # every sample exactly its max_new_tokens long
+    activity: dict  # miles_like.busy.rollout_metrics over the call
+
+
+def run_engine(engine, prompts, params) -> EngineRun:
+    from miles_like.busy import Span, rollout_metrics
+    from rollout.activity import ActivityLog
+
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
     before = engine.stats()
-    t0 = time.perf_counter()
+    engine.activity = ActivityLog()
+    wall0, t0 = time.time(), time.perf_counter()
     outs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - t0
+    seconds, wall1 = time.perf_counter() - t0, time.time()
     after = engine.stats()
     generated = sum(len(s.token_ids) for per_prompt in outs for s in per_prompt)
     full = all(
-        len(s.token_ids) == params.max_new_tokens and s.finish_reason == "length"
-        for per_prompt in outs
+        len(s.token_ids) == p.max_new_tokens and s.finish_reason == "length"
+        for per_prompt, p in zip(outs, params)
         for s in per_prompt
-    ) and all(len(p) == params.n for p in outs)
+    ) and all(len(o) == p.n for o, p in zip(outs, params))
     stats = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
-    return seconds, generated, stats, full
+    activity = rollout_metrics([engine.activity.take()], Span(wall0, wall1))
+    engine.activity = None
+    return EngineRun(seconds, generated, stats, full, activity)
 
 
 def main(argv=None) -> dict:
@@ -195,6 +258,7 @@ def main(argv=None) -> dict:
     kv_tokens = (
         args.kv_cache_tokens or args.prompts * args.n * (args.prompt_len + args.new_tokens) + 1024
     )
+    lengths = draw_lengths(args.lengths, args.prompts, args.new_tokens, args.seed)
 
     result: dict = {
         "workload": dict(
@@ -205,6 +269,8 @@ def main(argv=None) -> dict:
             temperature=1.0,
             ignore_eos=True,
             quick=args.quick,
+            lengths=args.lengths,
+            drawn_lengths=lengths,
         ),
         "model": dict(
             architecture="Qwen2ForCausalLM",
@@ -231,14 +297,17 @@ def main(argv=None) -> dict:
         if not args.skip_hf:
             run_hf(model, warm, 2, 4)  # warm-up
 
-        params = SamplingParams(
-            n=args.n,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=-1,
-            max_new_tokens=args.new_tokens,
-            ignore_eos=True,
-        )
+        params = [
+            SamplingParams(
+                n=args.n,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=-1,
+                max_new_tokens=length,
+                ignore_eos=True,
+            )
+            for length in lengths
+        ]
         engines = {}
         for key, radix in (("engine", True), ("engine_no_radix", False)):
             engines[key] = Engine(
@@ -267,7 +336,9 @@ def main(argv=None) -> dict:
                     0, args.vocab_size, (args.prompts, args.prompt_len), generator=g
                 ).tolist()
             if not args.skip_hf:
-                hf_s, hf_tokens = run_hf(model, prompts, args.n, args.new_tokens)
+                # a static batch decodes every row to the longest; only drawn lengths count
+                hf_s, _ = run_hf(model, prompts, args.n, max(lengths))
+                hf_tokens = args.n * sum(lengths)
                 if hf_s < result.get("hf_seconds", float("inf")):
                     result.update(
                         hf_seconds=hf_s,
@@ -275,15 +346,19 @@ def main(argv=None) -> dict:
                         hf_tokens_per_s=hf_tokens / hf_s,
                     )
             for key, engine in engines.items():
-                seconds, generated, stats, full = run_engine(engine, prompts, params)
-                if seconds < result.get(f"{key}_seconds", float("inf")):
+                r = run_engine(engine, prompts, params)
+                if r.seconds < result.get(f"{key}_seconds", float("inf")):
                     result.update(
                         {
-                            f"{key}_seconds": seconds,
-                            f"{key}_generated_tokens": generated,
-                            f"{key}_tokens_per_s": generated / seconds,
-                            f"{key}_all_samples_full_length": full,
-                            f"{key}_stats": {k: stats.get(k) for k in STAT_KEYS},
+                            f"{key}_seconds": r.seconds,
+                            f"{key}_generated_tokens": r.generated,
+                            f"{key}_tokens_per_s": r.generated / r.seconds,
+                            f"{key}_all_samples_full_length": r.full,
+                            f"{key}_stats": {k: r.stats.get(k) for k in STAT_KEYS},
+                            f"{key}_tail_s": r.activity["rollout_tail_s"],
+                            f"{key}_tail_frac": r.activity["rollout_tail_frac"],
+                            f"{key}_busy_frac": r.activity["engine_busy_frac"],
+                            f"{key}_occupancy": r.activity["engine_occupancy"],
                         }
                     )
         if not args.skip_hf:
@@ -299,6 +374,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    out = main()
+    # stdout is the JSON alone: libraries' log lines (deepspeed's accelerator notice, which HF
+    # generate triggers) go to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        out = main()
     json.dump(out, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from miles_like.schema import RecipeError
-from miles_like.tasks import arith
+from miles_like.tasks import arith, chain
 
 
 class Problem(NamedTuple):
@@ -106,8 +106,18 @@ class PromptSource:
     # ----------------------------------------------------------------------------------- stream
     def _problems(self) -> Iterator[Problem]:
         if self._rows is None:
-            spec = arith.ArithSpec(self.data.arith_digits, self.data.arith_ops)
-            for p in arith.problems(self.seed, spec):
+            d = self.data
+            stream = (
+                chain.problems(
+                    self.seed,
+                    chain.ChainSpec(
+                        d.chain_max_ops, d.chain_continue_p, d.chain_ops, d.chain_max_value
+                    ),
+                )
+                if d.synthetic == "chain"
+                else arith.problems(self.seed, arith.ArithSpec(d.arith_digits, d.arith_ops))
+            )
+            for p in stream:
                 problem = self._make(p.prompt, p.answer)
                 if problem is None:
                     raise RecipeError(

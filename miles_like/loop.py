@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from miles_like import checkpoint, rng_state
 from miles_like.batch import samples_batch, with_advantages
+from miles_like.busy import BusyAccounting
 from miles_like.calls import ActorDied, CallTimeout
 from miles_like.errors import RunFailed
 from miles_like.recipe import Recipe, recipe_to_yaml
@@ -123,14 +124,16 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
     off_policy = recipe.cluster.off_policy_steps == 1
     every = recipe.checkpoint.every_steps
     pending = rt.rollouts.launch(first) if first < recipe.steps else None
+    busy = BusyAccounting(rt)
     for step in tqdm(
         range(first, recipe.steps), initial=first, total=recipe.steps, desc="RL steps", unit="step"
     ):
-        timer, start = PhaseTimer(), time.perf_counter()
+        timer, start, wall_start = PhaseTimer(), time.perf_counter(), time.time()
         sync_bytes = 0.0
         ckpt = checkpoint.begin(out, step + 1) if every and (step + 1) % every == 0 else None
         with timer("rollout"):
             rollout = rt.rollouts.finish(pending)
+            busy.rollout_finished(pending.started)
             pending = None
         if off_policy and step + 1 < recipe.steps:
             if step > 0:  # the engines take the newest weights before their next rollout
@@ -176,6 +179,8 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
         row.setdefault("perf/weight_sync_s", 0.0)
         row["perf/idle_s"] = max(0.0, step_s - sum(timer.seconds.values()))
         row["perf/idle_frac"] = row["perf/idle_s"] / step_s
+        # engines' and trainer's own compute intervals (after step_s: not part of the step)
+        row.update(busy.step_done(wall_start, wall_start + step_s, pending and pending.started))
         if ckpt is not None:  # complete only now: the row is part of the checkpoint
             torch.save(rng_state.capture(), ckpt / checkpoint.CONTROLLER_FILE)
             rt.commit_checkpoint(ckpt, _controller_state(rt, tracker, step + 1, pending, row))

@@ -25,6 +25,7 @@ import yaml
 from miles_like.builtin_models import BUILTIN_MODELS
 from miles_like.schema import RecipeError, Section, from_dict, setting, to_plain
 from miles_like.tasks.arith import ArithSpec
+from miles_like.tasks.chain import ChainSpec
 
 __all__ = [
     "Recipe",
@@ -36,7 +37,9 @@ __all__ = [
     "check_paths",
 ]
 
-SYNTHETIC_TASKS = ("arith", "calc")  # calc: arith's problems, solved with the calculator tool
+# calc: arith's problems, solved with the calculator tool; chain: chains of operations answered
+# step by step (tasks/chain.py), long-tailed lengths
+SYNTHETIC_TASKS = ("arith", "calc", "chain")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -82,7 +85,8 @@ class DataSection(Section):
         None,
         "task generated on the fly: arith | calc (arith's "
         "problems; the warm start demonstrates the calculator tool "
-        "when rollout.tools has it); set this or path",
+        "when rollout.tools has it) | chain (chains of operations "
+        "answered step by step: long-tailed lengths); set this or path",
     )
     prompt_key: str = setting("prompt", "column holding the prompt text")
     answer_key: str = setting("answer", "column holding the reference answer given to the reward")
@@ -92,6 +96,20 @@ class DataSection(Section):
         2, "synthetic arith / calc: operands have up to this many digits", ge=1, le=9
     )
     arith_ops: str = setting("+-", "synthetic arith / calc: operators to draw from (subset of +-*)")
+    chain_max_ops: int = setting(
+        12, "synthetic chain: at most this many operations per prompt", ge=1, le=64
+    )
+    chain_continue_p: float = setting(
+        0.6,
+        "synthetic chain: probability of one more operation after each (geometric "
+        "lengths, mean 1 / (1 - p), capped by chain_max_ops)",
+        ge=0.0,
+        lt=1.0,
+    )
+    chain_ops: str = setting("+-", "synthetic chain: operators to draw from (subset of +-*)")
+    chain_max_value: int = setting(
+        99, "synthetic chain: running values stay in [0, this] (9: one digit each)", ge=9, le=9999
+    )
 
     def check(self) -> None:
         if (self.path is None) == (self.synthetic is None):
@@ -110,6 +128,12 @@ class DataSection(Section):
             ArithSpec(self.arith_digits, self.arith_ops)
         except ValueError as e:  # "ops='/': use ..." names the task's field
             raise RecipeError(f"data.arith_{e}") from None
+        try:
+            ChainSpec(
+                self.chain_max_ops, self.chain_continue_p, self.chain_ops, self.chain_max_value
+            )
+        except ValueError as e:
+            raise RecipeError(f"data.chain_{e}") from None
 
 
 @dataclass(frozen=True)
@@ -398,7 +422,7 @@ class RewardSection(Section):
     PATH = "reward"
     function: str = setting(
         "arith",
-        "built-in (math | exact_match | arith) or module:function "
+        "built-in (math | exact_match | arith | chain) or module:function "
         "with signature fn(prompt: str, response: str, answer: str) -> float",
     )
     max_workers: int = setting(8, "worker processes computing rewards concurrently", ge=1)

@@ -17,6 +17,7 @@ Built-ins:
   is reduced to the text after the last `####`.
 * `exact_match`: the response equals the answer after stripping and collapsing whitespace.
 * `arith`: the synthetic arithmetic task's checker (`tasks/arith.py`).
+* `chain`: the chain task's checker: the value after the response's last `->` (`tasks/chain.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 from miles_like.reward_pool import shared_pool
 from miles_like.schema import RecipeError, closest
-from miles_like.tasks import arith
+from miles_like.tasks import arith, chain
 from miles_like.user_code import SPEC_RE, import_spec
 
 RewardFn = Callable[[str, str, str], float]
@@ -40,6 +41,10 @@ def exact_match(prompt: str, response: str, answer: str) -> float:
 
 def arith_reward(prompt: str, response: str, answer: str) -> float:
     return arith.score(response, answer)
+
+
+def chain_reward(prompt: str, response: str, answer: str) -> float:
+    return chain.score(response, answer)
 
 
 MATH_VERIFY_TIMEOUT_S = 5  # per parse and per comparison (math-verify's own default)
@@ -66,6 +71,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
     "exact_match": exact_match,
     "arith": arith_reward,
+    "chain": chain_reward,
 }
 
 

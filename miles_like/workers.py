@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import ray
@@ -86,6 +88,7 @@ class TrainerWorker:
         self.rank = rank
         self.policy = None
         self.critic = None
+        self._busy: list[tuple[float, float]] = []  # compute intervals, time.time() (busy.py)
 
     def build(
         self,
@@ -126,7 +129,24 @@ class TrainerWorker:
         return node_id()
 
     # ------------------------------------------------------------------------------- training
+    @contextmanager
+    def _computing(self):
+        start = time.time()
+        try:
+            yield
+        finally:  # the results were read back (floats, CPU tensors): the device work is done
+            self._busy.append((start, time.time()))
+
+    def take_activity(self) -> list[tuple[float, float]]:
+        """The compute intervals since the last call (`miles_like.busy`)."""
+        out, self._busy = self._busy, []
+        return out
+
     def train(self, batch, updates: int) -> dict[str, float]:
+        with self._computing():
+            return self._train(batch, updates)
+
+    def _train(self, batch, updates: int) -> dict[str, float]:
         """The policy's part of one RL step: old log-probs with the current weights (the first
         update's ratio is exactly 1), the reference's when a KL term needs them, then `updates`
         optimizer steps on consecutive mini-batches. Metrics are averaged over the updates;
@@ -171,12 +191,18 @@ class TrainerWorker:
         return metrics
 
     def ref_logprobs(self, batch) -> list[torch.Tensor]:
-        return [t.cpu() for t in self.policy.compute_ref_logprobs(batch)]
+        with self._computing():
+            return [t.cpu() for t in self.policy.compute_ref_logprobs(batch)]
 
     def values(self, batch) -> list[torch.Tensor]:
-        return [t.cpu() for t in self.critic.compute_values(batch)]
+        with self._computing():
+            return [t.cpu() for t in self.critic.compute_values(batch)]
 
     def train_critic(self, batch, updates: int) -> dict[str, float]:
+        with self._computing():
+            return self._train_critic(batch, updates)
+
+    def _train_critic(self, batch, updates: int) -> dict[str, float]:
         from trainer.critic import explained_variance
 
         batch = dataclasses.replace(batch, old_values=self.critic.compute_values(batch))
@@ -421,7 +447,7 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-@ray.remote(concurrency_groups={"serve": 512, "tp": 1})
+@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1})
 class EngineWorker:
     """One engine replica behind an `AsyncEngine` (its step loop is the only thread that runs the
     engine's requests). The rollout window: `open()` admits requests (`generate_one`, the HTTP
@@ -448,10 +474,12 @@ class EngineWorker:
 
     def _build_engine(self) -> None:
         from rollout import Engine
+        from rollout.activity import ActivityLog
         from rollout.async_engine import AsyncEngine
         from weight_sync import BucketReceiver
 
         self.engine = Engine(self.cfg)
+        self.engine.activity = ActivityLog()  # drained every step (take_activity)
         self.async_engine = AsyncEngine(self.engine, open=False)
         self.receiver = BucketReceiver(self.engine)
         # the resharding sync: this rank's own shards, loaded here only
@@ -640,6 +668,12 @@ class EngineWorker:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    @ray.method(concurrency_group="activity")
+    def take_activity(self) -> list:
+        """The engine's forward passes since the last call (`rollout.activity.ForwardPass`); its
+        own group, so it answers while a rollout's `generate` runs (off-policy steps)."""
+        return self.engine.activity.take()
 
     def release(self) -> int:
         """Give the device to the trainer: the KV pool always; on GPU the weights too (the next

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from rollout.activity import ActivityLog, ForwardPass
 from rollout.attention import TorchAttention
 from rollout.config import EngineConfig, SamplingParams, accum_dtype
 from rollout.decode_graphs import DecodeGraphs
@@ -202,6 +204,11 @@ class Engine:
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()
         self._pending_aborts: set[int] = set()
+        # Seconds in forward passes (model forward + sampling) and their count, always kept;
+        # each pass's interval too while an owner has attached a log (they drain it).
+        self.busy_s = 0.0
+        self.forward_passes = 0
+        self.activity: ActivityLog | None = None
 
     # -- construction --------------------------------------------------------------------------
     def _draft_model(self) -> DraftModelProposer | None:
@@ -290,6 +297,7 @@ class Engine:
             self.scheduler.abort(request_id)
         batch = self.scheduler.schedule()
         if not batch.empty:
+            start, finished_before = time.time(), self.scheduler.stats.finished_samples
             if self.decode_graphs is not None and self.decode_graphs.accepts(batch):
                 logits = self.decode_graphs.run(batch.decode)
             elif self.tp is not None:
@@ -300,6 +308,13 @@ class Engine:
             else:
                 logits = self.runner.run(batch)
             self.scheduler.finish_step(batch, logits)
+            end = time.time()  # sampling read the tokens back: the device work is done
+            self.busy_s += end - start
+            self.forward_passes += 1
+            if self.activity is not None:
+                sequences = len(batch.decode) + len(batch.prefill)
+                finished = self.scheduler.stats.finished_samples - finished_before
+                self.activity.record(ForwardPass(start, end, sequences, finished))
         elif self.scheduler.waiting:
             raise RuntimeError("scheduler made no progress with requests waiting (engine bug)")
         return self.scheduler.pop_finished()
@@ -443,6 +458,8 @@ class Engine:
             if cache is not None
             else 0,
             running_sequences=len(self.scheduler.running),
+            busy_s=self.busy_s,
+            forward_passes=self.forward_passes,
             waiting_sequences=len(self.scheduler.waiting),
         )
         return s

@@ -62,6 +62,7 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_backoff_steps: int = 0  # sequence-steps that skipped drafting after failed drafts
+    finished_samples: int = 0  # samples that ended by a stop or the length limit (not aborts)
 
 
 @dataclass
@@ -431,6 +432,8 @@ class Scheduler:
 
     def _record(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
+        if reason != "abort":
+            self.stats.finished_samples += seq.num_forks
         if self.proposer is not None:
             self.proposer.forget(seq)
         out = SampleOutput(seq.token_ids[seq.prompt_len :], list(seq.logprobs), reason)

@@ -54,8 +54,8 @@ COMMON = (
 
 
 def is_timing(key: str) -> bool:
-    return (key.startswith("perf/") and key.endswith("_s")) or key in (
-        "perf/idle_frac",
+    return (key.startswith("perf/") and key.endswith(("_s", "_frac", "_frac_min"))) or key in (
+        "perf/engine_occupancy",  # weighted by the passes' durations
         "rollout/tokens_per_s",
     )
 

@@ -41,3 +41,14 @@ def slow_exact_match(prompt: str, response: str, answer: str) -> float:
 
     time.sleep(SLOW_EXACT_S)
     return exact_match(prompt, response, answer)
+
+
+SLEEP_S = 0.05
+
+
+def sleepy_length_score(prompt: str, response: str, answer: str) -> float:
+    """length_score after SLEEP_S of doing nothing on any device (the idle test)."""
+    import time
+
+    time.sleep(SLEEP_S)
+    return float(len(response))

@@ -49,3 +49,48 @@ def test_quick_benchmark_prints_json():
     assert out["engine_stats"]["prefill_tokens_computed"] <= 1.1 * 4 * 32
     assert out["engine_no_radix_stats"]["prefill_tokens_computed"] >= 0.9 * 4 * 4 * 32
     assert out["engine_no_radix_stats"]["prefix_cache_hit_tokens"] == 0
+    for key in ("engine", "engine_no_radix"):  # fixed lengths: no tail, the busy share is real
+        assert out[f"{key}_tail_s"] == 0.0
+        assert 0.0 < out[f"{key}_busy_frac"] <= 1.0 and 0.0 < out[f"{key}_occupancy"] <= 1.0
+
+
+def test_quick_benchmark_with_pareto_lengths():
+    """`--lengths pareto:ALPHA`: each prompt's samples are exactly its drawn length (within
+    [new_tokens / 8, new_tokens], recomputed here from the documented formula), HF is credited
+    only those tokens, and the engines report their tail, busy share and occupancy."""
+    import torch
+
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--lengths", "pareto:1.2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    w = out["workload"]
+    assert w["lengths"] == "pareto:1.2"
+    g = torch.Generator().manual_seed(0 + 2)  # --seed 0
+    u = 1.0 - torch.rand(4, generator=g, dtype=torch.float64)
+    assert w["drawn_lengths"] == [min(16, int(2 / float(v) ** (1 / 1.2))) for v in u]
+    assert all(2 <= n <= 16 for n in w["drawn_lengths"])
+    expected_tokens = 4 * sum(w["drawn_lengths"])
+    assert out["hf_generated_tokens"] == expected_tokens
+    for key in ("engine", "engine_no_radix"):
+        assert out[f"{key}_generated_tokens"] == expected_tokens
+        assert out[f"{key}_all_samples_full_length"] is True  # each its own drawn length
+        assert out[f"{key}_tail_s"] >= 0.0 and 0.0 <= out[f"{key}_tail_frac"] <= 1.0
+        assert 0.0 < out[f"{key}_busy_frac"] <= 1.0 and 0.0 < out[f"{key}_occupancy"] <= 1.0
+
+
+def test_lengths_option_rejects_a_bad_spec():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--lengths", "zipf:2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--lengths 'zipf:2': use fixed or pareto:ALPHA" in proc.stderr
