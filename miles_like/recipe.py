@@ -341,7 +341,7 @@ class ClusterSection(Section):
     )
     cpu_threads: int | None = setting(
         None,
-        "torch threads per worker without CUDA; null: CPU cores // devices. 1 on a shared "
+        "torch CPU threads per trainer rank / engine; null: CPU cores // devices. 1 on a shared "
         "machine: a multi-threaded step whose threads wait for one another slows down many "
         "times when other processes hold the cores",
         ge=1,
