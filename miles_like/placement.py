@@ -4,7 +4,8 @@ Colocated (default): trainer rank i and engine replica i share bundle i (each ta
 resources) and the controller alternates their phases. Disaggregated: the first
 `devices - rollout_devices` bundles hold trainer ranks, the rest engines; both sides can run at
 once. On a machine without CUDA a "device" is a CPU slot (a bundle of 1 CPU) and the workers run
-torch on `cpu_count // devices` threads each; the code path is the same.
+torch on `cluster.cpu_threads` threads each (default `cpu_count // devices`); the code path is
+the same.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def plan(cluster, engine_tp: int = 1) -> Layout:
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     d = cluster.devices
-    threads = max(1, (os.cpu_count() or 1) // d)
+    threads = cluster.cpu_threads or max(1, (os.cpu_count() or 1) // d)
     if cluster.colocate:
         return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads, engine_tp)
     r = cluster.rollout_devices if cluster.rollout_devices is not None else d // 2
@@ -61,7 +62,12 @@ def start_ray(cluster, layout: Layout) -> None:
     """Connect to `cluster.address`, or start a local Ray sized for the layout, with no dashboard
     (it would take job submissions from anyone reaching its port). Ray's own GCS and node ports
     still listen on the node's address (Ray 2.60 ignores `_node_ip_address` for binding), guarded
-    by Ray's token authentication."""
+    by Ray's token authentication.
+
+    The local Ray starts its workers at niceness 0 (`worker_niceness`), not Ray's default 15:
+    the trainer ranks and engines are the run's compute, and at 15 any other process on the
+    machine (another job, a test suite) takes nearly all the CPU from them (scheduler weight 36
+    against 1024)."""
     if ray.is_initialized():
         return
     env = {
@@ -82,6 +88,7 @@ def start_ray(cluster, layout: Layout) -> None:
         runtime_env=env,
         log_to_driver=True,
         configure_logging=False,
+        _system_config={"worker_niceness": 0},
     )
 
 

@@ -385,6 +385,13 @@ class ClusterSection(Section):
         "Ray placement-group strategy for the device bundles: PACK fills a node before "
         "the next; SPREAD deals bundles across nodes (bundle i = trainer rank / engine i)",
     )
+    cpu_threads: int | None = setting(
+        None,
+        "torch CPU threads per trainer rank / engine; null: CPU cores // devices. 1 on a shared "
+        "machine: a multi-threaded step whose threads wait for one another slows down many "
+        "times when other processes hold the cores",
+        ge=1,
+    )
     call_timeout_s: float = setting(
         1800.0,
         "longest wait for one actor call (a rollout, a train "

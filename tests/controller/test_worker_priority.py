@@ -1,0 +1,39 @@
+"""The local Ray a run starts gives its trainer ranks the machine's normal CPU priority (Ray
+starts workers at niceness 15 by default, where any other process takes the cores from them),
+and `cluster.cpu_threads` sets their torch thread count."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from miles_like.placement import create_trainers, plan, release, reserve, start_ray
+from miles_like.recipe import ClusterSection
+
+
+def test_trainer_ranks_run_at_normal_priority_with_the_recipes_threads():
+    assert not ray.is_initialized()  # other modules' fixtures have shut theirs down
+    cluster = ClusterSection(cpu_threads=1)
+    layout = plan(cluster)
+    assert layout.threads == 1
+    try:
+        start_ray(cluster, layout)
+        pg = reserve(layout)
+        trainers = create_trainers(layout, pg, "priority-test", timeout_s=300.0)
+        # a lambda travels by value (the actor cannot import this test module)
+        probe = lambda worker: (os.nice(0), torch.get_num_threads())  # noqa: E731
+        niceness, threads = ray.get(trainers[0].__ray_call__.remote(probe))
+        assert niceness == os.nice(0)  # the driver's own, not Ray's default of 15
+        assert threads == 1
+        release(pg, trainers)
+    finally:
+        ray.shutdown()
+
+
+def test_cpu_threads_default_splits_the_cores_over_the_devices():
+    cores = os.cpu_count() or 1
+    assert plan(ClusterSection()).threads == max(1, cores)
+    assert plan(ClusterSection(devices=2)).threads == max(1, cores // 2)
+    assert plan(ClusterSection(cpu_threads=3)).threads == 3
