@@ -4,7 +4,7 @@ Colocated (default): trainer rank i and engine replica i share bundle i (each ta
 resources) and the controller alternates their phases. Disaggregated: the first
 `devices - rollout_devices` bundles hold trainer ranks, the rest engines; both sides can run at
 once. On a machine without CUDA a "device" is a CPU slot (a bundle of 1 CPU) and the workers run
-torch on `cpu_count // devices` threads each; the code path is the same.
+torch on `usable_cpus() // devices` threads each; the code path is the same.
 """
 
 from __future__ import annotations
@@ -30,13 +30,21 @@ class Layout(NamedTuple):
     threads: int  # torch threads per worker on CPU
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, cgroup cpusets), not every CPU of the
+    machine; `os.cpu_count()` where the OS cannot say."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def plan(cluster) -> Layout:
     """Where every actor goes, from the recipe's cluster section."""
     accelerator = cluster.accelerator
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     d = cluster.devices
-    threads = max(1, (os.cpu_count() or 1) // d)
+    threads = max(1, usable_cpus() // d)
     if cluster.colocate:
         return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads)
     r = cluster.rollout_devices if cluster.rollout_devices is not None else d // 2

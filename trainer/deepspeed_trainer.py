@@ -124,11 +124,11 @@ class DeepSpeedTrainer:
         model = self.engine if model is None else model
         logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
         packed = logits[attn.to(device).bool()]  # [t, V] in packed order (row-major)
+        resp = mb.response_mask.to(device)  # only the response rows go through the softmax
         out = full_vocab_logprobs(
-            packed, mb.targets.to(device), temperature=self.cfg.loss.temperature
+            packed[resp], mb.targets.to(device)[resp], temperature=self.cfg.loss.temperature
         )
-        resp = mb.response_mask.to(device)
-        return out.logprobs[resp], out.entropy[resp]
+        return out.logprobs, out.entropy
 
     def _dp_share(self, n: int) -> list[int]:
         dp, rank = dist.get_world_size(), dist.get_rank()

@@ -67,14 +67,16 @@ class MegatronTrainer:
     # ----------------------------------------------------------------------------- log-probs
 
     def _token_logprobs(self, model: MegatronModel, logits: torch.Tensor, mb: MicroBatch):
+        # only the response positions go through the softmax (row-wise: the same values)
+        resp = mb.response_mask.to(logits.device)
         out = vocab_parallel_logprobs(
-            logits[0],
-            mb.targets.to(logits.device),
+            logits[0][resp],
+            mb.targets.to(logits.device)[resp],
             vocab_size=model.arch.vocab_size,
             temperature=self.cfg.loss.temperature,
+            entropy_grad=bool(self.cfg.loss.entropy_coef),
         )
-        resp = mb.response_mask.to(logits.device)
-        return out.logprobs[resp], out.entropy[resp]
+        return out.logprobs, out.entropy
 
     def _logprobs_of(self, model: MegatronModel, batch: RLBatch, with_entropy: bool):
         def fn(logits, mb):
