@@ -116,6 +116,7 @@ def measure(trainers: dict, batch, steps: int) -> dict:
             "steps": steps,
             "s_per_step_median": per_step,
             "s_per_step_min": min(ts),
+            "s_per_step_all": [round(t, 3) for t in ts],
             "tokens_per_step": tokens,
             "train_tokens_per_s": tokens / per_step,
         }
