@@ -1,17 +1,23 @@
-"""Training throughput: megatron backend vs DeepSpeed backend on the same tiny model and batch.
+"""Training throughput: megatron backend vs DeepSpeed backend vs plain HF, same model and batch.
 
 One process, world size 1, fp32 on CPU (or GPU when present). A random-init Qwen2-architecture
 model is built with HF transformers and saved to a temporary directory; both backends load it,
-then run PPO train steps (old log-prob recompute + forward/backward + AdamW) on the same fixed
-batch of B samples (prompt P + response R tokens, packed into micro-batches of at most
-`--micro-batch-tokens` tokens).
+then run PPO train steps (the first update of an on-policy rollout: old log-probs from the
+update's own forward, forward/backward, AdamW) on the same fixed batch of B samples (prompt P +
+response R tokens, packed into micro-batches of at most `--micro-batch-tokens` tokens).
+
+`hf` is the baseline: plain HF transformers on the same weights, the whole batch as one padded
+[B, P + R] forward, log-softmax of the response tokens, the same PPO loss at ratio 1, backward,
+grad-norm clipping and torch AdamW - the simplest correct train step.
 
     .venv/bin/python benchmarks/train_throughput.py            # default workload
+    .venv/bin/python benchmarks/train_throughput.py --rl       # issue 15's 64 x 256-token batch
     .venv/bin/python benchmarks/train_throughput.py --quick    # seconds; used by a smoke test
 
-Prints one JSON object: per backend, steps timed, median and min seconds per step, and training
-tokens/s (batch tokens per step / median seconds per step), plus the megatron / deepspeed ratio.
-Steps of the two backends alternate, so background load on a shared machine hits both alike.
+Prints one JSON object: per contender, steps timed, median and min seconds per step, and
+training tokens/s (batch tokens per step / median seconds per step), plus the megatron /
+deepspeed and megatron / hf ratios. Steps of the contenders alternate, so background load on a
+shared machine hits them alike.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def build_model(directory: Path, args) -> None:
         intermediate_size=args.hidden * 3,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=max(1, args.heads // 2),
+        num_key_value_heads=args.kv_heads or max(1, args.heads // 2),
         vocab_size=args.vocab,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
@@ -57,6 +63,36 @@ def make_batch(args):
     tokens = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for _ in range(args.batch)]
     advantages = [torch.randn(args.response, generator=g) for _ in range(args.batch)]
     return RLBatch(tokens=tokens, prompt_lens=[args.prompt] * args.batch, advantages=advantages)
+
+
+class PlainHF:
+    """The baseline train step: HF transformers, one padded forward over the whole batch (every
+    sample is P + R tokens here, so nothing is padded), PPO at ratio 1, backward, clipping,
+    AdamW. What a minimal RL trainer does; no packing, no fusion."""
+
+    def __init__(self, model_path: str, lr: float, grad_clip: float = 1.0):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.grad_clip = grad_clip
+
+    def train_step(self, batch) -> None:
+        ids = torch.tensor(batch.tokens)
+        p = batch.prompt_lens[0]
+        logits = self.model(input_ids=ids).logits[:, p - 1 : -1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        lp = logp.gather(-1, ids[:, p:, None])[..., 0]
+        adv = torch.stack(batch.advantages)
+        ratio = torch.exp(lp - lp.detach())
+        loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.opt.step()
 
 
 def measure(trainers: dict, batch, steps: int) -> dict:
@@ -80,6 +116,7 @@ def measure(trainers: dict, batch, steps: int) -> dict:
             "steps": steps,
             "s_per_step_median": per_step,
             "s_per_step_min": min(ts),
+            "s_per_step_all": [round(t, 3) for t in ts],
             "tokens_per_step": tokens,
             "train_tokens_per_s": tokens / per_step,
         }
@@ -89,6 +126,9 @@ def measure(trainers: dict, batch, steps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--rl", action="store_true", help="issue 15's batch: 64 x (128 + 128) tokens")
+    p.add_argument("--backends", default="megatron,deepspeed,hf")
+    p.add_argument("--kv-heads", type=int, default=0, help="0: heads / 2")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -100,6 +140,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
+    if args.rl:
+        args.hidden, args.layers, args.heads, args.kv_heads, args.vocab = 256, 4, 8, 2, 512
+        args.batch, args.prompt, args.response = 64, 128, 128
+        args.micro_batch_tokens = 4096
     if args.quick:
         args.hidden, args.layers, args.heads, args.vocab = 64, 2, 4, 256
         args.batch, args.prompt, args.response, args.steps = 4, 8, 24, 2
@@ -122,7 +166,10 @@ def run(args) -> dict:
         build_model(Path(tmp), args)
         batch = make_batch(args)
         trainers = {}
+        chosen = args.backends.split(",")
         for backend, cls in (("megatron", MegatronTrainer), ("deepspeed", DeepSpeedTrainer)):
+            if backend not in chosen:
+                continue
             cfg = TrainerConfig(
                 model_path=tmp,
                 backend=backend,
@@ -131,6 +178,8 @@ def run(args) -> dict:
                 loss=LossConfig(policy_loss="ppo"),
             )
             trainers[backend] = cls(cfg)
+        if "hf" in chosen:
+            trainers["hf"] = PlainHF(tmp, lr=1e-5)
         return measure(trainers, batch, args.steps)
 
 
@@ -146,6 +195,7 @@ def report(args, results: dict) -> dict:
             "hidden": args.hidden,
             "layers": args.layers,
             "heads": args.heads,
+            "kv_heads": args.kv_heads or max(1, args.heads // 2),
             "vocab": args.vocab,
             "dtype": "float32",
         },
@@ -154,12 +204,17 @@ def report(args, results: dict) -> dict:
             "prompt": args.prompt,
             "response": args.response,
             "max_tokens_per_micro_batch": args.micro_batch_tokens,
-            "loss": "ppo (old-logprob recompute + fwd/bwd + AdamW)",
+            "loss": "ppo, first update (old log-probs from its forward) + fwd/bwd + AdamW",
         },
+        "load_avg": os.getloadavg(),
         **results,
-        "megatron_over_deepspeed": (
-            results["megatron"]["train_tokens_per_s"] / results["deepspeed"]["train_tokens_per_s"]
-        ),
+        **{
+            f"megatron_over_{other}": (
+                results["megatron"]["train_tokens_per_s"] / results[other]["train_tokens_per_s"]
+            )
+            for other in ("deepspeed", "hf")
+            if other in results and "megatron" in results
+        },
     }
 
 

@@ -172,6 +172,7 @@ def sampling_params(recipe: Recipe, seed: int | None = None) -> SamplingParams:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
+            ignore_eos=r.ignore_eos,
             seed=seed,
         ),
         "rollout",

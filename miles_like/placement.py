@@ -4,8 +4,8 @@ Colocated (default): trainer rank i and engine replica i share bundle i (each ta
 resources) and the controller alternates their phases. Disaggregated: the first
 `devices - rollout_devices` bundles hold trainer ranks, the rest engines; both sides can run at
 once. On a machine without CUDA a "device" is a CPU slot (a bundle of 1 CPU) and the workers run
-torch on `cluster.cpu_threads` threads each (default `cpu_count // devices`); the code path is
-the same.
+torch on `cluster.cpu_threads` threads each (default `usable_cpus() // devices`); the code path
+is the same.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ class Layout(NamedTuple):
         return self.engine_bundles[index * k : (index + 1) * k]
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, cgroup cpusets), not every CPU of the
+    machine; `os.cpu_count()` where the OS cannot say."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def plan(cluster, engine_tp: int = 1) -> Layout:
     """Where every actor goes, from the recipe's cluster section and `rollout.tp` (`engine_tp`
     consecutive engine bundles per replica; the recipe checks it divides them). Colocated,
@@ -49,7 +57,7 @@ def plan(cluster, engine_tp: int = 1) -> Layout:
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     d = cluster.devices
-    threads = cluster.cpu_threads or max(1, (os.cpu_count() or 1) // d)
+    threads = cluster.cpu_threads or max(1, usable_cpus() // d)
     if cluster.colocate:
         return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads, engine_tp)
     r = cluster.rollout_devices if cluster.rollout_devices is not None else d // 2

@@ -153,6 +153,11 @@ class RolloutSection(Section):
     top_p: float = setting(1.0, "nucleus sampling mass, in (0, 1]")
     top_k: int = setting(-1, "top-k sampling; -1 disables it")
     max_new_tokens: int = setting(64, "longest response in tokens")
+    ignore_eos: bool = setting(
+        False,
+        "sample exactly max_new_tokens tokens, past the EOS (fixed-length workloads, e.g. "
+        "benchmarks); false stops at the EOS",
+    )
     kv_cache_tokens: int | None = setting(
         None, "engine KV pool size in tokens; null: a fraction of free device memory"
     )

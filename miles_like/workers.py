@@ -147,48 +147,13 @@ class TrainerWorker:
             return self._train(batch, updates)
 
     def _train(self, batch, updates: int) -> dict[str, float]:
-        """The policy's part of one RL step: old log-probs with the current weights (the first
-        update's ratio is exactly 1), the reference's when a KL term needs them, then `updates`
-        optimizer steps on consecutive mini-batches. Metrics are averaged over the updates;
-        the mismatch metrics (`trainer.mismatch`) compare the engine's log-probs with the
-        trainer's before any update."""
-        from trainer import objective
-        from trainer.mismatch import MISMATCH_KEYS, lag_metrics, mismatch_metrics
+        """The policy's part of one RL step: `updates` optimizer steps on consecutive
+        mini-batches (`trainer.rl_updates.train_policy`)."""
+        from trainer.rl_updates import train_policy
 
-        p = self.policy
-        minis = _mini_batches(len(batch.tokens), updates)
-
-        def old_logprobs(b):
-            # Scored mini-batch by mini-batch: the first update then packs exactly the
-            # micro-batches its old log-probs came from, so its ratio is bitwise 1 even where a
-            # matmul's rounding depends on how many rows it has (float64 on CPU does).
-            out: list = [None] * len(b.tokens)
-            for idx in minis:
-                for i, lp in zip(idx, p.compute_logprobs(b.subset(idx))):
-                    out[i] = lp
-            return out
-
-        batch = objective.complete_batch(batch, p.cfg.loss, old_logprobs, p.compute_ref_logprobs)
-        metrics = mismatch_metrics(batch, p.cfg.loss)
-        if self.off_policy:
-            # the copy holds the weights this batch was sampled with (taken before the last
-            # update, right after they were synced); from now on the engines sample with these
-            if p.sampling is not None:
-                metrics.update(lag_metrics(batch, p.compute_sampling_logprobs(batch)))
-            p.keep_sampling_weights()
-        per_update: list[dict[str, float]] = []
-        for idx in minis:
-            per_update.append(p.train_step(batch.subset(idx)))
-        for key in per_update[0]:
-            if key in MISMATCH_KEYS:
-                continue
-            values = [m[key] for m in per_update]
-            metrics[key] = max(values) if key == "ratio_max" else sum(values) / len(values)
-        # The first mini-batch trains on the weights its old log-probs came from: its PPO-KL is
-        # exactly 0 (a check that engine samples, old log-probs and the update line up).
-        if "ppo_kl" in per_update[0]:
-            metrics["ppo_kl_first_update"] = per_update[0]["ppo_kl"]
-        return metrics
+        return train_policy(
+            self.policy, batch, _mini_batches(len(batch.tokens), updates), self.off_policy
+        )
 
     def ref_logprobs(self, batch) -> list[torch.Tensor]:
         with self._computing():

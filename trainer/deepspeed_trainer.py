@@ -17,6 +17,7 @@ so the result is the gradient of the whole batch's loss.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -123,11 +124,11 @@ class DeepSpeedTrainer:
         model = self.engine if model is None else model
         logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
         packed = logits[attn.to(device).bool()]  # [t, V] in packed order (row-major)
+        resp = mb.response_mask.to(device)  # only the response rows go through the softmax
         out = full_vocab_logprobs(
-            packed, mb.targets.to(device), temperature=self.cfg.loss.temperature
+            packed[resp], mb.targets.to(device)[resp], temperature=self.cfg.loss.temperature
         )
-        resp = mb.response_mask.to(device)
-        return out.logprobs[resp], out.entropy[resp]
+        return out.logprobs, out.entropy
 
     def _dp_share(self, n: int) -> list[int]:
         dp, rank = dist.get_world_size(), dist.get_rank()
@@ -224,12 +225,16 @@ class DeepSpeedTrainer:
     # ----------------------------------------------------------------------------- training
 
     def train_step(self, batch: RLBatch) -> dict[str, float]:
+        """One optimizer step on the whole batch; see `MegatronTrainer.train_step`."""
+        return self.train_step_scored(batch).metrics
+
+    def train_step_scored(self, batch: RLBatch) -> objective.ScoredStep:
+        """`train_step`, also returning the old log-probs its forward supplied (every rank)."""
         cfg = self.cfg
-        batch = objective.complete_batch(
-            batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs
-        )
+        batch = objective.complete_batch(batch, cfg.loss, self.compute_ref_logprobs)
+        fused = objective.old_from_forward(batch, cfg.loss)
         norm = objective.normalizers(batch)
-        diff_metrics = mismatch_metrics(batch, cfg.loss)
+        old: dict = {}
         mine = self._dp_share(len(batch.tokens))
         local = batch.subset(mine)
         mbs = pack_all(local.tokens, local.prompt_lens, cfg.max_tokens_per_micro_batch)
@@ -250,6 +255,8 @@ class DeepSpeedTrainer:
             # DeepSpeed averages over DP while our shares are meant to be summed: scale by dp.
             self.engine.backward(loss * (dp if real else 0.0))
             if real:
+                if fused:
+                    old.update(objective.split_by_sample(lp, local, mb, mine))
                 for k, v in metrics.items():
                     sums[k] = max(sums[k], float(v)) if k == "ratio_max" else sums[k] + float(v)
         self.engine.step()
@@ -264,13 +271,21 @@ class DeepSpeedTrainer:
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
             totals[j_max] = maxes
         result = {k: float(totals[i]) for i, k in enumerate(objective.METRIC_KEYS)}
+        old_list = None
+        if fused:
+            if dp > 1:
+                parts: list = [None] * dp
+                dist.all_gather_object(parts, old)
+                old = {k: v for p in parts for k, v in p.items()}
+            old_list = [old[i] for i in range(len(batch.tokens))]
+            batch = dataclasses.replace(batch, old_logprobs=old_list)
         norm_value = self.engine.get_global_grad_norm()
         result.update(
             grad_norm=float(norm_value) if norm_value is not None else float("nan"),
             lr=lr,
-            **diff_metrics,
+            **mismatch_metrics(batch, cfg.loss),  # before the update: the forward's log-probs
         )
-        return result
+        return objective.ScoredStep(result, old_list)
 
     # ----------------------------------------------------------------------------- weights
 

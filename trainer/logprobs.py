@@ -37,11 +37,13 @@ def vocab_parallel_logprobs(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
 ) -> TokenLogProbs:
     """logits: [t, V_local] this rank's vocab slice (math in fp32 or wider); targets: [t]
     global token ids.
 
-    `vocab_size` is the real (unpadded) vocabulary size."""
+    `vocab_size` is the real (unpadded) vocabulary size. `entropy_grad=False` returns the
+    entropy detached (a metric only, no entropy bonus): autograd then keeps nothing of it."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -70,9 +72,13 @@ def vocab_parallel_logprobs(
 
     if not with_entropy:
         return TokenLogProbs(logprobs, torch.zeros_like(logprobs))
-    p = e / sum_e.unsqueeze(-1)
-    pz = reduce_from_tensor_model_parallel_region((p * z.masked_fill(~valid, 0.0)).sum(dim=-1))
-    return TokenLogProbs(logprobs, log_z - pz)
+    with torch.enable_grad() if entropy_grad else torch.no_grad():
+        p = e / sum_e.unsqueeze(-1)
+        pz = reduce_from_tensor_model_parallel_region(
+            (p * z.masked_fill(~valid, 0.0)).sum(dim=-1)
+        )
+        entropy = log_z - pz
+    return TokenLogProbs(logprobs, entropy)
 
 
 def full_vocab_logprobs(

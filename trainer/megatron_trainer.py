@@ -3,7 +3,8 @@
 One `MegatronTrainer` per trainer process; every process of the torch.distributed world
 constructs it and calls each method together (there are collectives inside). The mechanics
 (packing, schedules, DDP, optimizer, offload) live in `megatron_runner`; this file is the RL
-policy step: recompute old / reference log-probs, the objective, one optimizer step.
+policy step: reference log-probs where needed, the objective (old log-probs from the step's own
+forward when the batch has none), one optimizer step.
 """
 
 from __future__ import annotations
@@ -12,12 +13,20 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
+from megatron.core import parallel_state
 
 from trainer import objective
 from trainer.bridge import export_engine_shards, export_hf_weights, gather_hf_state_dict
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import vocab_parallel_logprobs
-from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
+from trainer.megatron_runner import (
+    MegatronModel,
+    all_gather_dicts,
+    device,
+    dp_share,
+    from_last_stage,
+    reduce_metrics,
+)
 from trainer.mismatch import mismatch_metrics
 from trainer.offload import move_params
 from trainer.packing import MicroBatch
@@ -58,14 +67,16 @@ class MegatronTrainer:
     # ----------------------------------------------------------------------------- log-probs
 
     def _token_logprobs(self, model: MegatronModel, logits: torch.Tensor, mb: MicroBatch):
+        # only the response positions go through the softmax (row-wise: the same values)
+        resp = mb.response_mask.to(logits.device)
         out = vocab_parallel_logprobs(
-            logits[0],
-            mb.targets.to(logits.device),
+            logits[0][resp],
+            mb.targets.to(logits.device)[resp],
             vocab_size=model.arch.vocab_size,
             temperature=self.cfg.loss.temperature,
+            entropy_grad=bool(self.cfg.loss.entropy_coef),
         )
-        resp = mb.response_mask.to(logits.device)
-        return out.logprobs[resp], out.entropy[resp]
+        return out.logprobs, out.entropy
 
     def _logprobs_of(self, model: MegatronModel, batch: RLBatch, with_entropy: bool):
         def fn(logits, mb):
@@ -126,34 +137,48 @@ class MegatronTrainer:
     def train_step(self, batch: RLBatch) -> dict[str, float]:
         """One optimizer step on the whole batch (gradient accumulation over micro-batches).
 
-        Missing old log-probs are recomputed with the current weights (so on the first step of
-        a rollout the ratio is exactly 1); missing reference log-probs come from the reference."""
+        Missing old log-probs come from this step's own forward (on-policy: the ratio is
+        exactly 1 and PPO-KL exactly 0; `objective`); missing reference log-probs come from
+        the reference."""
+        return self.train_step_scored(batch).metrics
+
+    def train_step_scored(self, batch: RLBatch) -> objective.ScoredStep:
+        """`train_step`, also returning the old log-probs its forward supplied (every rank)."""
         cfg = self.cfg
-        batch = objective.complete_batch(
-            batch, cfg.loss, self.compute_logprobs, self.compute_ref_logprobs
-        )
+        batch = objective.complete_batch(batch, cfg.loss, self.compute_ref_logprobs)
+        fused = objective.old_from_forward(batch, cfg.loss)
         norm = objective.normalizers(batch)
-        diff_metrics = mismatch_metrics(batch, cfg.loss)
-        local = batch.subset(dp_share(len(batch.tokens)))
+        mine = dp_share(len(batch.tokens))
+        local = batch.subset(mine)
         dev = device()
 
         def loss_fn(mb, logits):
             lp, ent = self._token_logprobs(self.policy, logits, mb)
             data = objective.token_data(local, mb, dev)
             loss, metrics = objective.micro_batch_objective(lp, ent, data, cfg.loss, norm)
+            if fused:
+                metrics["old_logprobs"] = objective.split_by_sample(lp, local, mb, mine)
             return loss, torch.tensor(1), metrics
 
         stored = self.policy.train_micro_batches(local, loss_fn)
         metrics = reduce_metrics(stored, objective.METRIC_KEYS, max_keys=("ratio_max",))
+        old = None
+        if fused:
+            mine_old = {i: t for m in stored for i, t in m["old_logprobs"].items()}
+            merged = from_last_stage(
+                all_gather_dicts(mine_old, parallel_state.get_data_parallel_group())
+            )
+            old = [merged[i] for i in range(len(batch.tokens))]
+            batch = dataclasses.replace(batch, old_logprobs=old)
         skipped_before = self.policy.skipped_steps
         grad_norm, lr = self.policy.optimizer_step()
         metrics.update(
             grad_norm=grad_norm,
             lr=lr,
-            **diff_metrics,
+            **mismatch_metrics(batch, cfg.loss),  # before the update: the forward's log-probs
             update_skipped=float(self.policy.skipped_steps > skipped_before),
         )
-        return metrics
+        return objective.ScoredStep(metrics, old)
 
     # ----------------------------------------------------------------------------- weights
 

@@ -7,6 +7,12 @@ the whole batch's token / sequence counts, so summing the shares over micro-batc
 data-parallel ranks gives exactly the batch loss, and its gradient.
 
 Metrics are returned the same way (sums of shares), except `ratio_max` (a max).
+
+Old log-probs: a batch without them is trained on-policy from the weights it is trained with,
+so the update's own forward supplies them: old = logprobs.detach(), ratio = exp(lp - sg[lp])
+(value exactly 1, gradient that of lp) and PPO-KL exactly 0, with no separate scoring pass.
+Where the old policy differs from the weights being trained (a later mini-batch of the same
+rollout, a later update) the caller scores them beforehand and passes them in.
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ class Normalizers(NamedTuple):
     seqs: float  # sequences in the whole batch
 
 
+class ScoredStep(NamedTuple):
+    """A train step's metrics and, when the step took its old log-probs from its own forward,
+    those log-probs (one tensor per sample of the batch, on the host; else None)."""
+
+    metrics: dict[str, float]
+    old_logprobs: list[torch.Tensor] | None
+
+
 class TokenData(NamedTuple):
     """Per response token of one micro-batch, in packed order (sample by sample)."""
 
@@ -40,21 +54,29 @@ class TokenData(NamedTuple):
 # Metric names every backend reports; all are token means over the batch except loss / pg_loss
 # (the aggregated objective terms), ratio_max (a max), and grad_norm / lr (set by the step).
 # `ppo_kl` is the k1 estimate of KL(old || current) over the response tokens: exactly 0 on the
-# first update of a rollout, whose old log-probs are recomputed with the current weights.
+# first update of a rollout, whose old log-probs are the update's own forward's.
 METRIC_KEYS = ("loss", "pg_loss", "kl", "ppo_kl", "entropy", "clipfrac", "ratio_mean", "ratio_max")
 
 
-def complete_batch(
-    batch: RLBatch, loss: LossConfig, compute_logprobs, compute_ref_logprobs
-) -> RLBatch:
-    """Fill in what the step needs and the caller did not give: old log-probs from the current
-    weights (so on a rollout's first step the ratio is exactly 1) and, with a KL term, the
-    reference's log-probs. Both backends call this before their step."""
-    if loss.policy_loss != "sft" and batch.old_logprobs is None:
-        batch = dataclasses.replace(batch, old_logprobs=compute_logprobs(batch))
+def complete_batch(batch: RLBatch, loss: LossConfig, compute_ref_logprobs) -> RLBatch:
+    """Fill in the reference's log-probs when a KL term needs them and the caller did not give
+    them. (Missing old log-probs are not scored here: the update's forward supplies them.)"""
     if loss.kl_coef > 0 and batch.ref_logprobs is None:
         batch = dataclasses.replace(batch, ref_logprobs=compute_ref_logprobs(batch))
     return batch
+
+
+def old_from_forward(batch: RLBatch, loss: LossConfig) -> bool:
+    """Whether this step takes its old log-probs from its own forward (see the module doc)."""
+    return loss.policy_loss != "sft" and batch.old_logprobs is None
+
+
+def split_by_sample(values: torch.Tensor, batch: RLBatch, mb: MicroBatch, index) -> dict:
+    """{index[i]: this sample's slice of `values` (detached, host)} for the samples i of `mb`
+    (indices into `batch`); `values` holds their response tokens in packed order."""
+    lengths = [batch.response_len(i) for i in mb.sample_indices]
+    parts = values.detach().cpu().split(lengths)
+    return {index[i]: t for i, t in zip(mb.sample_indices, parts)}
 
 
 def normalizers(batch: RLBatch) -> Normalizers:
@@ -120,14 +142,14 @@ def micro_batch_objective(
         clipped = torch.zeros_like(logprobs)
         ppo_kl = torch.zeros((), device=logprobs.device)
     else:
-        if data.advantages is None or data.old_logprobs is None:
-            raise ValueError(
-                f"policy_loss={cfg.policy_loss!r} needs batch.advantages and old log-probs"
-            )
+        if data.advantages is None:
+            raise ValueError(f"policy_loss={cfg.policy_loss!r} needs batch.advantages")
+        # on-policy first update: the old policy is these very weights (module doc)
+        old = logprobs.detach() if data.old_logprobs is None else data.old_logprobs
         if cfg.policy_loss == "ppo":
             out = losses.ppo_policy_loss(
                 logprobs,
-                data.old_logprobs,
+                old,
                 data.advantages,
                 clip_low=cfg.clip_low,
                 clip_high=cfg.clip_high,
@@ -136,7 +158,7 @@ def micro_batch_objective(
         else:
             out = losses.gspo_policy_loss(
                 logprobs,
-                data.old_logprobs,
+                old,
                 data.advantages,
                 data.mask,
                 data.seq_ids,
@@ -144,7 +166,7 @@ def micro_batch_objective(
                 clip_high=cfg.clip_high,
             )
         per_token, ratio, clipped = out
-        ppo_kl = token_mean(data.old_logprobs - logprobs)
+        ppo_kl = token_mean(old - logprobs)
         if cfg.is_correction is not None:
             if data.rollout_logprobs is None:
                 raise ValueError(
@@ -152,7 +174,7 @@ def micro_batch_objective(
                     "batch.rollout_logprobs (the engine's log-probs)"
                 )
             per_token = per_token * losses.importance_weights(
-                data.old_logprobs,
+                old,
                 data.rollout_logprobs,
                 mode=cfg.is_correction,
                 cap=cfg.is_cap,

@@ -11,7 +11,10 @@ attention on any device, for both layouts megatron hands to a core attention:
   similar length (the same power-of-two bucket) are padded to the bucket's longest and attended
   in one batched call: a padding key is masked out for every query (weight exactly 0), a
   padding query is computed and dropped. Bucketing keeps padding under 4x the real work however
-  mixed the lengths; one call per sequence was most of a small model's training step.
+  mixed the lengths; one call per sequence was most of a small model's training step. A
+  bucket of consecutive sequences of one length (a fixed-length RL batch) needs no padding:
+  it is a view of the packed rows with a plain causal mask, so neither the gather nor its
+  backward's scatter-add runs.
 
 Grouped-query attention: query head h uses key/value group h // (heads / groups), the same
 assignment as megatron's `repeat_interleave` and HF's `repeat_kv`.
@@ -120,11 +123,15 @@ class _Bucket(NamedTuple):
     keep: torch.Tensor  # [B * L] bool, the padded positions that are real tokens
     size: int  # B sequences
     longest: int  # L
+    # (first, end) packed rows when the bucket is consecutive sequences all L long: then the
+    # padded layout is a view of rows first..end (no gather, no scatter in the backward) and
+    # the mask is plain causal
+    rows: tuple[int, int] | None
 
 
 class _PackingPlan(NamedTuple):
     buckets: list[_Bucket]
-    order: torch.Tensor  # output rows (buckets concatenated) -> packed order
+    order: torch.Tensor | None  # output rows (buckets concatenated) -> packed order; None: same
 
 
 # The plan of the micro-batch being computed: every layer (and a recomputed forward) gets the same
@@ -159,6 +166,10 @@ def _packing_plan(cu_seqlens: torch.Tensor, device: torch.device) -> _PackingPla
         gather = first[:, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
         causal = torch.ones(longest, longest, dtype=torch.bool).tril()
         mask = (causal[None] & valid[:, None, :]).unsqueeze(1)
+        dense = bool((lens == longest).all()) and members == list(
+            range(members[0], members[0] + len(members))
+        )
+        start = int(first[0])
         buckets.append(
             _Bucket(
                 gather.reshape(-1).to(device),
@@ -166,11 +177,14 @@ def _packing_plan(cu_seqlens: torch.Tensor, device: torch.device) -> _PackingPla
                 valid.reshape(-1).to(device),
                 len(members),
                 longest,
+                (start, start + len(members) * longest) if dense else None,
             )
         )
         rows.append(gather.reshape(-1)[valid.reshape(-1)])
     # back to packed order: rows lists, per bucket, the packed position of each output row
-    plan = _PackingPlan(buckets, torch.argsort(torch.cat(rows)).to(device))
+    rows_cat = torch.cat(rows)
+    in_order = bool((rows_cat == torch.arange(rows_cat.numel())).all())
+    plan = _PackingPlan(buckets, None if in_order else torch.argsort(rows_cat).to(device))
     _last_plan = (cu_seqlens, cu_seqlens._version, device, plan)
     return plan
 
@@ -181,10 +195,20 @@ def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
     plan = _packing_plan(cu_seqlens, query.device)
     pieces = []
     for b in plan.buckets:
+        if b.rows is not None:  # equal lengths, consecutive: a view, plain causal mask
+            first, end = b.rows
+            q, k, v = (
+                x[first:end].view(b.size, b.longest, *x.shape[1:]).transpose(1, 2)
+                for x in (query, key, value)
+            )
+            out = causal_attention(q, k, v, scale).transpose(1, 2)  # [B, L, heads, d]
+            pieces.append(out.reshape(-1, *out.shape[2:]))
+            continue
         q, k, v = (
             x.index_select(0, b.gather).view(b.size, b.longest, *x.shape[1:]).transpose(1, 2)
             for x in (query, key, value)
         )  # [B, n, L, d]
         out = causal_attention(q, k, v, scale, b.mask).transpose(1, 2)  # [B, L, heads, d]
         pieces.append(out.reshape(-1, *out.shape[2:])[b.keep])
-    return torch.cat(pieces).index_select(0, plan.order)
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out if plan.order is None else out.index_select(0, plan.order)

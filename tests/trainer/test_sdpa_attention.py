@@ -56,3 +56,34 @@ def test_one_token_sequences_attend_to_themselves_only():
         1.0,
     )
     assert torch.equal(out, v.expand(3, 2, 4))
+
+
+def test_equal_length_runs_take_a_view_and_equal_one_call_per_sequence():
+    """Consecutive equal-length sequences (a fixed-length RL batch) are attended as a view of
+    the packed rows, with no gather; values and gradients equal the reference, alone and
+    mixed with gathered buckets whose output rows must be put back in packed order."""
+    from trainer.sdpa_attention import _packing_plan
+
+    g = torch.Generator().manual_seed(1)
+    for lengths in ([8, 8, 8, 8], [8, 3, 8, 8, 2]):
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        plan = _packing_plan(cu, torch.device("cpu"))
+        assert any(b.rows is not None for b in plan.buckets)
+        assert (plan.order is None) == (lengths == [8, 8, 8, 8])
+        t, heads, groups, d = bounds[-1], 4, 2, 8
+        q, k, v = (
+            torch.randn(t, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+            for n in (heads, groups, groups)
+        )
+        got = packed_causal_attention(q, k, v, cu, d**-0.5)
+        want = one_by_one(q, k, v, bounds, d**-0.5)
+        assert float((got - want).detach().abs().max()) <= 1e-12
+        upstream = torch.randn(t, heads, d, generator=g, dtype=torch.float64)
+        for a, b in zip(
+            torch.autograd.grad(got, (q, k, v), upstream),
+            torch.autograd.grad(want, (q, k, v), upstream),
+        ):
+            assert float((a - b).abs().max()) <= 1e-12

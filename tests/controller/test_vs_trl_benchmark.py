@@ -1,0 +1,44 @@
+"""Smoke test: benchmarks/vs_trl.py --quick runs our loop and TRL's GRPOTrainer on both
+workloads and prints its JSON (skipped where trl, the `bench` extra, is not installed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_both_frameworks_on_both_workloads():
+    pytest.importorskip("trl")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "vs_trl.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    quick_tokens = 2 * 4 * 32  # prompts x n x max_new_tokens in --quick
+    for workload in ("fixed", "variable"):
+        result = out[workload]
+        for side in ("ours", "trl"):
+            assert result[side]["s_per_step_median"] > 0
+            assert 0 < result[side]["completion_tokens_per_step_mean"] <= quick_tokens
+        assert result["speedup_s_per_step"] == pytest.approx(
+            result["trl"]["s_per_step_median"] / result["ours"]["s_per_step_median"]
+        )
+        # on-policy, one update per rollout: the old log-probs are the update's own
+        assert all(kl == 0.0 for kl in result["ours"]["ppo_kl_first_update"])
+    # fixed length: every sample of both frameworks is max_new_tokens long
+    for side in ("ours", "trl"):
+        assert out["fixed"][side]["completion_tokens_per_step_mean"] == quick_tokens
+    # variable length: EOS ends most samples early, for both
+    for side in ("ours", "trl"):
+        assert out["variable"][side]["completion_tokens_per_step_mean"] < quick_tokens
