@@ -141,7 +141,9 @@ def main() -> None:
                     model_path=str(model),
                     device=args.device,
                     dtype="float32",
-                    kv_cache_tokens=2 * total * math.ceil(args.prompts * args.over_sampling)
+                    kv_cache_tokens=2
+                    * total
+                    * math.ceil(args.prompts * args.over_sampling)
                     * args.n,
                     max_model_len=total,
                 )
@@ -173,9 +175,7 @@ def measure(engine: AsyncEngine, args) -> dict:
         plain.append({"tail_s": tail(times, batch_s), "rollout_s": wall})
         # over-sampled + retract: carried groups first, then fresh ones
         groups = carried + fresh(launched - len(carried))
-        complete, times, wall, batch_s = run_round(
-            engine, groups, args.prompts, 2000 + r, args.n
-        )
+        complete, times, wall, batch_s = run_round(engine, groups, args.prompts, 2000 + r, args.n)
         batch = set(complete[: args.prompts])
         carried = [g for i, g in enumerate(groups) if i not in batch]
         over.append(

@@ -150,9 +150,7 @@ class Dispatch:
                         raise RuntimeError(
                             f"engine {i} generate_stream ended without its counters"
                         ) from None
-                    item = await asyncio.wait_for(
-                        asyncio.wrap_future(ref.future()), self.timeout_s
-                    )
+                    item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
                     self.last_progress = time.monotonic()
                     if isinstance(item, dict):
                         break

@@ -609,8 +609,6 @@ class Recipe(Section):
                 f"{self.trainer.max_tokens_per_micro_batch}; raise the latter"
             )
 
-
-
     def _check_over_sampling(self) -> None:
         """rollout.over_sampling / partial / stream_scoring (`oversampling.py`)."""
         rollout = self.rollout
@@ -648,6 +646,7 @@ class Recipe(Section):
                 f"rollout.{field} and algorithm.dynamic_sampling both choose which groups a "
                 "step trains on; use one of them"
             )
+
 
 def device_type(accelerator: str) -> str:
     """What `cluster.accelerator` resolves to on this machine: "cuda" or "cpu"."""

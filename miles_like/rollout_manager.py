@@ -170,9 +170,7 @@ class RolloutManager:
         r = self.recipe.rollout
         consumed_before = self.source.consumed
         carried, self.carry = self.carry, []
-        fresh = self.source.next_batch(
-            launched(r.prompts_per_step, r.over_sampling) - len(carried)
-        )
+        fresh = self.source.next_batch(launched(r.prompts_per_step, r.over_sampling) - len(carried))
         groups = carried + [OpenGroup(p, ()) for p in fresh]
         params = self._params(step, 0, len(groups))
         inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -74,9 +74,7 @@ def vocab_parallel_logprobs(
         return TokenLogProbs(logprobs, torch.zeros_like(logprobs))
     with torch.enable_grad() if entropy_grad else torch.no_grad():
         p = e / sum_e.unsqueeze(-1)
-        pz = reduce_from_tensor_model_parallel_region(
-            (p * z.masked_fill(~valid, 0.0)).sum(dim=-1)
-        )
+        pz = reduce_from_tensor_model_parallel_region((p * z.masked_fill(~valid, 0.0)).sum(dim=-1))
         entropy = log_z - pz
     return TokenLogProbs(logprobs, entropy)
 
