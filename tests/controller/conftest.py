@@ -12,14 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def ray_local():
+def _local_ray(num_cpus: int):
     import ray
 
     here = Path(__file__).resolve().parent
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(here)])
     ray.init(
-        num_cpus=2,
+        num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
@@ -27,6 +26,18 @@ def ray_local():
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    yield from _local_ray(2)
+
+
+@pytest.fixture(scope="module")
+def ray_four():
+    """A local Ray with 4 logical CPUs (4 one-CPU bundles on a smaller machine: the actors
+    share its cores)."""
+    yield from _local_ray(4)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ exactly its slices, and the float64 bounds hold."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,25 +19,6 @@ from miles_like.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_four():
-    """A local Ray with 4 logical CPUs (4 one-CPU bundles on a smaller machine: the actors
-    share its cores)."""
-    import ray
-
-    here = Path(__file__).resolve().parent
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(here)])
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
-    yield
-    ray.shutdown()
 
 
 def test_tp2_engine_disaggregated_broadcast(ray_four, cache, tmp_path, monkeypatch):

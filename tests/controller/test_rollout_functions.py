@@ -152,7 +152,9 @@ def test_sampling_seeds_are_the_single_turn_ones(engines):
         for t3, t1 in zip(multi.trajectories, one.trajectories):
             first = t1.response_len
             assert t3.token_ids[: t1.prompt_len + first] == t1.token_ids
-            assert t3.logprobs[:first] == t1.logprobs
+            # the same draw; float64 log-probs of differently batched forwards may differ in
+            # the last bit
+            assert max(abs(a - b) for a, b in zip(t3.logprobs[:first], t1.logprobs)) <= 1e-12
 
 
 def test_agent_code_through_the_openai_endpoint(engines):

@@ -30,7 +30,7 @@ def brevity_score(prompt: str, response: str, answer: str) -> float:
     return -float(len(response))
 
 
-SLOW_EXACT_S = 0.1  # the known time one call of slow_exact_match takes
+SLOW_EXACT_S = 0.04  # the known time one call of slow_exact_match takes
 
 
 def slow_exact_match(prompt: str, response: str, answer: str) -> float:
