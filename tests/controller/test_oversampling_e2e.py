@@ -12,22 +12,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from test_resume_e2e import (
-    COMMON,
-    RECIPE,
-    ROOT,
-    _kill_group,
-    _wait_session_gone,
-    is_timing,
-    rows_of,
-)
+from killed_run import killed_run
+from test_resume_e2e import COMMON, RECIPE, is_timing, rows_of
 
 from miles_like.cli import main
 from miles_like.loop import run
@@ -100,58 +89,11 @@ DELAY_S = 0.3  # steps take ~0.3-1 s on a quiet box: well inside the run either 
 def test_retract_kill9_mid_step_and_resume_is_exact(ray_local, cache, tmp_path, capsys):
     over = (*OVER, "rollout.partial=retract")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    log_path = tmp_path / "killed.log"
     marker = killed / "checkpoints" / f"step_{KILL_AFTER:06d}" / "state.json"
-    import os
-
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("WANDB_SERVICE", None)
-    killed.mkdir(parents=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "miles_like.train", RECIPE, f"tracking.output_dir={killed}"]
-            + [*COMMON, *over],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        rows_at_kill: list[int] = []
-        saw_marker: list[bool] = []  # checkpoint.keep_last may delete it by the end
-
-        def kill_mid_step():
-            deadline = time.monotonic() + 900
-            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            saw_marker.append(marker.exists())
-            time.sleep(DELAY_S)  # into step KILL_AFTER: not at a checkpoint
-            rows_at_kill.append(len((killed / "metrics.jsonl").read_text().splitlines()))
-            _kill_group(proc.pid)
-
-        watcher = threading.Thread(target=kill_mid_step, daemon=True)
-        try:
-            deadline = time.monotonic() + 300
-            while (
-                "warm start:" not in log_path.read_text()
-                and proc.poll() is None
-                and time.monotonic() < deadline
-            ):
-                time.sleep(0.1)
-            watcher.start()
-            ref_rows = run_in_process(reference, *over)
-            watcher.join(timeout=900)
-        finally:
-            _kill_group(proc.pid)
-            proc.wait()
-            leaked = _wait_session_gone(proc.pid, timeout=30)
-    assert saw_marker == [True], log_path.read_text()[-3000:]
-    assert not leaked
-    assert rows_at_kill and KILL_AFTER <= rows_at_kill[0] < STEPS, "not killed mid-run"
+    # into step KILL_AFTER: not at a checkpoint
+    with killed_run(killed, [RECIPE, *COMMON, *over], marker, delay_s=DELAY_S) as kill:
+        ref_rows = run_in_process(reference, *over)
+    assert kill.rows_at_kill and KILL_AFTER <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
     capsys.readouterr()
     resumed = run_in_process(killed, "checkpoint.resume=auto", *over)
     printed = capsys.readouterr().out

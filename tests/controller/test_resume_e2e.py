@@ -13,17 +13,10 @@ resumed run must not redo (the checkpoint holds the weights).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import pytest
+from killed_run import killed_run
 
 from miles_like.cli import main
 from miles_like.loop import run
@@ -68,92 +61,11 @@ def run_in_process(out: Path, *overrides: str) -> None:
     assert main([RECIPE, f"tracking.output_dir={out}", *COMMON, *overrides], run=run) == 0
 
 
-@contextmanager
 def killed_after_checkpoint(out: Path, step: int, *overrides: str):
-    """`python -m miles_like.train` in its own session (its own local Ray), started on entry and
-    SIGKILLed as a whole process group as soon as checkpoint `step` is complete, by a watcher
-    thread, while the caller's block runs."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
-        PYTHONUNBUFFERED="1",
-    )  # its log is read while it runs
-    env.pop("WANDB_SERVICE", None)  # this process's wandb service: the run gets its own
+    """The run SIGKILLed as soon as checkpoint `step` is complete, while the caller's block
+    runs."""
     marker = out / "checkpoints" / f"step_{step:06d}" / "state.json"
-    out.mkdir(parents=True)
-    log_path = out.parent / f"{out.name}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "miles_like.train",
-                RECIPE,
-                f"tracking.output_dir={out}",
-                *COMMON,
-                *overrides,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-        def kill_at_marker():
-            deadline = time.monotonic() + 600
-            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            _kill_group(proc.pid)
-
-        watcher = threading.Thread(target=kill_at_marker, daemon=True)
-        try:
-            # Ray gives a starting node 30 s (hard-coded) to register: let it start before the
-            # caller's block competes for the 2 cores (the warm start runs on its actors)
-            deadline = time.monotonic() + 300
-            while (
-                "warm start:" not in log_path.read_text()
-                and proc.poll() is None
-                and time.monotonic() < deadline
-            ):
-                time.sleep(0.1)
-            watcher.start()
-            yield
-            watcher.join(timeout=600)
-        finally:
-            _kill_group(proc.pid)
-            proc.wait()
-            leaked = _wait_session_gone(proc.pid, timeout=30)
-    assert marker.exists(), log_path.read_text()[-3000:]
-    assert not leaked, f"processes outlived the killed run: {leaked}"
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # already gone (killed by the watcher)
-        pass
-
-
-def _wait_session_gone(sid: int, timeout: float) -> list[str]:
-    """Wait for every process of session `sid` to exit; kill (by pid) and name any that do not."""
-
-    def members():
-        found = []
-        for p in psutil.process_iter(["name"]):
-            try:
-                if os.getsid(p.pid) == sid:
-                    found.append(p)
-            except (ProcessLookupError, PermissionError):
-                pass
-        return found
-
-    deadline = time.monotonic() + timeout
-    while (left := members()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p in left:
-        p.kill()
-    return [f"{p.pid} {p.info['name']}" for p in left]
+    return killed_run(out, [RECIPE, *COMMON, *overrides], marker)
 
 
 def assert_same_rows(resumed: list[dict], reference: list[dict]) -> None:
