@@ -363,6 +363,14 @@ class SFTSection(Section):
     )
     batch_size: int = setting(64, "pairs per warm-start step", ge=1)
     lr: float = setting(1e-3, "warm-start learning rate (constant)", gt=0.0)
+    stop_loss: float | None = setting(
+        None,
+        "stop the warm start at the first step where the mean loss of the last "
+        "sft.stop_window steps is below this (sft.steps is then the most it runs); "
+        "null: always sft.steps",
+        gt=0.0,
+    )
+    stop_window: int = setting(5, "steps the sft.stop_loss mean is taken over", ge=1)
     cache: bool = setting(
         True,
         "reuse a finished warm start with the same model, data, settings "

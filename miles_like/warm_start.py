@@ -119,6 +119,14 @@ def _identity(recipe, base_dir: Path) -> list:
     ]  # calc's demonstrations
 
 
+def reached_stop_loss(losses: list[float], stop_loss: float | None, window: int) -> bool:
+    """Whether the warm start stops after these steps: the mean of the last `window` losses is
+    below `stop_loss` (a mean: one lucky batch does not stop it)."""
+    if stop_loss is None or len(losses) < window:
+        return False
+    return sum(losses[-window:]) / window < stop_loss
+
+
 def warm_start(
     recipe, base_dir: Path, trainers: list, tokenizer, max_prompt_tokens: int, log=print
 ) -> Path:
@@ -151,14 +159,23 @@ def warm_start(
             )
             metrics = gather(each("trainer rank", trainers, "train", batch, 1), timeout_s)[0]
             losses.append(metrics["loss"])
-            if step % max(1, sft.steps // 10) == 0 or step == sft.steps - 1:
+            stop = reached_stop_loss(losses, sft.stop_loss, sft.stop_window)
+            if step % max(1, sft.steps // 10) == 0 or step == sft.steps - 1 or stop:
                 log(f"warm start: step {step + 1}/{sft.steps}  loss {metrics['loss']:.4f}")
+            if stop:
+                log(
+                    f"warm start: mean loss of the last {sft.stop_window} steps below "
+                    f"sft.stop_loss={sft.stop_loss}: stopped after {step + 1} steps"
+                )
+                break
         gather(each("trainer rank", trainers, "save_hf", str(out)), timeout_s)
         copy_model_files(base_dir, out)
         (out / "warm_start.json").write_text(
             json.dumps(
                 {
-                    "steps": sft.steps,
+                    "steps": len(losses),
+                    "max_steps": sft.steps,
+                    "stop_loss": sft.stop_loss,
                     "losses": losses,
                     "seconds": time.perf_counter() - start,
                     "base": str(base_dir),

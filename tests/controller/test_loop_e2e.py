@@ -92,6 +92,34 @@ def test_colocated_grpo_run_meets_the_contracts(ray_local, cache, tmp_path):
     ]
 
 
+def test_warm_start_stops_at_the_loss_target(ray_local, cache, tmp_path, capsys):
+    """`sft.stop_loss`: the warm start ends at the first step where the mean of the last
+    `sft.stop_window` losses is below the target (recomputed here from the recorded losses),
+    well before `sft.steps`, and RL starts from that checkpoint."""
+    out = tmp_path / "stop"
+    target, window, most = 2.5, 5, 200  # the loss starts near 5.6; 2.5 is passed in tens of steps
+    rows = train(
+        "tiny_arith_grpo.yaml",
+        out,
+        "steps=1",
+        *SMALL,
+        f"sft.steps={most}",
+        f"sft.stop_loss={target}",
+        f"sft.stop_window={window}",
+        "sft.cache=false",
+        "trainer.updates_per_rollout=1",
+        "tracking.wandb_mode=disabled",
+    )
+    record = json.loads((out / "warm_start" / "warm_start.json").read_text())
+    losses = record["losses"]
+    means = [sum(losses[i - window + 1 : i + 1]) / window for i in range(window - 1, len(losses))]
+    first = next(i for i, m in enumerate(means) if m < target) + window  # steps run
+    assert record["steps"] == len(losses) == first < most
+    assert record["max_steps"] == most and record["stop_loss"] == target
+    assert f"stopped after {first} steps" in capsys.readouterr().out
+    assert [r["step"] for r in rows] == [0]
+
+
 def test_disaggregated_one_step_off_policy(ray_local, cache, tmp_path, monkeypatch):
     # float32 (the schema default) here, so the loop also runs end to end in it; a reward that
     # varies within groups, so every step moves the policy
