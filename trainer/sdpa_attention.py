@@ -96,11 +96,11 @@ class SDPACoreAttention(MegatronModule):
 def causal_attention(q, k, v, scale: float):
     """q [b, heads, s, d], k/v [b, groups, s, d] -> [b, heads, s, d], causal."""
     gqa = q.size(1) != k.size(1)
-    if q.device.type == "cpu":
-        # On CPU the default (flash) kernel's blocked online softmax is measurably less exact
-        # than the plain one: on a GRPO-sharpened model its log-probs were 1.1e-5 from an fp64
-        # reference against 4.7e-6 with the math kernel (the engine's: 5.1e-6), which breaks
-        # the engine-vs-trainer 1e-5 budget. Sequences here are short; exactness wins.
+    if q.device.type == "cpu" and q.dtype == torch.float64:
+        # float64 (the exactness path: engine vs trainer ~1e-14) takes the plain kernel, whose
+        # one-pass softmax rounds like the references'; float32 / bfloat16 take the default,
+        # the blocked flash kernel, which skips the masked half of every causal block where
+        # the plain one materializes and softmaxes full [s, s] score matrices
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
