@@ -7,9 +7,10 @@ fp32, built from a config: nothing is downloaded) with GRPO on the same prompts:
 
 * fixed: every sample is 128 tokens (TRL: min_new_tokens = 128; ours: rollout.ignore_eos);
 * variable: EOS allowed, on a copy of the model whose EOS logit sits a constant above the
-  others (p(EOS) ~ 3% a token): most samples are short, a few run to 128. Known problem: this
-  copy makes our trainer's step several times slower on the same tokens (denormal floats,
-  by the profile; RESULTS.md), so the variable workload's train figures are not yet valid.
+  others (p(EOS) ~ 3% a token): most samples are short, a few run to 128. (This copy does not
+  slow our trainer: one batch, steps alternated between it and the plain model, takes the same
+  time on both, and it holds no denormal floats; an earlier slow figure was the mixed-length
+  attention path and a loaded box. RESULTS.md, 2026-12-01, train-speed2.)
 
 Each framework runs in its own process (ours: `python -m miles_like.train` as a user runs it;
 TRL: this file with `--trl-worker`), a round of `--warmup` + `--steps` steps at a time; rounds

@@ -23,7 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from trainer import cpu_compat
+from trainer import cpu_compat, packed_rope
 from trainer.hf_config import HFArch
 from trainer.sdpa_attention import SDPACoreAttention
 
@@ -166,6 +166,7 @@ def build_gpt_model(
 
     Requires megatron parallel state (`trainer.parallel.init_parallel`)."""
     cpu_compat.apply()
+    packed_rope.install()
     if use_te and not torch.cuda.is_available():
         raise ValueError("trainer.use_transformer_engine needs CUDA; set it to false on CPU")
     config = transformer_config(arch, params_dtype=params_dtype)

@@ -8,13 +8,13 @@ attention on any device, for both layouts megatron hands to a core attention:
 * `thd` (packed, `packed_seq_params.qkv_format == "thd"`): query [t, heads, d] with the
   sequences laid end to end, `cu_seqlens_q` marking the boundaries. Each sequence attends only
   to itself (a causal block per sequence), so packing never leaks across samples. Sequences of
-  similar length (the same power-of-two bucket) are padded to the bucket's longest and attended
-  in one batched call: a padding key is masked out for every query (weight exactly 0), a
-  padding query is computed and dropped. Bucketing keeps padding under 4x the real work however
-  mixed the lengths; one call per sequence was most of a small model's training step. A
-  bucket of consecutive sequences of one length (a fixed-length RL batch) needs no padding:
-  it is a view of the packed rows with a plain causal mask, so neither the gather nor its
-  backward's scatter-add runs.
+  similar length (the same power-of-two bucket) are right-padded with zero rows to the bucket's
+  longest and attended in one batched causal call: no real query sees a padding key (it comes
+  after every real one), a padding query is computed and dropped. Bucketing keeps padding under
+  4x the real work however mixed the lengths; one call per sequence was most of a small model's
+  training step. Padding and unpadding move each row once, and their backwards do the same
+  (no scatter-add). When every bucket is consecutive sequences of one length (a fixed-length
+  RL batch) the padded layout is the packed one: nothing moves at all.
 
 Grouped-query attention: query head h uses key/value group h // (heads / groups), the same
 assignment as megatron's `repeat_interleave` and HF's `repeat_kv`.
@@ -93,45 +93,67 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def causal_attention(q, k, v, scale: float, mask=None):
-    """q [b, heads, s, d], k/v [b, groups, s, d] -> [b, heads, s, d], causal; `mask`
-    [b, 1, s, s] bool (True = attend) replaces the plain causal mask when given."""
-    causal = mask is None
-    if q.device.type == "cpu":
-        # On CPU the default (flash) kernel's blocked online softmax is measurably less exact
-        # than the plain one: on a GRPO-sharpened model its log-probs were 1.1e-5 from an fp64
-        # reference against 4.7e-6 with the math kernel (the engine's: 5.1e-6), which breaks
-        # the engine-vs-trainer 1e-5 budget. Sequences here are short; exactness wins.
+def causal_attention(q, k, v, scale: float):
+    """q [b, heads, s, d], k/v [b, groups, s, d] -> [b, heads, s, d], causal."""
+    gqa = q.size(1) != k.size(1)
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        # float64 (the exactness path: engine vs trainer ~1e-14) takes the plain kernel, whose
+        # one-pass softmax rounds like the references', and so does bfloat16 (its measured
+        # engine-vs-trainer bounds are the plain kernel's); float32 takes the default, the
+        # blocked flash kernel, which skips the masked half of every causal block where the
+        # plain one materializes and softmaxes full [s, s] score matrices
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=q.size(1) != k.size(1),
+                q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
             )
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.size(1) != k.size(1)
-    )
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[index] along dim 0 for an `index` without repeats. Its backward writes each gradient
+    row to its one source row (`_ScatterRows`), where `index_select`'s backward is a
+    scatter-add (atomic-style accumulation, the step's largest cost on mixed lengths)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.size(0)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return _ScatterRows.apply(grad, index, ctx.rows), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Rows of x written to rows `index` (no repeats) of a zero tensor of `rows` rows; the
+    adjoint of `_GatherRows`."""
+
+    @staticmethod
+    def forward(ctx, x, index, rows: int):
+        ctx.save_for_backward(index)
+        out = x.new_zeros(rows, *x.shape[1:])
+        return out.index_copy_(0, index, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return _GatherRows.apply(grad, index), None, None
 
 
 class _Bucket(NamedTuple):
-    gather: torch.Tensor  # [B * L] packed row read into each padded position
-    mask: torch.Tensor  # [B, 1, L, L] bool, causal and padding keys masked out
-    keep: torch.Tensor  # [B * L] bool, the padded positions that are real tokens
+    start: int  # first row of the bucket in the padded layout
     size: int  # B sequences
-    longest: int  # L
-    # (first, end) packed rows when the bucket is consecutive sequences all L long: then the
-    # padded layout is a view of rows first..end (no gather, no scatter in the backward) and
-    # the mask is plain causal
-    rows: tuple[int, int] | None
+    longest: int  # L: each sequence is right-padded to L rows
 
 
 class _PackingPlan(NamedTuple):
     buckets: list[_Bucket]
-    order: torch.Tensor | None  # output rows (buckets concatenated) -> packed order; None: same
+    rows: int  # rows of the padded layout (the buckets' B * L, end to end)
+    # [t] the padded row of each packed row; None when the padded layout is the packed one
+    # (every bucket consecutive sequences of one length, in order: a fixed-length RL batch)
+    dest: torch.Tensor | None
 
 
 # The plan of the micro-batch being computed: every layer (and a recomputed forward) gets the same
@@ -155,60 +177,42 @@ def _packing_plan(cu_seqlens: torch.Tensor, device: torch.device) -> _PackingPla
     for i, n in enumerate(lengths.tolist()):
         if n > 0:
             members_of.setdefault((n - 1).bit_length(), []).append(i)
-    buckets, rows = [], []
+    buckets, dest = [], torch.empty(int(bounds[-1]), dtype=torch.int64)
+    rows = 0
     for members in members_of.values():
-        idx = torch.tensor(members)
-        lens, first = lengths[idx], starts[idx]
-        longest = int(lens.max())
-        offsets = torch.arange(longest)
-        valid = offsets[None, :] < lens[:, None]  # [B, L]
-        # padding positions repeat the sequence's last token: finite, and never read back
-        gather = first[:, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)
-        causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-        mask = (causal[None] & valid[:, None, :]).unsqueeze(1)
-        dense = bool((lens == longest).all()) and members == list(
-            range(members[0], members[0] + len(members))
-        )
-        start = int(first[0])
-        buckets.append(
-            _Bucket(
-                gather.reshape(-1).to(device),
-                mask.to(device),
-                valid.reshape(-1).to(device),
-                len(members),
-                longest,
-                (start, start + len(members) * longest) if dense else None,
-            )
-        )
-        rows.append(gather.reshape(-1)[valid.reshape(-1)])
-    # back to packed order: rows lists, per bucket, the packed position of each output row
-    rows_cat = torch.cat(rows)
-    in_order = bool((rows_cat == torch.arange(rows_cat.numel())).all())
-    plan = _PackingPlan(buckets, None if in_order else torch.argsort(rows_cat).to(device))
+        longest = int(lengths[members].max())
+        buckets.append(_Bucket(rows, len(members), longest))
+        for j, i in enumerate(members):
+            first, n = int(starts[i]), int(lengths[i])
+            dest[first : first + n] = torch.arange(n) + rows + j * longest
+        rows += len(members) * longest
+    identity = rows == dest.numel() and bool((dest == torch.arange(rows)).all())
+    plan = _PackingPlan(buckets, rows, None if identity else dest.to(device))
     _last_plan = (cu_seqlens, cu_seqlens._version, device, plan)
     return plan
 
 
 def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
     """query [t, heads, d], key/value [t, groups, d], sequences laid end to end at
-    `cu_seqlens` -> [t, heads, d], each sequence attending causally to itself only."""
+    `cu_seqlens` -> [t, heads, d], each sequence attending causally to itself only.
+
+    Each bucket's sequences are right-padded with zero rows: under the causal mask a real
+    query never sees a padding key (it comes after every real one), and a padding query's
+    output is dropped, so its gradient (and with it its share of the key / value gradients)
+    is exactly 0. No mask beyond the causal one is needed."""
     plan = _packing_plan(cu_seqlens, query.device)
+    if plan.dest is not None:
+        query, key, value = (
+            _ScatterRows.apply(x, plan.dest, plan.rows) for x in (query, key, value)
+        )
     pieces = []
     for b in plan.buckets:
-        if b.rows is not None:  # equal lengths, consecutive: a view, plain causal mask
-            first, end = b.rows
-            q, k, v = (
-                x[first:end].view(b.size, b.longest, *x.shape[1:]).transpose(1, 2)
-                for x in (query, key, value)
-            )
-            out = causal_attention(q, k, v, scale).transpose(1, 2)  # [B, L, heads, d]
-            pieces.append(out.reshape(-1, *out.shape[2:]))
-            continue
+        end = b.start + b.size * b.longest
         q, k, v = (
-            x.index_select(0, b.gather).view(b.size, b.longest, *x.shape[1:]).transpose(1, 2)
+            x[b.start : end].view(b.size, b.longest, *x.shape[1:]).transpose(1, 2)
             for x in (query, key, value)
         )  # [B, n, L, d]
-        out = causal_attention(q, k, v, scale, b.mask).transpose(1, 2)  # [B, L, heads, d]
-        pieces.append(out.reshape(-1, *out.shape[2:])[b.keep])
+        out = causal_attention(q, k, v, scale).transpose(1, 2)  # [B, L, heads, d]
+        pieces.append(out.reshape(-1, *out.shape[2:]))
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return out if plan.order is None else out.index_select(0, plan.order)
+    return out if plan.dest is None else _GatherRows.apply(out, plan.dest)

@@ -61,7 +61,7 @@ def test_one_token_sequences_attend_to_themselves_only():
 def test_equal_length_runs_take_a_view_and_equal_one_call_per_sequence():
     """Consecutive equal-length sequences (a fixed-length RL batch) are attended as a view of
     the packed rows, with no gather; values and gradients equal the reference, alone and
-    mixed with gathered buckets whose output rows must be put back in packed order."""
+    mixed with padded buckets whose output rows must be put back in packed order."""
     from trainer.sdpa_attention import _packing_plan
 
     g = torch.Generator().manual_seed(1)
@@ -71,8 +71,7 @@ def test_equal_length_runs_take_a_view_and_equal_one_call_per_sequence():
             bounds.append(bounds[-1] + n)
         cu = torch.tensor(bounds, dtype=torch.int32)
         plan = _packing_plan(cu, torch.device("cpu"))
-        assert any(b.rows is not None for b in plan.buckets)
-        assert (plan.order is None) == (lengths == [8, 8, 8, 8])
+        assert (plan.dest is None) == (lengths == [8, 8, 8, 8])
         t, heads, groups, d = bounds[-1], 4, 2, 8
         q, k, v = (
             torch.randn(t, n, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -87,3 +86,25 @@ def test_equal_length_runs_take_a_view_and_equal_one_call_per_sequence():
             torch.autograd.grad(want, (q, k, v), upstream),
         ):
             assert float((a - b).abs().max()) <= 1e-12
+
+
+def test_mixed_lengths_backward_moves_rows_without_scatter_add():
+    """Padding into buckets and back is a permutation-like move of rows: its backward must
+    not fall back to index_select's scatter-add (the largest cost of a mixed-length step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(2)
+    bounds = [0, 5, 17, 20, 36, 39]
+    q, k, v = (
+        torch.randn(39, n, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        for n in (4, 2, 2)
+    )
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = packed_causal_attention(q, k, v, cu, 8**-0.5)
+        out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::index_copy_" in ops  # the padding ran (a mixed-length plan)
+    assert not ops & {"aten::scatter_add_", "aten::index_add_", "aten::index_put_"}, ops
+    want = one_by_one(q, k, v, bounds, 8**-0.5)
+    assert float((out - want).detach().abs().max()) <= 1e-12
