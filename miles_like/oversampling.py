@@ -242,46 +242,7 @@ class OverSampledRollout:
         self.scored[g] = loop.run_in_executor(None, self._score, self.groups[g])
 
     def _score(self, group: OpenGroup):
-        """The group's trajectories, scores and shaped rewards, and the reward function's
-        failure counts (as `RolloutManager._score`, one group at a time)."""
-        from miles_like.rollout_manager import Group
-
-        r, p = self.recipe, group.problem
-        tok = self.m.tokenizer.tok
-        trajectories = [
-            Trajectory(
-                tuple(p.prompt_ids) + s.token_ids,
-                len(p.prompt_ids),
-                (1,) * len(s.token_ids),
-                s.logprobs,
-                s.versions,
-                response_text=tok.decode(list(s.token_ids), skip_special_tokens=True),
-                finish_reason=s.finish_reason,
-                metrics={"turns": 1.0},
-            )
-            for s in group.samples
-        ]
-        result = compute_rewards(
-            self.m.reward_fn,
-            [p.prompt] * len(trajectories),
-            [t.response_text for t in trajectories],
-            [p.answer] * len(trajectories),
-            max_workers=r.reward.max_workers,
-            timeout_s=r.reward.timeout_s,
-        )
-        penalty = overlong_penalty(
-            torch.tensor([t.sampled_tokens for t in trajectories]),
-            r.rollout.max_new_tokens,
-            r.algorithm.overlong_buffer,
-            r.algorithm.overlong_penalty,
-        )
-        counts = {
-            "reward_errors": result.num_errors,
-            "reward_nan": result.num_nan,
-            "reward_timeouts": result.num_timeouts,
-        }
-        rewards = [s + float(penalty[j]) for j, s in enumerate(result.scores)]
-        return Group(p, trajectories, list(result.scores), rewards), counts
+        return score_group(self.m, group)
 
     # -------------------------------------------------------------------------------- metrics
     def _metrics(self, batch_ids: list[int], rest: list[int], keep: bool) -> dict[str, float]:
@@ -301,3 +262,47 @@ class OverSampledRollout:
             "aborted_groups": float(0 if keep else len(rest)),
             "aborted_samples": float(0 if keep else unfinished),
         }
+
+
+def score_group(manager, group: OpenGroup):
+    """A complete group's trajectories, scores and shaped rewards, and the reward function's
+    failure counts (as `RolloutManager._score`, one group at a time; `manager` the run's
+    RolloutManager)."""
+    from miles_like.rollout_manager import Group
+
+    r, p = manager.recipe, group.problem
+    tok = manager.tokenizer.tok
+    trajectories = [
+        Trajectory(
+            tuple(p.prompt_ids) + s.token_ids,
+            len(p.prompt_ids),
+            (1,) * len(s.token_ids),
+            s.logprobs,
+            s.versions,
+            response_text=tok.decode(list(s.token_ids), skip_special_tokens=True),
+            finish_reason=s.finish_reason,
+            metrics={"turns": 1.0},
+        )
+        for s in group.samples
+    ]
+    result = compute_rewards(
+        manager.reward_fn,
+        [p.prompt] * len(trajectories),
+        [t.response_text for t in trajectories],
+        [p.answer] * len(trajectories),
+        max_workers=r.reward.max_workers,
+        timeout_s=r.reward.timeout_s,
+    )
+    penalty = overlong_penalty(
+        torch.tensor([t.sampled_tokens for t in trajectories]),
+        r.rollout.max_new_tokens,
+        r.algorithm.overlong_buffer,
+        r.algorithm.overlong_penalty,
+    )
+    counts = {
+        "reward_errors": result.num_errors,
+        "reward_nan": result.num_nan,
+        "reward_timeouts": result.num_timeouts,
+    }
+    rewards = [s + float(penalty[j]) for j, s in enumerate(result.scores)]
+    return Group(p, trajectories, list(result.scores), rewards), counts

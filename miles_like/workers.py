@@ -408,6 +408,9 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+CLOSED = "closed"  # generate_wave: the window was closed, no request was admitted
+
+
 def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -609,6 +612,27 @@ class EngineWorker:
             "weight_version": version,
             "complete": complete,
         }
+
+    @ray.method(num_returns="streaming", concurrency_group="serve")
+    def generate_wave(self, prompts: list[list[int]], params: list):
+        """The fully asynchronous producer's requests (`async_rollouts.py`): admitted together,
+        in order (as `generate`), in the serve group, so lifecycle calls (`close(abort_running=
+        True)`, the weight sync, `stats`) run while they generate. Yields `(index, samples,
+        weight version)` as each request finishes (aborted ones with the tokens they have);
+        with the window closed it yields CLOSED once and nothing else (nothing ran)."""
+        import concurrent.futures
+
+        from rollout.async_engine import EngineUnavailable
+
+        try:
+            futures = self.async_engine.submit_many(list(zip(prompts, params)))
+        except EngineUnavailable:
+            yield CLOSED
+            return
+        index = {id(f): i for i, f in enumerate(futures)}
+        for f in concurrent.futures.as_completed(futures):
+            result = self._replica_intact(f.result)
+            yield index[id(f)], result.samples, result.weight_version
 
     @ray.method(concurrency_group="serve")
     def generate_one(self, prompt_ids: list[int], params):
