@@ -429,6 +429,16 @@ class ClusterSection(Section):
                 "cluster.off_policy_steps=1 needs disaggregated placement; set "
                 "cluster.colocate: false or cluster.off_policy_steps: 0"
             )
+        if not self.fully_async and (
+            self.async_buffer_groups is not None or self.max_staleness != 1
+        ):
+            field = (
+                "async_buffer_groups" if self.async_buffer_groups is not None else "max_staleness"
+            )
+            raise RecipeError(
+                f"cluster.{field} applies to fully asynchronous training; set "
+                f"cluster.fully_async: true or remove cluster.{field}"
+            )
         if self.fully_async and self.colocate:
             raise RecipeError(
                 "cluster.fully_async=true keeps the engines generating while the trainer "
