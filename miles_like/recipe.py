@@ -246,7 +246,14 @@ class RolloutSection(Section):
     partial: Literal["abort", "retract", "in_place"] | None = setting(
         None,
         "over_sampling > 1: the unfinished groups are dropped (abort) or continue next step "
-        "under the new weights, tokens kept, KV prefilled again (retract); in_place is refused",
+        "under the new weights, tokens kept, KV prefilled again (retract) or kept in the "
+        "engine across the weight update (in_place, disaggregated only)",
+    )
+    max_carry_versions: int | None = setting(
+        None,
+        "partial retract / in_place: a group is carried across at most this many weight "
+        "updates, then dropped (counted); null: no bound",
+        ge=0,
     )
     stream_scoring: bool = setting(
         False,
@@ -669,10 +676,14 @@ class Recipe(Section):
                 "rollout.partial=in_place keeps KV across the weight update, but colocated "
                 "engines release their KV for training; use rollout.partial: retract"
             )
-        if rollout.partial == "in_place":
+        if rollout.max_carry_versions is not None and rollout.partial not in (
+            "retract",
+            "in_place",
+        ):
             raise RecipeError(
-                "rollout.partial=in_place: the engine cannot yet keep paused requests' KV "
-                "across update_weights (it must be idle); use rollout.partial: retract"
+                f"rollout.max_carry_versions={rollout.max_carry_versions} bounds carried "
+                "groups, but rollout.partial is not retract or in_place; set one, or "
+                "rollout.max_carry_versions: null"
             )
         if (over or rollout.stream_scoring) and rollout.function != "single_turn":
             field = "over_sampling" if over else "stream_scoring"
