@@ -710,9 +710,15 @@ class Recipe(Section):
             )
         if rollout.partial == "in_place":
             raise RecipeError(
-                "rollout.partial=in_place: the engine cannot yet keep running requests' KV "
-                "across update_weights; use rollout.partial: retract (or null) with "
-                "cluster.fully_async"
+                "rollout.partial=in_place is not wired into cluster.fully_async yet (its "
+                "weight updates abort and continue running requests); use rollout.partial: "
+                "retract (or null)"
+            )
+        if rollout.max_carry_versions is not None:
+            raise RecipeError(
+                "rollout.max_carry_versions bounds synchronous over-sampling; "
+                "cluster.fully_async=true bounds staleness with cluster.max_staleness: "
+                "remove rollout.max_carry_versions"
             )
         if rollout.function != "single_turn":
             raise RecipeError(

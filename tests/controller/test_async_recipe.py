@@ -62,7 +62,11 @@ def test_buffer_default_is_one_batch_per_version_of_lag():
         ),
         (
             [*ASYNC, "rollout.partial=in_place"],
-            r"^rollout\.partial=in_place: the engine cannot yet keep running requests' KV",
+            r"^rollout\.partial=in_place is not wired into cluster\.fully_async yet",
+        ),
+        (
+            [*ASYNC, "rollout.max_carry_versions=2", "rollout.partial=retract"],
+            r"^rollout\.max_carry_versions bounds synchronous over-sampling; .*max_staleness",
         ),
         (
             [*ASYNC, "rollout.function=tool_loop"],
