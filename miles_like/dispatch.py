@@ -36,7 +36,10 @@ class Generation(NamedTuple):
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    weight_version: int  # the engine's weight version that sampled every token of it
+    weight_version: int  # the engine's weight version when it finished
+    # The version that sampled each token, where an update landed while it ran (in-place
+    # updates); () when `weight_version` sampled every token.
+    versions: tuple[int, ...] = ()
 
 
 class _Request(NamedTuple):
@@ -154,7 +157,7 @@ class Dispatch:
                     self.last_progress = time.monotonic()
                     if isinstance(item, dict):
                         break
-                    k, samples, version = item
+                    k, samples, version, sample_versions = item
                     if k not in delivered:
                         delivered.add(k)
                         self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
@@ -162,9 +165,13 @@ class Dispatch:
                             k,
                             [
                                 Generation(
-                                    list(s.token_ids), list(s.logprobs), s.finish_reason, version
+                                    list(s.token_ids),
+                                    list(s.logprobs),
+                                    s.finish_reason,
+                                    version,
+                                    tuple(v) if set(v) - {version} else (),
                                 )
-                                for s in samples
+                                for s, v in zip(samples, sample_versions)
                             ],
                         )
             except TimeoutError:
@@ -183,6 +190,7 @@ class Dispatch:
                 continue
             for k in COUNTERS:
                 self.tallies[k] += item[k]
+            self.tallies["parked_reused_tokens"] += item.get("parked_reused_tokens", 0)
             return list(item["complete"])
 
     async def _call(self, i: int, prompts: list[list[int]], params: list):

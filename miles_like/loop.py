@@ -92,7 +92,12 @@ def run(recipe: Recipe) -> int:
     failed = True
     try:
         with _stops_cleanly(out):
-            _steps(recipe, rt, tracker, out, first)
+            if recipe.cluster.fully_async:
+                from miles_like import async_loop
+
+                async_loop.steps(recipe, rt, tracker, out, first)
+            else:
+                _steps(recipe, rt, tracker, out, first)
         failed = False
     finally:
         plot = tracker.finish()

@@ -26,6 +26,21 @@ The launched groups outside the batch (`rollout.partial`):
   all. So a trajectory's tokens may come from several weight versions, each token with the
   log-prob of the version that sampled it: the loss's importance correction (TIS / MIS) uses
   exactly those behaviour log-probs.
+* in_place (disaggregated engines only): carried as with retract, but the engine keeps their
+  K/V across the weight update instead of dropping it: their requests carry
+  `SamplingParams.park_kv`, so an aborted sample's K/V is parked in the engine and the next
+  step's continuation (prompt + tokens, the same request retract sends) adopts it and computes
+  only its pending token: the tokens before the update keep the K/V the old weights computed
+  (as in AReaL), the new weights sample on. Parked K/V gives way to memory pressure, and is
+  gone after an engine restart or a resume; that continuation then prefills, as retract does
+  (`rollout/in_place_reused_tokens` counts the tokens that were not prefilled again).
+  In the synchronous loop the carried requests wait parked while the trainer trains rather
+  than decode on: how far they got would depend on timing, and the batch must not.
+
+`rollout.max_carry_versions` bounds the carry-over: a group is carried across at most that
+many weight updates (one a step: its oldest tokens are then that many versions old when it
+continues); one that would be carried again is dropped and counted (`rollout/stale_dropped_
+groups` / `_samples`).
 
 Carried groups are part of a checkpoint (`to_state` / `from_state`, in state.json). An async
 loop (issue 14, item 6) can reuse all of it: `OpenGroup` is the unit its buffer would hold, the
@@ -69,7 +84,7 @@ class Partial(NamedTuple):
         return Partial(
             self.token_ids + tuple(g.token_ids),
             self.logprobs + tuple(g.logprobs),
-            self.versions + (g.weight_version,) * len(g.token_ids),
+            self.versions + (g.versions or (g.weight_version,) * len(g.token_ids)),
             g.finish_reason,
         )
 
@@ -167,6 +182,8 @@ class OverSampledRollout:
         """(prompt ids, params, sample indices) of group g's requests: one of n samples for a
         fresh group, one per unfinished sample (n = 1) for a carried one."""
         group, params = self.groups[g], self.params[g]
+        if self.recipe.rollout.partial == "in_place":
+            params = dataclasses.replace(params, park_kv=True)
         if not group.samples:
             return [(list(group.problem.prompt_ids), params, list(range(params.n)))]
         out = []
@@ -209,10 +226,23 @@ class OverSampledRollout:
             batch.append(group)
             self.tallies.update(counts)
         rest = [g for g in range(len(self.groups)) if g not in chosen]
-        keep = r.partial == "retract"
+        keep = r.partial in ("retract", "in_place")
         carried = [self.groups[g]._replace(rollouts=self.groups[g].rollouts + 1) for g in rest]
+        stale = []
+        if r.max_carry_versions is not None:  # rollouts, this one counted = updates crossed
+            stale = [g for g in carried if g.rollouts > r.max_carry_versions]
+            carried = [g for g in carried if g.rollouts <= r.max_carry_versions]
         self.tallies.update(self.dispatch.tallies)
         metrics = self._metrics(batch_ids, rest, keep) if r.over_sampling > 1 else {}
+        if keep and r.max_carry_versions is not None:
+            metrics["stale_dropped_groups"] = float(len(stale))
+            metrics["stale_dropped_samples"] = float(
+                sum(not s.done for g in stale for s in g.samples)
+            )
+            metrics["carried_groups"] -= len(stale)
+            metrics["carried_samples"] -= metrics["stale_dropped_samples"]
+        if r.partial == "in_place":
+            metrics["in_place_reused_tokens"] = float(self.tallies["parked_reused_tokens"])
         return Outcome(batch, carried if keep else [], self.tallies, metrics)
 
     async def _replica(self, i: int, ids: list[int], quota: int) -> list[int]:
@@ -242,46 +272,7 @@ class OverSampledRollout:
         self.scored[g] = loop.run_in_executor(None, self._score, self.groups[g])
 
     def _score(self, group: OpenGroup):
-        """The group's trajectories, scores and shaped rewards, and the reward function's
-        failure counts (as `RolloutManager._score`, one group at a time)."""
-        from miles_like.rollout_manager import Group
-
-        r, p = self.recipe, group.problem
-        tok = self.m.tokenizer.tok
-        trajectories = [
-            Trajectory(
-                tuple(p.prompt_ids) + s.token_ids,
-                len(p.prompt_ids),
-                (1,) * len(s.token_ids),
-                s.logprobs,
-                s.versions,
-                response_text=tok.decode(list(s.token_ids), skip_special_tokens=True),
-                finish_reason=s.finish_reason,
-                metrics={"turns": 1.0},
-            )
-            for s in group.samples
-        ]
-        result = compute_rewards(
-            self.m.reward_fn,
-            [p.prompt] * len(trajectories),
-            [t.response_text for t in trajectories],
-            [p.answer] * len(trajectories),
-            max_workers=r.reward.max_workers,
-            timeout_s=r.reward.timeout_s,
-        )
-        penalty = overlong_penalty(
-            torch.tensor([t.sampled_tokens for t in trajectories]),
-            r.rollout.max_new_tokens,
-            r.algorithm.overlong_buffer,
-            r.algorithm.overlong_penalty,
-        )
-        counts = {
-            "reward_errors": result.num_errors,
-            "reward_nan": result.num_nan,
-            "reward_timeouts": result.num_timeouts,
-        }
-        rewards = [s + float(penalty[j]) for j, s in enumerate(result.scores)]
-        return Group(p, trajectories, list(result.scores), rewards), counts
+        return score_group(self.m, group)
 
     # -------------------------------------------------------------------------------- metrics
     def _metrics(self, batch_ids: list[int], rest: list[int], keep: bool) -> dict[str, float]:
@@ -301,3 +292,47 @@ class OverSampledRollout:
             "aborted_groups": float(0 if keep else len(rest)),
             "aborted_samples": float(0 if keep else unfinished),
         }
+
+
+def score_group(manager, group: OpenGroup):
+    """A complete group's trajectories, scores and shaped rewards, and the reward function's
+    failure counts (as `RolloutManager._score`, one group at a time; `manager` the run's
+    RolloutManager)."""
+    from miles_like.rollout_manager import Group
+
+    r, p = manager.recipe, group.problem
+    tok = manager.tokenizer.tok
+    trajectories = [
+        Trajectory(
+            tuple(p.prompt_ids) + s.token_ids,
+            len(p.prompt_ids),
+            (1,) * len(s.token_ids),
+            s.logprobs,
+            s.versions,
+            response_text=tok.decode(list(s.token_ids), skip_special_tokens=True),
+            finish_reason=s.finish_reason,
+            metrics={"turns": 1.0},
+        )
+        for s in group.samples
+    ]
+    result = compute_rewards(
+        manager.reward_fn,
+        [p.prompt] * len(trajectories),
+        [t.response_text for t in trajectories],
+        [p.answer] * len(trajectories),
+        max_workers=r.reward.max_workers,
+        timeout_s=r.reward.timeout_s,
+    )
+    penalty = overlong_penalty(
+        torch.tensor([t.sampled_tokens for t in trajectories]),
+        r.rollout.max_new_tokens,
+        r.algorithm.overlong_buffer,
+        r.algorithm.overlong_penalty,
+    )
+    counts = {
+        "reward_errors": result.num_errors,
+        "reward_nan": result.num_nan,
+        "reward_timeouts": result.num_timeouts,
+    }
+    rewards = [s + float(penalty[j]) for j, s in enumerate(result.scores)]
+    return Group(p, trajectories, list(result.scores), rewards), counts

@@ -246,7 +246,14 @@ class RolloutSection(Section):
     partial: Literal["abort", "retract", "in_place"] | None = setting(
         None,
         "over_sampling > 1: the unfinished groups are dropped (abort) or continue next step "
-        "under the new weights, tokens kept, KV prefilled again (retract); in_place is refused",
+        "under the new weights, tokens kept, KV prefilled again (retract) or kept in the "
+        "engine across the weight update (in_place, disaggregated only)",
+    )
+    max_carry_versions: int | None = setting(
+        None,
+        "partial retract / in_place: a group is carried across at most this many weight "
+        "updates, then dropped (counted); null: no bound",
+        ge=0,
     )
     stream_scoring: bool = setting(
         False,
@@ -390,6 +397,24 @@ class ClusterSection(Section):
     off_policy_steps: Literal[0, 1] = setting(
         0, "1: rollout k+1 overlaps training k (disaggregated only)"
     )
+    fully_async: bool = setting(
+        False,
+        "disaggregated only: engines generate without stopping into a bounded buffer; the "
+        "trainer takes a batch when one is ready; weights reach the engines between their "
+        "steps (running requests continue by rollout.partial, null: retract)",
+    )
+    max_staleness: int = setting(
+        1,
+        "fully_async: a group is trained at most this many weight versions after its oldest "
+        "token was sampled, else dropped (counted); 0 reproduces the synchronous run",
+        ge=0,
+    )
+    async_buffer_groups: int | None = setting(
+        None,
+        "fully_async: groups generating, waiting or being trained at once (back-pressure); "
+        "null: rollout.prompts_per_step x (max_staleness + 1)",
+        ge=1,
+    )
     address: str | None = setting(
         None, "Ray cluster address (e.g. auto, ray://host:10001); null starts a local Ray"
     )
@@ -418,6 +443,26 @@ class ClusterSection(Section):
             raise RecipeError(
                 "cluster.off_policy_steps=1 needs disaggregated placement; set "
                 "cluster.colocate: false or cluster.off_policy_steps: 0"
+            )
+        if not self.fully_async and (
+            self.async_buffer_groups is not None or self.max_staleness != 1
+        ):
+            field = (
+                "async_buffer_groups" if self.async_buffer_groups is not None else "max_staleness"
+            )
+            raise RecipeError(
+                f"cluster.{field} applies to fully asynchronous training; set "
+                f"cluster.fully_async: true or remove cluster.{field}"
+            )
+        if self.fully_async and self.colocate:
+            raise RecipeError(
+                "cluster.fully_async=true keeps the engines generating while the trainer "
+                "trains, so they need their own devices; set cluster.colocate: false"
+            )
+        if self.fully_async and self.off_policy_steps:
+            raise RecipeError(
+                "cluster.fully_async=true bounds the lag by cluster.max_staleness, not "
+                "cluster.off_policy_steps; set cluster.off_policy_steps: 0"
             )
         if self.colocate and self.rollout_devices is not None:
             raise RecipeError(
@@ -621,6 +666,9 @@ class Recipe(Section):
         """rollout.over_sampling / partial / stream_scoring (`oversampling.py`)."""
         rollout = self.rollout
         over = rollout.over_sampling > 1
+        if self.cluster.fully_async:
+            self._check_fully_async()
+            return
         if rollout.partial is not None and not over:
             raise RecipeError(
                 f"rollout.partial={rollout.partial} needs groups left over: set "
@@ -636,10 +684,14 @@ class Recipe(Section):
                 "rollout.partial=in_place keeps KV across the weight update, but colocated "
                 "engines release their KV for training; use rollout.partial: retract"
             )
-        if rollout.partial == "in_place":
+        if rollout.max_carry_versions is not None and rollout.partial not in (
+            "retract",
+            "in_place",
+        ):
             raise RecipeError(
-                "rollout.partial=in_place: the engine cannot yet keep paused requests' KV "
-                "across update_weights (it must be idle); use rollout.partial: retract"
+                f"rollout.max_carry_versions={rollout.max_carry_versions} bounds carried "
+                "groups, but rollout.partial is not retract or in_place; set one, or "
+                "rollout.max_carry_versions: null"
             )
         if (over or rollout.stream_scoring) and rollout.function != "single_turn":
             field = "over_sampling" if over else "stream_scoring"
@@ -654,6 +706,54 @@ class Recipe(Section):
                 f"rollout.{field} and algorithm.dynamic_sampling both choose which groups a "
                 "step trains on; use one of them"
             )
+
+    def _check_fully_async(self) -> None:
+        """cluster.fully_async (`async_rollouts.py`): single-turn groups, its own choice of
+        which groups are trained (no over-sampling, streaming always on, no dynamic sampling)."""
+        rollout, cluster = self.rollout, self.cluster
+        if rollout.over_sampling > 1:
+            raise RecipeError(
+                "rollout.over_sampling: cluster.fully_async=true keeps the engines full by "
+                "itself (cluster.async_buffer_groups); set rollout.over_sampling: 1"
+            )
+        if rollout.partial == "in_place":
+            raise RecipeError(
+                "rollout.partial=in_place is not wired into cluster.fully_async yet (its "
+                "weight updates abort and continue running requests); use rollout.partial: "
+                "retract (or null)"
+            )
+        if rollout.max_carry_versions is not None:
+            raise RecipeError(
+                "rollout.max_carry_versions bounds synchronous over-sampling; "
+                "cluster.fully_async=true bounds staleness with cluster.max_staleness: "
+                "remove rollout.max_carry_versions"
+            )
+        if rollout.function != "single_turn":
+            raise RecipeError(
+                f"cluster.fully_async=true works with rollout.function: single_turn (its "
+                f"groups are continued token by token across weight updates), not "
+                f"{rollout.function!r}"
+            )
+        if self.algorithm.dynamic_sampling:
+            raise RecipeError(
+                "cluster.fully_async=true and algorithm.dynamic_sampling both choose which "
+                "groups a step trains on; set algorithm.dynamic_sampling: false"
+            )
+        buffer = cluster.async_buffer_groups
+        if buffer is not None and buffer < rollout.prompts_per_step:
+            raise RecipeError(
+                f"cluster.async_buffer_groups={buffer} cannot hold one batch of "
+                f"rollout.prompts_per_step={rollout.prompts_per_step} groups; raise it to "
+                f">= {rollout.prompts_per_step} or null"
+            )
+
+    @property
+    def async_buffer_groups(self) -> int:
+        """cluster.async_buffer_groups resolved (its null default)."""
+        c = self.cluster
+        if c.async_buffer_groups is not None:
+            return c.async_buffer_groups
+        return self.rollout.prompts_per_step * (c.max_staleness + 1)
 
 
 def device_type(accelerator: str) -> str:

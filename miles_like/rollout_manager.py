@@ -429,6 +429,26 @@ class RolloutManager:
         metrics.update(extra)
         return Rollout(kept, metrics)
 
+    def async_rollout(self, taken) -> dict[str, float]:
+        """The rollout/ metrics of a fully asynchronous batch (`async_rollouts.Taken`), those of
+        `_rollout`: the groups' own over the batch, the engines' counters over the window
+        since the previous batch (what the engines did meanwhile, for any group)."""
+        metrics = self._metrics(taken.groups)
+        engine, tallies = taken.engine, taken.tallies
+        hits, computed = engine["prefix_cache_hit_tokens"], engine["prefill_tokens_computed"]
+        metrics.update(
+            reward_errors=tallies["reward_errors"],
+            reward_nan=tallies["reward_nan"],
+            reward_timeouts=tallies["reward_timeouts"],
+            generated_tokens=engine["generated_tokens"],
+            tokens_per_s=engine["generated_tokens"] / max(taken.seconds, 1e-9),
+            prefix_cache_hit_rate=hits / max(hits + computed, 1),
+            prefix_cache_hit_rate_turn2plus=0.0,
+            samples=sum(len(g.trajectories) for g in taken.groups),
+            engine_restarts=0,
+        )
+        return metrics
+
     @staticmethod
     def _informative(groups: list[Group]) -> list[Group]:
         if not groups:

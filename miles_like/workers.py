@@ -384,6 +384,21 @@ class _OwnShards(NamedTuple):
     commit_weights: Callable
 
 
+class _EngineLoader:
+    """What the weight receivers load full tensors into: the engine, either idle (the default)
+    or, while `keep_running` (an in-place update), with its requests kept between two steps."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.keep_running = False
+
+    def load_weights(self, named_tensors) -> None:
+        self.engine.load_weights(named_tensors, keep_running=self.keep_running)
+
+    def commit_weights(self) -> None:
+        self.engine.commit_weights()
+
+
 def _no_commit() -> None:
     """Followers hold no prefix cache and no version: rank 0 commits for the replica."""
 
@@ -406,6 +421,9 @@ def _mini_batches(n: int, updates: int) -> list[list[int]]:
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+CLOSED = "closed"  # generate_wave: the window was closed, no request was admitted
 
 
 def _backend() -> str:
@@ -446,7 +464,8 @@ class EngineWorker:
         self.engine = Engine(self.cfg)
         self.engine.activity = ActivityLog()  # drained every step (take_activity)
         self.async_engine = AsyncEngine(self.engine, open=False)
-        self.receiver = BucketReceiver(self.engine)
+        self.loader = _EngineLoader(self.engine)
+        self.receiver = BucketReceiver(self.loader)
         # the resharding sync: this rank's own shards, loaded here only
         self.shard_receiver = BucketReceiver(
             _OwnShards(
@@ -538,7 +557,30 @@ class EngineWorker:
 
     def close(self, abort_running: bool = False) -> None:
         """Stop admitting; returns once nothing is in flight (or all of it was aborted)."""
+        self._end_in_place()  # a parked step loop would never drain
         self.async_engine.pause(abort_running=abort_running)
+
+    # ------------------------------------------------------------------ in-place weight updates
+    # `in_place=True` on `load_bucket` / `load_bucket_bytes` / `commit` / `receive_broadcast`:
+    # requests in flight are kept, not drained (`rollout.partial: in_place`, async training). The
+    # first such load parks the step loop between two forward passes (`AsyncEngine.hold`) and
+    # the commit releases it, so no forward pass ever runs on half-updated weights; running
+    # requests continue on their old K/V with the new weights. The window stays as it was.
+    # Under engine TP only full tensors (rank 0 forwards them in step order), not own shards.
+    def _begin_in_place(self, own_shards: bool) -> None:
+        if own_shards:
+            raise RuntimeError(
+                "an in-place weight update under engine TP takes full tensors through rank 0; "
+                "the resharding sync (own shards) needs an idle replica"
+            )
+        if not self.loader.keep_running:
+            self.async_engine.hold()
+            self.loader.keep_running = True
+
+    def _end_in_place(self) -> None:
+        if self.engine is not None and self.loader.keep_running:
+            self.loader.keep_running = False
+            self.async_engine.unhold()
 
     def is_open(self) -> bool:
         return self.async_engine.is_open
@@ -577,7 +619,7 @@ class EngineWorker:
         self, prompts: list[list[int]], params: list, groups: list[int], quota: int | None
     ):
         """`generate` as a stream, for over-sampled rollouts: yields `(index, samples, weight
-        version)` for each
+        version, per-sample token versions)` for each
         request as it finishes, then one dict: the counters of `generate` and `complete`, the
         groups (`groups[index]`) complete within `quota` in completion order (the rest of the
         batch was aborted once `quota` were: `AsyncEngine.submit_many`). The window is open
@@ -598,7 +640,7 @@ class EngineWorker:
             for f in concurrent.futures.as_completed(futures):
                 result = f.result()
                 version = result.weight_version
-                yield index[id(f)], result.samples, version
+                yield index[id(f)], result.samples, version, result.sample_versions
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
             after = self.engine.stats()
         finally:
@@ -606,9 +648,31 @@ class EngineWorker:
                 self.async_engine.pause()
         yield {
             **{k: after[k] - before[k] for k in self.CACHE_COUNTERS},
+            "parked_reused_tokens": after["parked_reused_tokens"] - before["parked_reused_tokens"],
             "weight_version": version,
             "complete": complete,
         }
+
+    @ray.method(num_returns="streaming", concurrency_group="serve")
+    def generate_wave(self, prompts: list[list[int]], params: list):
+        """The fully asynchronous producer's requests (`async_rollouts.py`): admitted together,
+        in order (as `generate`), in the serve group, so lifecycle calls (`close(abort_running=
+        True)`, the weight sync, `stats`) run while they generate. Yields `(index, samples,
+        weight version)` as each request finishes (aborted ones with the tokens they have);
+        with the window closed it yields CLOSED once and nothing else (nothing ran)."""
+        import concurrent.futures
+
+        from rollout.async_engine import EngineUnavailable
+
+        try:
+            futures = self.async_engine.submit_many(list(zip(prompts, params)))
+        except EngineUnavailable:
+            yield CLOSED
+            return
+        index = {id(f): i for i, f in enumerate(futures)}
+        for f in concurrent.futures.as_completed(futures):
+            result = self._replica_intact(f.result)
+            yield index[id(f)], result.samples, result.weight_version
 
     @ray.method(concurrency_group="serve")
     def generate_one(self, prompt_ids: list[int], params):
@@ -650,18 +714,27 @@ class EngineWorker:
         self.close()
         self.engine.resume_memory()
 
-    def load_bucket(self, handle, manifest, own_shards: bool = False):
+    def load_bucket(self, handle, manifest, own_shards: bool = False, in_place: bool = False):
         """A bucket of full tensors (rank 0 passes them to its followers), or with `own_shards`
-        this TP rank's own shards (the resharding sync delivers to every rank)."""
-        if self.engine is not None:
-            self.close()
+        this TP rank's own shards (the resharding sync delivers to every rank). `in_place`:
+        requests keep running (see above)."""
+        self._before_load(own_shards, in_place)
         return self._receiver(own_shards).load(handle, manifest)
 
-    def load_bucket_bytes(self, buffer: torch.Tensor, manifest, own_shards: bool = False):
+    def load_bucket_bytes(
+        self, buffer: torch.Tensor, manifest, own_shards: bool = False, in_place: bool = False
+    ):
         """A bucket from a sender on another node: its bytes, not a shared-memory handle."""
-        if self.engine is not None:
-            self.close()
+        self._before_load(own_shards, in_place)
         return self._receiver(own_shards).load_buffer(buffer, manifest)
+
+    def _before_load(self, own_shards: bool, in_place: bool) -> None:
+        if self.engine is None:
+            return
+        if in_place:
+            self._begin_in_place(own_shards)
+        else:
+            self.close()
 
     def _receiver(self, own_shards: bool):
         if own_shards:
@@ -673,9 +746,16 @@ class EngineWorker:
             )
         return self.receiver
 
-    def commit(self) -> int:
-        self.close()
-        self.receiver.commit()
+    def commit(self, in_place: bool = False) -> int:
+        if not in_place:
+            self.close()
+            self.receiver.commit()
+            return self.engine.weight_version
+        self._begin_in_place(own_shards=False)  # a no-op after in-place loads
+        try:
+            self.receiver.commit()
+        finally:
+            self._end_in_place()
         return self.engine.weight_version
 
     def rendezvous(self) -> tuple[str, int]:
@@ -721,7 +801,7 @@ class EngineWorker:
             timeout_s=timeout_s,
         )
         self.broadcast_receiver = BroadcastReceiver(
-            self.shard_receiver.engine if own_shards else self.engine,
+            self.shard_receiver.engine if own_shards else self.loader,
             group,
             sources=list(range(num_engines, num_engines + num_stages)),
         )
@@ -735,12 +815,21 @@ class EngineWorker:
         self.close()
         self.engine.weight_version = version
 
-    def receive_broadcast(self) -> int:
+    def receive_broadcast(self, in_place: bool = False) -> int:
+        """Every bucket of one broadcast, then the commit. `in_place`: requests keep running
+        (the step loop stays parked for the whole receive, transfers included)."""
         if self.engine is None:  # a follower: its own shards; rank 0 commits for the replica
             self.broadcast_receiver.receive()
             return -1
-        self.close()
-        self.broadcast_receiver.receive()
+        if not in_place:
+            self.close()
+            self.broadcast_receiver.receive()
+            return self.engine.weight_version
+        self._begin_in_place(own_shards=False)
+        try:
+            self.broadcast_receiver.receive()
+        finally:
+            self._end_in_place()
         return self.engine.weight_version
 
     def shutdown(self) -> None:

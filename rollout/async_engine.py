@@ -8,8 +8,14 @@ are continuously batched by the engine's own scheduler (never one `generate` per
 The serving window: `pause()` stops admitting (new submissions raise `EngineUnavailable`) and
 returns once nothing is in flight (or everything was aborted); only then may the caller run
 lifecycle calls on the engine (`update_weights`, `release_memory`, ...). `resume()` reopens.
-Invariant: while paused nothing steps, so no request is served by half-updated weights, and
-every request of a `GenerationResult` was sampled by the one `weight_version` it reports.
+Invariant: while paused nothing steps, so no request is served by half-updated weights.
+
+A weight update without a drain (`update_weights_between_steps`, or `hold()` ... `unhold()`
+around bucketed `Engine.load_weights(keep_running=True)` + `commit_weights`): the step loop parks
+between two forward passes, requests in flight keep their K/V and sample on with the new
+weights once it is released (`in_place`); submissions made meanwhile wait in the inbox. Each
+token's version is in `GenerationResult.sample_versions`; its `weight_version` is the engine's
+when the request finished (the only one unless an update landed while it ran).
 
 A quota (`submit_many(..., groups=, quota=)`, over-sampling): the requests belong to groups; a
 group is complete once all of its requests are; once `quota` groups are complete the step loop
@@ -40,8 +46,10 @@ class EngineUnavailable(RuntimeError):
 class GenerationResult(NamedTuple):
     prompt_token_ids: list[int]
     samples: list[SampleOutput]
-    weight_version: int  # the engine's weights that sampled every token of `samples`
+    weight_version: int  # the engine's when it finished (see sample_versions)
     cached_tokens: int  # prompt tokens taken from the prefix cache at admission
+    # Per sample, the version that sampled each token (`RequestOutput.weight_versions`).
+    sample_versions: tuple[list[int], ...] = ()
 
 
 class _Submission(NamedTuple):
@@ -107,6 +115,8 @@ class AsyncEngine:
         self._futures: dict[int, Future] = {}  # request id -> future (thread-owned)
         self._groups: dict[int, tuple[_Quota, int]] = {}  # request id -> its quota, group
         self._cancels: list[Future] = []
+        self._holds = 0  # callers holding the step loop parked between two steps
+        self._parked = False
         self._thread = threading.Thread(target=self._loop, name="AsyncEngine", daemon=True)
         self._thread.start()
 
@@ -213,6 +223,41 @@ class AsyncEngine:
         with self._cond:
             self._open = True
 
+    # -- weight updates between steps (requests kept) ------------------------------------------
+    def hold(self, timeout: float | None = None) -> None:
+        """Park the step loop between two forward passes and return once it is parked; requests
+        in flight stay in the engine with their K/V (nothing is drained or aborted). Until the
+        matching `unhold()` the caller may update the engine's weights with `keep_running=True`.
+        Submissions are still accepted (admitted after `unhold`)."""
+        with self._cond:
+            if self._stopping or self._failure is not None:
+                raise EngineUnavailable("engine is closed")
+            self._holds += 1
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._parked, timeout):
+                self._holds -= 1
+                self._cond.notify_all()
+                raise TimeoutError(f"the step loop did not park within {timeout} s")
+
+    def unhold(self) -> None:
+        with self._cond:
+            if self._holds == 0:
+                raise RuntimeError("unhold() without a hold()")
+            self._holds -= 1
+            self._cond.notify_all()
+
+    def update_weights_between_steps(self, named_tensors) -> int:
+        """`Engine.update_weights(named_tensors, keep_running=True)` applied between two forward
+        passes (any thread, never during one); returns the new `weight_version`. Running
+        requests continue with the new weights on their old K/V; the prefix cache never serves
+        old-weight K/V to a request admitted afterwards."""
+        self.hold()
+        try:
+            self.engine.update_weights(named_tensors, keep_running=True)
+            return self.engine.weight_version
+        finally:
+            self.unhold()
+
     def close(self) -> None:
         """Abort what is in flight and stop the thread (idempotent)."""
         if self._thread.is_alive():
@@ -231,9 +276,17 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._in_flight > 0)
+                self._cond.wait_for(
+                    lambda: self._stopping or self._holds > 0 or self._in_flight > 0
+                )
                 if self._stopping:
                     return
+                if self._holds > 0:  # between two steps: a holder changes the weights now
+                    self._parked = True
+                    self._cond.notify_all()
+                    self._cond.wait_for(lambda: self._stopping or self._holds == 0)
+                    self._parked = False
+                    continue
                 new = list(self._inbox)
                 self._inbox.clear()
                 cancels, self._cancels = self._cancels, []
@@ -263,6 +316,7 @@ class AsyncEngine:
                         out.samples,
                         self.engine.weight_version,
                         out.cached_tokens,
+                        out.weight_versions,
                     )
                 )
                 self._resolved(1)

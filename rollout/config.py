@@ -214,6 +214,11 @@ class SamplingParams:
     seed: int | None = None
     """Sample j of the request draws from its own torch.Generator seeded with `seed + j`."""
     ignore_eos: bool = False
+    park_kv: bool = False
+    """A sample aborted mid-generation keeps its K/V in the engine (parked, across weight
+    updates too) for its continuation: a later `park_kv` request whose prompt is exactly that
+    sample's prompt + tokens adopts it instead of prefilling (`rollout.partial: in_place`).
+    Parked K/V gives way to memory pressure; the continuation then prefills."""
 
     def __post_init__(self) -> None:
         _require(

@@ -230,6 +230,9 @@ class Engine:
     def _check_ready(self) -> None:
         if not self.pool.allocated:
             raise RuntimeError("engine memory is released; call resume_memory() before generating")
+        self._check_weights()
+
+    def _check_weights(self) -> None:
         if self._weights_reloaded is not None:
             raise RuntimeError(
                 "engine weights are incomplete (released, or an update failed midway); "
@@ -295,6 +298,9 @@ class Engine:
             aborts, self._pending_aborts = self._pending_aborts, set()
         for request_id in aborts:
             self.scheduler.abort(request_id)
+        if self.scheduler.running or self.scheduler.waiting:
+            self._check_weights()
+        self.scheduler.weight_version = self.weight_version
         batch = self.scheduler.schedule()
         if not batch.empty:
             start, finished_before = time.time(), self.scheduler.stats.finished_samples
@@ -344,16 +350,27 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError(f"{what} while requests are in flight; finish or abort them first")
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], keep_running: bool = False
+    ) -> None:
         """Copy (hf_name, tensor) pairs into the model in place (addresses unchanged), flush the
         prefix cache (its K/V came from the old weights) and bump `weight_version`. A partial set
         is allowed; after `release_memory(weights=True)` generation waits until every weight has
-        arrived again. Same as `load_weights` followed by `commit_weights`."""
-        self.load_weights(named_tensors)
+        arrived again. Same as `load_weights` followed by `commit_weights`.
+
+        `keep_running`: requests may be in flight (call it between two `step`s, never during
+        one; `AsyncEngine.update_weights_between_steps` does). They keep their K/V, computed by
+        the old weights (`in_place`, as in AReaL), and sample on with the new ones; each token
+        records the version that sampled it (`SampleOutput.weight_versions`). No request
+        admitted afterwards is served K/V of the old weights (`Scheduler.new_weights`)."""
+        self.load_weights(named_tensors, keep_running=keep_running)
         self.commit_weights()
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], all_ranks: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        all_ranks: bool = True,
+        keep_running: bool = False,
     ) -> None:
         """The first half of a (possibly bucketed) update: copy in place, commit later. Generation
         refuses until `commit_weights`. If loading fails midway the model is a mix of old and new
@@ -361,8 +378,19 @@ class Engine:
 
         Under TP, `all_ranks` sends the tensors (full, or pre-sharded for rank 0 only when
         False) to every rank; `all_ranks=False` loads rank 0's own shards only, the other ranks
-        loading theirs themselves (`EngineFollower.load_weights`: the resharding sync)."""
-        self._require_idle("load_weights")
+        loading theirs themselves (`EngineFollower.load_weights`: the resharding sync).
+
+        `keep_running` (see `update_weights`): no `step` may run until `commit_weights`. Under
+        TP only with `all_ranks`: the followers then load in the order of rank 0's commands,
+        between the same two forward passes; their own shards arrive outside that order."""
+        if not keep_running:
+            self._require_idle("load_weights")
+        elif self.tp is not None and not all_ranks and self.has_unfinished():
+            raise RuntimeError(
+                "load_weights(keep_running=True, all_ranks=False) while requests run under "
+                "tensor parallelism: the followers' own shards would land during a forward "
+                "pass; send full tensors (all_ranks=True) or finish the requests first"
+            )
         self._uncommitted_update = True
         if self.tp is not None and all_ranks:  # every rank takes its slice of the same tensors
             named_tensors = list(named_tensors)
@@ -384,18 +412,21 @@ class Engine:
                 self._weights_reloaded = None
 
     def commit_weights(self) -> None:
-        """Finish an update: flush the prefix cache and bump `weight_version`."""
+        """Finish an update: flush the prefix cache (retire it while requests run:
+        `Scheduler.new_weights`) and bump `weight_version`."""
         if self.scheduler.cache is not None and self.pool.allocated:
-            self.scheduler.cache.reset()
+            self.scheduler.new_weights()
         self.weight_version += 1
         self._uncommitted_update = False
 
     def flush_prefix_cache(self) -> int:
-        """Drop every cached prefix (nothing may be in flight). Returns the pages freed."""
+        """Drop every cached prefix and parked K/V (nothing may be in flight). Returns the pages
+        freed."""
         self._require_idle("flush_prefix_cache")
         if self.scheduler.cache is None or not self.pool.allocated:
             return 0
-        return self.scheduler.cache.reset()
+        freed = self.scheduler.drop_parked()
+        return freed + self.scheduler.new_weights()
 
     def release_memory(self, weights: bool = False) -> int:
         """Free the KV pool (and, with `weights`, the parameters' storage) so the trainer can use
@@ -406,8 +437,9 @@ class Engine:
             self.tp.barrier()  # returns once every rank has freed it too
         released = 0
         if self.pool.allocated:
+            self.scheduler.drop_parked()
             if self.scheduler.cache is not None:
-                self.scheduler.cache.reset()
+                self.scheduler.new_weights()
             released += 2 * self.pool.k.numel() * self.pool.k.element_size()
             self.pool.free_memory()
             if self.suffix_lanes is not None:
@@ -458,6 +490,7 @@ class Engine:
             if cache is not None
             else 0,
             running_sequences=len(self.scheduler.running),
+            parked_kv_tokens=sum(p.num_computed for p in self.scheduler.parked),
             busy_s=self.busy_s,
             forward_passes=self.forward_passes,
             waiting_sequences=len(self.scheduler.waiting),

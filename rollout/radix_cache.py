@@ -8,6 +8,12 @@ hold their K/V. Invariants (checked by `check_integrity`):
   (locking a node locks the whole path to the root, so a prefix in use is never evicted);
 * `evictable_pages` / `locked_pages` count the pages of nodes with lock_ref == 0 / > 0;
 * the root holds no tokens and is never evicted.
+
+A weight update while requests run (`Engine.update_weights(keep_running=True)`) *retires* the
+tree (`retire`): its unlocked nodes are freed at once, and it is never matched again, so no
+request admitted after the update is served K/V computed by the old weights. The running
+sequences keep their locked paths (their K/V is what `in_place` keeps); a retired node's pages
+are freed the moment its last lock goes, since nothing can reach them any more.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class RadixCache:
         self.root = TreeNode()
         self.evictable_pages = 0
         self.locked_pages = 0
+        self.retired = False
 
     # -- lookup and insertion -----------------------------------------------------------------
     def _child_key(self, tokens: list[int], start: int):
@@ -78,7 +85,8 @@ class RadixCache:
 
     def match_prefix(self, tokens: list[int]) -> MatchResult:
         """Longest cached prefix of `tokens`, in whole pages. Callers that need the logits of the
-        last token pass `tokens[:-1]` so it is never matched."""
+        last token pass `tokens[:-1]` so it is never matched. A retired tree is matched only by
+        the sequences already holding it (their forks share the prompt they inserted)."""
         end = len(tokens) - len(tokens) % self.page_size
         now = next(self._clock)
         node, pages, i = self.root, [], 0
@@ -134,8 +142,12 @@ class RadixCache:
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_pages += len(node.pages)
                 self.locked_pages -= len(node.pages)
+                if self.retired:  # its children are gone already (lock_ref >= theirs)
+                    del node.parent.children[self._child_key(node.key, 0)]
+                    self._free_pages(node.pages)
+                else:
+                    self.evictable_pages += len(node.pages)
             node = node.parent
 
     # -- eviction -----------------------------------------------------------------------------
@@ -170,6 +182,13 @@ class RadixCache:
         self.root = TreeNode()
         self.evictable_pages = 0
         return len(pages)
+
+    def retire(self) -> int:
+        """Free every unlocked page and stop serving matches (see the module doc); the locked
+        paths stay until their holders unlock them. Returns the number of pages freed."""
+        freed = self.evict(self.evictable_pages)
+        self.retired = True
+        return freed
 
     # -- introspection ------------------------------------------------------------------------
     def _nodes(self) -> Iterator[TreeNode]:

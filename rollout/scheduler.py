@@ -14,6 +14,14 @@ Each step:
    with fresh logits samples one token; finished sequences leave at once, and their KV is
    offered to the cache.
 
+Parked K/V (`SamplingParams.park_kv`, over-sampling's `partial: in_place`): a sample aborted
+mid-generation keeps its pages (and its lock on the tree path) in `parked` instead of freeing
+them; a later `park_kv` request whose prompt is exactly that sample's tokens adopts them and
+computes only what was pending. Parked K/V outlives weight updates (its tree is retired, never
+matched by others): that is what `in_place` keeps. It is dropped, oldest first, before any
+running sequence is preempted, and when the engine flushes its cache or releases memory; the
+continuation then prefills (as `retract` does).
+
 The slot table maps (row, position) -> KV slot for every admitted sequence: the model runner
 reads attention indices from it, so per-step metadata is a few tensor gathers.
 """
@@ -28,7 +36,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.kv_pool import KVPool, write_page_slots
-from rollout.radix_cache import RadixCache
+from rollout.radix_cache import RadixCache, TreeNode
 from rollout.sampler import SamplingBatch, sample
 from rollout.sequence import Request, RequestOutput, SampleOutput, Sequence, Status
 from rollout.speculative import NO_DRAFT, Draft, DraftBackoff, verify
@@ -39,6 +47,21 @@ class DraftProposer(Protocol):
 
     def propose_batch(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]: ...
     def forget(self, seq: Sequence) -> None: ...
+
+
+class ParkedKV(NamedTuple):
+    """The K/V of an aborted `park_kv` sample, kept for its continuation."""
+
+    tokens: tuple[int, ...]  # prompt + generated tokens (the last one pending, not computed)
+    num_computed: int
+    pages: list[int]  # page table; the first `num_tree_pages` belong to `tree`
+    num_tree_pages: int
+    node: TreeNode | None  # locked in `tree`
+    tree: RadixCache | None
+
+    @property
+    def private_pages(self) -> list[int]:
+        return self.pages[self.num_tree_pages :]
 
 
 class ScheduledBatch(NamedTuple):
@@ -63,6 +86,8 @@ class SchedulerStats:
     spec_accepted_tokens: int = 0
     spec_backoff_steps: int = 0  # sequence-steps that skipped drafting after failed drafts
     finished_samples: int = 0  # samples that ended by a stop or the length limit (not aborts)
+    parked_reused_tokens: int = 0  # tokens of parked K/V a continuation adopted
+    parked_dropped_tokens: int = 0  # tokens of parked K/V dropped (memory, flush, release)
 
 
 @dataclass
@@ -77,12 +102,17 @@ class Scheduler:
     num_speculative_tokens: int = 0
     speculative_min_acceptance: float = 0.0  # see DraftBackoff
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    weight_version: int = 0  # recorded with every token sampled (the engine sets it)
 
     def __post_init__(self) -> None:
         self.page_size = self.pool.page_size
         self.cache = (
             RadixCache(self.page_size, self.pool.free_pages) if self.enable_prefix_cache else None
         )
+        # Trees retired by weight updates while sequences ran (`new_weights`), kept while a
+        # running sequence still holds a path in them.
+        self.retired_caches: list[RadixCache] = []
+        self.parked: list[ParkedKV] = []  # oldest first
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.requests: dict[int, Request] = {}  # unfinished requests
@@ -112,8 +142,12 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.request is request]:
             self.waiting.remove(seq)
             self._record(seq, "abort")
+        park = request.params.park_kv
         for seq in [s for s in self.running if s.request is request]:
-            self._release(seq, cache_kv=False)
+            if park and seq.num_forks == 1 and seq.num_generated > 0:
+                self._park(seq)
+            else:
+                self._release(seq, cache_kv=False)
             self._record(seq, "abort")
 
     def has_unfinished(self) -> bool:
@@ -124,20 +158,87 @@ class Scheduler:
         for r in done:
             del self.requests[r.request_id]
         return [
-            RequestOutput(r.request_id, r.prompt, list(r.samples), r.cached_tokens or 0)
+            RequestOutput(
+                r.request_id, r.prompt, list(r.samples), r.cached_tokens or 0, tuple(r.versions)
+            )
             for r in done
         ]
+
+    def new_weights(self) -> int:
+        """The model's weights changed: no K/V cached under the old ones may serve a sequence
+        admitted from now on. Idle, the cache is flushed. With sequences running, their K/V
+        stays theirs (`in_place`), the tree they hold is retired (`RadixCache.retire`) and a
+        new one caches from now on; they never insert into the new one. Returns the pages
+        freed."""
+        if self.cache is None:
+            return 0
+        if not self.running and not self.parked and not self.cache.locked_pages:
+            self.retired_caches = []  # nothing holds them: their pages are back in the pool
+            return self.cache.reset()
+        freed = self.cache.retire()
+        holders = [*self.running, *self.parked]
+        self.retired_caches = [
+            t for t in [*self.retired_caches, self.cache] if any(h.tree is t for h in holders)
+        ]
+        self.cache = RadixCache(self.page_size, self.pool.free_pages)
+        return freed
+
+    # -- parked K/V ----------------------------------------------------------------------------
+    def _park(self, seq: Sequence) -> None:
+        """Abort `seq` keeping its pages and tree lock for a continuation (module doc)."""
+        self.parked.append(
+            ParkedKV(
+                tuple(seq.token_ids),
+                seq.num_computed,
+                list(seq.pages),
+                seq.num_tree_pages,
+                seq.node,
+                seq.tree,
+            )
+        )
+        seq.pages, seq.num_tree_pages, seq.node, seq.tree = [], 0, None, None
+        self._free_rows.append(seq.row)
+        self._free_rows.extend(seq.extra_rows)
+        seq.row, seq.extra_rows = None, []
+        seq.draft, seq.draft_probs = [], None
+        seq.new_kv_epoch()
+        self.running.remove(seq)
+
+    def _find_parked(self, seq: Sequence) -> ParkedKV | None:
+        if not self.parked or not seq.request.params.park_kv or seq.num_forks != 1:
+            return None
+        tokens = tuple(seq.token_ids)
+        return next((p for p in self.parked if p.tokens == tokens), None)
+
+    def drop_parked(self, count: int | None = None) -> int:
+        """Free the oldest `count` parked entries (all by default); returns the pages freed."""
+        drop = self.parked[:count] if count is not None else list(self.parked)
+        del self.parked[: len(drop)]
+        freed = 0
+        for p in drop:
+            if p.node is not None:
+                p.tree.unlock(p.node)
+            self.pool.free_pages(p.private_pages)
+            freed += len(p.private_pages)
+            self.stats.parked_dropped_tokens += p.num_computed
+        return freed
 
     # -- pages ---------------------------------------------------------------------------------
     def _available_pages(self) -> int:
         evictable = self.cache.evictable_pages if self.cache is not None else 0
-        return self.pool.num_free_pages + evictable
+        parked = sum(len(p.private_pages) for p in self.parked)  # tree pages: maybe shared
+        return self.pool.num_free_pages + evictable + parked
 
     def _alloc(self, count: int) -> list[int] | None:
         pages = self.pool.alloc_pages(count)
-        if pages is None and self.cache is not None:
-            freed = self.cache.evict(count - self.pool.num_free_pages)
-            self.stats.evicted_tokens += freed * self.page_size
+        while pages is None:
+            if self.cache is not None:
+                freed = self.cache.evict(count - self.pool.num_free_pages)
+                self.stats.evicted_tokens += freed * self.page_size
+                pages = self.pool.alloc_pages(count)
+            if pages is not None or not self.parked:
+                break
+            self.drop_parked(1)  # before any running sequence is preempted
             pages = self.pool.alloc_pages(count)
         return pages
 
@@ -232,24 +333,41 @@ class Scheduler:
         if len(self._free_rows) < seq.num_forks:
             return False
         match = None
-        if self.cache is not None:
-            match = self.cache.match_prefix(seq.token_ids[:-1])
-            self.cache.lock(
-                match.node
-            )  # before counting: the matched pages are no longer evictable
-        cached = match.num_tokens if match else 0
+        parked = self._find_parked(seq)
+        if parked is not None:
+            cached, have = parked.num_computed, len(parked.pages)
+            available = self._available_pages() - len(parked.private_pages)
+        else:
+            if self.cache is not None:
+                match = self.cache.match_prefix(seq.token_ids[:-1])
+                self.cache.lock(
+                    match.node
+                )  # before counting: the matched pages are no longer evictable
+            cached = match.num_tokens if match else 0
+            have = len(match.pages) if match else 0
+            available = self._available_pages()
         num_new = min(len(seq.token_ids) - cached, budget)
-        need = -(-(cached + num_new) // self.page_size) - (len(match.pages) if match else 0)
+        need = -(-(cached + num_new) // self.page_size) - have
         # Headroom: one page for every sequence that decodes next step (forks included). With
         # nothing running there is nothing to protect, and admitting guarantees progress.
         headroom = len(self.running) + seq.num_forks if self.running else 0
-        if self._available_pages() < need + headroom:
+        if available < need + headroom:
             if match is not None:
                 self.cache.unlock(match.node)
+            if not self.running and self.parked:  # parked K/V must not stall the engine
+                self.drop_parked()
+                return self._admit(seq, budget)
             return False
-        if match is not None:
-            seq.node, seq.pages, seq.num_tree_pages = (
+        if parked is not None:
+            self.parked.remove(parked)
+            seq.node, seq.tree = parked.node, parked.tree
+            seq.pages, seq.num_tree_pages = list(parked.pages), parked.num_tree_pages
+            seq.num_computed = cached
+            self.stats.parked_reused_tokens += cached
+        elif match is not None:
+            seq.node, seq.tree, seq.pages, seq.num_tree_pages = (
                 match.node,
+                self.cache,
                 list(match.pages),
                 len(match.pages),
             )
@@ -277,12 +395,13 @@ class Scheduler:
     def _release(self, seq: Sequence, cache_kv: bool) -> None:
         """Return seq's pages, lock and rows. With `cache_kv`, its computed K/V is offered to the
         prefix cache first (only whole pages are kept)."""
-        if cache_kv and self.cache is not None:
+        # K/V from before a weight update (a retired tree) is never offered to the new cache.
+        if cache_kv and self.cache is not None and seq.tree is self.cache:
             self._insert_into_cache(seq)
-        if self.cache is not None and seq.node is not None:
-            self.cache.unlock(seq.node)
+        if seq.node is not None:
+            seq.tree.unlock(seq.node)
         self.pool.free_pages(seq.private_pages)
-        seq.pages, seq.num_tree_pages, seq.node = [], 0, None
+        seq.pages, seq.num_tree_pages, seq.node, seq.tree = [], 0, None, None
         self._free_rows.append(seq.row)
         self._free_rows.extend(seq.extra_rows)
         seq.row, seq.extra_rows = None, []
@@ -290,17 +409,20 @@ class Scheduler:
         self.running.remove(seq)
 
     def _insert_into_cache(self, seq: Sequence) -> None:
-        """Insert the whole pages of seq's computed tokens; afterwards seq's page table points at
-        the tree's pages for them (its duplicates freed) and it locks the new deepest node."""
+        """Insert the whole pages of seq's computed tokens into its tree (a retired one for a
+        prompt prefilled across a weight update: only its own forks share it); afterwards seq's
+        page table points at the tree's pages for them (its duplicates freed) and it locks the
+        new deepest node."""
+        tree = seq.tree
         num_full = seq.num_computed // self.page_size
         tokens = seq.token_ids[: num_full * self.page_size]
-        already = self.cache.insert(tokens, seq.pages[:num_full]) // self.page_size
+        already = tree.insert(tokens, seq.pages[:num_full]) // self.page_size
         duplicates = seq.pages[seq.num_tree_pages : already]
         self.pool.free_pages(duplicates)
-        match = self.cache.match_prefix(tokens)
-        self.cache.lock(match.node)
+        match = tree.match_prefix(tokens)
+        tree.lock(match.node)
         if seq.node is not None:
-            self.cache.unlock(seq.node)
+            tree.unlock(seq.node)
         seq.pages = match.pages + seq.pages[num_full:]
         seq.num_tree_pages, seq.node = num_full, match.node
         seq.new_kv_epoch()  # the suffix now starts at another position (and maybe other pages)
@@ -366,6 +488,7 @@ class Scheduler:
         for token, logprob in zip(tokens, logprobs):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
+            seq.versions.append(self.weight_version)
             self.stats.generated_tokens += 1
             reason = self._finish_reason(seq, token)
             if reason is None:
@@ -404,8 +527,8 @@ class Scheduler:
                 self._free_rows.append(seq.extra_rows.pop())
                 continue
             child.pages = seq.pages[: seq.num_tree_pages] + page
-            child.num_tree_pages, child.node = seq.num_tree_pages, seq.node
-            self.cache.lock(seq.node)
+            child.num_tree_pages, child.node, child.tree = seq.num_tree_pages, seq.node, seq.tree
+            seq.tree.lock(seq.node)
             if tail:
                 self.pool.copy_page_prefix(seq.pages[-1], page[0], tail)
             child.num_computed = seq.num_computed
@@ -437,6 +560,7 @@ class Scheduler:
         if self.proposer is not None:
             self.proposer.forget(seq)
         out = SampleOutput(seq.token_ids[seq.prompt_len :], list(seq.logprobs), reason)
+        seq.request.versions[seq.sample_index] = list(seq.versions)
         for j in range(seq.sample_index, seq.sample_index + seq.num_forks):
             seq.request.samples[j] = out if j == seq.sample_index else SampleOutput([], [], reason)
 
@@ -445,11 +569,14 @@ class Scheduler:
         """free + cached + in use == total pages, each page in exactly one place; rows likewise."""
         free = self.pool.free_page_ids()
         direct_locks: dict[int, int] = {}
-        for seq in self.running:
-            if seq.node is not None:
-                direct_locks[id(seq.node)] = direct_locks.get(id(seq.node), 0) + 1
-        cached = self.cache.check_integrity(direct_locks) if self.cache is not None else []
-        private = [p for s in self.running for p in s.private_pages]
+        for holder in [*self.running, *self.parked]:
+            if holder.node is not None:
+                direct_locks[id(holder.node)] = direct_locks.get(id(holder.node), 0) + 1
+        trees = [self.cache, *self.retired_caches] if self.cache is not None else []
+        cached = [p for t in trees for p in t.check_integrity(direct_locks)]
+        for holder in [*self.running, *self.parked]:
+            assert holder.tree is None or any(holder.tree is t for t in trees), "unknown tree"
+        private = [p for s in [*self.running, *self.parked] for p in s.private_pages]
         everything = free + cached + private
         assert len(everything) == self.pool.num_pages, (
             f"pages: free {len(free)} + cached {len(cached)} + in use {len(private)} "
@@ -463,7 +590,7 @@ class Scheduler:
             )
             if self.cache is not None and seq.node is not None:
                 path, node = [], seq.node
-                while node is not self.cache.root:
+                while node is not seq.tree.root:
                     path[:0] = node.pages
                     node = node.parent
                 assert path == seq.pages[: seq.num_tree_pages], (

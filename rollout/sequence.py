@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from rollout.config import SamplingParams
-from rollout.radix_cache import TreeNode
+from rollout.radix_cache import RadixCache, TreeNode
 from rollout.speculative import DraftBackoff
 
 # Process-wide and monotonic, so an epoch is never reused, not even by another engine.
@@ -29,6 +29,9 @@ class RequestOutput(NamedTuple):
     prompt_token_ids: list[int]
     samples: list[SampleOutput]
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
+    # Per sample, the engine's weight version that sampled each of its tokens: one version
+    # unless a weight update landed while it ran (`Engine.update_weights(keep_running=True)`).
+    weight_versions: tuple[list[int], ...] = ()
 
 
 # Called with a sample's generated token ids after each appended token; True ends the sample
@@ -51,11 +54,13 @@ class Request:
     base_seed: int  # sample j draws from torch.Generator seeded with base_seed + j
     stop_check: StopCheck | None = None
     samples: list[SampleOutput | None] = field(init=False)
+    versions: list[list[int]] = field(init=False)  # per sample: see RequestOutput
     aborted: bool = False
     cached_tokens: int | None = None  # set when its first sequence is admitted
 
     def __post_init__(self) -> None:
         self.samples = [None] * self.params.n
+        self.versions = [[] for _ in range(self.params.n)]
 
     @property
     def done(self) -> bool:
@@ -77,6 +82,7 @@ class Sequence:
     num_forks: int = 1
     token_ids: list[int] = None  # type: ignore[assignment]  # default: a copy of the prompt
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # weight version of each generated token
     status: Status = Status.WAITING
     num_computed: int = 0
     pages: list[int] = field(
@@ -84,6 +90,9 @@ class Sequence:
     )  # page table; the first `num_tree_pages` belong to the tree
     num_tree_pages: int = 0
     node: TreeNode | None = None  # locked radix node covering the tree pages
+    # The radix tree `node` belongs to: the scheduler's cache, or one retired by a weight update
+    # while this sequence ran (its K/V came from the old weights; never matched again).
+    tree: RadixCache | None = None
     row: int | None = None  # row in the slot table while running
     extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
     draft: list[int] = field(default_factory=list)  # speculated tokens verified this step

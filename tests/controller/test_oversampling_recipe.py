@@ -22,6 +22,16 @@ def test_valid_combinations_load():
     r = load_recipe(RECIPE, ["rollout.over_sampling=1.5", "rollout.partial=retract"]).rollout
     assert (r.over_sampling, r.partial) == (1.5, "retract")
     assert load_recipe(RECIPE, ["rollout.stream_scoring=true"]).rollout.stream_scoring
+    disaggregated = ["cluster.colocate=false", "cluster.devices=2"]
+    r = load_recipe(
+        RECIPE, ["rollout.over_sampling=2", "rollout.partial=in_place", *disaggregated]
+    ).rollout
+    assert (r.partial, r.max_carry_versions) == ("in_place", None)
+    r = load_recipe(
+        RECIPE,
+        ["rollout.over_sampling=2", "rollout.partial=retract", "rollout.max_carry_versions=0"],
+    ).rollout
+    assert r.max_carry_versions == 0
 
 
 @pytest.mark.parametrize(
@@ -35,13 +45,16 @@ def test_valid_combinations_load():
             r"^rollout\.partial=in_place keeps KV .* colocated .*retract$",
         ),
         (
+            ["rollout.over_sampling=1.5", "rollout.partial=abort", "rollout.max_carry_versions=1"],
+            r"^rollout\.max_carry_versions=1 bounds carried groups, .*max_carry_versions: null$",
+        ),
+        (
             [
                 "rollout.over_sampling=1.5",
-                "rollout.partial=in_place",
-                "cluster.colocate=false",
-                "cluster.devices=2",
+                "rollout.partial=retract",
+                "rollout.max_carry_versions=-1",
             ],
-            r"^rollout\.partial=in_place: the engine cannot yet .*retract$",
+            r"^rollout\.max_carry_versions",
         ),
         (
             ["rollout.over_sampling=1.5", "rollout.partial=abort", "rollout.function=tool_loop"],

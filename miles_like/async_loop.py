@@ -1,0 +1,132 @@
+"""The fully asynchronous RL loop (`cluster.fully_async: true`, disaggregated), every phase
+timed:
+
+    take a batch from the buffer (waiting if none is ready) -> advantages -> train
+    -> pause the engines (running requests aborted, tokens kept) -> weight sync
+    -> drop what is now too stale -> [checkpoint] -> resume the engines -> log
+
+The engines generate all along (`async_rollouts.AsyncProducer`): while the trainer trains,
+they finish the groups left open and (below the buffer's capacity) start new ones. The weight
+update is the only moment they stop, for the abort + broadcast; the groups they were computing
+continue right after it under the new weights.
+
+With `cluster.max_staleness: 0` the capacity is one batch, generated only with the current
+weights: every step draws prompts_per_step prompts, generates them in one wave seeded as the
+synchronous loop seeds them, trains on all of them in data order and syncs, which is the
+synchronous disaggregated run (`off_policy_steps: 0`), every metric but the timings.
+
+Checkpoints are taken after the weight update and the staleness drop, before the engines
+resume: nothing runs, so the open groups (with their tokens, log-probs and versions), the
+buffer and the data position in state.json (`async`) are exactly what the resumed producer
+starts from; the step's metrics row goes into the checkpoint before it is marked complete.
+The rows carry `rollout/trained_prompt_ids`, `rollout/stale_dropped_prompt_ids`,
+`rollout/aborted_prompt_ids`, and after the step `rollout/held_prompt_ids` (open, buffered) and
+`rollout/data_consumed`: over a run's rows, trained + dropped + held = every drawn index, once.
+
+`perf/`: the rollout window of the busy accounting is the step itself (the engines generate
+through every phase), so `perf/engine_busy_frac` is the share of the step's wall time the
+engines spend in forward passes, and `perf/device_idle_frac` the share in which neither they
+nor the trainer compute.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ray
+import torch
+from tqdm import tqdm
+
+from miles_like import checkpoint, rng_state
+from miles_like.async_rollouts import AsyncProducer, batch_metrics
+from miles_like.batch import samples_batch, with_advantages
+from miles_like.busy import BusyAccounting
+from miles_like.recipe import Recipe
+from miles_like.runtime import Runtime
+from miles_like.tracking import Tracker, json_row
+
+
+def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) -> None:
+    """Steps `first` .. recipe.steps - 1 (the caller's `loop._steps` for fully_async)."""
+    from miles_like.loop import PhaseTimer
+
+    if first >= recipe.steps:
+        return
+    every = recipe.checkpoint.every_steps
+    capacity = recipe.async_buffer_groups
+    producer = AsyncProducer(rt.rollouts, capacity, recipe.cluster.max_staleness)
+    state = rt.state.get("async") if rt.state else None
+    producer.start(rt.weight_version, state)
+    busy = BusyAccounting(rt)
+    for step in tqdm(
+        range(first, recipe.steps), initial=first, total=recipe.steps, desc="RL steps", unit="step"
+    ):
+        timer, start, wall_start = PhaseTimer(), time.perf_counter(), time.time()
+        ckpt = checkpoint.begin(out, step + 1) if every and (step + 1) % every == 0 else None
+        trained_version = rt.weight_version
+        with timer("rollout"):  # waiting for a batch: the trainer's idle time
+            taken = producer.take(recipe.rollout.prompts_per_step, trained_version)
+        with timer("advantages"):
+            batch = samples_batch(taken.groups)
+            ref = ray.put(batch)
+            values = rt.values(ref) if recipe.algorithm.advantage == "gae" else None
+            ref_lp = rt.ref_logprobs(ref) if recipe.algorithm.kl_reward_coef > 0 else None
+            batch, adv_metrics = with_advantages(
+                batch, taken.groups, recipe.algorithm, values=values, ref_logprobs=ref_lp
+            )
+        with timer("train"):
+            train_metrics = rt.train(batch)
+        with timer("weight_sync"):
+            producer.pause()
+            sync_bytes = rt.sync_weights()
+            producer.drop_stale(rt.weight_version)
+        if ckpt is not None:
+            with timer("checkpoint"):
+                rt.save_checkpoint(ckpt)
+                async_state = producer.state()
+                consumed = rt.source.consumed
+        if step + 1 < recipe.steps:
+            with timer("weight_sync"):
+                producer.resume()
+        stale, aborted = producer.drops()
+        rollout = rt.rollouts.async_rollout(taken)
+        step_s = time.perf_counter() - start
+        row = {
+            "step": step,
+            **{f"rollout/{k}": v for k, v in rollout.items()},
+            **{
+                f"rollout/{k}": v for k, v in batch_metrics(taken, stale, aborted, capacity).items()
+            },
+            "rollout/held_prompt_ids": producer.held_indices(),
+            "rollout/data_consumed": rt.source.consumed,
+            **{f"rollout/{k}": v for k, v in adv_metrics.items()},
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+            **{f"perf/{k}_s": v for k, v in timer.seconds.items()},
+            "perf/step_s": step_s,
+            "perf/weight_sync_bytes": sync_bytes,
+            "perf/weight_sync_bytes_per_rank": rt.sync_bytes_per_rank if sync_bytes else 0.0,
+        }
+        row["perf/idle_s"] = max(0.0, step_s - sum(timer.seconds.values()))
+        row["perf/idle_frac"] = row["perf/idle_s"] / step_s
+        busy.rollout_finished(start)  # the engines' window is the whole step
+        row.update(busy.step_done(wall_start, wall_start + step_s, None))
+        if ckpt is not None:
+            torch.save(rng_state.capture(), ckpt / checkpoint.CONTROLLER_FILE)
+            rt.commit_checkpoint(ckpt, _state(rt, tracker, step + 1, consumed, async_state, row))
+        tracker.log(row)
+
+
+def _state(rt: Runtime, tracker: Tracker, next_step: int, consumed: int, async_state, row):
+    """state.json of a fully asynchronous run: the data position is the one the producer's
+    state was taken at (every drawn prompt is trained, dropped, or in `async`)."""
+    return {
+        "next_step": next_step,
+        "data_consumed": consumed,
+        "data_epoch": rt.source.epoch_at(consumed),
+        "weight_version": rt.weight_version,
+        "wandb_run_id": tracker.wandb_run_id,
+        **rt.layout_state(),
+        "last_row": json_row(row),
+        "async": async_state,
+    }

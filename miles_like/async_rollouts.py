@@ -1,0 +1,372 @@
+"""The rollout side of fully asynchronous training (`cluster.fully_async`): a producer that
+keeps the engines generating into a bounded buffer while the trainer trains.
+
+Groups are drawn from the prompt source in data order; group g is the g-th prompt the run drew
+(its *index*, the data position). Its first request is one request of n samples seeded exactly
+as the synchronous loop seeds that data position (step g // prompts_per_step, place g %
+prompts_per_step), so what an engine is asked to do for a prompt does not depend on the mode.
+
+* **Capacity** (`cluster.async_buffer_groups`, B): groups open (generating or waiting to be
+  sent), complete in the buffer, and taken by the trainer until their weight update, together
+  never exceed B; the producer draws new prompts only below it (back-pressure). A taken batch
+  frees its room only once the weights it trained are in the engines, so with B =
+  prompts_per_step x (K + 1) at most K batches' worth is generated under older weights.
+* **Sending**: newly drawn groups (and, after an update, the continued ones, index order) leave
+  as one `EngineWorker.generate_wave` per replica, in contiguous shares, admitted together.
+* **The buffer** holds complete groups in completion order (the order their last sample came
+  back); each is scored as it completes (streaming), on an executor thread of the manager's
+  loop. `take` gives the trainer the first prompts_per_step groups of the buffer that are not
+  stale, trained in index order. Completion order depends on timing: an async run is not
+  bitwise reproducible, except at max_staleness 0, where one batch is generated at a time.
+* **A weight update** (`pause`, then the controller syncs, then `resume`): every running
+  request is aborted (`close(abort_running=True)`) and comes back with the tokens it has; with
+  `rollout.partial: retract` (or null) its group continues after the update, each unfinished
+  sample as a request of its prompt + tokens so far (prefilled again under the new weights, its
+  own seed, the remaining `max_new_tokens`); with `abort` its unfinished groups are dropped.
+  Every token keeps the weight version that sampled it and its log-prob (`oversampling.Partial`),
+  which the loss's TIS / MIS correction uses as the behaviour policy.
+* **Staleness** of a group trained at trainer version v: v minus the oldest version of any of
+  its tokens. A group staler than `cluster.max_staleness` can never be trained: it is dropped
+  (buffered ones when `take` reaches them, open ones at the update that makes them stale) and
+  counted; its prompt is consumed and never drawn again (the data source has moved past it).
+
+Accounting: every drawn index is exactly one of trained, dropped (stale or aborted), or held
+(open, buffered, or being trained); `held_indices` with the trained / dropped ids of the rows
+makes that checkable. `state` (taken between `pause` and `resume`, when no request runs) holds
+the open groups with their tokens, log-probs and versions, and the buffer, for the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from collections import Counter
+from typing import NamedTuple
+
+from miles_like.dispatch import Generation
+from miles_like.errors import RolloutFailed
+from miles_like.oversampling import EMPTY, OpenGroup, from_state, score_group, to_state
+from miles_like.workers import CLOSED
+
+
+@dataclasses.dataclass
+class _Slot:
+    """An open group (owned by the manager's loop)."""
+
+    index: int
+    group: OpenGroup
+    running: bool = False
+
+    def oldest(self) -> int | None:
+        return min((v for s in self.group.samples for v in s.versions), default=None)
+
+
+class _Done(NamedTuple):
+    index: int
+    group: OpenGroup
+    scored: asyncio.Future  # -> (rollout_manager.Group, reward failure counts)
+
+
+class Taken(NamedTuple):
+    """One batch for the trainer."""
+
+    groups: list  # rollout_manager.Group, in index order
+    indices: list[int]
+    staleness: list[int]  # per group, in versions
+    continued: int  # groups of the batch that were continued over a weight update
+    tallies: Counter  # reward failure counts
+    seconds: float  # since the previous take (the window of the engine counters)
+    engine: Counter  # the engines' counter deltas over that window
+    buffered: int  # complete groups left in the buffer
+
+
+class AsyncProducer:
+    """Runs on `manager`'s asyncio loop; the controller calls the blocking methods."""
+
+    def __init__(self, manager, capacity: int, max_staleness: int):
+        self.m = manager
+        self.recipe = manager.recipe
+        self.capacity, self.max_staleness = capacity, max_staleness
+        self.keep_partial = manager.recipe.rollout.partial in (None, "retract")
+        self.slots: dict[int, _Slot] = {}
+        self.done: list[_Done] = []
+        self.held = 0  # groups taken by the trainer whose weight update is not in yet
+        self.dropped: list[int] = []  # stale since the last `drops`
+        self.aborted: list[int] = []  # unfinished at an update with rollout.partial: abort
+        self.accepting = False
+        self.failure: BaseException | None = None
+        self._waves: set[asyncio.Task] = set()
+        self._changed: asyncio.Event | None = None
+        self._seeds: dict[int, list] = {}
+        self._stats: list[dict] = []
+        self._stats_at = 0.0
+        self.timeout = manager.recipe.cluster.call_timeout_s
+
+    # ------------------------------------------------------------------ controller thread API
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.m._loop).result()
+
+    def start(self, version: int, state: dict | None = None) -> None:
+        """Open the engines and begin producing (from a checkpoint's `state`, if given)."""
+        self._run(self._start(version, state))
+
+    def take(self, count: int, version: int) -> Taken:
+        return self._run(self._take(count, version))
+
+    def pause(self) -> None:
+        """Stop sending, abort every running request, wait until all of them are back."""
+        self._run(self._pause())
+
+    def drop_stale(self, version: int) -> None:
+        """After the update to `version`: free the trained batch's room, drop the open groups
+        that can no longer be trained (and, with partial: abort, the unfinished ones)."""
+        self._run(self._drop_stale(version))
+
+    def resume(self) -> None:
+        """Reopen the engines, draw prompts up to the capacity and send what waits."""
+        self._run(self._resume())
+
+    def state(self) -> dict:
+        return self._run(self._state())
+
+    def drops(self) -> tuple[list[int], list[int]]:
+        """(stale, aborted) indices dropped since the last call."""
+        return self._run(self._drops())
+
+    def held_indices(self) -> list[int]:
+        return self._run(self._held_indices())
+
+    # -------------------------------------------------------------------------- on the loop
+    async def _start(self, version: int, state: dict | None) -> None:
+        self._changed = asyncio.Event()
+        if state is not None:
+            for row in state["open"]:
+                (group,) = from_state([row])
+                self.slots[row["index"]] = _Slot(row["index"], group)
+            for row in state["buffer"]:
+                (group,) = from_state([row])
+                self._complete(row["index"], group)
+        self._stats = await self._engine_stats()
+        self._stats_at = time.perf_counter()
+        await self._resume()
+
+    async def _engines(self, method: str, *args) -> list:
+        refs = [getattr(e, method).remote(*args) for e in self.m.engines]
+        return await asyncio.wait_for(
+            asyncio.gather(*(asyncio.wrap_future(r.future()) for r in refs)), self.timeout
+        )
+
+    async def _engine_stats(self) -> list[dict]:
+        return await self._engines("stats")
+
+    async def _resume(self) -> None:
+        await self._engines("open")
+        self.accepting = True
+        self._fill()
+
+    def _fill(self) -> None:
+        """Draw prompts up to the capacity, then send every open group not running."""
+        if not self.accepting:
+            return
+        room = self.capacity - len(self.slots) - len(self.done) - self.held
+        if room > 0:
+            start = self.m.source.consumed
+            for k, problem in enumerate(self.m.source.next_batch(room)):
+                self.slots[start + k] = _Slot(start + k, OpenGroup(problem, ()))
+        waiting = sorted(i for i, s in self.slots.items() if not s.running)
+        if not waiting:
+            return
+        from miles_like.rollout_manager import _split
+
+        for replica, share in enumerate(_split(len(waiting), len(self.m.engines))):
+            if share:
+                ids = [waiting[k] for k in share]
+                for i in ids:
+                    self.slots[i].running = True
+                task = asyncio.get_running_loop().create_task(self._wave(replica, ids))
+                self._waves.add(task)
+                task.add_done_callback(self._waves.discard)
+
+    def _first_params(self, index: int):
+        """The synchronous loop's SamplingParams of data position `index`."""
+        per_step = self.recipe.rollout.prompts_per_step
+        step = index // per_step
+        if step not in self._seeds:
+            self._seeds = {step: self.m._params(step, 0, per_step)}
+        return self._seeds[step][index % per_step]
+
+    def _requests(self, slot: _Slot) -> list[tuple[list[int], object, list[int]]]:
+        """(prompt ids, params, sample indices): one request of n samples for a fresh group,
+        one per unfinished sample for a continued one (its own seed per continuation)."""
+        group, base = slot.group, self._first_params(slot.index)
+        prompt = list(group.problem.prompt_ids)
+        if not group.samples:
+            return [(prompt, base, list(range(base.n)))]
+        out = []
+        for j, s in enumerate(group.samples):
+            if s.done:
+                continue
+            rng = random.Random(f"{self.recipe.seed}/async/{slot.index}/{j}/{len(s.token_ids)}")
+            p = dataclasses.replace(
+                base,
+                n=1,
+                seed=rng.getrandbits(62),
+                max_new_tokens=self.recipe.rollout.max_new_tokens - len(s.token_ids),
+            )
+            out.append((prompt + list(s.token_ids), p, [j]))
+        return out
+
+    async def _wave(self, replica: int, ids: list[int]) -> None:
+        prompts, params, owners = [], [], []
+        for i in ids:
+            for prompt, p, js in self._requests(self.slots[i]):
+                prompts.append(prompt)
+                params.append(p)
+                owners.append((i, js))
+        try:
+            gen = self.m.engines[replica].generate_wave.remote(prompts, params)
+            while True:
+                try:
+                    ref = await asyncio.wait_for(gen.__anext__(), self.timeout)
+                except StopAsyncIteration:
+                    break
+                item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
+                if item == CLOSED:
+                    break
+                k, samples, version = item
+                self._deliver(owners[k], samples, version)
+        except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
+            self.failure = self.failure or RolloutFailed(
+                f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
+            )
+        finally:
+            for i in ids:
+                if i in self.slots:
+                    self.slots[i].running = False
+            self._changed.set()
+
+    def _deliver(self, owner: tuple[int, list[int]], samples, version: int) -> None:
+        i, js = owner
+        slot = self.slots[i]
+        now = list(slot.group.samples) or [EMPTY] * len(js)
+        for j, s in zip(js, samples):
+            g = Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version)
+            now[j] = now[j].extended(g)
+        slot.group = slot.group._replace(samples=tuple(now))
+        if slot.group.done:
+            del self.slots[i]
+            self._complete(i, slot.group)
+
+    def _complete(self, index: int, group: OpenGroup) -> None:
+        loop = asyncio.get_running_loop()
+        scored = loop.run_in_executor(None, score_group, self.m, group)
+        self.done.append(_Done(index, group, scored))
+        self._changed.set()
+
+    def _staleness(self, group: OpenGroup, version: int) -> int:
+        oldest = min((v for s in group.samples for v in s.versions), default=version)
+        return version - oldest
+
+    async def _take(self, count: int, version: int) -> Taken:
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            stale = {
+                d.index for d in self.done if self._staleness(d.group, version) > self.max_staleness
+            }
+            if stale:
+                self.dropped += sorted(stale)
+                self.done = [d for d in self.done if d.index not in stale]
+                self._fill()  # their room is free
+            if len(self.done) >= count:
+                break
+            if not self._waves:  # nothing can complete a group any more
+                raise RolloutFailed(
+                    f"async rollouts: {len(self.done)} of {count} groups complete and nothing "
+                    "generating (a producer bug)"
+                )
+            self._changed.clear()
+            await self._changed.wait()
+        chosen, self.done = self.done[:count], self.done[count:]
+        self.held += count
+        tallies: Counter = Counter()
+        groups = []
+        chosen = sorted(chosen, key=lambda d: d.index)
+        for d in chosen:
+            group, counts = await d.scored
+            groups.append(group)
+            tallies.update(counts)
+        stats = await self._engine_stats()
+        now = time.perf_counter()
+        engine: Counter = Counter()
+        for before, after in zip(self._stats, stats):
+            for key in ("generated_tokens", "prefill_tokens_computed", "prefix_cache_hit_tokens"):
+                engine[key] += after[key] - before[key]
+        seconds, self._stats, self._stats_at = now - self._stats_at, stats, now
+        return Taken(
+            groups,
+            [d.index for d in chosen],
+            [self._staleness(d.group, version) for d in chosen],
+            sum(d.group.rollouts > 0 for d in chosen),
+            tallies,
+            seconds,
+            engine,
+            len(self.done),
+        )
+
+    async def _pause(self) -> None:
+        self.accepting = False
+        await self._engines("close", True)
+        if self._waves:
+            await asyncio.wait_for(asyncio.gather(*self._waves), self.timeout)
+
+    async def _drop_stale(self, version: int) -> None:
+        self.held = 0
+        for i in sorted(self.slots):
+            slot = self.slots[i]
+            oldest = slot.oldest()
+            if oldest is not None and version - oldest > self.max_staleness:
+                self.dropped.append(i)
+                del self.slots[i]
+            elif not self.keep_partial and slot.group.samples:
+                self.aborted.append(i)
+                del self.slots[i]
+            elif slot.group.samples:  # continued across this update
+                slot.group = slot.group._replace(rollouts=slot.group.rollouts + 1)
+
+    async def _state(self) -> dict:
+        """JSON-ready: the open groups (index order) and the buffer (completion order)."""
+        ids = sorted(self.slots)
+        open_rows = to_state([self.slots[i].group for i in ids])
+        buffer_rows = to_state([d.group for d in self.done])
+        return {
+            "open": [{**row, "index": i} for i, row in zip(ids, open_rows)],
+            "buffer": [{**row, "index": d.index} for d, row in zip(self.done, buffer_rows)],
+        }
+
+    async def _drops(self) -> tuple[list[int], list[int]]:
+        out = (sorted(self.dropped), sorted(self.aborted))
+        self.dropped, self.aborted = [], []
+        return out
+
+    async def _held_indices(self) -> list[int]:
+        return sorted([*self.slots, *(d.index for d in self.done)])
+
+
+def batch_metrics(taken: Taken, stale: list[int], aborted: list[int], capacity: int) -> dict:
+    """The async-only rollout/ keys of a step."""
+    n = max(len(taken.staleness), 1)
+    return {
+        "staleness_mean": sum(taken.staleness) / n,
+        "staleness_max": float(max(taken.staleness, default=0)),
+        "continued_groups": float(taken.continued),
+        "stale_dropped_groups": float(len(stale)),
+        "aborted_groups": float(len(aborted)),
+        "buffer_groups": float(taken.buffered),
+        "buffer_fill": taken.buffered / capacity,
+        "trained_prompt_ids": list(taken.indices),
+        "stale_dropped_prompt_ids": stale,
+        "aborted_prompt_ids": aborted,
+    }

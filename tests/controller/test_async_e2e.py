@@ -1,0 +1,192 @@
+"""Fully asynchronous training (`cluster.fully_async`, `async_loop.py`), end to end on Ray.
+
+* max_staleness 0 is the synchronous disaggregated run (`off_policy_steps: 0`): every
+  metrics.jsonl key of the synchronous rows but the timings is equal (float64), and the async
+  rows add staleness 0, nothing dropped, each step training the next prompts_per_step prompts.
+* max_staleness 1 on responses of varied lengths: the engines run ahead (the trainer's batches
+  hold groups sampled partly by the previous weights, continued over updates), no group is
+  staler than the bound, and every drawn prompt is trained, dropped or held exactly once.
+* Kill -9 at an arbitrary moment of an async run, resume with checkpoint.resume=auto: the rows
+  of the finished run account for every drawn prompt exactly once (none trained twice, none
+  lost), and groups open at the checkpoint with tokens were continued after the resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_resume_e2e import RECIPE, ROOT, _kill_group, _wait_session_gone, is_timing, rows_of
+
+from miles_like import checkpoint
+from miles_like.cli import main
+from miles_like.loop import run
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = 4
+BASE = (
+    "rollout.prompts_per_step=4",
+    "rollout.n=2",
+    "rollout.kv_cache_tokens=4096",
+    "rollout.temperature=0.8",
+    "sft.steps=10",
+    "sft.batch_size=16",
+    "sft.cache=false",
+    "trainer.lr=3e-3",
+    "tracking.wandb_project=null",
+    "cluster.devices=2",
+    "cluster.colocate=false",
+    "cluster.cpu_threads=1",
+)
+ASYNC = ("cluster.fully_async=true",)
+
+
+def run_in_process(out: Path, *overrides: str) -> list[dict]:
+    assert main([RECIPE, f"tracking.output_dir={out}", *BASE, *overrides], run=run) == 0
+    return rows_of(out)
+
+
+def check_accounting(rows: list[dict]) -> list[int]:
+    """Every drawn prompt index is trained, dropped or held after the last step, once; returns
+    the trained ones."""
+    trained = [i for r in rows for i in r["rollout/trained_prompt_ids"]]
+    dropped = [
+        i
+        for r in rows
+        for i in r["rollout/stale_dropped_prompt_ids"] + r["rollout/aborted_prompt_ids"]
+    ]
+    held = rows[-1]["rollout/held_prompt_ids"]
+    every = trained + dropped + held
+    assert len(every) == len(set(every)), "a prompt was trained / dropped twice"
+    assert sorted(every) == list(range(rows[-1]["rollout/data_consumed"]))
+    for r in rows:
+        assert len(r["rollout/trained_prompt_ids"]) == PROMPTS
+        assert r["rollout/stale_dropped_groups"] == len(r["rollout/stale_dropped_prompt_ids"])
+    return trained
+
+
+def test_zero_staleness_is_the_synchronous_run(ray_local, cache, tmp_path):
+    common = (
+        "steps=3",
+        "checkpoint.every_steps=0",
+        "rollout.max_new_tokens=8",
+        "reward.function=user_rewards:length_score",
+    )
+    sync = run_in_process(tmp_path / "sync", *common)
+    asynchronous = run_in_process(tmp_path / "async", *common, *ASYNC, "cluster.max_staleness=0")
+    assert len(sync) == len(asynchronous) == 3
+    for s, a in zip(sync, asynchronous):
+        diff = {k: (s[k], a.get(k)) for k in sorted(s) if not is_timing(k) and s[k] != a.get(k)}
+        assert not diff, f"step {s['step']}: {diff}"
+        assert a["rollout/staleness_max"] == 0 and a["rollout/stale_dropped_groups"] == 0
+        assert a["rollout/trained_prompt_ids"] == list(
+            range(s["step"] * PROMPTS, (s["step"] + 1) * PROMPTS)
+        )
+        assert a["rollout/continued_groups"] == 0
+    # the runs really differ in what they are compared on: lengths vary, updates are real
+    assert len({r["rollout/response_len_mean"] for r in sync}) > 1
+    assert all(r["train/grad_norm"] > 0 for r in sync)
+    check_accounting(asynchronous)
+
+
+# long responses (a length reward, room to run): generating a batch outlasts training one, so
+# requests are running at each weight update and are continued across it
+LONG = (
+    "rollout.max_new_tokens=160",
+    "reward.function=user_rewards:length_score",
+)
+
+
+def test_one_step_staleness_runs_ahead_within_the_bound(ray_local, cache, tmp_path):
+    rows = run_in_process(
+        tmp_path / "async1",
+        "steps=5",
+        "checkpoint.every_steps=0",
+        *LONG,
+        *ASYNC,
+        "cluster.max_staleness=1",
+    )
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    # the engines generated while the trainer trained: later batches hold groups (partly)
+    # sampled by the previous weights, some of them continued over a weight update
+    assert any(r["rollout/staleness_max"] == 1 for r in rows[1:])
+    assert sum(r["rollout/continued_groups"] for r in rows) > 0
+    trained = check_accounting(rows)
+    assert len(trained) == 5 * PROMPTS
+
+
+STEPS = 12
+DELAY_S = 0.3  # after checkpoint 3: inside step 3 or later, not at a checkpoint
+
+
+def test_killed_async_run_resumes_without_loss_or_repeat(ray_local, cache, tmp_path):
+    out = tmp_path / "killed"
+    overrides = (
+        f"steps={STEPS}",
+        "checkpoint.every_steps=3",
+        "checkpoint.keep_last=100",
+        *LONG,
+        *ASYNC,
+        "cluster.max_staleness=1",
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("WANDB_SERVICE", None)
+    out.mkdir(parents=True)
+    log_path = tmp_path / "killed.log"
+    marker = out / "checkpoints" / "step_000003" / "state.json"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "miles_like.train", RECIPE, f"tracking.output_dir={out}"]
+            + [*BASE, *overrides],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 900
+            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            saw_marker = marker.exists()
+            time.sleep(DELAY_S)
+            rows_at_kill = len((out / "metrics.jsonl").read_text().splitlines())
+            _kill_group(proc.pid)
+        finally:
+            _kill_group(proc.pid)
+            proc.wait()
+            leaked = _wait_session_gone(proc.pid, timeout=30)
+    assert saw_marker, log_path.read_text()[-3000:]
+    assert not leaked
+    assert 3 <= rows_at_kill < STEPS, "not killed mid-run"
+    rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    # nothing lost, nothing twice: every drawn index is trained, dropped or held, once; the
+    # groups open or buffered at the checkpoint resumed from are among them (after it)
+    trained = check_accounting(rows)
+    assert len(trained) == STEPS * PROMPTS
+    # the checkpoints hold open groups with their partial tokens, log-probs and versions
+    # (every checkpoint is kept: the killed run's and the resumed run's)
+    partial = [
+        g
+        for c in checkpoint.complete_checkpoints(out)
+        for g in json.loads((c / "state.json").read_text())["async"]["open"]
+        if any(s["token_ids"] for s in g["samples"])
+    ]
+    assert partial
+    assert all(
+        len(s["token_ids"]) == len(s["logprobs"]) == len(s["versions"])
+        for g in partial
+        for s in g["samples"]
+    )
+    assert sum(r["rollout/continued_groups"] for r in rows) > 0
