@@ -388,6 +388,8 @@ class SFTSection(Section):
 @dataclass(frozen=True)
 class ClusterSection(Section):
     PATH = "cluster"
+    # `async` is a Python keyword, so the field is fully_async (verl's name for the mode)
+    ALIASES = {"async": "fully_async"}
     devices: int = setting(1, "devices (GPUs; CPU slots without CUDA) in the placement group", ge=1)
     accelerator: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when available")
     colocate: bool = setting(True, "trainer rank i and engine i share device i; phases alternate")

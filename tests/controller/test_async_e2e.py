@@ -14,14 +14,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from test_resume_e2e import RECIPE, ROOT, _kill_group, _wait_session_gone, is_timing, rows_of
+from killed_run import killed_run
+from test_resume_e2e import RECIPE, is_timing, rows_of
 
 from miles_like import checkpoint
 from miles_like.cli import main
@@ -135,40 +132,10 @@ def test_killed_async_run_resumes_without_loss_or_repeat(ray_local, cache, tmp_p
         *ASYNC,
         "cluster.max_staleness=1",
     )
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("WANDB_SERVICE", None)
-    out.mkdir(parents=True)
-    log_path = tmp_path / "killed.log"
     marker = out / "checkpoints" / "step_000003" / "state.json"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "miles_like.train", RECIPE, f"tracking.output_dir={out}"]
-            + [*BASE, *overrides],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            deadline = time.monotonic() + 900
-            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            saw_marker = marker.exists()
-            time.sleep(DELAY_S)
-            rows_at_kill = len((out / "metrics.jsonl").read_text().splitlines())
-            _kill_group(proc.pid)
-        finally:
-            _kill_group(proc.pid)
-            proc.wait()
-            leaked = _wait_session_gone(proc.pid, timeout=30)
-    assert saw_marker, log_path.read_text()[-3000:]
-    assert not leaked
-    assert 3 <= rows_at_kill < STEPS, "not killed mid-run"
+    with killed_run(out, [RECIPE, *BASE, *overrides], marker, delay_s=DELAY_S) as kill:
+        pass  # the run goes on alone until the watcher kills it
+    assert kill.rows_at_kill and 3 <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
     rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
     assert [r["step"] for r in rows] == list(range(STEPS))
     # nothing lost, nothing twice: every drawn index is trained, dropped or held, once; the

@@ -82,3 +82,11 @@ def test_wrong_combinations_are_one_line_errors(overrides, message):
     with pytest.raises(RecipeError, match=message) as e:
         load_recipe(RECIPE, overrides)
     assert "\n" not in str(e.value)
+
+
+def test_the_issue_spelling_names_the_field():
+    """`cluster.async` (a Python keyword, so not a field name) points at cluster.fully_async."""
+    with pytest.raises(
+        RecipeError, match=r"^cluster\.async: unknown key; did you mean cluster\.fully_async\?$"
+    ):
+        load_recipe(RECIPE, [*DISAGG, "cluster.async=true"])
