@@ -20,6 +20,9 @@ Sections (`--sections` picks some; each is timed, and one that fails is reported
   length and speedup.
 * decode_graphs: greedy decoding with static-shape steps captured as CUDA graphs vs the dynamic
   path, float32, same weights: tokens equal, log-probs within 1e-4 (exit 1 otherwise).
+* compiled_decode: greedy decoding with `EngineConfig.compile` (inductor's Triton kernels, inside
+  the decode graphs' CUDA graphs) vs eager, float32, same weights: tokens equal, log-probs within
+  1e-4 (exit 1 otherwise); the compiled first call's seconds, compilation included.
 * decode_roofline: `decode_roofline.py`: whole engine decode steps at batch 1, 8 and 64 against
   (weight bytes + K/V bytes) / peak bandwidth: torch attention, Triton with CUDA graphs, Triton
   without.
@@ -71,6 +74,7 @@ QWEN_05B = dict(num_heads=14, num_kv_heads=2, head_dim=64)
 SECTIONS = (
     "kernels",
     "decode_graphs",
+    "compiled_decode",
     "engine_vs_hf",
     "speculation",
     "decode_roofline",
@@ -158,6 +162,7 @@ def main() -> int:
         not report["errors"]
         and all(c["ok"] for c in kernel_checks)
         and report.get("decode_graphs", {}).get("ok", True)
+        and report.get("compiled_decode", {}).get("ok", True)
         and report.get("engine_tp", {}).get("ok", True)
     )
     text = json.dumps(report)
@@ -325,6 +330,57 @@ def section_decode_graphs(device, args, peak_gbps) -> dict:
     }
 
 
+def section_compiled_decode(device, args, peak_gbps) -> dict:
+    """The compiled forward (`EngineConfig.compile`: inductor's Triton kernels on a GPU, inside
+    the decode graphs' CUDA graphs) against the eager engine, float32, same weights, greedy: tokens
+    equal and log-probs within 1e-4, as tests/rollout/test_compiled.py checks on CPU."""
+    import tempfile
+
+    import torch
+
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.compiled import compiled_graphs
+    from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint
+
+    backend = "torch" if args.dry_run else "triton"
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(1, TINY_QWEN2["vocab_size"], (int(n),), generator=g).tolist()
+        for n in torch.randint(4, 40, (12,), generator=g)
+    ]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=32, ignore_eos=True)
+    outs, seconds = {}, {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_random_checkpoint(model_dir, TINY_QWEN2, seed=0, std=0.1)
+        for compiled in (False, True):
+            engine = Engine(
+                EngineConfig(
+                    model_path=model_dir,
+                    device=str(device),
+                    max_model_len=256,
+                    attention_backend=backend,
+                    compile=compiled,
+                )
+            )
+            t0 = time.perf_counter()
+            outs[compiled] = [s for per in engine.generate(prompts, params) for s in per]
+            seconds[compiled] = time.perf_counter() - t0  # compiled: compilation included
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs[False], outs[True]))
+    diff = max(
+        abs(x - y) for a, b in zip(outs[False], outs[True]) for x, y in zip(a.logprobs, b.logprobs)
+    )
+    return {
+        "ok": same == len(outs[False]) and diff < 1e-4,
+        "backend": backend,
+        "samples": len(outs[False]),
+        "identical_samples": same,
+        "max_logprob_diff": diff,
+        "compiled_graphs": compiled_graphs(),
+        "eager_s": seconds[False],
+        "compiled_first_call_s": seconds[True],
+    }
+
+
 def section_weight_sync(device, args, peak_gbps) -> dict:
     # A subprocess: the benchmark spawns processes whose targets must import from it by name.
     import subprocess
@@ -411,6 +467,7 @@ def section_rl_step_bf16(device, args, peak_gbps) -> dict:
 SECTION_RUNNERS = {
     "kernels": section_kernels,
     "decode_graphs": section_decode_graphs,
+    "compiled_decode": section_compiled_decode,
     "engine_vs_hf": section_engine_vs_hf,
     "speculation": section_speculation,
     "decode_roofline": section_decode_roofline,
@@ -454,6 +511,15 @@ def markdown_summary(report: dict) -> str:
             f"{graphs['identical_samples']} / {graphs['samples']} greedy samples identical to the "
             f"dynamic path, log-probs within {graphs['max_logprob_diff']:.1e}, "
             f"{graphs['static_steps']} static steps.",
+        ]
+    comp = report.get("compiled_decode")
+    if comp:
+        lines += [
+            "",
+            f"Compiled decode ({comp['backend']} attention, EngineConfig.compile): "
+            f"{comp['identical_samples']} / {comp['samples']} greedy samples identical to eager, "
+            f"log-probs within {comp['max_logprob_diff']:.1e}, {comp['compiled_graphs']} graphs, "
+            f"first call {comp['compiled_first_call_s']:.1f} s (eager {comp['eager_s']:.1f} s).",
         ]
     engine = report.get("engine_vs_hf")
     if engine:

@@ -8,6 +8,7 @@ temporary directory and loaded by the engine, so both sides compute the same fun
     .venv/bin/python benchmarks/rollout_throughput.py            # full run (minutes on 2 cores)
     .venv/bin/python benchmarks/rollout_throughput.py --quick    # seconds; used by a smoke test
     .venv/bin/python benchmarks/rollout_throughput.py --threads 1 --repeats 3  # on a shared machine
+    .venv/bin/python benchmarks/rollout_throughput.py --compile  # eager and compiled engines
 
 Prints one JSON object: generated tokens/s of HF, of the engine (radix cache on) and of the
 engine with the radix cache off, the ratios to HF, the engine's stats over the timed call, and the
@@ -110,6 +111,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="scaled-down run (4 prompts of 32 tokens, n=4, 16 new tokens) for smoke tests",
     )
     ap.add_argument("--skip-hf", action="store_true", help="measure the engine only")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run both engines with EngineConfig.compile=True (keys engine_compiled, "
+        "engine_no_radix_compiled; the warm-up's seconds, compilation included, are reported)",
+    )
     ap.add_argument(
         "--lengths",
         default="fixed",
@@ -309,7 +316,10 @@ def main(argv=None) -> dict:
             for length in lengths
         ]
         engines = {}
-        for key, radix in (("engine", True), ("engine_no_radix", False)):
+        systems = [("engine", True, False), ("engine_no_radix", False, False)]
+        if args.compile:
+            systems += [("engine_compiled", True, True), ("engine_no_radix_compiled", False, True)]
+        for key, radix, compiled in systems:
             engines[key] = Engine(
                 EngineConfig(
                     model_path=tmp,
@@ -320,13 +330,21 @@ def main(argv=None) -> dict:
                     max_running_requests=args.max_running_requests,
                     enable_prefix_cache=radix,
                     seed=args.seed,
+                    compile=compiled,
                 )
             )
+            t0 = time.perf_counter()
             run_engine(
                 engines[key],
                 warm,
                 SamplingParams(n=2, temperature=1.0, max_new_tokens=4, ignore_eos=True),
             )
+            if compiled:  # the warm-up compiles every piece (dynamic shapes: once for any batch)
+                result[f"{key}_warmup_s"] = time.perf_counter() - t0
+        if args.compile:
+            from rollout.compiled import compiled_graphs
+
+            result["compiled_graphs_after_warmup"] = compiled_graphs()
 
         for round_ in range(max(1, args.repeats)):
             if (
@@ -361,6 +379,8 @@ def main(argv=None) -> dict:
                             f"{key}_occupancy": r.activity["engine_occupancy"],
                         }
                     )
+        if args.compile:
+            result["compiled_graphs_at_end"] = compiled_graphs()
         if not args.skip_hf:
             for key in engines:
                 result[f"ratio_{key}_vs_hf"] = (

@@ -47,6 +47,7 @@ FIELD_NAMES: dict[str, str] = {
     "EngineConfig.speculative_draft_model_path": "rollout.speculative_draft_model_path",
     "EngineConfig.attention_backend": "rollout.attention_backend",
     "EngineConfig.decode_graphs": "rollout.decode_graphs",
+    "EngineConfig.compile": "rollout.compile",
     "EngineConfig.tensor_parallel_size": "rollout.tp",
 }
 _FIELD_RE = re.compile(
@@ -146,6 +147,7 @@ def engine_config(recipe: Recipe, model_path: str, device: str = "cpu") -> Engin
             dtype=recipe.model.dtype,
             attention_backend=backend,
             decode_graphs=r.decode_graphs,
+            compile=r.compile,
             tensor_parallel_size=r.tp,
             kv_cache_tokens=r.kv_cache_tokens,
             page_size=r.page_size,

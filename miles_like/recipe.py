@@ -182,6 +182,12 @@ class RolloutSection(Section):
         "pure decode steps at static shapes, captured as CUDA graphs on a GPU; null: on "
         "with the triton backend on CUDA",
     )
+    compile: bool = setting(
+        False,
+        "torch.compile the engine's forward outside attention (fused norm / rotary / MLP "
+        "loops; compiles in the first steps; rounds differently from eager, so off for exact "
+        "float64 runs); not with rollout.tp > 1",
+    )
     tp: int = setting(
         1,
         "engine tensor-parallel size: devices per engine replica (k Ray actors, one "

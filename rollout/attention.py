@@ -63,6 +63,9 @@ class DecodeMetadata:
     # is mirrored (flat lane * capacity + offset, batch order); the suffix is then read from the
     # lanes instead of `suffix_pages`.
     lane_write: torch.Tensor | None = None
+    # With lanes: what identifies the groups' prefixes across steps (`SuffixLanes.prefix`): each
+    # group leader's (kv_epoch, num_tree_pages), in group order.
+    prefix_key: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,15 +102,17 @@ class TorchAttention:
         v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
         out = torch.empty_like(q)
         if meta.decode is not None:
-            num_decode, suffix = meta.num_decode, None
-            if meta.decode.lane_write is not None:
+            num_decode, suffix, prefix = meta.num_decode, None, None
+            decode, page_size = meta.decode, self.pool.page_size
+            if decode.lane_write is not None:
                 lanes = self.suffix_lanes
-                lanes.mirror(layer, meta.decode.lane_write, k[:num_decode], v[:num_decode])
-                suffix = lanes.views(
-                    layer, meta.decode.suffix_bias.shape[0], meta.decode.suffix_bias.shape[-1]
-                )
+                lanes.mirror(layer, decode.lane_write, k[:num_decode], v[:num_decode])
+                num_seqs, width = decode.suffix_bias.shape[0], decode.suffix_bias.shape[-1]
+                suffix = lanes.views(layer, num_seqs, width)
+                if decode.prefix_key is not None and decode.prefix_pages.shape[1] > 0:
+                    prefix = lanes.prefix(layer, decode.prefix_key, decode.prefix_pages)
             out[:num_decode] = cascade_decode_attention(
-                q[:num_decode], k_cache, v_cache, meta.decode, self.pool.page_size, suffix
+                q[:num_decode], k_cache, v_cache, decode, page_size, suffix, prefix
             )
         prefill_attention(q, k_cache, v_cache, meta.prefill, out)
         return out
@@ -163,13 +168,15 @@ def cascade_decode_attention(
     meta: DecodeMetadata,
     page_size: int,
     suffix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention of each decode query over (group prefix ++ own suffix).
 
     q: [T, H, Dh] decode tokens in batch order -> [T, H, Dh]. Heads are grouped GQA-style:
     query head h reads KV head h // (H / Hkv). `suffix_kv`: the suffix K, V already laid out as
     [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the
-    pool."""
+    pool. `prefix_kv`: the groups' prefix K, V as [Hkv, G, Lp, Dh], `accum_dtype` (kept across
+    steps by the lanes); None gathers them."""
     num_heads, head_dim = q.shape[1:]
     out_dtype = q.dtype
     num_seqs, num_queries = meta.suffix_bias.shape[:2]
@@ -201,7 +208,12 @@ def cascade_decode_attention(
         grid_q = q.new_zeros(num_kv_heads, groups * members, rows, head_dim)
         grid_q.index_copy_(1, meta.member_index, q)
         grid_q = grid_q.view(num_kv_heads, groups, members * rows, head_dim)
-        prefix_k = _gather(k_cache, meta.prefix_pages, page_size)  # [Hkv, G, Lp, Dh]
+        if prefix_kv is None:
+            prefix_kv = (
+                _gather(k_cache, meta.prefix_pages, page_size),
+                _gather(v_cache, meta.prefix_pages, page_size),
+            )
+        prefix_k, prefix_v = prefix_kv  # [Hkv, G, Lp, Dh]
         grid_scores = grid_q @ prefix_k.transpose(-1, -2) + meta.prefix_bias[None, :, None, :]
         prefix_scores = grid_scores.view(num_kv_heads, groups * members, rows, -1).index_select(
             1, meta.member_index
@@ -216,9 +228,7 @@ def cascade_decode_attention(
         denom = denom + prefix_p.sum(-1, keepdim=True)
         grid_p = prefix_p.new_zeros(num_kv_heads, groups * members, rows, prefix_p.shape[-1])
         grid_p.index_copy_(1, meta.member_index, prefix_p)
-        grid_out = grid_p.view(num_kv_heads, groups, members * rows, -1) @ _gather(
-            v_cache, meta.prefix_pages, page_size
-        )
+        grid_out = grid_p.view(num_kv_heads, groups, members * rows, -1) @ prefix_v
         out = out + grid_out.view(num_kv_heads, groups * members, rows, head_dim).index_select(
             1, meta.member_index
         )

@@ -65,6 +65,13 @@ class EngineConfig:
     """Pure decode steps at static shapes (`rollout.decode_graphs`): captured as CUDA graphs on a
     GPU. None: on with attention_backend="triton" on CUDA. True elsewhere runs the same static
     function eagerly (tests); it turns suffix lanes off."""
+    compile: bool = False
+    """`torch.compile` the forward outside attention (`rollout.compiled`: per layer, norm + q/k/v +
+    rotary and o_proj + norm + SwiGLU MLP + residuals; the logits head), fused by inductor into
+    C++ / OpenMP loops on CPU, Triton on GPU; inside the CUDA graphs of `decode_graphs`. The
+    first steps pay the compilation (tens of seconds on a small CPU; inductor's on-disk cache
+    makes later processes faster). Same function as eager up to rounding, so off by default
+    (eager is the reference, and float64 runs stay exact); not with tensor parallelism."""
     speculative_method: str | None = None
     """None (off), "ngram" (prompt lookup in the sequence itself), "group" (also the other
     samples and earlier completions of the same prompt) or "draft" (a smaller model with the same
@@ -167,6 +174,10 @@ class EngineConfig:
             "must be in [0, 1]",
         )
         _require(
+            self.compile in (True, False),
+            f"EngineConfig.compile={self.compile!r}: must be true or false",
+        )
+        _require(
             self.decode_graphs in (None, True, False),
             f"EngineConfig.decode_graphs={self.decode_graphs!r}: "
             "must be true, false or null (auto)",
@@ -186,6 +197,7 @@ class EngineConfig:
                 ("attention_backend", self.attention_backend == "torch", "'torch'"),
                 ("decode_graphs", not self.decode_graphs, "false or null"),
                 ("speculative_method", self.speculative_method is None, "null"),
+                ("compile", not self.compile, "false"),
             ):
                 _require(
                     ok,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rollout.activity import ActivityLog, ForwardPass
 from rollout.attention import TorchAttention
+from rollout.compiled import compile_model
 from rollout.config import EngineConfig, SamplingParams, accum_dtype
 from rollout.decode_graphs import DecodeGraphs
 from rollout.draft_model import DraftModelProposer
@@ -114,6 +115,8 @@ class Engine:
             )
         loaded = load_model(config, self.tp)
         self.model_config, self.max_model_len, self.model, self._shards = loaded
+        if config.compile:
+            compile_model(self.model)  # compiles lazily, at the first forward of each shape kind
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         eos = (

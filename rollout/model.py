@@ -12,6 +12,9 @@ vocabulary rows; the logits are gathered so every rank returns the full [R, voca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +25,12 @@ from rollout.model_config import ModelConfig
 from rollout.parallel_layers import VocabParallelEmbedding, column, lm_head, row
 from rollout.rope import RotaryEmbedding
 from rollout.tp_group import TPGroup
+
+
+class LayerPieces(NamedTuple):
+    attention_inputs: Callable  # (layer, x, positions, rotary) -> q, k, v
+    attention_outputs: Callable  # (layer, x, attention output) -> x after the layer
+    logits: Callable  # (model, hidden) -> logits in accum_dtype, this rank's vocabulary rows
 
 
 class RMSNorm(nn.Module):
@@ -64,6 +73,13 @@ class Attention(nn.Module):
         attn: TorchAttention,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, positions, rotary)
+        return self.output(attn.forward(self.layer_idx, q, k, v, meta))
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k, v [T, Hkv, D] of the tokens' (normed) hidden states, rotated."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -71,8 +87,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, positions)
-        out = attn.forward(self.layer_idx, q, k, v, meta)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -96,6 +114,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, rotary, attn, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    # `forward` in the two pieces around the paged attention (`CausalLM.forward` runs these):
+    # everything but attention itself, pure tensor code that `torch.compile` can fuse
+    # (rollout.compiled).
+    def attention_inputs(self, x, positions, rotary):
+        return self.self_attn.project(self.input_layernorm(x), positions, rotary)
+
+    def attention_outputs(self, x, attn_out):
+        x = x + self.self_attn.output(attn_out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,6 +151,11 @@ class CausalLM(nn.Module):
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_weights()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        # The per-layer pieces and the logits head: these plain functions (the reference), or
+        # their torch.compile'd versions (`rollout.compiled.compile_model`).
+        self.pieces = LayerPieces(
+            DecoderLayer.attention_inputs, DecoderLayer.attention_outputs, CausalLM._logits
+        )
 
     @classmethod
     def build(
@@ -161,8 +194,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat batch, before the final norm."""
         x = self.model.embed_tokens(input_ids)
+        inputs, outputs, _ = self.pieces
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, attn, meta)
+            q, k, v = inputs(layer, x, positions, self.rotary)
+            x = outputs(layer, x, attn.forward(layer.self_attn.layer_idx, q, k, v, meta))
         return x
 
     @torch.inference_mode()
@@ -170,6 +205,9 @@ class CausalLM(nn.Module):
         """Logits in float32 (float64 for a float64 model) for the selected rows only (the norm is
         per token, so selecting rows first gives the same values as HF computing every row). Under
         TP each rank computes its vocabulary rows and every rank gets the gathered full rows."""
-        logits = self.lm_head(self.model.norm(hidden))
-        logits = logits.to(accum_dtype(logits.dtype))
+        logits = self.pieces.logits(self, hidden)
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(hidden))
+        return logits.to(accum_dtype(logits.dtype))

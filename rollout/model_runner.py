@@ -189,6 +189,13 @@ class ModelRunner:
             query_index,
             token_cell,
             lane_write=plan.write_index if plan is not None else None,
+            prefix_key=(
+                tuple(
+                    (seqs[m[0]].kv_epoch, seqs[m[0]].num_tree_pages) for m in groups.values()
+                )
+                if plan is not None
+                else None
+            ),
         )
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:

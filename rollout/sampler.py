@@ -62,7 +62,12 @@ def truncation_mask(
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] float32 or float64 -> (tokens [R] int64, logprobs [R] in the logits' dtype)."""
+    """logits [R, V] float32 or float64 -> (tokens [R] int64, logprobs [R] in the logits' dtype).
+
+    One exponential per logit: with m the row max and e = exp(x / T - m), e feeds the draw
+    (inverse CDF over e, truncated; the draw is unchanged by the scale 1 / sum(e)) and its sum
+    gives the chosen token's log-prob, x / T - m - log(sum(e)): the formula log_softmax
+    evaluates, computed for the chosen tokens only."""
     device = logits.device
     temperature = batch.temperature.to(device)
     greedy = temperature == 0
@@ -72,7 +77,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         if bool((temperature == 1).all())
         else logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
     )
-    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    shifted = scaled - scaled.amax(dim=-1, keepdim=True)  # <= 0, exactly 0 at the max
+    weights = shifted.exp()  # the only pass computing exp: e = exp(x / T - m)
+    log_total = weights.sum(dim=-1).log_()  # log sum(e) >= 0: the max contributes exactly 1
     sampled = (~greedy).nonzero().squeeze(-1)
     all_sampled = sampled.numel() == len(greedy)
     if not all_sampled:
@@ -80,13 +87,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     else:
         tokens = torch.empty(len(greedy), dtype=torch.int64, device=device)
     if sampled.numel():
-        # Row selection copies; with every row sampled, exp out of place does the same work once.
-        probs = logprobs_all.exp() if all_sampled else logprobs_all[sampled].exp_()
+        probs = weights if all_sampled else weights[sampled]  # unnormalised: mass ratios only
         top_k, top_p, min_p = (
             t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p)
         )
         truncating = ((top_k > 0) & (top_k < probs.shape[-1])) | (top_p < 1) | (min_p > 0)
         if truncating.any():
+            # truncation_mask compares ratios of masses (top-p within the top-k mass, min-p to
+            # the max), so unnormalised weights select the same tokens as probabilities.
             rows = truncating.nonzero().squeeze(-1)
             keep = truncation_mask(probs[rows], top_k[rows], top_p[rows], min_p[rows])
             probs[rows] = probs[rows] * keep
@@ -102,5 +110,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         if overflow.numel():
             choice[overflow] = (cdf[overflow] < cdf[overflow, -1:]).sum(dim=-1)
         tokens[sampled] = choice
-    logprobs = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logprobs = shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
     return tokens, logprobs

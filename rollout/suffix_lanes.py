@@ -24,6 +24,15 @@ are filled from the pool); attention gives them weight exactly 0.
 Lanes `[0, num_seqs)` are exactly the step's decode sequences (compacted: a departing sequence's
 lane is refilled by moving a higher one down), and the decode grid of `DecodeMetadata` lists the
 sequences in lane order, so no copy reorders them.
+
+The shared prefixes are kept too (`prefix`): cascade attention reads each decode group's prefix
+K/V (its radix pages, gathered from the pool into [Hkv, G, Lp, dim]); the gathered tensors of the
+last step are reused while the step's groups are the same. Key: each group's leading sequence's
+`(kv_epoch, num_tree_pages)` in grid order. A leader whose epoch is unchanged has held its lock on
+those tree pages since the copy was made, and locked tree pages are immutable, so the copy still
+equals the pool over each group's prefix; any other change of the groups changes the key and
+re-gathers. (Past a shorter group's prefix the padding columns hold finite stale values, which
+the prefix bias gives weight exactly 0, as with the gather.)
 """
 
 from __future__ import annotations
@@ -64,6 +73,9 @@ class SuffixLanes:
         self.v: torch.Tensor | None = None
         self.lanes: list[_Lane | None] = []
         self.lane_of_epoch: dict[int, int] = {}
+        self._prefix_key: tuple | None = None  # DecodeMetadata.prefix_key of the copies below
+        self._prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V)
+        self._prefix_pages: torch.Tensor | None = None  # [G, Np] the copies were gathered from
 
     @property
     def capacity(self) -> int:
@@ -73,10 +85,37 @@ class SuffixLanes:
         """Drop the buffers and every lane (the pool is being freed)."""
         self.k = self.v = None
         self.lanes, self.lane_of_epoch = [], {}
+        self._prefix_key, self._prefix = None, {}
 
     def forget(self) -> None:
         """Free every lane (keeping the buffers): a step without decode breaks continuity."""
         self.lanes, self.lane_of_epoch = [None] * len(self.lanes), {}
+        self._prefix_key, self._prefix = None, {}
+
+    def prefix(
+        self, layer: int, key: tuple, pages: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups' prefix K, V of `layer` ([Hkv, G, Lp, dim], accum_dtype) for the prefix
+        `pages` [G, Np]: last step's copy when `key` (DecodeMetadata.prefix_key) is unchanged,
+        else gathered from the pool now and kept."""
+        if key != self._prefix_key:
+            self._prefix_key, self._prefix, self._prefix_pages = key, {}, pages
+        kv = self._prefix.get(layer)
+        if kv is None:
+            kv = self._prefix[layer] = (
+                self._gather_pages(self.pool.k[layer], pages),
+                self._gather_pages(self.pool.v[layer], pages),
+            )
+        return kv
+
+    def _gather_pages(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """cache [Hkv, slots, dim], pages [G, Np] -> [Hkv, G, Np * page_size, dim], accum_dtype."""
+        heads, _, dim = cache.shape
+        page = self.pool.page_size
+        gathered = cache.view(heads, -1, page * dim).index_select(1, pages.reshape(-1))
+        return gathered.view(heads, pages.shape[0], pages.shape[1] * page, dim).to(
+            accum_dtype(cache.dtype)
+        )
 
     def _ensure(self, num_lanes: int, width: int) -> bool:
         """Room for `num_lanes` lanes of `width` positions, growing geometrically (contents
@@ -215,6 +254,18 @@ class SuffixLanes:
     def check(self, running: list[Sequence]) -> None:
         """Assert the invariant of the module docstring for every lane still assigned."""
         by_epoch = {s.kv_epoch: s for s in running}
+        # Prefix copies whose leaders all still run (the key could match again) equal the pool
+        # over each group's prefix (the padding past it is masked out of attention).
+        leaders = self._prefix_key or ()
+        if all(e in by_epoch and by_epoch[e].num_tree_pages == n for e, n in leaders):
+            for layer, (k, v) in self._prefix.items():
+                for cache, copy in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
+                    fresh = self._gather_pages(cache, self._prefix_pages)
+                    for g, (_, pages) in enumerate(leaders):
+                        width = pages * self.pool.page_size
+                        assert torch.equal(copy[:, g, :width], fresh[:, g, :width]), (
+                            "group prefix copy differs from the KV pool"
+                        )
         page, pool = self.pool.page_size, self.pool
         for epoch, lane in self.lane_of_epoch.items():
             record = self.lanes[lane]

@@ -37,6 +37,8 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path):
         and len(report["kernels"]["checks"]) >= 10
     )
     assert report["decode_graphs"]["ok"] and report["decode_graphs"]["identical_samples"] == 24
+    comp = report["compiled_decode"]
+    assert comp["ok"] and comp["identical_samples"] == comp["samples"] == 24
     assert report["engine_vs_hf"]["engine_all_samples_full_length"] is True
     assert report["speculation"]["models"]["weight_std=1.0"]["group"]["spec_verify_steps"] > 0
     assert report["decode_roofline"]["torch"]["rows"][0]["step_ms"] > 0
@@ -53,6 +55,7 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path):
     for heading in (
         "Kernel checks",
         "Decode graphs",
+        "Compiled decode",
         "Engine vs HF",
         "| speculation",
         "| decode step",

@@ -46,7 +46,8 @@ def test_draws_follow_the_rule_including_rounding_at_the_total():
                     )[0]
                 )
             assert int(tokens[r]) == reference_draw(probs, float(uniforms[r]))
-            assert float(logprobs[r]) == float(scaled[r, tokens[r]])
+            # one pass: log_softmax's formula, its sum in another order (test_sampler_one_pass)
+            assert abs(float(logprobs[r]) - float(scaled[r, tokens[r]])) < 1e-5
         assert (tokens[:8] < vocab - 7).all()  # never a zero-probability token
     assert torch.tensor(1 - 2.0**-53).float() == 1.0  # the first rows did hit the total
 

@@ -158,3 +158,42 @@ def test_plan_refuses_past_bound_and_forgets():
         num_tree_pages, num_computed, draft, kv_epoch, pages = 0, 8, [], 1, [0, 1, 2]
 
     assert lanes.plan([Seq()]) is None and lanes.k is None and not lanes.lane_of_epoch
+
+
+def test_group_prefix_copies_follow_the_groups(tiny_hf_checkpoints):
+    """Groups come and go while others keep decoding (mixed prefill + decode steps), each prompt
+    as long as every other (so every group has the same number of prefix pages): the kept copies
+    of the groups' prefix K/V must be re-gathered whenever the groups change. Exactly the tokens
+    and log-probs of the gather path; `check_integrity` compares the copies with the pool."""
+    _, directory = tiny_hf_checkpoints("qwen2")
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, 97, (24, 9), generator=g).tolist()
+    lengths = torch.randint(2, 16, (24,), generator=g).tolist()
+    params = [
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=n, seed=i, ignore_eos=True)
+        for i, n in enumerate(lengths)
+    ]
+    results = {}
+    for lanes in (True, False):
+        engine = Engine(
+            EngineConfig(
+                model_path=str(directory),
+                page_size=4,
+                max_running_requests=6,  # three groups at a time
+                max_prefill_tokens=9,  # one prompt a step: groups join while others decode
+                decode_suffix_lanes=lanes,
+            )
+        )
+        for p, sp in zip(prompts, params):
+            engine.add_request(p, sp)
+        outs, steps_with_two_groups = {}, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] = out.samples
+            engine.check_integrity()
+            if lanes and engine.suffix_lanes._prefix_key is not None:
+                steps_with_two_groups += len(engine.suffix_lanes._prefix_key) >= 2
+        results[lanes] = outs
+        if lanes:
+            assert steps_with_two_groups > 10
+    assert results[True] == results[False]
