@@ -164,9 +164,7 @@ def main() -> None:
         finally:
             engine.close()
     out["async_vs_sync"] = (
-        async_vs_sync(args)
-        if args.train_runs
-        else {"measured": False, "why": "--train-runs 0"}
+        async_vs_sync(args) if args.train_runs else {"measured": False, "why": "--train-runs 0"}
     )
     print(json.dumps(out, indent=2))
 

@@ -37,9 +37,7 @@ def compile_model(model: CausalLM) -> None:
     eager = LayerPieces(
         DecoderLayer.attention_inputs, DecoderLayer.attention_outputs, CausalLM._logits
     )
-    model.pieces = LayerPieces(
-        *(torch.compile(fn, dynamic=True, fullgraph=True) for fn in eager)
-    )
+    model.pieces = LayerPieces(*(torch.compile(fn, dynamic=True, fullgraph=True) for fn in eager))
 
 
 def compiled_graphs() -> int:

@@ -190,9 +190,7 @@ class ModelRunner:
             token_cell,
             lane_write=plan.write_index if plan is not None else None,
             prefix_key=(
-                tuple(
-                    (seqs[m[0]].kv_epoch, seqs[m[0]].num_tree_pages) for m in groups.values()
-                )
+                tuple((seqs[m[0]].kv_epoch, seqs[m[0]].num_tree_pages) for m in groups.values())
                 if plan is not None
                 else None
             ),
