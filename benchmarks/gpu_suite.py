@@ -282,16 +282,16 @@ def section_decode_roofline(device, args, peak_gbps) -> dict:
     return {name: decode_roofline.main([*common, *flags]) for name, flags in variants.items()}
 
 
-def section_decode_graphs(device, args, peak_gbps) -> dict:
-    """Greedy decoding with static-shape steps (CUDA graphs on a GPU) against the dynamic path, in
-    float32 on the same weights: tokens must match and log-probs agree to 1e-4."""
+def _engine_a_b(device, backend: str, option: str) -> dict:
+    """The tiny engine with `EngineConfig.<option>` off and on, float32, same weights, greedy, on
+    12 random prompts x 2 samples: per side its samples, its engine and its seconds (the first
+    call: compilation or capture included)."""
     import tempfile
+
+    import torch
 
     from rollout import Engine, EngineConfig, SamplingParams
     from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint
-
-    backend = "torch" if args.dry_run else "triton"
-    import torch
 
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -299,33 +299,46 @@ def section_decode_graphs(device, args, peak_gbps) -> dict:
         for n in torch.randint(4, 40, (12,), generator=g)
     ]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=32, ignore_eos=True)
-    outs, replays = {}, 0
+    runs = {}
     with tempfile.TemporaryDirectory() as model_dir:
         write_random_checkpoint(model_dir, TINY_QWEN2, seed=0, std=0.1)
-        for graphs in (False, True):
+        for on in (False, True):
             engine = Engine(
                 EngineConfig(
                     model_path=model_dir,
                     device=str(device),
                     max_model_len=256,
                     attention_backend=backend,
-                    decode_graphs=graphs,
+                    **{option: on},
                 )
             )
-            outs[graphs] = [s for per in engine.generate(prompts, params) for s in per]
-            replays = engine.decode_graphs.replays if graphs else replays
-    same = sum(a.token_ids == b.token_ids for a, b in zip(outs[False], outs[True]))
-    diff = max(
-        abs(x - y) for a, b in zip(outs[False], outs[True]) for x, y in zip(a.logprobs, b.logprobs)
-    )
-    ok = same == len(outs[False]) and diff < 1e-4 and replays > 0
+            t0 = time.perf_counter()
+            samples = [s for per in engine.generate(prompts, params) for s in per]
+            runs[on] = (samples, engine, time.perf_counter() - t0)
+    off, on = runs[False][0], runs[True][0]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(off, on))
+    diff = max(abs(x - y) for a, b in zip(off, on) for x, y in zip(a.logprobs, b.logprobs))
     return {
-        "ok": ok,
-        "backend": backend,
+        "runs": runs,
+        "summary": {
+            "backend": backend,
+            "samples": len(off),
+            "identical_samples": same,
+            "max_logprob_diff": diff,
+        },
+        "ok": same == len(off) and diff < 1e-4,
+    }
+
+
+def section_decode_graphs(device, args, peak_gbps) -> dict:
+    """Greedy decoding with static-shape steps (CUDA graphs on a GPU) against the dynamic path, in
+    float32 on the same weights: tokens must match and log-probs agree to 1e-4."""
+    ab = _engine_a_b(device, "torch" if args.dry_run else "triton", "decode_graphs")
+    replays = ab["runs"][True][1].decode_graphs.replays
+    return {
+        "ok": ab["ok"] and replays > 0,
+        **ab["summary"],
         "captured": device.type == "cuda",
-        "samples": len(outs[False]),
-        "identical_samples": same,
-        "max_logprob_diff": diff,
         "static_steps": replays,
     }
 
@@ -334,50 +347,15 @@ def section_compiled_decode(device, args, peak_gbps) -> dict:
     """The compiled forward (`EngineConfig.compile`: inductor's Triton kernels on a GPU, inside
     the decode graphs' CUDA graphs) against the eager engine, float32, same weights, greedy: tokens
     equal and log-probs within 1e-4, as tests/rollout/test_compiled.py checks on CPU."""
-    import tempfile
-
-    import torch
-
-    from rollout import Engine, EngineConfig, SamplingParams
     from rollout.compiled import compiled_graphs
-    from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint
 
-    backend = "torch" if args.dry_run else "triton"
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(1, TINY_QWEN2["vocab_size"], (int(n),), generator=g).tolist()
-        for n in torch.randint(4, 40, (12,), generator=g)
-    ]
-    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=32, ignore_eos=True)
-    outs, seconds = {}, {}
-    with tempfile.TemporaryDirectory() as model_dir:
-        write_random_checkpoint(model_dir, TINY_QWEN2, seed=0, std=0.1)
-        for compiled in (False, True):
-            engine = Engine(
-                EngineConfig(
-                    model_path=model_dir,
-                    device=str(device),
-                    max_model_len=256,
-                    attention_backend=backend,
-                    compile=compiled,
-                )
-            )
-            t0 = time.perf_counter()
-            outs[compiled] = [s for per in engine.generate(prompts, params) for s in per]
-            seconds[compiled] = time.perf_counter() - t0  # compiled: compilation included
-    same = sum(a.token_ids == b.token_ids for a, b in zip(outs[False], outs[True]))
-    diff = max(
-        abs(x - y) for a, b in zip(outs[False], outs[True]) for x, y in zip(a.logprobs, b.logprobs)
-    )
+    ab = _engine_a_b(device, "torch" if args.dry_run else "triton", "compile")
     return {
-        "ok": same == len(outs[False]) and diff < 1e-4,
-        "backend": backend,
-        "samples": len(outs[False]),
-        "identical_samples": same,
-        "max_logprob_diff": diff,
+        "ok": ab["ok"],
+        **ab["summary"],
         "compiled_graphs": compiled_graphs(),
-        "eager_s": seconds[False],
-        "compiled_first_call_s": seconds[True],
+        "eager_s": ab["runs"][False][2],
+        "compiled_first_call_s": ab["runs"][True][2],  # compilation included
     }
 
 

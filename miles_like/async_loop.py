@@ -34,13 +34,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import ray
 import torch
 from tqdm import tqdm
 
 from miles_like import checkpoint, rng_state
 from miles_like.async_rollouts import AsyncProducer, batch_metrics
-from miles_like.batch import samples_batch, with_advantages
 from miles_like.busy import BusyAccounting
 from miles_like.recipe import Recipe
 from miles_like.runtime import Runtime
@@ -49,7 +47,7 @@ from miles_like.tracking import Tracker, json_row
 
 def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) -> None:
     """Steps `first` .. recipe.steps - 1 (the caller's `loop._steps` for fully_async)."""
-    from miles_like.loop import PhaseTimer
+    from miles_like.loop import PhaseTimer, batch_with_advantages
 
     if first >= recipe.steps:
         return
@@ -68,13 +66,7 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
         with timer("rollout"):  # waiting for a batch: the trainer's idle time
             taken = producer.take(recipe.rollout.prompts_per_step, trained_version)
         with timer("advantages"):
-            batch = samples_batch(taken.groups)
-            ref = ray.put(batch)
-            values = rt.values(ref) if recipe.algorithm.advantage == "gae" else None
-            ref_lp = rt.ref_logprobs(ref) if recipe.algorithm.kl_reward_coef > 0 else None
-            batch, adv_metrics = with_advantages(
-                batch, taken.groups, recipe.algorithm, values=values, ref_logprobs=ref_lp
-            )
+            batch, adv_metrics = batch_with_advantages(recipe, rt, taken.groups)
         with timer("train"):
             train_metrics = rt.train(batch)
         with timer("weight_sync"):

@@ -151,13 +151,7 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
             with timer("checkpoint"):  # the weights `pending` is generated with
                 rt.save_engine_weights(ckpt)
         with timer("advantages"):
-            batch = samples_batch(rollout.groups)
-            ref = ray.put(batch)
-            values = rt.values(ref) if recipe.algorithm.advantage == "gae" else None
-            ref_lp = rt.ref_logprobs(ref) if recipe.algorithm.kl_reward_coef > 0 else None
-            batch, adv_metrics = with_advantages(
-                batch, rollout.groups, recipe.algorithm, values=values, ref_logprobs=ref_lp
-            )
+            batch, adv_metrics = batch_with_advantages(recipe, rt, rollout.groups)
         with timer("train"):
             train_metrics = rt.train(batch)
         if not off_policy:
@@ -190,6 +184,17 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
             torch.save(rng_state.capture(), ckpt / checkpoint.CONTROLLER_FILE)
             rt.commit_checkpoint(ckpt, _controller_state(rt, tracker, step + 1, pending, row))
         tracker.log(row)
+
+
+def batch_with_advantages(recipe: Recipe, rt: Runtime, groups) -> tuple:
+    """The trainer's batch of `groups` with its advantages (and their metrics), asking the
+    critic for values (GAE) and the reference model for log-probs (KL in the reward) where the
+    algorithm needs them."""
+    batch = samples_batch(groups)
+    ref = ray.put(batch)
+    values = rt.values(ref) if recipe.algorithm.advantage == "gae" else None
+    ref_lp = rt.ref_logprobs(ref) if recipe.algorithm.kl_reward_coef > 0 else None
+    return with_advantages(batch, groups, recipe.algorithm, values=values, ref_logprobs=ref_lp)
 
 
 def _controller_state(rt: Runtime, tracker: Tracker, next_step: int, pending, row) -> dict:
