@@ -9,6 +9,7 @@ and for PPO recipes the critic's value loss and explained variance at the start 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -25,6 +26,11 @@ def mean(xs):
 
 
 def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]")
+    argv = parser.parse_args(argv).args
     recipe = argv[0] if argv and "=" not in argv[0] else "recipes/tiny_arith_grpo.yaml"
     overrides = [a for a in argv if "=" in a]
     with tempfile.TemporaryDirectory() as tmp:
