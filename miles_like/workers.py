@@ -43,6 +43,35 @@ def node_rendezvous() -> tuple[str, int]:
         return host, s.getsockname()[1]
 
 
+_HELD_STORES: dict[int, object] = {}  # port -> the TCPStore master listening on it
+
+
+def held_rendezvous() -> tuple[str, int]:
+    """`node_rendezvous` for a group whose rank 0 is this process, with the port never let go:
+    a TCPStore master listens on it from the moment it is chosen until rank 0 takes it
+    (`take_held_store`). A port probed free and closed again can be taken by any other process
+    before the group binds it (seen: EADDRINUSE when a replica's TP group started)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host = ray.util.get_node_ip_address()
+    store = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30)
+    )
+    _HELD_STORES[store.port] = store
+    return host, store.port
+
+
+def take_held_store(port: int, timeout_s: float):
+    """Rank 0 of a group met at `held_rendezvous()`'s port: the store listening there."""
+    from datetime import timedelta
+
+    store = _HELD_STORES.pop(port)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
 def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
@@ -492,9 +521,14 @@ class EngineWorker:
 
         import torch.distributed as dist
 
+        store = (
+            take_held_store(port, timeout_s)
+            if self.tp_rank == 0  # it chose the port (`rendezvous`) and holds it
+            else dist.TCPStore(host, port, timeout=datetime.timedelta(seconds=timeout_s))
+        )
         dist.init_process_group(
             _backend(),
-            init_method=f"tcp://{host}:{port}",
+            store=store,
             rank=self.tp_rank,
             world_size=self.cfg.tensor_parallel_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -759,8 +793,10 @@ class EngineWorker:
         return self.engine.weight_version
 
     def rendezvous(self) -> tuple[str, int]:
-        """Engine 0 is rank 0 of the broadcast group: it meets on this engine's node."""
-        return node_rendezvous()
+        """Rank 0 of the replica's TP group and of the broadcast group (engine 0, or replica
+        0's rank r for the resharding sync's group r): they meet on this engine's node, at a
+        port this process holds until the group starts."""
+        return held_rendezvous()
 
     def node_id(self) -> str:
         return node_id()
@@ -799,6 +835,8 @@ class EngineWorker:
             size=num_engines + num_stages,
             backend=_backend(),
             timeout_s=timeout_s,
+            # rank 0 chose the port (`rendezvous`) and holds it
+            master_store=take_held_store(port, timeout_s) if rank == 0 else None,
         )
         self.broadcast_receiver = BroadcastReceiver(
             self.shard_receiver.engine if own_shards else self.loader,

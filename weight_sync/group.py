@@ -30,14 +30,16 @@ class SyncGroup:
         size: int,
         backend: str = "gloo",
         timeout_s: float = 300.0,
+        master_store: dist.TCPStore | None = None,
     ) -> SyncGroup:
-        """Every member calls this with the same host/port/size; rank 0 hosts the store.
-        Joining, and every collective of the group, fails after `timeout_s` instead of hanging
-        (on a dead or stuck member)."""
+        """Every member calls this with the same host/port/size; rank 0 hosts the store (or
+        passes `master_store`, one already listening on that port). Joining, and every
+        collective of the group, fails after `timeout_s` instead of hanging (on a dead or stuck
+        member)."""
         timeout = timedelta(seconds=timeout_s)
-        store = dist.PrefixStore(
-            "weight_sync", dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
-        )
+        if master_store is None:
+            master_store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        store = dist.PrefixStore("weight_sync", master_store)
         if backend == "gloo":
             return cls(
                 dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, torch.device("cpu")
