@@ -36,6 +36,7 @@ run: the samples its steps trained over the sum of their `perf/step_s`, the firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -259,7 +260,8 @@ def async_vs_sync(args) -> dict:
                         recipe_path, [*common, *overrides, f"tracking.output_dir={out}"]
                     )
                     start = time.perf_counter()
-                    assert run(recipe) == 0
+                    with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON alone
+                        assert run(recipe) == 0
                     wall = time.perf_counter() - start
                     lines = (out / "metrics.jsonl").read_text().splitlines()
                     rows = [json.loads(line) for line in lines][1:]
