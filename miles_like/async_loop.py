@@ -42,12 +42,12 @@ from miles_like.async_rollouts import AsyncProducer, batch_metrics
 from miles_like.busy import BusyAccounting
 from miles_like.recipe import Recipe
 from miles_like.runtime import Runtime
-from miles_like.tracking import Tracker, json_row
+from miles_like.tracking import Tracker
 
 
 def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) -> None:
     """Steps `first` .. recipe.steps - 1 (the caller's `loop._steps` for fully_async)."""
-    from miles_like.loop import PhaseTimer, batch_with_advantages
+    from miles_like.loop import PhaseTimer, batch_with_advantages, controller_state
 
     if first >= recipe.steps:
         return
@@ -105,20 +105,10 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
         row.update(busy.step_done(wall_start, wall_start + step_s, None))
         if ckpt is not None:
             torch.save(rng_state.capture(), ckpt / checkpoint.CONTROLLER_FILE)
-            rt.commit_checkpoint(ckpt, _state(rt, tracker, step + 1, consumed, async_state, row))
+            # the data position is the one the producer's state was taken at: every drawn prompt
+            # is trained, dropped, or in `async`
+            saved = {"async": async_state}
+            rt.commit_checkpoint(
+                ckpt, controller_state(rt, tracker, step + 1, consumed, row, **saved)
+            )
         tracker.log(row)
-
-
-def _state(rt: Runtime, tracker: Tracker, next_step: int, consumed: int, async_state, row):
-    """state.json of a fully asynchronous run: the data position is the one the producer's
-    state was taken at (every drawn prompt is trained, dropped, or in `async`)."""
-    return {
-        "next_step": next_step,
-        "data_consumed": consumed,
-        "data_epoch": rt.source.epoch_at(consumed),
-        "weight_version": rt.weight_version,
-        "wandb_run_id": tracker.wandb_run_id,
-        **rt.layout_state(),
-        "last_row": json_row(row),
-        "async": async_state,
-    }

@@ -201,6 +201,16 @@ def _controller_state(rt: Runtime, tracker: Tracker, next_step: int, pending, ro
     """state.json: where the loop stands before `next_step`. The data position is the one
     before the pending rollout drew its prompts: a resumed run draws them again."""
     consumed = pending.consumed_before if pending else rt.source.consumed
+    # over-sampling with retract: the partial groups the pending rollout continues
+    carried = {"carried": rt.rollouts.carry_state(pending)} if rt.rollouts.streaming else {}
+    return controller_state(rt, tracker, next_step, consumed, row, **carried)
+
+
+def controller_state(
+    rt: Runtime, tracker: Tracker, next_step: int, consumed: int, row, **rollout_state
+) -> dict:
+    """state.json of either loop: the step, the data position `consumed`, the weights' version,
+    the layout, the last metrics row, and what the loop's rollouts carry (`rollout_state`)."""
     return {
         "next_step": next_step,
         "data_consumed": consumed,
@@ -209,6 +219,5 @@ def _controller_state(rt: Runtime, tracker: Tracker, next_step: int, pending, ro
         "wandb_run_id": tracker.wandb_run_id,
         **rt.layout_state(),
         "last_row": json_row(row),
-        # over-sampling with retract: the partial groups the pending rollout continues
-        **({"carried": rt.rollouts.carry_state(pending)} if rt.rollouts.streaming else {}),
+        **rollout_state,
     }
