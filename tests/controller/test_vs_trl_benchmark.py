@@ -3,28 +3,14 @@ workloads and prints its JSON (skipped where trl, the `bench` extra, is not inst
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from benchmark_runs import run_benchmark
 
 
 @pytest.mark.slow
 def test_quick_benchmark_runs_both_frameworks_on_both_workloads():
     pytest.importorskip("trl")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "vs_trl.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    out = run_benchmark("vs_trl.py", "--quick", timeout=1200)
     quick_tokens = 2 * 4 * 32  # prompts x n x max_new_tokens in --quick
     for workload in ("fixed", "variable"):
         result = out[workload]

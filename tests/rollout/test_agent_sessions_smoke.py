@@ -5,25 +5,11 @@ workload: every request answered, and sessions served whole by one replica cache
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from benchmark_runs import run_benchmark
 
 
 def test_quick_agent_sessions_benchmark_prints_json():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "agent_sessions.py"), "--quick"],
-        check=False,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout)
+    out = run_benchmark("agent_sessions.py", "--quick")
     assert out["cache_aware"]["sessions_on_one_replica"] == out["workload"]["sessions"] == 4
     for policy in ("cache_aware", "round_robin"):
         assert 0 <= out[policy]["hit_rate_turns_ge_2"] <= 1

@@ -4,25 +4,13 @@ is the benchmark); the token counts are, since they follow from the workload."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from benchmark_runs import benchmark_process, run_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "rollout_throughput.py"
+SCRIPT = "rollout_throughput.py"
 
 
 def test_quick_benchmark_prints_json():
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout)
+    out = run_benchmark(SCRIPT, "--quick")
 
     w = out["workload"]
     assert (w["prompts"], w["prompt_len"], w["n"], w["new_tokens"], w["quick"]) == (
@@ -60,15 +48,7 @@ def test_quick_benchmark_with_pareto_lengths():
     only those tokens, and the engines report their tail, busy share and occupancy."""
     import torch
 
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--lengths", "pareto:1.2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout)
+    out = run_benchmark(SCRIPT, "--quick", "--lengths", "pareto:1.2")
     w = out["workload"]
     assert w["lengths"] == "pareto:1.2"
     g = torch.Generator().manual_seed(0 + 2)  # --seed 0
@@ -85,12 +65,6 @@ def test_quick_benchmark_with_pareto_lengths():
 
 
 def test_lengths_option_rejects_a_bad_spec():
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--lengths", "zipf:2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = benchmark_process(SCRIPT, "--quick", "--lengths", "zipf:2", timeout=120)
     assert proc.returncode == 2
     assert "--lengths 'zipf:2': use fixed or pareto:ALPHA" in proc.stderr
