@@ -31,23 +31,13 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
-def node_rendezvous() -> tuple[str, int]:
-    """An address of the node this process runs on and a port free there: where a group whose
-    rank 0 lives in this process rendezvous. Chosen on that node, never on the controller's
-    (which may be another machine)."""
-    import socket
-
-    host = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
-
-
 _HELD_STORES: dict[int, object] = {}  # port -> the TCPStore master listening on it
+WORLD_TIMEOUT_S = 1800.0  # the trainer world's collectives (torch.distributed's default)
 
 
 def held_rendezvous() -> tuple[str, int]:
-    """`node_rendezvous` for a group whose rank 0 is this process, with the port never let go:
+    """Where a group whose rank 0 is this process meets: an address of this node (chosen here,
+    never on the controller's, which may be another machine) and a port that is never let go:
     a TCPStore master listens on it from the moment it is chosen until rank 0 takes it
     (`take_held_store`). A port probed free and closed again can be taken by any other process
     before the group binds it (seen: EADDRINUSE when a replica's TP group started)."""
@@ -117,6 +107,7 @@ class TrainerWorker:
         self.rank = rank
         self.policy = None
         self.critic = None
+        self._world_store = None  # where the world meets (`set_rendezvous`), until `build`
         self._busy: list[tuple[float, float]] = []  # compute intervals, time.time() (busy.py)
 
     def build(
@@ -132,7 +123,10 @@ class TrainerWorker:
         copy of those to tell the precision mismatch from the policy lag); `sampling_path`: a
         resumed run's engine-side weights, what its pending rollout is sampled with."""
         from trainer import make_trainer
+        from trainer.parallel import init_distributed
 
+        init_distributed(self._world_store)  # the world, before the trainer asks for it
+        self._world_store = None
         self.policy = make_trainer(policy_cfg)
         self.off_policy = off_policy
         if off_policy and sampling_path is not None:
@@ -147,12 +141,21 @@ class TrainerWorker:
         return True
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: where the trainer world meets (this node's address, a port free here)."""
-        return node_rendezvous()
+        """Rank 0: where the trainer world meets (this node's address, a port it holds)."""
+        return held_rendezvous()
 
     def set_rendezvous(self, host: str, port: int) -> None:
         """Every rank, before `build` creates the world: rank 0's `rendezvous()`."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
         os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+        self._world_store = (
+            take_held_store(port, WORLD_TIMEOUT_S)  # rank 0 chose the port and holds it
+            if self.rank == 0
+            else dist.TCPStore(host, port, timeout=timedelta(seconds=WORLD_TIMEOUT_S))
+        )
 
     def node_id(self) -> str:
         return node_id()

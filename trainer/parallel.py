@@ -7,7 +7,6 @@ world of size 1, because megatron-core's parallel layers always ask for their gr
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -23,28 +22,29 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def init_distributed(store: dist.Store | None = None) -> None:
+    """torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT:
+    torchrun, or `TrainerWorker.set_rendezvous`), or a 1-process world when launched plainly.
 
-
-def init_distributed() -> None:
-    """torch.distributed from torchrun's environment, or a 1-process world when launched plainly.
-
-    The 1-process world is set up without touching os.environ, so subprocesses (torchrun,
-    benchmarks) do not inherit a RANK / MASTER_PORT that belongs to this process."""
+    `store`: where the world meets, rank 0's already listening on MASTER_PORT
+    (`workers.held_rendezvous`: the port was never let go between choosing it and this call,
+    so nothing else can take it); every rank passes one (a store given explicitly is used
+    without the prefix the environment's rendezvous adds, so the ranks cannot mix the two).
+    The 1-process world meets in an in-process store, without a port and without touching
+    os.environ, so subprocesses (torchrun, benchmarks) do not inherit a RANK / MASTER_PORT
+    that belongs to this process."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" in os.environ:
+    if store is not None:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+    elif "RANK" in os.environ:
         dist.init_process_group(backend=backend)
     else:
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def init_parallel(config: ParallelConfig = ParallelConfig()) -> None:
