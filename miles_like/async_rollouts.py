@@ -30,6 +30,11 @@ prompts_per_step), so what an engine is asked to do for a prompt does not depend
   (buffered ones when `take` reaches them, open ones at the update that makes them stale) and
   counted; its prompt is consumed and never drawn again (the data source has moved past it).
 
+* **An engine that dies** (its wave fails, or a call on every replica finds it gone) is
+  replaced at the controller's next producer call, at the engines' weight version
+  (`Runtime.restart_engine`, within `cluster.max_engine_restarts`); its groups keep what they
+  had delivered and are sent again (`_replace_dead`).
+
 Accounting: every drawn index is exactly one of trained, dropped (stale or aborted), or held
 (open, buffered, or being trained); `held_indices` with the trained / dropped ids of the rows
 makes that checkable. `state` (taken between `pause` and `resume`, when no request runs) holds
