@@ -121,6 +121,8 @@ class AsyncProducer:
         (`RolloutManager._wait`): no trainer call runs meanwhile, so the weights a replacement
         takes from the trainer are those of the engines' version (at `pause`, already the next
         one, which the update then gives it with its number, before it generates)."""
+        from miles_like.rollout_manager import _settle
+
         inbox = self._inbox = queue.SimpleQueue()
         future = asyncio.run_coroutine_threadsafe(coro, self.m._loop)
         future.add_done_callback(lambda _: inbox.put(None))
@@ -460,11 +462,3 @@ def batch_metrics(taken: Taken, stale: list[int], aborted: list[int], capacity: 
         "stale_dropped_prompt_ids": stale,
         "aborted_prompt_ids": aborted,
     }
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if not future.done():
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)

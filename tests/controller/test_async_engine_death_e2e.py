@@ -76,9 +76,7 @@ def async_run(out: Path, killer, *overrides: str) -> int:
 
 def test_a_dead_engine_is_replaced_and_nothing_is_lost(ray_local, cache, tmp_path, capsys):
     out, known = tmp_path / "run", set(ray.util.list_named_actors())
-    code = async_run(
-        out, lambda done: kill_after_rows(out, ".engine.0", known, 2, done), "steps=6"
-    )
+    code = async_run(out, lambda done: kill_after_rows(out, ".engine.0", known, 2, done), "steps=6")
     printed = capsys.readouterr().out
     assert code == 0, printed[-3000:]
     (match,) = REPLACED.findall(printed)
