@@ -62,7 +62,7 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
     ):
         timer, start, wall_start = PhaseTimer(), time.perf_counter(), time.time()
         ckpt = checkpoint.begin(out, step + 1) if every and (step + 1) % every == 0 else None
-        trained_version = rt.weight_version
+        trained_version, restarts = rt.weight_version, rt.engine_restarts
         with timer("rollout"):  # waiting for a batch: the trainer's idle time
             taken = producer.take(recipe.rollout.prompts_per_step, trained_version)
         with timer("advantages"):
@@ -90,7 +90,10 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
             **{
                 f"rollout/{k}": v for k, v in batch_metrics(taken, stale, aborted, capacity).items()
             },
+            # the oldest weight version of each trained group's tokens
+            "rollout/trained_prompt_versions": [trained_version - s for s in taken.staleness],
             "rollout/held_prompt_ids": producer.held_indices(),
+            "rollout/engine_restarts": rt.engine_restarts - restarts,
             "rollout/data_consumed": rt.source.consumed,
             **{f"rollout/{k}": v for k, v in adv_metrics.items()},
             **{f"train/{k}": v for k, v in train_metrics.items()},

@@ -30,6 +30,11 @@ prompts_per_step), so what an engine is asked to do for a prompt does not depend
   (buffered ones when `take` reaches them, open ones at the update that makes them stale) and
   counted; its prompt is consumed and never drawn again (the data source has moved past it).
 
+* **An engine that dies** (its wave fails, or a call on every replica finds it gone) is
+  replaced at the controller's next producer call, at the engines' weight version
+  (`Runtime.restart_engine`, within `cluster.max_engine_restarts`); its groups keep what they
+  had delivered and are sent again (`_replace_dead`).
+
 Accounting: every drawn index is exactly one of trained, dropped (stale or aborted), or held
 (open, buffered, or being trained); `held_indices` with the trained / dropped ids of the rows
 makes that checkable. `state` (taken between `pause` and `resume`, when no request runs) holds
@@ -40,11 +45,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import queue
 import random
 import time
 from collections import Counter
 from typing import NamedTuple
 
+from miles_like.calls import ActorDied, is_death
 from miles_like.dispatch import Generation
 from miles_like.errors import RolloutFailed
 from miles_like.oversampling import EMPTY, OpenGroup, from_state, score_group, to_state
@@ -103,16 +110,47 @@ class AsyncProducer:
         self._stats: list[dict] = []
         self._stats_at = 0.0
         self.timeout = manager.recipe.cluster.call_timeout_s
+        self.version = 0  # the engines' weight version (what a replacement starts at)
+        self.dead: dict[int, ActorDied] = {}  # replicas found dead, not yet replaced
+        self._inbox: queue.SimpleQueue | None = None  # the current `_run`'s restart requests
 
     # ------------------------------------------------------------------ controller thread API
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.m._loop).result()
+        """`coro` on the manager's loop while this (the controller's) thread waits, replacing
+        the engines `coro` finds dead (`_replace_dead`) here, as the synchronous loop does
+        (`RolloutManager._wait`): no trainer call runs meanwhile, so the weights a replacement
+        takes from the trainer are those of the engines' version (at `pause`, already the next
+        one, which the update then gives it with its number, before it generates)."""
+        from miles_like.rollout_manager import _settle
+
+        inbox = self._inbox = queue.SimpleQueue()
+        future = asyncio.run_coroutine_threadsafe(coro, self.m._loop)
+        future.add_done_callback(lambda _: inbox.put(None))
+        while (msg := inbox.get()) is not None:
+            i, died, done = msg
+            try:
+                self._restart(i, died)
+            except BaseException as e:
+                self.m._loop.call_soon_threadsafe(_settle, done, e)
+                raise
+            self.m._loop.call_soon_threadsafe(_settle, done, None)
+        return future.result()
+
+    def _restart(self, i: int, died: ActorDied) -> None:
+        waiting = sum(not s.running for s in self.slots.values())
+        self.m.restart_engine(i, died)
+        self.m.log(
+            f"{died}; replaced it at weight version {self.version}: the {waiting} open groups "
+            f"waiting continue from the tokens they had ({self.m.source.consumed} prompts drawn)"
+        )
 
     def start(self, version: int, state: dict | None = None) -> None:
         """Open the engines and begin producing (from a checkpoint's `state`, if given)."""
+        self.version = version
         self._run(self._start(version, state))
 
     def take(self, count: int, version: int) -> Taken:
+        self.version = version
         return self._run(self._take(count, version))
 
     def pause(self) -> None:
@@ -122,6 +160,7 @@ class AsyncProducer:
     def drop_stale(self, version: int) -> None:
         """After the update to `version`: free the trained batch's room, drop the open groups
         that can no longer be trained (and, with partial: abort, the unfinished ones)."""
+        self.version = version
         self._run(self._drop_stale(version))
 
     def resume(self) -> None:
@@ -148,18 +187,62 @@ class AsyncProducer:
             for row in state["buffer"]:
                 (group,) = from_state([row])
                 self._complete(row["index"], group)
-        self._stats = await self._engine_stats()
+        self._stats = await self._engines("stats")
         self._stats_at = time.perf_counter()
         await self._resume()
 
-    async def _engines(self, method: str, *args) -> list:
-        refs = [getattr(e, method).remote(*args) for e in self.m.engines]
-        return await asyncio.wait_for(
-            asyncio.gather(*(asyncio.wrap_future(r.future()) for r in refs)), self.timeout
-        )
+    # ------------------------------------------------------------------------ engine deaths
+    # A replica that dies (found by its wave or by a call on every replica) is replaced by the
+    # controller's thread at its next producer call (`_run`); meanwhile its groups wait, with
+    # the tokens, log-probs and versions they had delivered (whatever it was computing is lost:
+    # retract), and are sent again once it is back, to whichever replicas `_fill` gives them.
+    # A death is a handle's: a late failure of the replaced actor's calls is not the new one's.
+    def _mark_dead(self, i: int, handle, method: str, error: BaseException) -> None:
+        if self.m.engines[i] is handle:
+            self.dead.setdefault(i, ActorDied(f"engine {i}", method, error))
 
-    async def _engine_stats(self) -> list[dict]:
-        return await self._engines("stats")
+    async def _replace_dead(self) -> None:
+        while self.dead:
+            i = min(self.dead)
+            if self.m.restart_engine is None:
+                raise self.dead[i]
+            done = asyncio.get_running_loop().create_future()
+            self._inbox.put((i, self.dead[i], done))
+            await done
+            del self.dead[i]
+            engine = self.m.engines[i]
+            try:  # its counters start again: the window's deltas count from here
+                stats = await self._call(engine.stats.remote())
+                if self._stats:
+                    self._stats[i] = stats
+                if self.accepting:
+                    await self._call(engine.open.remote())
+            except Exception as e:
+                if not is_death(e):
+                    raise
+                self._mark_dead(i, engine, "stats", e)
+        self._fill()
+
+    async def _call(self, ref):
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
+
+    async def _engines(self, method: str, *args) -> list:
+        """`method` on every replica; one found dead is replaced and every replica asked again
+        (the calls made this way are idempotent: open, close, stats)."""
+        while True:
+            await self._replace_dead()
+            handles = list(self.m.engines)
+            results = await asyncio.gather(
+                *(self._call(getattr(e, method).remote(*args)) for e in handles),
+                return_exceptions=True,
+            )
+            for i, (handle, r) in enumerate(zip(handles, results)):
+                if isinstance(r, BaseException):
+                    if not is_death(r):
+                        raise r
+                    self._mark_dead(i, handle, method, r)
+            if not self.dead:
+                return results
 
     async def _resume(self) -> None:
         await self._engines("open")
@@ -225,8 +308,9 @@ class AsyncProducer:
                 prompts.append(prompt)
                 params.append(p)
                 owners.append((i, js))
+        engine = self.m.engines[replica]
         try:
-            gen = self.m.engines[replica].generate_wave.remote(prompts, params)
+            gen = engine.generate_wave.remote(prompts, params)
             while True:
                 try:
                     ref = await asyncio.wait_for(gen.__anext__(), self.timeout)
@@ -238,9 +322,12 @@ class AsyncProducer:
                 k, samples, version = item
                 self._deliver(owners[k], samples, version)
         except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
-            self.failure = self.failure or RolloutFailed(
-                f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
-            )
+            if is_death(e):
+                self._mark_dead(replica, engine, "generate_wave", e)
+            else:
+                self.failure = self.failure or RolloutFailed(
+                    f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
+                )
         finally:
             for i in ids:
                 if i in self.slots:
@@ -273,6 +360,8 @@ class AsyncProducer:
         while True:
             if self.failure is not None:
                 raise self.failure
+            if self.dead:
+                await self._replace_dead()
             stale = {
                 d.index for d in self.done if self._staleness(d.group, version) > self.max_staleness
             }
@@ -298,7 +387,7 @@ class AsyncProducer:
             group, counts = await d.scored
             groups.append(group)
             tallies.update(counts)
-        stats = await self._engine_stats()
+        stats = await self._engines("stats")
         now = time.perf_counter()
         engine: Counter = Counter()
         for before, after in zip(self._stats, stats):
@@ -318,9 +407,12 @@ class AsyncProducer:
 
     async def _pause(self) -> None:
         self.accepting = False
-        await self._engines("close", True)
-        if self._waves:
-            await asyncio.wait_for(asyncio.gather(*self._waves), self.timeout)
+        while True:  # until every replica is closed and alive: the update reaches them all
+            await self._engines("close", True)
+            if self._waves:
+                await asyncio.wait_for(asyncio.gather(*self._waves), self.timeout)
+            if not self.dead:
+                return
 
     async def _drop_stale(self, version: int) -> None:
         self.held = 0

@@ -445,6 +445,12 @@ class ClusterSection(Section):
         "collectives; past it the run stops, naming the call",
         gt=0.0,
     )
+    max_engine_restarts: int = setting(
+        3,
+        "engine replicas replaced in place over a run when one dies generating (either loop); "
+        "a death past this many stops the run (0: the first one does)",
+        ge=0,
+    )
 
     def check(self) -> None:
         if self.off_policy_steps == 1 and self.colocate:

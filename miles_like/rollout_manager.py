@@ -81,8 +81,8 @@ COUNT_METRICS = ("tool_errors", "retokenize_mismatch")
 
 class RolloutManager:
     """`engines` is used as given (not copied): the owner replaces a dead engine in it.
-    `restart_engine(i)` replaces engine i and returns the new one; without it an engine's death
-    raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn).
+    `restart_engine(i, died)` replaces engine i and returns the new one (or raises, its restart
+    budget spent); without it an engine's death raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn).
     `tokenizer` is the run's `HFTokenizer`; rollout functions get its transformers `.tok`."""
 
     def __init__(
@@ -96,7 +96,7 @@ class RolloutManager:
         rollout_fn,
         context_len: int,
         vocab_size: int,
-        restart_engine: Callable[[int], object] | None = None,
+        restart_engine: Callable[[int, ActorDied], object] | None = None,
         log=print,
         front=None,
     ):
@@ -306,7 +306,7 @@ class RolloutManager:
             i, died, requests, done = msg
             self.log(f"{died}; restarting it and sending its {requests} requests again")
             try:
-                engine = self.restart_engine(i)
+                engine = self.restart_engine(i, died)
                 if self.front is not None:
                     ray.get(engine.open.remote(), timeout=timeout)
             except BaseException as e:

@@ -19,6 +19,7 @@ from miles_like import checkpoint, placement
 from miles_like.build_configs import critic_config, engine_config, trainer_config
 from miles_like.calls import Call, call, each, gather
 from miles_like.data import PromptSource
+from miles_like.errors import RunFailed
 from miles_like.http_front import HttpFront
 from miles_like.model_store import base_model_dir, read_model_files, write_model_files
 from miles_like.rewards import resolve_reward
@@ -388,10 +389,19 @@ class Runtime:
         self._on_engines("flush_prefix_cache")
 
     # ---------------------------------------------------------------------- engine restarts
-    def restart_engine(self, index: int):
+    def restart_engine(self, index: int, died: BaseException | None = None):
         """Replace dead engine `index` by a new actor in the same bundle, loaded with the
         trainer's current weights (written to a scratch HF directory), at the current weight
-        version; disaggregated, every member rejoins a new broadcast group. Returns it."""
+        version; disaggregated, every member rejoins a new broadcast group. Returns it.
+        Past `cluster.max_engine_restarts` replacements in this run it raises `RunFailed`
+        instead, naming `died` (what the caller saw) and the field."""
+        budget = self.recipe.cluster.max_engine_restarts
+        if self.engine_restarts >= budget:
+            raise RunFailed(
+                f"{died or f'engine {index} died'}; cluster.max_engine_restarts={budget} "
+                "replacements made already in this run; raise it, or resume with "
+                "checkpoint.resume=auto"
+            )
         self.engine_restarts += 1
         for rank in self.replicas[index]:  # one rank is dead: make sure every rank's are free
             ray.kill(rank)

@@ -188,3 +188,37 @@ def test_engine_killed_mid_rollout_is_replaced(ray_local, cache, tmp_path, capsy
     if "cluster.off_policy_steps=1" not in placement:
         # on-policy, the replacement generated with the trainer's current weights
         assert restarted["train/logprob_diff_max"] <= 1e-5
+
+
+def test_an_engine_death_past_the_restart_budget_stops_the_run(ray_local, cache, tmp_path, capsys):
+    """`cluster.max_engine_restarts=0`: the synchronous loop's first engine death stops the run
+    with one line naming the field (the same budget bounds the fully asynchronous loop)."""
+    out = tmp_path / "run"
+    known, done = set(ray.util.list_named_actors()), threading.Event()
+    thread, killer = in_background(lambda: kill_engine_mid_rollout(out, known, done))
+    code = main(
+        [
+            RECIPE,
+            f"tracking.output_dir={out}",
+            "steps=4",
+            "rollout.prompts_per_step=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=256",
+            "sft.steps=0",
+            "rollout.kv_cache_tokens=4096",
+            "trainer.max_tokens_per_micro_batch=4096",
+            "trainer.updates_per_rollout=1",
+            "cluster.max_engine_restarts=0",
+        ],
+        run=run,
+    )
+    done.set()
+    thread.join(timeout=10)
+    assert "error" not in killer, killer
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err[-2000:]
+    assert err.splitlines()[-1] == (
+        "error: engine 0 died (during generate): killed by ray.kill; "
+        "cluster.max_engine_restarts=0 replacements made already in this run; raise it, or "
+        "resume with checkpoint.resume=auto"
+    )

@@ -201,7 +201,7 @@ def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engin
     rm = manager("agent_rollouts:three_turns", (mine, model), *long)
     restarted = []
 
-    def restart(i):
+    def restart(i, died):
         ray.kill(rm.engines[i])
         rm.engines[i] = EngineWorker.options(num_cpus=0).remote(cfg, 1)
         restarted.append(i)
