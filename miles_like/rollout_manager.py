@@ -82,7 +82,8 @@ COUNT_METRICS = ("tool_errors", "retokenize_mismatch")
 class RolloutManager:
     """`engines` is used as given (not copied): the owner replaces a dead engine in it.
     `restart_engine(i, died)` replaces engine i and returns the new one (or raises, its restart
-    budget spent); without it an engine's death raises `calls.ActorDied`. `context_len` bounds a trajectory (prompt + every turn).
+    budget spent); without it an engine's death raises `calls.ActorDied`. `context_len`
+    bounds a trajectory (prompt + every turn).
     `tokenizer` is the run's `HFTokenizer`; rollout functions get its transformers `.tok`."""
 
     def __init__(
