@@ -23,14 +23,18 @@ tail.
 with 2 CPU slots: one engine + one trainer rank, disaggregated) on the long-tailed chain recipe
 (`recipes/tiny_chain_grpo.yaml`, its cached warm start), synchronous on-policy
 (`off_policy_steps: 0`) and fully asynchronous (`cluster.fully_async`, `max_staleness: 1`)
-runs alternating in the same process, `--train-runs` of each. Trained samples per second of a
+runs alternating in the same process, `--train-runs` of each; one async mode per
+`--partial` (retract: updates abort running requests, which continue prefilled again;
+in_place: updates keep them running on their K/V). Trained samples per second of a
 run: the samples its steps trained over the sum of their `perf/step_s`, the first step
 (warm-up: first forward passes, first broadcast) left out; with each mode's mean
-`perf/engine_busy_frac`, `trainer_busy_frac` and `device_idle_frac`. The goal is >= 1.6x.
+`perf/engine_busy_frac`, `trainer_busy_frac` and `device_idle_frac`, and where an async step's
+time goes (`perf/*_s` means: waiting for a batch, training, the weight update's pieces, the
+controller's accounting; `trainer_busy_s`: the trainer's compute). The goal is >= 1.6x.
 `--train-runs 0` skips it.
 
     python benchmarks/async_rl.py [--rounds 6 --prompts 16 --n 4 --over-sampling 1.5]
-                                  [--train-runs 2 --train-steps 8]
+                                  [--train-runs 2 --train-steps 8 --partial retract,in_place]
 """
 
 from __future__ import annotations
@@ -141,6 +145,15 @@ def main() -> None:
     ap.add_argument("--train-runs", type=int, default=2, help="async_vs_sync: runs per mode")
     ap.add_argument("--train-steps", type=int, default=8, help="async_vs_sync: steps per run")
     ap.add_argument("--skip-tail", action="store_true", help="only async_vs_sync")
+    ap.add_argument(
+        "--pin-cpus", action="store_true", help="async_vs_sync: cluster.pin_cpus=true in every run"
+    )
+    ap.add_argument(
+        "--partial",
+        default="retract,in_place",
+        help="async_vs_sync: the async runs' rollout.partial, one run of each per round "
+        "(comma-separated: retract, in_place)",
+    )
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,6 +240,18 @@ def measure(engine: AsyncEngine, args) -> dict:
 
 
 FRACTIONS = ("engine_busy_frac", "trainer_busy_frac", "device_idle_frac")
+ASYNC_MODE = {"retract": "async", "in_place": "async_in_place"}
+
+
+def step_breakdown(rows: list[dict]) -> dict:
+    """Mean seconds per step of every perf/*_s phase the rows have (phases a step skipped count
+    0), and of the trainer's compute (`trainer_busy_frac` x `step_s`)."""
+    keys = sorted({k for row in rows for k in row if k.startswith("perf/") and k.endswith("_s")})
+    out = {k[len("perf/") :]: statistics.mean(row.get(k, 0.0) for row in rows) for k in keys}
+    out["trainer_busy_s"] = statistics.mean(
+        row["perf/trainer_busy_frac"] * row["perf/step_s"] for row in rows
+    )
+    return out
 
 
 def async_vs_sync(args) -> dict:
@@ -244,11 +269,17 @@ def async_vs_sync(args) -> dict:
         "cluster.cpu_threads=1",
         "checkpoint.every_steps=0",
         "tracking.wandb_project=null",
+        *(["cluster.pin_cpus=true"] if args.pin_cpus else []),
     ]
-    modes = {
-        "sync": [],
-        "async": ["cluster.fully_async=true", "cluster.max_staleness=1"],
-    }
+    modes = {"sync": []}
+    for partial in args.partial.split(","):
+        if partial not in ("retract", "in_place"):
+            raise SystemExit(f"--partial {partial!r}: use retract and / or in_place")
+        modes[ASYNC_MODE[partial]] = [
+            "cluster.fully_async=true",
+            "cluster.max_staleness=1",
+            f"rollout.partial={partial}",
+        ]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     try:
@@ -286,15 +317,16 @@ def async_vs_sync(args) -> dict:
                                         row["rollout/stale_dropped_groups"] for row in rows
                                     ),
                                 }
-                                if mode == "async"
+                                if mode != "sync"
                                 else {}
                             ),
+                            **step_breakdown(rows),
                         }
                     )
     finally:
         ray.shutdown()
     mean = {
-        mode: {k: statistics.mean(run_[k] for run_ in rs) for k in rs[0]}
+        mode: {k: statistics.mean(run_.get(k, 0.0) for run_ in rs) for k in rs[0]}
         for mode, rs in runs.items()
     }
     return {
@@ -303,7 +335,20 @@ def async_vs_sync(args) -> dict:
         "overrides": common,
         "runs_per_mode": args.train_runs,
         "mean": mean,
-        "speedup_samples_per_s": mean["async"]["samples_per_s"] / mean["sync"]["samples_per_s"],
+        # the retract mode's key keeps its old name
+        **{
+            ("speedup_samples_per_s" if mode == "async" else f"speedup_{mode}"): mean[mode][
+                "samples_per_s"
+            ]
+            / mean["sync"]["samples_per_s"]
+            for mode in mean
+            if mode != "sync"
+        },
+        "speedups_per_round": {
+            mode: [a["samples_per_s"] / s["samples_per_s"] for a, s in zip(rs, runs["sync"])]
+            for mode, rs in runs.items()
+            if mode != "sync"
+        },
         "goal": 1.6,
         "runs": runs,
         "load_average_after": os.getloadavg(),

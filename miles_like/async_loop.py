@@ -10,6 +10,10 @@ they finish the groups left open and (below the buffer's capacity) start new one
 update is the only moment they stop, for the abort + broadcast; the groups they were computing
 continue right after it under the new weights.
 
+With `rollout.partial: in_place` the update does not stop them at all (running requests keep
+their K/V and sample on under the new weights), except before a checkpoint, where it aborts
+them as retract does (their K/V parked) so that the checkpoint holds every open group's tokens.
+
 With `cluster.max_staleness: 0` the capacity is one batch, generated only with the current
 weights: every step draws prompts_per_step prompts, generates them in one wave seeded as the
 synchronous loop seeds them, trains on all of them in data order and syncs, which is the
@@ -57,10 +61,12 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
     state = rt.state.get("async") if rt.state else None
     producer.start(rt.weight_version, state)
     busy = BusyAccounting(rt)
+    in_place = recipe.rollout.partial == "in_place"
     for step in tqdm(
         range(first, recipe.steps), initial=first, total=recipe.steps, desc="RL steps", unit="step"
     ):
         timer, start, wall_start = PhaseTimer(), time.perf_counter(), time.time()
+        parts = PhaseTimer()  # the weight update's and the controller's pieces (perf/async_*)
         ckpt = checkpoint.begin(out, step + 1) if every and (step + 1) % every == 0 else None
         trained_version, restarts = rt.weight_version, rt.engine_restarts
         with timer("rollout"):  # waiting for a batch: the trainer's idle time
@@ -70,19 +76,26 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
         with timer("train"):
             train_metrics = rt.train(batch)
         with timer("weight_sync"):
-            producer.pause()
-            sync_bytes = rt.sync_weights()
-            producer.drop_stale(rt.weight_version)
+            # in_place: requests run on through the update, except before a checkpoint, which
+            # needs every open group's tokens (their K/V is parked for the continuation)
+            keep_running = in_place and ckpt is None
+            with parts("pause"):
+                producer.pause(abort=not keep_running)
+            with parts("broadcast"):
+                sync_bytes = rt.sync_weights(in_place=keep_running)
+            with parts("drop_stale"):
+                producer.drop_stale(rt.weight_version)
         if ckpt is not None:
             with timer("checkpoint"):
                 rt.save_checkpoint(ckpt)
                 async_state = producer.state()
                 consumed = rt.source.consumed
         if step + 1 < recipe.steps:
-            with timer("weight_sync"):
+            with timer("weight_sync"), parts("resume"):
                 producer.resume()
-        stale, aborted = producer.drops()
-        rollout = rt.rollouts.async_rollout(taken)
+        with parts("accounting"):
+            stale, aborted, held = producer.drops()
+            rollout = rt.rollouts.async_rollout(taken)
         step_s = time.perf_counter() - start
         row = {
             "step": step,
@@ -92,7 +105,7 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
             },
             # the oldest weight version of each trained group's tokens
             "rollout/trained_prompt_versions": [trained_version - s for s in taken.staleness],
-            "rollout/held_prompt_ids": producer.held_indices(),
+            "rollout/held_prompt_ids": held,
             "rollout/engine_restarts": rt.engine_restarts - restarts,
             "rollout/data_consumed": rt.source.consumed,
             **{f"rollout/{k}": v for k, v in adv_metrics.items()},
@@ -105,7 +118,9 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
         row["perf/idle_s"] = max(0.0, step_s - sum(timer.seconds.values()))
         row["perf/idle_frac"] = row["perf/idle_s"] / step_s
         busy.rollout_finished(start)  # the engines' window is the whole step
-        row.update(busy.step_done(wall_start, wall_start + step_s, None))
+        with parts("busy"):  # after the step's window: not in step_s
+            row.update(busy.step_done(wall_start, wall_start + step_s, None))
+        row.update({f"perf/async_{k}_s": v for k, v in parts.seconds.items()})
         if ckpt is not None:
             torch.save(rng_state.capture(), ckpt / checkpoint.CONTROLLER_FILE)
             # the data position is the one the producer's state was taken at: every drawn prompt

@@ -25,6 +25,15 @@ prompts_per_step), so what an engine is asked to do for a prompt does not depend
   own seed, the remaining `max_new_tokens`); with `abort` its unfinished groups are dropped.
   Every token keeps the weight version that sampled it and its log-prob (`oversampling.Partial`),
   which the loss's TIS / MIS correction uses as the behaviour policy.
+* **With `rollout.partial: in_place`** an update aborts nothing: the engines park their step
+  loops between two forward passes for it (`Runtime.sync_weights(in_place=True)`), running
+  requests keep their K/V and sample on with the new weights, and each returned sample carries
+  its per-token versions (`GenerationResult.sample_versions`). Requests in flight are tracked
+  per group (`_Slot.pending`, `sent_version`); the staleness check of an update aborts the
+  requests sent more than max_staleness versions ago (`EngineWorker.cancel_wave`; their K/V is
+  parked: requests carry `park_kv`) and, once they are back, drops the group if its tokens are
+  too old or continues it on the parked K/V. Before a checkpoint the update is the retract one
+  (every running request aborted, K/V parked), so that `state` holds every token.
 * **Staleness** of a group trained at trainer version v: v minus the oldest version of any of
   its tokens. A group staler than `cluster.max_staleness` can never be trained: it is dropped
   (buffered ones when `take` reaches them, open ones at the update that makes them stale) and
@@ -64,10 +73,26 @@ class _Slot:
 
     index: int
     group: OpenGroup
-    running: bool = False
+    pending: int = 0  # its requests sent and not yet back
+    sent_version: int = 0  # the weights when they were sent: none of their tokens is older
+    wave: tuple[int, int, list[int]] | None = None  # (replica, wave id, request indices)
+
+    @property
+    def running(self) -> bool:
+        return self.pending > 0
 
     def oldest(self) -> int | None:
+        """The oldest version of the tokens that came back (running ones are not counted)."""
         return min((v for s in self.group.samples for v in s.versions), default=None)
+
+
+ENGINE_COUNTERS = (
+    "generated_tokens",
+    "prefill_tokens_computed",
+    "prefix_cache_hit_tokens",
+    "parked_reused_tokens",  # in_place: continuations that adopted parked K/V
+    "in_place_kept_tokens",  # in_place: running requests' K/V kept across an update
+)
 
 
 class _Done(NamedTuple):
@@ -96,7 +121,11 @@ class AsyncProducer:
         self.m = manager
         self.recipe = manager.recipe
         self.capacity, self.max_staleness = capacity, max_staleness
-        self.keep_partial = manager.recipe.rollout.partial in (None, "retract")
+        self.keep_partial = manager.recipe.rollout.partial != "abort"
+        self.in_place = manager.recipe.rollout.partial == "in_place"
+        self.version = 0  # the engines' weights (what the controller last synced)
+        self.window_open = False
+        self._wave_ids = 0
         self.slots: dict[int, _Slot] = {}
         self.done: list[_Done] = []
         self.held = 0  # groups taken by the trainer whose weight update is not in yet
@@ -153,9 +182,10 @@ class AsyncProducer:
         self.version = version
         return self._run(self._take(count, version))
 
-    def pause(self) -> None:
-        """Stop sending, abort every running request, wait until all of them are back."""
-        self._run(self._pause())
+    def pause(self, abort: bool = True) -> None:
+        """Stop sending; with `abort`, abort every running request and wait until all of them
+        are back (without, `rollout.partial: in_place`, they keep running through the update)."""
+        self._run(self._pause(abort))
 
     def drop_stale(self, version: int) -> None:
         """After the update to `version`: free the trained batch's room, drop the open groups
@@ -170,8 +200,9 @@ class AsyncProducer:
     def state(self) -> dict:
         return self._run(self._state())
 
-    def drops(self) -> tuple[list[int], list[int]]:
-        """(stale, aborted) indices dropped since the last call."""
+    def drops(self) -> tuple[list[int], list[int], list[int]]:
+        """(stale, aborted) indices dropped since the last call, and the held ones (open,
+        buffered) at the same moment: with in_place, a group may be dropped at any time."""
         return self._run(self._drops())
 
     def held_indices(self) -> list[int]:
@@ -180,6 +211,7 @@ class AsyncProducer:
     # -------------------------------------------------------------------------- on the loop
     async def _start(self, version: int, state: dict | None) -> None:
         self._changed = asyncio.Event()
+        self.version = version
         if state is not None:
             for row in state["open"]:
                 (group,) = from_state([row])
@@ -245,7 +277,9 @@ class AsyncProducer:
                 return results
 
     async def _resume(self) -> None:
-        await self._engines("open")
+        if not self.window_open:  # in_place updates leave it open: no round trip
+            await self._engines("open")
+            self.window_open = True
         self.accepting = True
         self._fill()
 
@@ -266,8 +300,6 @@ class AsyncProducer:
         for replica, share in enumerate(_split(len(waiting), len(self.m.engines))):
             if share:
                 ids = [waiting[k] for k in share]
-                for i in ids:
-                    self.slots[i].running = True
                 task = asyncio.get_running_loop().create_task(self._wave(replica, ids))
                 self._waves.add(task)
                 task.add_done_callback(self._waves.discard)
@@ -284,6 +316,8 @@ class AsyncProducer:
         """(prompt ids, params, sample indices): one request of n samples for a fresh group,
         one per unfinished sample for a continued one (its own seed per continuation)."""
         group, base = slot.group, self._first_params(slot.index)
+        if self.in_place:  # K/V an abort leaves (a checkpoint, a staleness check) is parked
+            base = dataclasses.replace(base, park_kv=True)
         prompt = list(group.problem.prompt_ids)
         if not group.samples:
             return [(prompt, base, list(range(base.n)))]
@@ -303,14 +337,20 @@ class AsyncProducer:
 
     async def _wave(self, replica: int, ids: list[int]) -> None:
         prompts, params, owners = [], [], []
+        self._wave_ids += 1
+        wave = self._wave_ids
         for i in ids:
-            for prompt, p, js in self._requests(self.slots[i]):
+            slot = self.slots[i]
+            ks = []
+            for prompt, p, js in self._requests(slot):
+                ks.append(len(prompts))
                 prompts.append(prompt)
                 params.append(p)
                 owners.append((i, js))
+            slot.pending, slot.sent_version, slot.wave = len(ks), self.version, (replica, wave, ks)
         engine = self.m.engines[replica]
         try:
-            gen = engine.generate_wave.remote(prompts, params)
+            gen = engine.generate_wave.remote(prompts, params, wave)
             while True:
                 try:
                     ref = await asyncio.wait_for(gen.__anext__(), self.timeout)
@@ -319,8 +359,8 @@ class AsyncProducer:
                 item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
                 if item == CLOSED:
                     break
-                k, samples, version = item
-                self._deliver(owners[k], samples, version)
+                k, samples, version, versions = item
+                self._deliver(owners[k], samples, version, versions)
         except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
             if is_death(e):
                 self._mark_dead(replica, engine, "generate_wave", e)
@@ -329,22 +369,34 @@ class AsyncProducer:
                     f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
                 )
         finally:
-            for i in ids:
-                if i in self.slots:
-                    self.slots[i].running = False
+            for i in ids:  # a closed window or a failure: what did not come back waits
+                slot = self.slots.get(i)
+                if slot is not None and slot.wave is not None and slot.wave[1] == wave:
+                    slot.pending, slot.wave = 0, None
             self._changed.set()
 
-    def _deliver(self, owner: tuple[int, list[int]], samples, version: int) -> None:
+    def _deliver(self, owner: tuple[int, list[int]], samples, version: int, versions) -> None:
         i, js = owner
-        slot = self.slots[i]
+        slot = self.slots.get(i)
+        if slot is None:  # dropped as stale while its requests ran (in_place)
+            return
         now = list(slot.group.samples) or [EMPTY] * len(js)
-        for j, s in zip(js, samples):
-            g = Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version)
+        for k, (j, s) in enumerate(zip(js, samples)):
+            per_token = tuple(versions[k]) if k < len(versions) else ()
+            g = Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version, per_token)
             now[j] = now[j].extended(g)
         slot.group = slot.group._replace(samples=tuple(now))
+        slot.pending -= 1
         if slot.group.done:
             del self.slots[i]
             self._complete(i, slot.group)
+        elif not slot.running:
+            slot.wave = None
+            if self.in_place:  # back from an abort: a staleness check or a checkpoint
+                if self._staleness(slot.group, self.version) > self.max_staleness:
+                    self.dropped.append(i)
+                    del self.slots[i]
+                self._fill()  # continued (adopting the K/V it parked), or its room is free
 
     def _complete(self, index: int, group: OpenGroup) -> None:
         loop = asyncio.get_running_loop()
@@ -391,7 +443,7 @@ class AsyncProducer:
         now = time.perf_counter()
         engine: Counter = Counter()
         for before, after in zip(self._stats, stats):
-            for key in ("generated_tokens", "prefill_tokens_computed", "prefix_cache_hit_tokens"):
+            for key in ENGINE_COUNTERS:
                 engine[key] += after[key] - before[key]
         seconds, self._stats, self._stats_at = now - self._stats_at, stats, now
         return Taken(
@@ -405,28 +457,54 @@ class AsyncProducer:
             len(self.done),
         )
 
-    async def _pause(self) -> None:
+    async def _pause(self, abort: bool) -> None:
         self.accepting = False
+        if not abort:  # in_place: requests run on through the update, which must reach every
+            await self._replace_dead()  # replica (a dead one is replaced first)
+            return
         while True:  # until every replica is closed and alive: the update reaches them all
             await self._engines("close", True)
+            self.window_open = False
             if self._waves:
                 await asyncio.wait_for(asyncio.gather(*self._waves), self.timeout)
             if not self.dead:
                 return
 
     async def _drop_stale(self, version: int) -> None:
-        self.held = 0
+        """Open groups whose returned tokens are too old are dropped. With in_place, requests
+        still running across the update may hold such tokens too: those sent more than
+        max_staleness versions ago are aborted (their tokens come back, parked K/V kept), and
+        `_deliver` drops the group if its tokens really are too old, else continues it."""
+        self.held, self.version = 0, version
+        check: dict[tuple[int, int], list[int]] = {}  # (replica, wave) -> requests to abort
         for i in sorted(self.slots):
             slot = self.slots[i]
             oldest = slot.oldest()
             if oldest is not None and version - oldest > self.max_staleness:
                 self.dropped.append(i)
                 del self.slots[i]
+                if slot.wave is not None:
+                    check.setdefault(slot.wave[:2], []).extend(slot.wave[2])
             elif not self.keep_partial and slot.group.samples:
                 self.aborted.append(i)
                 del self.slots[i]
-            elif slot.group.samples:  # continued across this update
-                slot.group = slot.group._replace(rollouts=slot.group.rollouts + 1)
+            else:
+                if slot.running and version - slot.sent_version > self.max_staleness:
+                    check.setdefault(slot.wave[:2], []).extend(slot.wave[2])
+                if slot.group.samples or slot.running:  # continued across this update
+                    slot.group = slot.group._replace(rollouts=slot.group.rollouts + 1)
+        if check:
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        asyncio.wrap_future(
+                            self.m.engines[replica].cancel_wave.remote(wave, ks).future()
+                        )
+                        for (replica, wave), ks in check.items()
+                    )
+                ),
+                self.timeout,
+            )
 
     async def _state(self) -> dict:
         """JSON-ready: the open groups (index order) and the buffer (completion order)."""
@@ -438,8 +516,8 @@ class AsyncProducer:
             "buffer": [{**row, "index": d.index} for d, row in zip(self.done, buffer_rows)],
         }
 
-    async def _drops(self) -> tuple[list[int], list[int]]:
-        out = (sorted(self.dropped), sorted(self.aborted))
+    async def _drops(self) -> tuple[list[int], list[int], list[int]]:
+        out = (sorted(self.dropped), sorted(self.aborted), await self._held_indices())
         self.dropped, self.aborted = [], []
         return out
 

@@ -191,9 +191,10 @@ def batch_with_advantages(recipe: Recipe, rt: Runtime, groups) -> tuple:
     critic for values (GAE) and the reference model for log-probs (KL in the reward) where the
     algorithm needs them."""
     batch = samples_batch(groups)
-    ref = ray.put(batch)
-    values = rt.values(ref) if recipe.algorithm.advantage == "gae" else None
-    ref_lp = rt.ref_logprobs(ref) if recipe.algorithm.kl_reward_coef > 0 else None
+    gae, kl = recipe.algorithm.advantage == "gae", recipe.algorithm.kl_reward_coef > 0
+    ref = ray.put(batch) if gae or kl else None  # one copy for both calls; none without them
+    values = rt.values(ref) if gae else None
+    ref_lp = rt.ref_logprobs(ref) if kl else None
     return with_advantages(batch, groups, recipe.algorithm, values=values, ref_logprobs=ref_lp)
 
 

@@ -30,6 +30,9 @@ class Layout(NamedTuple):
     colocated: bool
     threads: int  # torch threads per worker on CPU
     engine_tp: int = 1  # ranks per engine replica: replica i holds engine_bundles[i k : (i+1) k]
+    # cluster.pin_cpus: the cores of each bundle's worker (bundle b: the b-th `threads` of the
+    # cores the controller may use); () unpinned
+    cpus: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_replicas(self) -> int:
@@ -58,11 +61,23 @@ def plan(cluster, engine_tp: int = 1) -> Layout:
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     d = cluster.devices
     threads = cluster.cpu_threads or max(1, usable_cpus() // d)
+    cpus: tuple[tuple[int, ...], ...] = ()
+    if cluster.pin_cpus and accelerator == "cpu":
+        mine = sorted(os.sched_getaffinity(0))
+        if d * threads > len(mine):
+            from miles_like.recipe import RecipeError
+
+            raise RecipeError(
+                f"cluster.pin_cpus=true needs cluster.devices x cpu_threads = {d * threads} "
+                f"cores, this process may use {len(mine)}; lower cluster.cpu_threads or set "
+                "cluster.pin_cpus: false"
+            )
+        cpus = tuple(tuple(mine[b * threads : (b + 1) * threads]) for b in range(d))
     if cluster.colocate:
         return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads, engine_tp)
     r = cluster.rollout_devices if cluster.rollout_devices is not None else d // 2
     return Layout(
-        accelerator, d, list(range(d - r)), list(range(d - r, d)), False, threads, engine_tp
+        accelerator, d, list(range(d - r)), list(range(d - r, d)), False, threads, engine_tp, cpus
     )
 
 
@@ -137,9 +152,22 @@ def create_trainers(layout: Layout, pg, tag: str, timeout_s: float) -> list:
         for rank, b in enumerate(layout.trainer_bundles)
     ]
     gather(each("trainer rank", trainers, "ready"), timeout_s)
+    pin(layout, trainers, layout.trainer_bundles, "trainer rank", timeout_s)
     ((host, port),) = gather([call("trainer rank 0", trainers[0], "rendezvous")], timeout_s)
     gather(each("trainer rank", trainers, "set_rendezvous", host, port), timeout_s)
     return trainers
+
+
+def pin(layout: Layout, actors: list, bundles: list[int], role: str, timeout_s: float) -> None:
+    """cluster.pin_cpus: every thread of each actor's process onto its bundle's cores."""
+    if layout.cpus:
+        gather(
+            [
+                call(f"{role} {k}", a, "pin_cpus", list(layout.cpus[b]))
+                for k, (a, b) in enumerate(zip(actors, bundles))
+            ],
+            timeout_s,
+        )
 
 
 def engine_name(tag: str, index: int, restarts: int = 0) -> str:
@@ -175,6 +203,8 @@ def create_engines(
         for rank, actor in enumerate(ranks)
     ]
     gather([call(label, a, "ready") for label, a in labelled], timeout_s)
+    for i, ranks in zip(indices, replicas):
+        pin(layout, ranks, layout.replica_bundles(i), f"engine {i} rank", timeout_s)
     if k == 1:
         return replicas
     meet = gather(

@@ -253,7 +253,9 @@ class RolloutSection(Section):
         None,
         "over_sampling > 1: the unfinished groups are dropped (abort) or continue next step "
         "under the new weights, tokens kept, KV prefilled again (retract) or kept in the "
-        "engine across the weight update (in_place, disaggregated only)",
+        "engine across the weight update (in_place, disaggregated only); cluster.fully_async: "
+        "what an update does to running requests: abort, retract (null) or in_place (kept "
+        "running on their K/V)",
     )
     max_carry_versions: int | None = setting(
         None,
@@ -438,6 +440,12 @@ class ClusterSection(Section):
         "times when other processes hold the cores",
         ge=1,
     )
+    pin_cpus: bool = setting(
+        False,
+        "disaggregated on CPU: pin each worker process to its own cpu_threads cores (bundle b: "
+        "the b-th run of cpu_threads cores the controller may use), so the trainer and the "
+        "engines do not migrate across the same cores; devices x cpu_threads must fit them",
+    )
     call_timeout_s: float = setting(
         1800.0,
         "longest wait for one actor call (a rollout, a train "
@@ -453,6 +461,11 @@ class ClusterSection(Section):
     )
 
     def check(self) -> None:
+        if self.pin_cpus and self.colocate:
+            raise RecipeError(
+                "cluster.pin_cpus=true gives each bundle's worker its own cores, but colocated "
+                "trainer and engine share a bundle; set cluster.colocate: false"
+            )
         if self.off_policy_steps == 1 and self.colocate:
             raise RecipeError(
                 "cluster.off_policy_steps=1 needs disaggregated placement; set "
@@ -730,11 +743,16 @@ class Recipe(Section):
                 "rollout.over_sampling: cluster.fully_async=true keeps the engines full by "
                 "itself (cluster.async_buffer_groups); set rollout.over_sampling: 1"
             )
-        if rollout.partial == "in_place":
+        if (
+            rollout.partial == "in_place"
+            and rollout.tp > 1
+            and self.trainer.tp == rollout.tp
+            and self.trainer.backend == "megatron"
+        ):
             raise RecipeError(
-                "rollout.partial=in_place is not wired into cluster.fully_async yet (its "
-                "weight updates abort and continue running requests); use rollout.partial: "
-                "retract (or null)"
+                f"rollout.partial=in_place updates running engines with full tensors, but "
+                f"trainer.tp = rollout.tp = {rollout.tp} (megatron) syncs each TP rank its own "
+                "shards, which needs idle engines; use rollout.partial: retract"
             )
         if rollout.max_carry_versions is not None:
             raise RecipeError(

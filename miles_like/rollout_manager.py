@@ -448,6 +448,10 @@ class RolloutManager:
             samples=sum(len(g.trajectories) for g in taken.groups),
             engine_restarts=0,
         )
+        if self.recipe.rollout.partial == "in_place":  # K/V not computed again after an update
+            metrics["in_place_reused_tokens"] = float(
+                engine["parked_reused_tokens"] + engine["in_place_kept_tokens"]
+            )
         return metrics
 
     @staticmethod

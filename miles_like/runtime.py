@@ -326,9 +326,16 @@ class Runtime:
             )
         return metrics
 
-    def sync_weights(self) -> float:
+    def sync_weights(self, in_place: bool = False) -> float:
         """Push the trainer's weights into every engine (engines resumed first when colocated).
-        Returns the bytes sent; `sync_bytes_per_rank` is the most one trainer rank sent."""
+        Returns the bytes sent; `sync_bytes_per_rank` is the most one trainer rank sent.
+        `in_place` (disaggregated, full tensors): the engines' running requests are kept, not
+        drained; they sample on with the new weights (`EngineWorker.receive_broadcast`)."""
+        if in_place and (self.layout.colocated or self.sharded_sync):
+            raise ValueError(
+                "an in-place weight sync needs disaggregated engines taking full tensors "
+                "(no resharding sync)"
+            )
         if self.sharded_sync and self.layout.colocated:
             # rank 0's resume returns once every rank of its replica has resumed
             self._on_engines("resume")
@@ -371,7 +378,7 @@ class Runtime:
                     for r, a in enumerate(ranks)
                 ]
                 if self.sharded_sync
-                else each("engine", self.engines, "receive_broadcast")
+                else each("engine", self.engines, "receive_broadcast", in_place)
             )
             reports = self._wait(
                 each("trainer rank", self.trainers, "push_broadcast", self.bucket_bytes) + receivers

@@ -31,6 +31,19 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
+def pin_process(cpus: list[int]) -> dict[int, list[int]]:
+    """Every thread of this process onto `cpus` (threads started later inherit it from their
+    creator, itself pinned). Returns each thread's affinity afterwards, by thread id."""
+    out = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, cpus)
+            out[tid] = sorted(os.sched_getaffinity(tid))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return out
+
+
 _HELD_STORES: dict[int, object] = {}  # port -> the TCPStore master listening on it
 WORLD_TIMEOUT_S = 1800.0  # the trainer world's collectives (torch.distributed's default)
 
@@ -139,6 +152,10 @@ class TrainerWorker:
 
     def ready(self) -> bool:
         return True
+
+    def pin_cpus(self, cpus: list[int]) -> dict[int, list[int]]:
+        """cluster.pin_cpus (`placement.pin`): this process's threads onto `cpus`."""
+        return pin_process(cpus)
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: where the trainer world meets (this node's address, a port it holds)."""
@@ -483,6 +500,7 @@ class EngineWorker:
         self.on_gpu = engine_cfg.device.startswith("cuda")
         self.model_path = engine_cfg.model_path
         self._server = None
+        self._waves: dict[int, list] = {}  # generate_wave's futures by wave, while it runs
         self.engine = self.follower = None
         if engine_cfg.tensor_parallel_size == 1:
             self._build_engine()
@@ -508,6 +526,10 @@ class EngineWorker:
 
     def ready(self) -> bool:
         return True
+
+    def pin_cpus(self, cpus: list[int]) -> dict[int, list[int]]:
+        """cluster.pin_cpus (`placement.pin`): this process's threads onto `cpus`."""
+        return pin_process(cpus)
 
     # --------------------------------------------------------------- tensor-parallel replicas
     # A replica of k = `rollout.tp` ranks is k EngineWorkers, one per device. Rank 0 is the
@@ -691,12 +713,13 @@ class EngineWorker:
         }
 
     @ray.method(num_returns="streaming", concurrency_group="serve")
-    def generate_wave(self, prompts: list[list[int]], params: list):
+    def generate_wave(self, prompts: list[list[int]], params: list, wave: int = 0):
         """The fully asynchronous producer's requests (`async_rollouts.py`): admitted together,
         in order (as `generate`), in the serve group, so lifecycle calls (`close(abort_running=
-        True)`, the weight sync, `stats`) run while they generate. Yields `(index, samples,
-        weight version)` as each request finishes (aborted ones with the tokens they have);
-        with the window closed it yields CLOSED once and nothing else (nothing ran)."""
+        True)`, the weight sync, `stats`, `cancel_wave`) run while they generate. Yields
+        `(index, samples, weight version, per-sample token versions)` as each request finishes
+        (aborted ones with the tokens they have); with the window closed it yields CLOSED once
+        and nothing else (nothing ran). `wave` names the call for `cancel_wave`."""
         import concurrent.futures
 
         from rollout.async_engine import EngineUnavailable
@@ -706,10 +729,23 @@ class EngineWorker:
         except EngineUnavailable:
             yield CLOSED
             return
-        index = {id(f): i for i, f in enumerate(futures)}
-        for f in concurrent.futures.as_completed(futures):
-            result = self._replica_intact(f.result)
-            yield index[id(f)], result.samples, result.weight_version
+        self._waves[wave] = futures
+        try:
+            index = {id(f): i for i, f in enumerate(futures)}
+            for f in concurrent.futures.as_completed(futures):
+                result = self._replica_intact(f.result)
+                yield index[id(f)], result.samples, result.weight_version, result.sample_versions
+        finally:
+            self._waves.pop(wave, None)
+
+    @ray.method(concurrency_group="serve")
+    def cancel_wave(self, wave: int, indices: list[int]) -> None:
+        """Abort requests `indices` of `generate_wave(..., wave)` (those still running end now
+        with the tokens they have; finished ones, or a wave that has ended, are left alone)."""
+        futures = self._waves.get(wave, ())
+        for k in indices:
+            if k < len(futures):
+                self.async_engine.cancel(futures[k])
 
     @ray.method(concurrency_group="serve")
     def generate_one(self, prompt_ids: list[int], params):

@@ -419,6 +419,10 @@ class Engine:
         `Scheduler.new_weights`) and bump `weight_version`."""
         if self.scheduler.cache is not None and self.pool.allocated:
             self.scheduler.new_weights()
+        # idle (no keep_running) nothing runs: 0
+        self.scheduler.stats.in_place_kept_tokens += sum(
+            s.num_computed for s in self.scheduler.running
+        )
         self.weight_version += 1
         self._uncommitted_update = False
 

@@ -88,6 +88,9 @@ class SchedulerStats:
     finished_samples: int = 0  # samples that ended by a stop or the length limit (not aborts)
     parked_reused_tokens: int = 0  # tokens of parked K/V a continuation adopted
     parked_dropped_tokens: int = 0  # tokens of parked K/V dropped (memory, flush, release)
+    # tokens of running sequences whose K/V a weight update kept (`keep_running`): not
+    # prefilled again under the new weights
+    in_place_kept_tokens: int = 0
 
 
 @dataclass

@@ -28,6 +28,9 @@ def test_buffer_default_is_one_batch_per_version_of_lag():
     # retract (or null) and abort both say what happens to running requests at an update
     assert load_recipe(RECIPE, [*ASYNC, "rollout.partial=abort"]).rollout.partial == "abort"
     assert load_recipe(RECIPE, [*ASYNC, "rollout.partial=retract"]).rollout.partial == "retract"
+    # in_place keeps the running requests and their K/V across the update (no over-sampling)
+    r = load_recipe(RECIPE, [*ASYNC, "rollout.partial=in_place"])
+    assert r.rollout.partial == "in_place"
 
 
 @pytest.mark.parametrize(
@@ -61,8 +64,16 @@ def test_buffer_default_is_one_batch_per_version_of_lag():
             r"^rollout\.over_sampling: cluster\.fully_async=true keeps the engines full",
         ),
         (
-            [*ASYNC, "rollout.partial=in_place"],
-            r"^rollout\.partial=in_place is not wired into cluster\.fully_async yet",
+            [
+                *ASYNC,
+                "cluster.devices=4",
+                "rollout.tp=2",
+                "trainer.tp=2",
+                "trainer.backend=megatron",
+                "rollout.partial=in_place",
+            ],
+            r"^rollout\.partial=in_place updates running engines with full tensors, but "
+            r"trainer\.tp = rollout\.tp = 2 .* use rollout\.partial: retract$",
         ),
         (
             [*ASYNC, "rollout.max_carry_versions=2", "rollout.partial=retract"],

@@ -7,6 +7,7 @@ official `openai` client for the endpoint."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import openai
@@ -108,4 +109,51 @@ def test_worker_window_generate_one_lifecycle_and_endpoint(ray_local, model_dir)
     assert again.weight_version == 3
     assert [c.token_ids for c in again.choices] == [s.token_ids for s in want[1]]
     ray.get(worker.shutdown.remote(), timeout=60)
+    ray.kill(worker)
+
+
+LONG_TOKENS = 480
+
+
+def test_cancel_wave_aborts_one_request_and_parks_its_kv(ray_local, model_dir):
+    """`generate_wave` + `cancel_wave` (the fully async producer's staleness check under
+    `rollout.partial: in_place`): the cancelled request comes back unfinished with its tokens,
+    log-probs and per-token versions, the other runs to its end; with `park_kv` the cancelled
+    sample's K/V is parked and its continuation (prompt + tokens) adopts it."""
+    from miles_like.workers import EngineWorker
+
+    # long enough that the cancel lands while request 0 runs
+    cfg = EngineConfig(
+        model_path=str(model_dir), kv_cache_tokens=2048, page_size=4, max_model_len=512
+    )
+    worker = EngineWorker.remote(cfg, 1)
+    ray.get(worker.open.remote())
+    long = SamplingParams(n=1, max_new_tokens=LONG_TOKENS, seed=3, ignore_eos=True, park_kv=True)
+    stream = worker.generate_wave.remote([PROMPTS[0], PROMPTS[2]], [long, long], 7)
+    deadline = time.monotonic() + 60
+    while ray.get(worker.stats.remote())["generated_tokens"] < 4:
+        assert time.monotonic() < deadline, "the wave did not start"
+        time.sleep(0.01)
+    ray.get(worker.cancel_wave.remote(7, [0]), timeout=60)
+    items = {}
+    for ref in stream:
+        k, samples, version, versions = ray.get(ref, timeout=120)
+        items[k] = (samples, versions)
+    (cut,), (cut_versions,) = items[0]
+    (full,), _ = items[1]
+    assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < LONG_TOKENS
+    assert len(cut.logprobs) == len(cut_versions) == len(cut.token_ids)
+    assert full.finish_reason == "length" and len(full.token_ids) == LONG_TOKENS
+    parked = ray.get(worker.stats.remote())["parked_kv_tokens"]
+    assert parked > 0
+    ray.get(worker.cancel_wave.remote(7, [0, 1]), timeout=60)  # the wave is over: nothing
+    rest = SamplingParams(
+        n=1, max_new_tokens=LONG_TOKENS - len(cut.token_ids), seed=4, ignore_eos=True, park_kv=True
+    )
+    before = ray.get(worker.stats.remote())["parked_reused_tokens"]
+    (ref,) = list(worker.generate_wave.remote([PROMPTS[0] + list(cut.token_ids)], [rest], 8))
+    _, (more,), _, _ = ray.get(ref, timeout=120)
+    assert len(more.token_ids) == LONG_TOKENS - len(cut.token_ids)
+    reused = ray.get(worker.stats.remote())["parked_reused_tokens"] - before
+    assert reused == parked  # the continuation computed only its pending token
     ray.kill(worker)

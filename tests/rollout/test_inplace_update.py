@@ -72,8 +72,12 @@ def test_same_weights_mid_generation_change_nothing_but_versions(model64):
     _, directory, _ = model64
     expected, _ = _run(_engine(directory))
     same = list(iter_safetensors(directory))
-    got, at_update = _run(_engine(directory), lambda e: e.update_weights(same, keep_running=True))
+    engine = _engine(directory)
+    got, at_update = _run(engine, lambda e: e.update_weights(same, keep_running=True))
     assert len(at_update) == 4  # every sample was mid-generation at the update
+    # the K/V kept: each sample's prompt and its tokens but the pending (last sampled) one
+    kept = sum(len(PROMPTS[rid]) + generated - 1 for (rid, _), generated in at_update.items())
+    assert engine.stats()["in_place_kept_tokens"] == kept
     for want, out in zip(expected, got):
         assert out.samples == want.samples  # tokens, log-probs, finish reasons: exactly
         assert all(v == [0] * len(s.token_ids) for v, s in zip(want.weight_versions, want.samples))

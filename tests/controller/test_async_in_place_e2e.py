@@ -1,0 +1,122 @@
+"""`rollout.partial: in_place` in fully asynchronous training (`async_rollouts.py`), end to end
+on Ray (float64, one engine, one trainer, responses long enough to run across updates).
+
+* The weight updates keep the running requests and their K/V: some trained sample has tokens
+  of two weight versions in one engine result (no abort, no second request), the K/V kept
+  across updates is counted (`rollout/in_place_reused_tokens` > 0), the behaviour log-probs the
+  trainer's importance correction (TIS) gets are exactly the ones the engine returned, and no
+  trained group is staler than `cluster.max_staleness`; every drawn prompt is trained,
+  dropped or held once.
+* Kill -9 at an arbitrary moment, resume with checkpoint.resume=auto: the prompt accounting
+  stays exact over the finished run; the groups open at the checkpoint continue on fresh
+  engines without their parked K/V, as retract does (nothing reused in the first resumed
+  window).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+from killed_run import killed_run
+from test_async_e2e import ASYNC, BASE, LONG, PROMPTS, check_accounting, run_in_process
+from test_resume_e2e import RECIPE
+
+from miles_like import checkpoint
+from miles_like.async_rollouts import AsyncProducer
+from miles_like.runtime import Runtime
+
+pytestmark = pytest.mark.slow
+
+IN_PLACE = (*ASYNC, *LONG, "rollout.partial=in_place", "cluster.max_staleness=1")
+REUSED = "rollout/in_place_reused_tokens"
+
+
+def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, monkeypatch):
+    # what the engines returned, per (prompt index, sample): each result's tokens, log-probs
+    # and per-token versions, in order; and what the trainer was given
+    returned: dict[tuple, list] = defaultdict(list)
+    deliver = AsyncProducer._deliver
+
+    def recording_deliver(self, owner, samples, version, versions):
+        i, js = owner
+        if i in self.slots:  # (a group dropped while its requests ran is not trained)
+            prompt = tuple(self.slots[i].group.problem.prompt_ids)
+            for k, (j, s) in enumerate(zip(js, samples)):
+                returned[prompt, i, j].append(
+                    (list(s.token_ids), list(s.logprobs), list(versions[k]))
+                )
+        return deliver(self, owner, samples, version, versions)
+
+    trained: list[tuple[list[int], int, list[float]]] = []
+    train = Runtime.train
+
+    def recording_train(self, batch):
+        for tokens, start, lp in zip(batch.tokens, batch.prompt_lens, batch.rollout_logprobs):
+            trained.append((list(tokens), start, lp.tolist()))
+        return train(self, batch)
+
+    monkeypatch.setattr(AsyncProducer, "_deliver", recording_deliver)
+    monkeypatch.setattr(Runtime, "train", recording_train)
+    rows = run_in_process(
+        tmp_path / "in_place",
+        "steps=6",
+        "checkpoint.every_steps=0",
+        "algorithm.is_correction=tis",
+        *IN_PLACE,
+    )
+    assert len(rows) == 6
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert sum(r[REUSED] for r in rows) > 0
+    assert sum(r["rollout/continued_groups"] for r in rows) > 0
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+    assert len(check_accounting(rows)) == 6 * PROMPTS
+
+    # each sample as the engine returned it: its results' tokens, log-probs and versions joined
+    # (keyed by prompt + response; two equal samples of one prompt are both candidates)
+    by_tokens = defaultdict(list)
+    for (prompt, _, _), results in returned.items():
+        response = tuple(t for r in results for t in r[0])
+        by_tokens[prompt + response].append(
+            (
+                [x for r in results for x in r[1]],
+                [v for r in results for v in r[2]],
+                len(results),
+            )
+        )
+    straddled = 0
+    for tokens, start, lp in trained:
+        # bitwise: the behaviour policy TIS corrects for is the engine's own numbers
+        matches = [m for m in by_tokens[tuple(tokens)] if m[0] == lp]
+        assert matches, "a trained sample's log-probs are not what the engine returned"
+        logprobs, versions, results = matches[0]
+        assert len(versions) == len(tokens) - start
+        # one engine result sampled by two versions: the update landed while it ran
+        straddled += results == 1 and len(set(versions)) == 2
+    assert straddled > 0
+
+
+STEPS = 12
+DELAY_S = 0.3  # after checkpoint 3: inside step 3 or later, not at a checkpoint
+
+
+def test_killed_in_place_run_resumes_as_retract(ray_local, cache, tmp_path):
+    out = tmp_path / "killed"
+    overrides = (f"steps={STEPS}", "checkpoint.every_steps=3", "checkpoint.keep_last=100")
+    marker = out / "checkpoints" / "step_000003" / "state.json"
+    with killed_run(out, [RECIPE, *BASE, *overrides, *IN_PLACE], marker, delay_s=DELAY_S) as kill:
+        pass
+    assert kill.rows_at_kill and 3 <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
+    resumed_from = checkpoint.complete_checkpoints(out)[-1]
+    first = json.loads((resumed_from / "state.json").read_text())["next_step"]
+    rows = run_in_process(out, *overrides, *IN_PLACE, "checkpoint.resume=auto")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    trained = check_accounting(rows)
+    assert len(trained) == STEPS * PROMPTS
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    # the checkpoint held open groups with tokens; on the fresh engines they prefilled again
+    opened = json.loads((resumed_from / "state.json").read_text())["async"]["open"]
+    assert any(s["token_ids"] for g in opened for s in g["samples"])
+    assert rows[first][REUSED] == 0
+    assert any(r[REUSED] > 0 for r in rows[first + 1 :])
