@@ -102,12 +102,15 @@ def measure(trainers: dict, batch, steps: int) -> dict:
     import statistics
 
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    warmup: dict[str, float] = {}
     for round_ in range(steps + 1):
         for name, trainer in trainers.items():
             start = time.perf_counter()
             trainer.train_step(batch)
-            if round_:  # round 0 warms up: allocations, Adam state, lazy kernels
+            if round_:  # round 0 warms up: allocations, Adam state, lazy kernels, compiling
                 times[name].append(time.perf_counter() - start)
+            else:
+                warmup[name] = time.perf_counter() - start
     tokens = sum(len(t) for t in batch.tokens)
     out = {}
     for name, ts in times.items():
@@ -117,6 +120,7 @@ def measure(trainers: dict, batch, steps: int) -> dict:
             "s_per_step_median": per_step,
             "s_per_step_min": min(ts),
             "s_per_step_all": [round(t, 3) for t in ts],
+            "warmup_step_s": round(warmup[name], 3),  # with `megatron_compiled`: its compiling
             "tokens_per_step": tokens,
             "train_tokens_per_s": tokens / per_step,
         }
@@ -127,7 +131,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rl", action="store_true", help="issue 15's batch: 64 x (128 + 128) tokens")
-    p.add_argument("--backends", default="megatron,deepspeed,hf")
+    p.add_argument(
+        "--backends",
+        default="megatron,deepspeed,hf",
+        help="of megatron, megatron_compiled (TrainerConfig.compile), deepspeed, hf",
+    )
     p.add_argument("--kv-heads", type=int, default=0, help="0: heads / 2")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -167,17 +175,23 @@ def run(args) -> dict:
         batch = make_batch(args)
         trainers = {}
         chosen = args.backends.split(",")
-        for backend, cls in (("megatron", MegatronTrainer), ("deepspeed", DeepSpeedTrainer)):
-            if backend not in chosen:
+        contenders = (
+            ("megatron", MegatronTrainer, False),
+            ("megatron_compiled", MegatronTrainer, True),
+            ("deepspeed", DeepSpeedTrainer, False),
+        )
+        for name, cls, compiled in contenders:
+            if name not in chosen:
                 continue
             cfg = TrainerConfig(
                 model_path=tmp,
-                backend=backend,
+                backend=name.split("_")[0],
                 max_tokens_per_micro_batch=args.micro_batch_tokens,
                 optim=OptimConfig(lr=1e-5),
                 loss=LossConfig(policy_loss="ppo"),
+                compile=compiled,
             )
-            trainers[backend] = cls(cfg)
+            trainers[name] = cls(cfg)
         if "hf" in chosen:
             trainers["hf"] = PlainHF(tmp, lr=1e-5)
         return measure(trainers, batch, args.steps)
@@ -209,11 +223,12 @@ def report(args, results: dict) -> dict:
         "load_avg": os.getloadavg(),
         **results,
         **{
-            f"megatron_over_{other}": (
-                results["megatron"]["train_tokens_per_s"] / results[other]["train_tokens_per_s"]
+            f"{ours}_over_{other}": (
+                results[ours]["train_tokens_per_s"] / results[other]["train_tokens_per_s"]
             )
+            for ours in ("megatron", "megatron_compiled")
             for other in ("deepspeed", "hf")
-            if other in results and "megatron" in results
+            if other in results and ours in results
         },
     }
 

@@ -81,6 +81,8 @@ class TrainerConfig:
     # megatron backend on GPU: Transformer Engine layer specs instead of the local spec + SDPA
     # attention (both compute the same function; TE is faster). Untested in CI (no GPU).
     use_transformer_engine: bool = False
+    # megatron backend: torch.compile the element-wise pieces (RMSNorm, SwiGLU; `compiled`)
+    compile: bool = False
 
     def __post_init__(self):
         if self.backend not in ("megatron", "deepspeed"):
