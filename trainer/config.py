@@ -96,6 +96,10 @@ class TrainerConfig:
                 "trainer.dtype='float64' runs on trainer.backend='megatron' only; "
                 "use float32 with deepspeed"
             )
+        if self.compile and self.backend != "megatron":
+            raise ValueError(
+                "trainer.compile=true runs on trainer.backend='megatron' only; set it to false"
+            )
         if self.max_tokens_per_micro_batch < 1:
             raise ValueError("trainer.max_tokens_per_micro_batch must be >= 1")
         if self.loss.kl_coef > 0 and not self.use_reference:
