@@ -158,6 +158,7 @@ def run_ours(work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: s
         f"trainer.backend={args.backend}",
         f"trainer.lr={args.lr}",
         "trainer.updates_per_rollout=1",
+        f"trainer.compile={'true' if args.compile else 'false'}",
         "reward.function=benchmarks.vs_trl:reward",
         "reward.max_workers=1",
         f"tracking.output_dir={out}",
@@ -356,6 +357,11 @@ def main() -> None:
     p.add_argument("--backend", default="megatron", choices=("megatron", "deepspeed"))
     p.add_argument("--workloads", default="fixed,variable")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="our trainer with trainer.compile=true (compiles in the untimed warm-up step)",
+    )
+    p.add_argument(
         "--trl-gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -440,6 +446,7 @@ def run(args) -> dict:
             "timed_steps_per_round": args.steps,
             "rounds": args.rounds,
             "ours_backend": args.backend,
+            "ours_trainer_compile": args.compile,
             "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
             "variable_eos_prob": EOS_PROB,
         },
