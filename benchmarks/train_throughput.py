@@ -13,11 +13,16 @@ grad-norm clipping and torch AdamW - the simplest correct train step.
     .venv/bin/python benchmarks/train_throughput.py            # default workload
     .venv/bin/python benchmarks/train_throughput.py --rl       # issue 15's 64 x 256-token batch
     .venv/bin/python benchmarks/train_throughput.py --quick    # seconds; used by a smoke test
+    .venv/bin/python benchmarks/train_throughput.py --rl --backends megatron,megatron_compiled,hf
+
+`megatron_compiled` is the megatron backend with `TrainerConfig.compile` (`trainer.compile`):
+its compiling happens in the untimed warm-up step, reported per contender as `warmup_step_s`
+(set TORCHINDUCTOR_CACHE_DIR to a fresh directory for a cold compile).
 
 Prints one JSON object: per contender, steps timed, median and min seconds per step, and
-training tokens/s (batch tokens per step / median seconds per step), plus the megatron /
-deepspeed and megatron / hf ratios. Steps of the contenders alternate, so background load on a
-shared machine hits them alike.
+training tokens/s (batch tokens per step / median seconds per step), plus the megatron (and
+megatron_compiled) / deepspeed and / hf ratios. Steps of the contenders alternate, so
+background load on a shared machine hits them alike.
 """
 
 from __future__ import annotations
