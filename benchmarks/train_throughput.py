@@ -149,18 +149,28 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--response", type=int, default=192)
-    p.add_argument("--micro-batch-tokens", type=int, default=2048)
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=0,
+        help="0: 2048 (default workload); the whole batch with --rl (HF's one padded forward)",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
     if args.rl:
         args.hidden, args.layers, args.heads, args.kv_heads, args.vocab = 256, 4, 8, 2, 512
         args.batch, args.prompt, args.response = 64, 128, 128
-        args.micro_batch_tokens = 4096
+        # one micro-batch, as plain HF's one forward: on CPU each op of each micro-batch is an
+        # OpenMP parallel region, and fewer, larger ones hold up better on busy cores
+        args.micro_batch_tokens = args.micro_batch_tokens or args.batch * (
+            args.prompt + args.response
+        )
     if args.quick:
         args.hidden, args.layers, args.heads, args.vocab = 64, 2, 4, 256
         args.batch, args.prompt, args.response, args.steps = 4, 8, 24, 2
         args.micro_batch_tokens = 64
+    args.micro_batch_tokens = args.micro_batch_tokens or 2048
     if args.threads:
         torch.set_num_threads(args.threads)
 

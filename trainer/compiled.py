@@ -13,14 +13,16 @@ multiplies, attention and the loss stay as they are.
 * Rotary (packed sequences): `packed_rope`'s rotation and its transpose as one compiled
   expression each (`packed_rope.rotate_fused`), for the models marked by `mark_rotary`.
 * SwiGLU: megatron's own fused path (`bias_activation_fusion`: `SwiGLUFunction`, whose forward
-  and hand-written backward megatron compiles with `torch.compile`), switched on in
-  `megatron_model.transformer_config`.
+  and hand-written backward megatron wraps in `torch.compile`), switched on in
+  `megatron_model.transformer_config`; `compile_swiglu` re-wraps the same two functions with
+  a dynamic token dimension (megatron's default wrapping specialises on the first length and
+  recompiles on the second, inside a timed step of a mixed-length run). Only models built
+  with `compile` take this path: an eager model runs megatron's unfused SwiGLU.
 
 Shapes: the norm and the rotation are compiled with a dynamic token dimension, so a run
 compiles each once per dtype, grad mode (a no-grad scoring pass, a training forward, the
 rotation's backward) and input layout, for any micro-batch length (dynamo specialises sizes 0
-and 1); megatron compiles its SwiGLU pieces with torch's default (static on the first call,
-dynamic from the first recompile), so mixed-length micro-batches compile each at most twice.
+and 1), and so do the SwiGLU pieces.
 Inductor caches compiled code on disk, so a later process with the same shapes compiles faster
 (cold vs warm: benchmarks/RESULTS.md).
 
@@ -103,6 +105,21 @@ def rotation_of(config):
 
         _compiled_rotation = torch.compile(rotate_fused, dynamic=True, fullgraph=True)
     return _compiled_rotation
+
+
+def compile_swiglu() -> None:
+    """Megatron's SwiGLU forward / backward functions, compiled with a dynamic token dimension
+    (in place of megatron's own `torch.compile` wrapping; idempotent)."""
+    from megatron.core.fusions import fused_bias_swiglu as fused
+
+    for name in ("swiglu", "swiglu_back"):
+        fn = getattr(fused, name)
+        if getattr(fn, "_miles_like_dynamic", False):
+            continue
+        eager = getattr(fn, "_torchdynamo_orig_callable", fn)
+        dynamic = torch.compile(eager, dynamic=True)
+        dynamic._miles_like_dynamic = True
+        setattr(fused, name, dynamic)
 
 
 def compiled_graphs() -> int:

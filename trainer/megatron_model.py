@@ -210,6 +210,7 @@ def build_gpt_model(
     if compile:
         compiled.compile_norms(model)
         compiled.mark_rotary(model.config)
+        compiled.compile_swiglu()
     # HF's inverse frequencies replace megatron's (see module docstring). The rotary module's
     # forward is lru-cached per length; it has not run yet, so nothing stale is cached.
     # Megatron computes the angles and cos / sin in inv_freq's dtype: fp64 for a float64 model.

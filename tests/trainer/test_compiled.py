@@ -11,6 +11,8 @@ compiled rotation is caught by the same comparison).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,6 +53,9 @@ def test_compiled_step_matches_eager(dtype, tiny_hf_checkpoints):
     norms = [m for m in trainer.policy.raw.modules() if isinstance(m, torch.nn.RMSNorm)]
     assert norms and all(getattr(m, "_compiled", False) for m in norms)
     assert trainer.policy.config.bias_activation_fusion  # megatron's compiled SwiGLU path
+    from megatron.core.fusions import fused_bias_swiglu
+
+    assert getattr(fused_bias_swiglu.swiglu, "_miles_like_dynamic", False)
     assert compiled.rotation_of(trainer.policy.config) is not None
 
     lp_bound, grad_rel = BOUNDS[dtype]
@@ -66,6 +71,14 @@ def test_compiled_step_matches_eager(dtype, tiny_hf_checkpoints):
         assert scale > 0
         assert float((a - b).abs().max()) <= grad_rel * scale
     assert m_c["grad_norm"] == pytest.approx(m_e["grad_norm"], rel=grad_rel)
+
+    # compiled once for any length: a batch of new lengths compiles nothing more
+    graphs = compiled.compiled_graphs()
+    other = scenarios.fixed_batch(trainer.vocab_size)
+    cut = [t[:-1] for t in other.tokens]  # every sample one token shorter
+    adv = [a[:-1] for a in other.advantages]
+    trainer.train_step(dataclasses.replace(other, tokens=cut, advantages=adv))
+    assert compiled.compiled_graphs() == graphs
 
 
 def test_wrong_compiled_rotation_is_caught(tiny_hf_checkpoints, monkeypatch):
