@@ -13,11 +13,16 @@ grad-norm clipping and torch AdamW - the simplest correct train step.
     .venv/bin/python benchmarks/train_throughput.py            # default workload
     .venv/bin/python benchmarks/train_throughput.py --rl       # issue 15's 64 x 256-token batch
     .venv/bin/python benchmarks/train_throughput.py --quick    # seconds; used by a smoke test
+    .venv/bin/python benchmarks/train_throughput.py --rl --backends megatron,megatron_compiled,hf
+
+`megatron_compiled` is the megatron backend with `TrainerConfig.compile` (`trainer.compile`):
+its compiling happens in the untimed warm-up step, reported per contender as `warmup_step_s`
+(set TORCHINDUCTOR_CACHE_DIR to a fresh directory for a cold compile).
 
 Prints one JSON object: per contender, steps timed, median and min seconds per step, and
-training tokens/s (batch tokens per step / median seconds per step), plus the megatron /
-deepspeed and megatron / hf ratios. Steps of the contenders alternate, so background load on a
-shared machine hits them alike.
+training tokens/s (batch tokens per step / median seconds per step), plus the megatron (and
+megatron_compiled) / deepspeed and / hf ratios. Steps of the contenders alternate, so
+background load on a shared machine hits them alike.
 """
 
 from __future__ import annotations
@@ -102,12 +107,15 @@ def measure(trainers: dict, batch, steps: int) -> dict:
     import statistics
 
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    warmup: dict[str, float] = {}
     for round_ in range(steps + 1):
         for name, trainer in trainers.items():
             start = time.perf_counter()
             trainer.train_step(batch)
-            if round_:  # round 0 warms up: allocations, Adam state, lazy kernels
+            if round_:  # round 0 warms up: allocations, Adam state, lazy kernels, compiling
                 times[name].append(time.perf_counter() - start)
+            else:
+                warmup[name] = time.perf_counter() - start
     tokens = sum(len(t) for t in batch.tokens)
     out = {}
     for name, ts in times.items():
@@ -117,6 +125,7 @@ def measure(trainers: dict, batch, steps: int) -> dict:
             "s_per_step_median": per_step,
             "s_per_step_min": min(ts),
             "s_per_step_all": [round(t, 3) for t in ts],
+            "warmup_step_s": round(warmup[name], 3),  # with `megatron_compiled`: its compiling
             "tokens_per_step": tokens,
             "train_tokens_per_s": tokens / per_step,
         }
@@ -127,7 +136,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rl", action="store_true", help="issue 15's batch: 64 x (128 + 128) tokens")
-    p.add_argument("--backends", default="megatron,deepspeed,hf")
+    p.add_argument(
+        "--backends",
+        default="megatron,deepspeed,hf",
+        help="of megatron, megatron_compiled (TrainerConfig.compile), deepspeed, hf",
+    )
     p.add_argument("--kv-heads", type=int, default=0, help="0: heads / 2")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -136,18 +149,28 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--response", type=int, default=192)
-    p.add_argument("--micro-batch-tokens", type=int, default=2048)
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=0,
+        help="0: 2048 (default workload); the whole batch with --rl (HF's one padded forward)",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
     if args.rl:
         args.hidden, args.layers, args.heads, args.kv_heads, args.vocab = 256, 4, 8, 2, 512
         args.batch, args.prompt, args.response = 64, 128, 128
-        args.micro_batch_tokens = 4096
+        # one micro-batch, as plain HF's one forward: on CPU each op of each micro-batch is an
+        # OpenMP parallel region, and fewer, larger ones hold up better on busy cores
+        args.micro_batch_tokens = args.micro_batch_tokens or args.batch * (
+            args.prompt + args.response
+        )
     if args.quick:
         args.hidden, args.layers, args.heads, args.vocab = 64, 2, 4, 256
         args.batch, args.prompt, args.response, args.steps = 4, 8, 24, 2
         args.micro_batch_tokens = 64
+    args.micro_batch_tokens = args.micro_batch_tokens or 2048
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -167,17 +190,23 @@ def run(args) -> dict:
         batch = make_batch(args)
         trainers = {}
         chosen = args.backends.split(",")
-        for backend, cls in (("megatron", MegatronTrainer), ("deepspeed", DeepSpeedTrainer)):
-            if backend not in chosen:
+        contenders = (
+            ("megatron", MegatronTrainer, False),
+            ("megatron_compiled", MegatronTrainer, True),
+            ("deepspeed", DeepSpeedTrainer, False),
+        )
+        for name, cls, compiled in contenders:
+            if name not in chosen:
                 continue
             cfg = TrainerConfig(
                 model_path=tmp,
-                backend=backend,
+                backend=name.split("_")[0],
                 max_tokens_per_micro_batch=args.micro_batch_tokens,
                 optim=OptimConfig(lr=1e-5),
                 loss=LossConfig(policy_loss="ppo"),
+                compile=compiled,
             )
-            trainers[backend] = cls(cfg)
+            trainers[name] = cls(cfg)
         if "hf" in chosen:
             trainers["hf"] = PlainHF(tmp, lr=1e-5)
         return measure(trainers, batch, args.steps)
@@ -209,11 +238,12 @@ def report(args, results: dict) -> dict:
         "load_avg": os.getloadavg(),
         **results,
         **{
-            f"megatron_over_{other}": (
-                results["megatron"]["train_tokens_per_s"] / results[other]["train_tokens_per_s"]
+            f"{ours}_over_{other}": (
+                results[ours]["train_tokens_per_s"] / results[other]["train_tokens_per_s"]
             )
+            for ours in ("megatron", "megatron_compiled")
             for other in ("deepspeed", "hf")
-            if other in results and "megatron" in results
+            if other in results and ours in results
         },
     }
 

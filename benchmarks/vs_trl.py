@@ -142,6 +142,12 @@ def check_tokenizer(model_dir: Path, data: Path, prompt_len: int) -> None:
 # ----------------------------------------------------------------------------- our loop
 
 
+def micro_batch_tokens(args) -> int:
+    """Our trainer's micro-batch budget: `--micro-batch-tokens`, else the whole batch in one
+    micro-batch, as TRL's one forward over per_device_train_batch_size = prompts x n."""
+    return args.micro_batch_tokens or args.prompts * args.n * (args.prompt_len + args.new_tokens)
+
+
 def run_ours(work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: str) -> dict:
     out = work / f"ours_{time.monotonic_ns()}"
     overrides = [
@@ -158,6 +164,8 @@ def run_ours(work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: s
         f"trainer.backend={args.backend}",
         f"trainer.lr={args.lr}",
         "trainer.updates_per_rollout=1",
+        f"trainer.compile={'true' if args.compile else 'false'}",
+        f"trainer.max_tokens_per_micro_batch={micro_batch_tokens(args)}",
         "reward.function=benchmarks.vs_trl:reward",
         "reward.max_workers=1",
         f"tracking.output_dir={out}",
@@ -356,6 +364,17 @@ def main() -> None:
     p.add_argument("--backend", default="megatron", choices=("megatron", "deepspeed"))
     p.add_argument("--workloads", default="fixed,variable")
     p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=0,
+        help="our trainer.max_tokens_per_micro_batch; 0: the whole batch (TRL's one forward)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="our trainer with trainer.compile=true (compiles in the untimed warm-up step)",
+    )
+    p.add_argument(
         "--trl-gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -440,6 +459,8 @@ def run(args) -> dict:
             "timed_steps_per_round": args.steps,
             "rounds": args.rounds,
             "ours_backend": args.backend,
+            "ours_trainer_compile": args.compile,
+            "ours_max_tokens_per_micro_batch": micro_batch_tokens(args),
             "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
             "variable_eos_prob": EOS_PROB,
         },

@@ -91,6 +91,7 @@ def trainer_config(recipe: Recipe, model_path: str) -> TrainerConfig:
             pipeline_model_parallel_size=tr.pp,
             max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch,
             dtype=recipe.model.dtype,
+            compile=tr.compile,
             optim=OptimConfig(
                 lr=tr.lr,
                 min_lr=tr.min_lr,

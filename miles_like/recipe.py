@@ -365,6 +365,12 @@ class TrainerSection(Section):
     updates_per_rollout: int = setting(1, "optimizer steps per rollout batch (mini-batches)", ge=1)
     zero_stage: int = setting(2, "deepspeed backend: ZeRO stage", ge=1, le=3)
     critic_lr: float = setting(1e-5, "gae: critic learning rate", gt=0.0)
+    compile: bool = setting(
+        False,
+        "megatron backend: torch.compile the element-wise pieces (RMSNorm, rotary, SwiGLU; "
+        "compiles in the first step; rounds differently from eager, so off for exact float64 "
+        "runs)",
+    )
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class TrainerConfig:
     # megatron backend on GPU: Transformer Engine layer specs instead of the local spec + SDPA
     # attention (both compute the same function; TE is faster). Untested in CI (no GPU).
     use_transformer_engine: bool = False
+    # megatron backend: torch.compile the element-wise pieces (RMSNorm, SwiGLU; `compiled`)
+    compile: bool = False
 
     def __post_init__(self):
         if self.backend not in ("megatron", "deepspeed"):
@@ -93,6 +95,10 @@ class TrainerConfig:
             raise ValueError(
                 "trainer.dtype='float64' runs on trainer.backend='megatron' only; "
                 "use float32 with deepspeed"
+            )
+        if self.compile and self.backend != "megatron":
+            raise ValueError(
+                "trainer.compile=true runs on trainer.backend='megatron' only; set it to false"
             )
         if self.max_tokens_per_micro_batch < 1:
             raise ValueError("trainer.max_tokens_per_micro_batch must be >= 1")

@@ -23,7 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from trainer import cpu_compat, packed_rope
+from trainer import compiled, cpu_compat, packed_rope
 from trainer.hf_config import HFArch
 from trainer.sdpa_attention import SDPACoreAttention
 
@@ -62,7 +62,7 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
 
 
 def transformer_config(
-    arch: HFArch, *, params_dtype: torch.dtype = torch.float32
+    arch: HFArch, *, params_dtype: torch.dtype = torch.float32, fused_swiglu: bool = False
 ) -> TransformerConfig:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -95,8 +95,9 @@ def transformer_config(
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # Fusions need CUDA kernels; the unfused paths compute the same function.
-        bias_activation_fusion=False,
+        # Fusions need CUDA kernels; the unfused paths compute the same function. The SwiGLU
+        # one is torch.compile'd code (any device), taken with `TrainerConfig.compile`.
+        bias_activation_fusion=fused_swiglu,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -161,15 +162,17 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     vocab_multiple: int = 128,
     use_te: bool = False,
+    compile: bool = False,
 ) -> tuple[GPTModel, ModelLayout]:
-    """This rank's GPTModel (random weights until `bridge.load_hf_weights`) and its layout.
+    """This rank's GPTModel (random weights until `bridge.load_hf_weights`) and its layout;
+    with `compile` its norms and SwiGLUs run compiled (`trainer.compiled`).
 
     Requires megatron parallel state (`trainer.parallel.init_parallel`)."""
     cpu_compat.apply()
     packed_rope.install()
     if use_te and not torch.cuda.is_available():
         raise ValueError("trainer.use_transformer_engine needs CUDA; set it to false on CPU")
-    config = transformer_config(arch, params_dtype=params_dtype)
+    config = transformer_config(arch, params_dtype=params_dtype, fused_swiglu=compile)
     tp = config.tensor_model_parallel_size
     pp = config.pipeline_model_parallel_size
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -204,6 +207,10 @@ def build_gpt_model(
         model.to(dtype=params_dtype)
     _mark_tensor_parallel_shards(model)
     model.to(device)
+    if compile:
+        compiled.compile_norms(model)
+        compiled.mark_rotary(model.config)
+        compiled.compile_swiglu()
     # HF's inverse frequencies replace megatron's (see module docstring). The rotary module's
     # forward is lru-cached per length; it has not run yet, so nothing stale is cached.
     # Megatron computes the angles and cos / sin in inv_freq's dtype: fp64 for a float64 model.

@@ -157,6 +157,7 @@ class MegatronModel:
             params_dtype=cfg.torch_dtype,
             vocab_multiple=cfg.vocab_pad_multiple,
             use_te=cfg.use_transformer_engine,
+            compile=cfg.compile,
         )
         if value_head and self.layout.post_process:
             model.output_layer = _ValueHead(arch.hidden_size, cfg.torch_dtype).to(device())

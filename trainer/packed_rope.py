@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from trainer import compiled
+from trainer.compiled import call
+
 _original = None
 # ((freqs, its version, cu_seqlens, its version, dtype), (cos, sin) [t, 1, d]) of the packed
 # micro-batch being computed; holding the tensors keeps their identities from being reused
@@ -32,14 +35,18 @@ _last: tuple | None = None
 
 class _Rotate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, fused):
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, sign=1.0)
+        ctx.fused = fused
+        return _rotate(x, cos, sin, 1.0) if fused is None else call(fused, x, cos, sin, 1.0)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _rotate(grad.contiguous(), cos, sin, sign=-1.0), None, None
+        grad = grad.contiguous()
+        if ctx.fused is None:
+            return _rotate(grad, cos, sin, -1.0), None, None, None
+        return call(ctx.fused, grad, cos, sin, -1.0), None, None, None
 
 
 def _rotate(x, cos, sin, sign: float):
@@ -59,6 +66,17 @@ def _rotate(x, cos, sin, sign: float):
         o1.add_(x2 * s2)
         o2.sub_(x1 * s1)
     return out
+
+
+def rotate_fused(x, cos, sin, sign: float):
+    """`_rotate` as one expression, for `torch.compile` (`trainer.compiled`): one fused loop,
+    whose rounding may differ from `_rotate`'s (fused multiply-adds)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+    if sign > 0:
+        return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+    return torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), dim=-1)
 
 
 def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype):
@@ -100,7 +118,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
     if not simple:
         return _original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
     cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype)
-    return _Rotate.apply(t, cos, sin)
+    return _Rotate.apply(t, cos, sin, compiled.rotation_of(config))
 
 
 def install() -> None:

@@ -331,3 +331,11 @@ def test_zero3_with_colocated_gpu_offload_is_refused(tmp_path, monkeypatch):
     )
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     load_recipe(write(tmp_path, MINIMAL), zero3)  # on CPU nothing is offloaded
+
+
+def test_trainer_compile_reaches_the_trainer_config_megatron_only(tmp_path):
+    r = load_recipe(write(tmp_path, MINIMAL), ["trainer.compile=true"])
+    assert trainer_config(r, "/m").compile is True
+    assert trainer_config(load_recipe(write(tmp_path, MINIMAL)), "/m").compile is False
+    with pytest.raises(RecipeError, match="trainer.compile.*megatron"):
+        load_recipe(write(tmp_path, MINIMAL), ["trainer.compile=true", "trainer.backend=deepspeed"])
