@@ -27,6 +27,7 @@ time ratios async / sync (of the means).
 
     python benchmarks/async_learning.py [--seeds 3 --steps 40 --k 10]
     python benchmarks/async_learning.py --quick     # smoke test: 2 seeds, 3 steps, short SFT
+    (--output-dir DIR keeps each run's outputs, e.g. its metrics.jsonl, in DIR/MODE_SEED)
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
     ap.add_argument("--k", type=int, default=10, help="steps in the first / last reward window")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, 3 steps, k 1")
+    ap.add_argument("--output-dir", type=Path, help="keep every run's outputs (metrics.jsonl) here")
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.steps, args.k = 2, 3, 1
@@ -157,17 +159,18 @@ def main() -> None:
     start = time.perf_counter()
     start_ray()
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with contextlib.ExitStack() as stack:
+            tmp = args.output_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
             for seed in range(args.seeds):
                 base = [*COMMON, *extra, f"seed={seed}"]
                 # untimed: builds (or finds) the seed's warm start, so neither mode pays it
-                prepare = Path(tmp) / f"prepare_{seed}"
+                prepare = tmp / f"prepare_{seed}"
                 run_once([*base, "steps=1", *MODES["sync"]], prepare, failures)
                 order = list(MODES) if seed % 2 == 0 else list(MODES)[::-1]
                 for mode in order:
                     rows, wall = run_once(
                         [*base, f"steps={args.steps}", *MODES[mode]],
-                        Path(tmp) / f"{mode}_{seed}",
+                        tmp / f"{mode}_{seed}",
                         failures,
                     )
                     runs[mode].append({"seed": seed, **summarize_run(rows, wall, args.k)})
