@@ -1,0 +1,222 @@
+"""Does the long-tailed chain recipe learn as well fully asynchronously as synchronously, in
+less wall time? (issue 14, acceptance). Prints one JSON object.
+
+The real controller (`miles_like.loop.run`, one local Ray with 2 CPU slots: one engine and one
+trainer rank, disaggregated, `cluster.cpu_threads=1`) on `recipes/tiny_chain_grpo.yaml`, in two
+modes that differ only in the loop:
+
+* sync: synchronous on-policy (`cluster.off_policy_steps: 0`): each step's rollout is sampled
+  by the weights the step trains;
+* async: fully asynchronous (`cluster.fully_async: true`, `cluster.max_staleness: 1`): the
+  engine keeps generating while the trainer trains; a group is trained at most one weight
+  version after its oldest token.
+
+For each seed (the recipe's `seed`: it changes the random init of the base model, the warm
+start's SFT data, the RL prompts and their order, and every sampling seed), one untimed
+`steps=1` sync run builds the seed's cached warm start, then the sync and the async run
+follow, alternating (sync first on even seeds, async first on odd ones), each for the same
+number of steps (same trained samples: `prompts_per_step` groups of `n` a step).
+
+Learning signal: `rollout/reward_mean` of the trained batch, the chain reward (1.0 when the
+value after the last "->" is the chain's result), so the success rate. Per run: its mean over
+the first k steps and over the last k, the gain (last - first), the sum of `perf/step_s`, the
+command's wall time (start-up, warm start cached, included), staleness mean and stale drops.
+Summary: mean and standard deviation of the gain per mode, async - sync with a Welch t-test
+p-value and a 95% confidence interval (Welch-Satterthwaite degrees of freedom), and the wall
+time ratios async / sync (of the means).
+
+    python benchmarks/async_learning.py [--seeds 3 --steps 40 --k 10]
+    python benchmarks/async_learning.py --quick     # smoke test: 2 seeds, 3 steps, short SFT
+    (--output-dir DIR keeps each run's outputs, e.g. its metrics.jsonl, in DIR/MODE_SEED)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RECIPE = REPO / "recipes" / "tiny_chain_grpo.yaml"
+COMMON = (
+    "cluster.devices=2",
+    "cluster.colocate=false",
+    "cluster.cpu_threads=1",
+    "checkpoint.every_steps=0",
+    "tracking.wandb_project=null",
+)
+MODES = {
+    "sync": ("cluster.off_policy_steps=0",),
+    "async": ("cluster.fully_async=true", "cluster.max_staleness=1"),
+}
+QUICK = ("sft.steps=4",)  # a short warm start: the smoke test checks the plumbing, not learning
+
+
+def start_ray() -> None:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+def run_once(overrides: list[str], out: Path, failures: list[str]) -> tuple[list[dict], float]:
+    """One controller run in this process: its metrics rows and its wall time. A run whose
+    actor or Ray node died (`RunFailed`: on a loaded box the raylet can miss its heartbeats) is
+    rerun once from scratch on a fresh Ray, and the failure is reported in `failures`."""
+    import ray
+
+    from miles_like.errors import RunFailed
+    from miles_like.loop import run
+    from miles_like.recipe import load_recipe
+
+    recipe = load_recipe(RECIPE, [*overrides, f"tracking.output_dir={out}"])
+    for attempt in (1, 2):
+        start = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON alone
+                code = run(recipe)
+            break
+        except RunFailed as e:
+            failures.append(f"{out.name} attempt {attempt}: {e}")
+            if attempt == 2:
+                raise
+            ray.shutdown()
+            start_ray()
+    wall = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"run {out.name} exited {code}")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], wall
+
+
+def summarize_run(rows: list[dict], wall: float, k: int) -> dict:
+    reward = [row["rollout/reward_mean"] for row in rows]
+    first, last = statistics.mean(reward[:k]), statistics.mean(reward[-k:])
+    return {
+        "steps": len(rows),
+        "trained_samples": sum(row["rollout/samples"] for row in rows),
+        "reward_first_k": first,
+        "reward_last_k": last,
+        "gain": last - first,
+        "step_s_sum": sum(row["perf/step_s"] for row in rows),
+        "run_wall_s": wall,
+        "staleness_mean": statistics.mean(row.get("rollout/staleness_mean", 0.0) for row in rows),
+        "stale_dropped_groups": sum(row.get("rollout/stale_dropped_groups", 0.0) for row in rows),
+        "reward_per_step": reward,
+    }
+
+
+def welch(a: list[float], b: list[float]) -> dict:
+    """mean(a) - mean(b), its Welch t-test p-value (two-sided) and 95% confidence interval."""
+    from scipy import stats
+
+    test = stats.ttest_ind(a, b, equal_var=False)
+    ci = test.confidence_interval(0.95)
+    return {
+        "difference": statistics.mean(a) - statistics.mean(b),
+        "t": finite(test.statistic),
+        "df": finite(test.df),
+        "p_value": finite(test.pvalue),
+        "ci95": [finite(ci.low), finite(ci.high)],
+    }
+
+
+def finite(x) -> float | None:
+    """A float for the JSON; None where the test is undefined (no spread in either mode)."""
+    return float(x) if math.isfinite(x) else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3, help="seeds (runs per mode), >= 2")
+    ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    ap.add_argument("--k", type=int, default=10, help="steps in the first / last reward window")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, 3 steps, k 1")
+    ap.add_argument("--output-dir", type=Path, help="keep every run's outputs (metrics.jsonl) here")
+    args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.steps, args.k = 2, 3, 1
+    if args.seeds < 2:
+        ap.error("--seeds must be >= 2 (a standard deviation and a t-test need two runs a mode)")
+    if not 1 <= args.k <= args.steps // 2:
+        ap.error(f"--k must be between 1 and --steps / 2 = {args.steps // 2}")
+
+    import ray
+
+    load_before = os.getloadavg()
+    extra = list(QUICK) if args.quick else []
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    failures: list[str] = []
+    start = time.perf_counter()
+    start_ray()
+    try:
+        with contextlib.ExitStack() as stack:
+            tmp = args.output_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            for seed in range(args.seeds):
+                base = [*COMMON, *extra, f"seed={seed}"]
+                # untimed: builds (or finds) the seed's warm start, so neither mode pays it
+                prepare = tmp / f"prepare_{seed}"
+                run_once([*base, "steps=1", *MODES["sync"]], prepare, failures)
+                order = list(MODES) if seed % 2 == 0 else list(MODES)[::-1]
+                for mode in order:
+                    rows, wall = run_once(
+                        [*base, f"steps={args.steps}", *MODES[mode]],
+                        tmp / f"{mode}_{seed}",
+                        failures,
+                    )
+                    runs[mode].append({"seed": seed, **summarize_run(rows, wall, args.k)})
+    finally:
+        ray.shutdown()
+
+    gains = {mode: [r["gain"] for r in rs] for mode, rs in runs.items()}
+    mean = {
+        mode: {
+            key: statistics.mean(r[key] for r in rs)
+            for key in ("reward_first_k", "reward_last_k", "gain", "step_s_sum", "run_wall_s")
+        }
+        | {"gain_std": statistics.stdev(gains[mode])}
+        for mode, rs in runs.items()
+    }
+    out = {
+        "benchmark": "async_learning",
+        "host": platform.node(),
+        "recipe": str(RECIPE.relative_to(REPO)),
+        "overrides": {"common": [*COMMON, *extra], **{m: list(o) for m, o in MODES.items()}},
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "k": args.k,
+        "learning_signal": "rollout/reward_mean (chain reward: the success rate)",
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "total_wall_s": time.perf_counter() - start,
+        "mean": mean,
+        "gain_async_minus_sync": welch(gains["async"], gains["sync"]),
+        "sync_gain_t_test": sync_learns(gains["sync"]),
+        "wall_ratio_async_over_sync": {
+            key: mean["async"][key] / mean["sync"][key] for key in ("step_s_sum", "run_wall_s")
+        },
+        "failed_attempts_rerun": failures,
+        "runs": runs,
+    }
+    print(json.dumps(out, indent=2))
+
+
+def sync_learns(gains: list[float]) -> dict:
+    """Whether sync's gain is above its seed-to-seed noise: one-sample t-test of gain > 0."""
+    from scipy import stats
+
+    test = stats.ttest_1samp(gains, 0.0, alternative="greater")
+    return {"t": finite(test.statistic), "p_value_gain_gt_0": finite(test.pvalue)}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Smoke test: benchmarks/async_learning.py --quick runs the chain recipe sync and fully async
+for two seeds each and prints its JSON; its figures are checked against the per-step rewards it
+printed and a hand-written Welch t-test (not scipy's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import statistics
+
+import pytest
+from benchmark_runs import REPO, run_benchmark
+from scipy import stats
+
+
+def benchmark_module():
+    spec = importlib.util.spec_from_file_location(
+        "async_learning", REPO / "benchmarks" / "async_learning.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def welch_by_hand(a: list[float], b: list[float]) -> tuple[float, float, tuple[float, float]]:
+    """Welch's t-test from its textbook formulas: (t, two-sided p, 95% CI of mean(a) - mean(b))."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    diff = statistics.mean(a) - statistics.mean(b)
+    half = stats.t.ppf(0.975, df) * se
+    return diff / se, 2 * stats.t.sf(abs(diff / se), df), (diff - half, diff + half)
+
+
+@pytest.mark.slow
+def test_quick_benchmark_compares_sync_and_async_learning():
+    out = run_benchmark("async_learning.py", "--quick", timeout=1200)
+    steps, k = out["steps"], out["k"]
+    assert out["seeds"] == 2
+    for mode in ("sync", "async"):
+        runs = out["runs"][mode]
+        assert [r["seed"] for r in runs] == [0, 1]
+        for r in runs:
+            reward = r["reward_per_step"]
+            assert len(reward) == r["steps"] == steps
+            assert all(0.0 <= x <= 1.0 for x in reward)
+            assert r["gain"] == pytest.approx(
+                statistics.mean(reward[-k:]) - statistics.mean(reward[:k])
+            )
+            assert 0 < r["step_s_sum"] < r["run_wall_s"]
+        assert out["mean"][mode]["gain_std"] == pytest.approx(
+            statistics.stdev(r["gain"] for r in runs)
+        )
+    # the same trained samples in both modes, seed by seed
+    for s, a in zip(out["runs"]["sync"], out["runs"]["async"]):
+        assert s["trained_samples"] == a["trained_samples"] > 0
+    # sync is on-policy; async trains groups at most max_staleness = 1 version old
+    assert all(r["staleness_mean"] == 0.0 for r in out["runs"]["sync"])
+    assert all(0.0 <= r["staleness_mean"] <= 1.0 for r in out["runs"]["async"])
+    gains = {m: [r["gain"] for r in out["runs"][m]] for m in ("sync", "async")}
+    welch = out["gain_async_minus_sync"]
+    assert welch["difference"] == pytest.approx(
+        statistics.mean(gains["async"]) - statistics.mean(gains["sync"])
+    )
+    if statistics.variance(gains["async"]) + statistics.variance(gains["sync"]) == 0:
+        assert welch["p_value"] is None  # no spread in either mode: the test is undefined
+    else:
+        t, p, ci = welch_by_hand(gains["async"], gains["sync"])
+        assert [welch["t"], welch["p_value"], *welch["ci95"]] == pytest.approx([t, p, *ci])
+    ratio = out["wall_ratio_async_over_sync"]["step_s_sum"]
+    assert ratio == pytest.approx(
+        out["mean"]["async"]["step_s_sum"] / out["mean"]["sync"]["step_s_sum"]
+    )
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ([0.10, 0.14, 0.12], [0.03, 0.08, 0.01]),  # a clear difference
+        ([0.05, -0.02, 0.09, 0.01], [0.04, 0.00, 0.07]),  # within noise, unequal sizes
+    ],
+)
+def test_welch_summary_matches_the_textbook_formulas(a, b):
+    welch = benchmark_module().welch(a, b)
+    t, p, ci = welch_by_hand(a, b)
+    assert welch["difference"] == pytest.approx(statistics.mean(a) - statistics.mean(b))
+    assert [welch["t"], welch["p_value"], *welch["ci95"]] == pytest.approx([t, p, *ci])
+    assert welch["ci95"][0] < welch["difference"] < welch["ci95"][1]
