@@ -125,13 +125,16 @@ class SuffixLanes:
             return True
         page = self.pool.page_size
         new_lanes = max(num_lanes, lanes)
+        if new_lanes * width > self.max_tokens:
+            return False
         new_capacity = (
             max(width, capacity)
             if width <= capacity
             else -(-max(width, 2 * capacity) // page) * page
         )
-        if new_lanes * new_capacity > self.max_tokens:
-            return False
+        # Doubling is capped by the bound (whole pages, at least `width`): a doubling that
+        # does not fit must not send every later step to the gather path.
+        new_capacity = max(width, min(new_capacity, self.max_tokens // new_lanes // page * page))
         pool = self.pool
         shape = (pool.num_layers, pool.num_kv_heads, new_lanes, new_capacity, pool.head_dim)
         # zeros: stale entries must be finite (weight 0 times NaN would be NaN)
