@@ -228,3 +228,11 @@ def test_growth_near_the_bound_keeps_the_lanes():
         assert plan is not None, f"lanes dropped at {computed} computed tokens"
         assert lanes.capacity * 3 <= lanes.max_tokens and lanes.capacity >= plan.width
     assert lanes.capacity == 12 and sorted(lanes.lane_of_epoch) == [0, 1, 2]
+    # A fourth sequence joins at the bound: the capacity shrinks to 36 // 4 = 8 >= the width
+    # (short suffixes), keeping the valid offsets of the three lanes.
+    for s in seqs:
+        s.num_computed = 3
+    lanes.plan(seqs)
+    fourth = Seq(3, [12])
+    plan = lanes.plan([*seqs, fourth])
+    assert plan is not None and lanes.capacity == 8 and len(lanes.lanes) == 4
