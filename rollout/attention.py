@@ -176,11 +176,131 @@ def cascade_decode_attention(
     query head h reads KV head h // (H / Hkv). `suffix_kv`: the suffix K, V already laid out as
     [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the
     pool. `prefix_kv`: the groups' prefix K, V as [Hkv, G, Lp, Dh], `accum_dtype` (kept across
-    steps by the lanes); None gathers them."""
+    steps by the lanes); None gathers them.
+
+    On CPU the two parts run through torch's fused flash-attention kernel and are merged by
+    their log-sum-exps (`cascade_decode_attention_flash`); elsewhere as explicit matrix products
+    and one softmax (`cascade_decode_attention_matmul`, the reference both are tested against).
+    """
+    if suffix_kv is None:
+        suffix_kv = (
+            _gather(k_cache, meta.suffix_pages, page_size),
+            _gather(v_cache, meta.suffix_pages, page_size),
+        )
+    if prefix_kv is None and meta.prefix_pages.shape[1] > 0:
+        prefix_kv = (
+            _gather(k_cache, meta.prefix_pages, page_size),
+            _gather(v_cache, meta.prefix_pages, page_size),
+        )
+    kernel = (
+        cascade_decode_attention_flash
+        if q.device.type == "cpu"
+        else cascade_decode_attention_matmul
+    )
+    return kernel(q, meta, suffix_kv, prefix_kv)
+
+
+def _grid_queries(q: torch.Tensor, meta: DecodeMetadata, num_kv_heads: int) -> torch.Tensor:
+    """Decode queries [T, H, Dh] (batch order) -> the [D, Q] grid as [D, Hkv, Q * g, Dh] in
+    `accum_dtype`: rows of a sequence ordered (query, head in the KV group)."""
+    num_heads, head_dim = q.shape[1:]
+    num_seqs, num_queries = meta.suffix_bias.shape[:2]
+    per_kv = num_heads // num_kv_heads
+    q = q.to(accum_dtype(q.dtype)).index_select(0, meta.query_index)
+    q = q.view(num_seqs, num_queries, num_kv_heads, per_kv, head_dim).transpose(1, 2)
+    return q.reshape(num_seqs, num_kv_heads, num_queries * per_kv, head_dim)
+
+
+def _grid_output(out: torch.Tensor, meta: DecodeMetadata, dtype: torch.dtype) -> torch.Tensor:
+    """[D, Hkv, Q * g, Dh] grid rows -> [T, H, Dh] decode tokens in batch order, `dtype`."""
+    num_seqs, num_kv_heads, _, head_dim = out.shape
+    num_queries = meta.suffix_bias.shape[1]
+    out = out.view(num_seqs, num_kv_heads, num_queries, -1, head_dim).transpose(1, 2)
+    out = out.reshape(num_seqs * num_queries, -1, head_dim).index_select(0, meta.token_cell)
+    return out.to(dtype)
+
+
+def cascade_decode_attention_flash(
+    q: torch.Tensor,
+    meta: DecodeMetadata,
+    suffix_kv: tuple[torch.Tensor, torch.Tensor],
+    prefix_kv: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """`cascade_decode_attention` on CPU: the suffix part (each sequence's queries over its own
+    suffix) and the prefix part (each group's queries, all members together, over the group's
+    prefix) are each one call of torch's flash-attention kernel, which returns the output
+    normalised over its part and that part's log-sum-exp `lse`. The softmax over the union is
+    then exact: out = (o_s e^(lse_s - m) + o_p e^(lse_p - m)) / (e^(lse_s - m) + e^(lse_p - m)),
+    m = max(lse_s, lse_p). A group with an empty prefix gets lse_p = -inf (the kernel reports 0
+    for a fully masked row), so its weight is exactly 0.
+
+    One fused kernel per part reads K and V once and keeps the scores in cache, where the
+    matmul path writes [Hkv, D, Q * g, L] scores and probabilities to memory between many
+    small batched products."""
+    suffix_k, suffix_v = suffix_kv  # [Hkv, D, Ls, Dh]
+    num_kv_heads, num_seqs = suffix_k.shape[:2]
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim)
+    grid_q = _grid_queries(q, meta, num_kv_heads)  # [D, Hkv, Q*g, Dh]
+    rows = grid_q.shape[2]
+    num_queries = meta.suffix_bias.shape[1]
+    per_kv = rows // num_queries
+    suffix_bias = meta.suffix_bias.to(grid_q.dtype)  # [D, Q, Ls]
+    suffix_mask = (  # [D, 1, Q*g or 1, Ls]: one query per sequence broadcasts over the heads
+        suffix_bias.unsqueeze(1)
+        if num_queries == 1
+        else suffix_bias.unsqueeze(2).expand(-1, -1, per_kv, -1).reshape(num_seqs, 1, rows, -1)
+    )
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        grid_q,
+        suffix_k.transpose(0, 1),
+        suffix_v.transpose(0, 1),
+        attn_mask=suffix_mask,
+        scale=scale,
+    )
+    if prefix_kv is None:
+        return _grid_output(out, meta, q.dtype)
+    prefix_k, prefix_v = prefix_kv  # [Hkv, G, Lp, Dh]
+    groups, members = prefix_k.shape[1], meta.group_size
+    group_of = torch.div(meta.member_index, members, rounding_mode="floor")
+    slot_of = meta.member_index - group_of * members
+    # Queries into the [G, M] grid (empty cells stay zero; their rows are never read back).
+    member_q = grid_q.new_zeros(groups, members, num_kv_heads, rows, head_dim)
+    member_q[group_of, slot_of] = grid_q
+    member_q = member_q.transpose(1, 2).reshape(groups, num_kv_heads, members * rows, head_dim)
+    prefix_bias = meta.prefix_bias.to(grid_q.dtype)
+    prefix_out, prefix_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        member_q,
+        prefix_k.transpose(0, 1),
+        prefix_v.transpose(0, 1),
+        attn_mask=prefix_bias[:, None, None, :],
+        scale=scale,
+    )
+    prefix_lse = prefix_lse.masked_fill(
+        torch.isneginf(prefix_bias[:, :1]).unsqueeze(-1), float("-inf")
+    )  # [G, Hkv, M*rows]
+    prefix_out = prefix_out.view(groups, num_kv_heads, members, rows, head_dim).transpose(1, 2)
+    prefix_lse = prefix_lse.view(groups, num_kv_heads, members, rows).transpose(1, 2)
+    prefix_out, prefix_lse = prefix_out[group_of, slot_of], prefix_lse[group_of, slot_of]
+    top = torch.maximum(lse, prefix_lse)  # finite: a query always sees its own token
+    w_suffix = torch.exp(lse - top).unsqueeze(-1)
+    w_prefix = torch.exp(prefix_lse - top).unsqueeze(-1)
+    merged = (out * w_suffix + prefix_out * w_prefix) / (w_suffix + w_prefix)
+    return _grid_output(merged, meta, q.dtype)
+
+
+def cascade_decode_attention_matmul(
+    q: torch.Tensor,
+    meta: DecodeMetadata,
+    suffix_kv: tuple[torch.Tensor, torch.Tensor],
+    prefix_kv: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """`cascade_decode_attention` as explicit batched matrix products and one softmax over
+    prefix ++ suffix scores (any device; the reference of the flash path)."""
     num_heads, head_dim = q.shape[1:]
     out_dtype = q.dtype
     num_seqs, num_queries = meta.suffix_bias.shape[:2]
-    num_kv_heads = k_cache.shape[0]
+    num_kv_heads = suffix_kv[0].shape[0]
     per_kv = num_heads // num_kv_heads
     rows = num_queries * per_kv  # score rows per sequence, ordered (query, head in KV group)
     # float32 (at least) scores and softmax whatever the model dtype (a no-op for float32)
@@ -192,27 +312,17 @@ def cascade_decode_attention(
     suffix_bias = (
         meta.suffix_bias.unsqueeze(2).expand(-1, -1, per_kv, -1).reshape(1, num_seqs, rows, -1)
     )
-    if suffix_kv is None:
-        suffix_kv = (
-            _gather(k_cache, meta.suffix_pages, page_size),
-            _gather(v_cache, meta.suffix_pages, page_size),
-        )
     suffix_k, suffix_v = suffix_kv
     suffix_scores = _bmm(q, suffix_k.transpose(-1, -2)) + suffix_bias
     row_max = suffix_scores.amax(-1, keepdim=True)  # finite: a query always sees its own token
 
-    has_prefix = meta.prefix_pages.shape[1] > 0
+    has_prefix = prefix_kv is not None
     if has_prefix:
         groups, members = meta.prefix_pages.shape[0], meta.group_size
         # Queries into the [G, M] grid (empty cells stay zero and are never read back).
         grid_q = q.new_zeros(num_kv_heads, groups * members, rows, head_dim)
         grid_q.index_copy_(1, meta.member_index, q)
         grid_q = grid_q.view(num_kv_heads, groups, members * rows, head_dim)
-        if prefix_kv is None:
-            prefix_kv = (
-                _gather(k_cache, meta.prefix_pages, page_size),
-                _gather(v_cache, meta.prefix_pages, page_size),
-            )
         prefix_k, prefix_v = prefix_kv  # [Hkv, G, Lp, Dh]
         grid_scores = grid_q @ prefix_k.transpose(-1, -2) + meta.prefix_bias[None, :, None, :]
         prefix_scores = grid_scores.view(num_kv_heads, groups * members, rows, -1).index_select(

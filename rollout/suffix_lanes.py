@@ -125,21 +125,27 @@ class SuffixLanes:
             return True
         page = self.pool.page_size
         new_lanes = max(num_lanes, lanes)
+        if new_lanes * width > self.max_tokens:
+            return False
         new_capacity = (
             max(width, capacity)
             if width <= capacity
             else -(-max(width, 2 * capacity) // page) * page
         )
-        if new_lanes * new_capacity > self.max_tokens:
-            return False
+        # Doubling is capped by the bound (whole pages, at least `width`): a doubling that
+        # does not fit must not send every later step to the gather path. More lanes at the
+        # bound may shrink the capacity, never below `width`: a lane this step keeps holds
+        # fewer valid offsets than `width`, so copying the first `new_capacity` keeps them all.
+        new_capacity = max(width, min(new_capacity, self.max_tokens // new_lanes // page * page))
+        keep = min(capacity, new_capacity)
         pool = self.pool
         shape = (pool.num_layers, pool.num_kv_heads, new_lanes, new_capacity, pool.head_dim)
         # zeros: stale entries must be finite (weight 0 times NaN would be NaN)
         k = torch.zeros(shape, dtype=accum_dtype(pool.dtype), device=pool.device)
         v = torch.zeros_like(k)
         if self.k is not None:
-            k[:, :, :lanes, :capacity] = self.k
-            v[:, :, :lanes, :capacity] = self.v
+            k[:, :, :lanes, :keep] = self.k[:, :, :, :keep]
+            v[:, :, :lanes, :keep] = self.v[:, :, :, :keep]
         self.k, self.v = k, v
         self.lanes = self.lanes + [None] * (new_lanes - lanes)
         return True

@@ -11,7 +11,10 @@ from rollout.attention import (
     DecodeMetadata,
     PrefillSegment,
     TorchAttention,
+    _gather,
     cascade_decode_attention,
+    cascade_decode_attention_flash,
+    cascade_decode_attention_matmul,
 )
 from rollout.kv_pool import KVPool
 
@@ -34,12 +37,22 @@ def context_of(cache, pages, length, page_size):
     return cache[:, slots].transpose(0, 1)  # [L, Hkv, D]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_cascade_matches_naive(page_size):
-    g = torch.Generator().manual_seed(0)
+KERNELS = {"flash": cascade_decode_attention_flash, "matmul": cascade_decode_attention_matmul}
+
+
+def run_kernel(name, q, k_cache, v_cache, meta, page_size):
+    """One of the two implementations behind `cascade_decode_attention`, on gathered K/V."""
+    suffix = tuple(_gather(c, meta.suffix_pages, page_size) for c in (k_cache, v_cache))
+    prefix = tuple(_gather(c, meta.prefix_pages, page_size) for c in (k_cache, v_cache))
+    return KERNELS[name](q, meta, suffix, prefix if meta.prefix_pages.shape[1] else None)
+
+
+def cascade_case(page_size, dtype=torch.float32, seed=0):
+    """q, caches, metadata and the per-sequence layout of the mixed case below."""
+    g = torch.Generator().manual_seed(seed)
     num_kv, num_heads, head_dim, num_pages = 2, 6, 8, 64
-    k_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g)
-    v_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g)
+    k_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g, dtype=dtype)
+    v_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g, dtype=dtype)
     perm = torch.randperm(num_pages, generator=g).tolist()
 
     def take(n):
@@ -94,8 +107,20 @@ def test_cascade_matches_naive(page_size):
         torch.tensor(query_index),
         torch.tensor(cells),
     )
-    q = torch.randn(sum(queries), num_heads, head_dim, generator=g)
-    got = cascade_decode_attention(q, k_cache, v_cache, meta, page_size)
+    q = torch.randn(sum(queries), num_heads, head_dim, generator=g, dtype=dtype)
+    layout = (prefixes, members, suffix_pages, suffix_lens, queries, starts)
+    return q, k_cache, v_cache, meta, layout
+
+
+@pytest.mark.parametrize("kernel", [None, *KERNELS])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cascade_matches_naive(page_size, kernel):
+    q, k_cache, v_cache, meta, layout = cascade_case(page_size)
+    prefixes, members, suffix_pages, suffix_lens, queries, starts = layout
+    if kernel is None:  # the dispatcher (flash on CPU), gathering itself
+        got = cascade_decode_attention(q, k_cache, v_cache, meta, page_size)
+    else:
+        got = run_kernel(kernel, q, k_cache, v_cache, meta, page_size)
     for gi, ms in enumerate(members):
         for i in ms:
             keys = torch.cat(
@@ -119,6 +144,18 @@ def test_cascade_matches_naive(page_size):
                     atol=1e-5,
                     rtol=1e-5,
                 )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flash_equals_matmul_in_float64(seed):
+    """The CPU flash path (two fused kernels merged by log-sum-exp) against the matmul path (one
+    softmax over prefix ++ suffix), in float64: equal to rounding (groups with and without a
+    shared prefix, several queries per sequence)."""
+    q, k_cache, v_cache, meta, _ = cascade_case(4, torch.float64, seed)
+    flash = run_kernel("flash", q, k_cache, v_cache, meta, 4)
+    matmul = run_kernel("matmul", q, k_cache, v_cache, meta, 4)
+    assert flash.dtype == torch.float64
+    torch.testing.assert_close(flash, matmul, atol=1e-13, rtol=1e-13)
 
 
 def test_prefill_segment_is_causal_over_cached_prefix():

@@ -197,3 +197,42 @@ def test_group_prefix_copies_follow_the_groups(tiny_hf_checkpoints):
         if lanes:
             assert steps_with_two_groups > 10
     assert results[True] == results[False]
+
+
+def test_growth_near_the_bound_keeps_the_lanes():
+    """Doubling the capacity past the bound is capped at the bound instead of refused: lanes of
+    3 sequences growing to 12 positions fit a bound of 3 x 12 (the doubling to 16 would not), so
+    every step keeps its lanes (before the cap, the step at width 12 fell back to gathering)."""
+    pool = KVPool(
+        num_layers=1,
+        num_pages=16,
+        page_size=4,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    lanes = SuffixLanes(pool, max_tokens=3 * 12)
+
+    class Seq:
+        num_tree_pages, draft = 0, []
+
+        def __init__(self, epoch: int, pages: list[int]):
+            self.kv_epoch, self.pages, self.num_computed = epoch, pages, 0
+
+    seqs = [Seq(i, [4 * i, 4 * i + 1, 4 * i + 2]) for i in range(3)]
+    for computed in range(12):
+        for s in seqs:
+            s.num_computed = computed
+        plan = lanes.plan(seqs)
+        assert plan is not None, f"lanes dropped at {computed} computed tokens"
+        assert lanes.capacity * 3 <= lanes.max_tokens and lanes.capacity >= plan.width
+    assert lanes.capacity == 12 and sorted(lanes.lane_of_epoch) == [0, 1, 2]
+    # A fourth sequence joins at the bound: the capacity shrinks to 36 // 4 = 8 >= the width
+    # (short suffixes), keeping the valid offsets of the three lanes.
+    for s in seqs:
+        s.num_computed = 3
+    lanes.plan(seqs)
+    fourth = Seq(3, [12])
+    plan = lanes.plan([*seqs, fourth])
+    assert plan is not None and lanes.capacity == 8 and len(lanes.lanes) == 4
