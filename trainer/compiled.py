@@ -28,8 +28,8 @@ Inductor caches compiled code on disk, so a later process with the same shapes c
 
 The eager model is the reference: compiled code rounds differently (fused reductions, a
 vectorised sigmoid), so log-probs, loss and gradients agree within a float32 bound, not
-bitwise (tests/trainer/test_trainer_compiled.py). The on-policy first update's PPO-KL stays exactly 0
-(its old log-probs are this forward's own, compiled or not).
+bitwise (tests/trainer/test_trainer_compiled.py). The on-policy first update's PPO-KL stays
+exactly 0 (its old log-probs are this forward's own, compiled or not).
 """
 
 from __future__ import annotations
