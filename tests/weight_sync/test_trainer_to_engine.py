@@ -37,7 +37,7 @@ def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
             [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "trainer")]
         ),
     }
-    listen_port, group_port = _port(), _port()
+    listen_port = _port()
     engine_out, trainer_out = tmp_path / "engine.pt", tmp_path / "trainer.pt"
     engine = subprocess.Popen(
         [
@@ -48,7 +48,6 @@ def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
             str(model_dir),
             str(pp),
             str(listen_port),
-            str(group_port),
         ],
         env=env,
         cwd=REPO,
@@ -71,7 +70,6 @@ def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
                 str(tp),
                 str(pp),
                 str(listen_port),
-                str(group_port),
             ],
             env=env,
             cwd=REPO,

@@ -33,9 +33,11 @@ class _ConnFuture:
         return self.conn.recv()
 
 
-def engine_role(
-    out: str, model_dir: str, num_sources: int, listen_port: int, group_port: int
-) -> None:
+def engine_role(out: str, model_dir: str, num_sources: int, listen_port: int) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     from rollout import Engine, EngineConfig, SamplingParams
     from weight_sync import BroadcastReceiver, BucketReceiver, SyncGroup
 
@@ -69,8 +71,17 @@ def engine_role(
                 conns[stage].send(receiver.load(*msg))
         receiver.commit()
         sample_and_report("colocated")
-        # Round 2: broadcast over a standalone group; the engine is its rank 0.
-        group = SyncGroup.create("127.0.0.1", group_port, rank=0, size=num_sources + 1)
+        # Round 2: broadcast over a standalone group; the engine is its rank 0 and hosts its
+        # store on a port it binds itself (a port probed free and bound later can be taken in
+        # between, e.g. by gloo's own connections), sent to every source.
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+        )
+        for conn in conns.values():
+            conn.send(store.port)
+        group = SyncGroup.create(
+            "127.0.0.1", store.port, rank=0, size=num_sources + 1, master_store=store
+        )
         BroadcastReceiver(engine, group, sources=list(range(1, num_sources + 1))).receive()
         sample_and_report("broadcast")
         results["weight_version"] = engine.weight_version
@@ -80,9 +91,7 @@ def engine_role(
             conn.close()
 
 
-def trainer_role(
-    out: str, model_dir: str, tp: int, pp: int, listen_port: int, group_port: int
-) -> None:
+def trainer_role(out: str, model_dir: str, tp: int, pp: int, listen_port: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -132,7 +141,7 @@ def trainer_role(
 
     trainer.train_step(batch)
     if is_source:
-        group = SyncGroup.create("127.0.0.1", group_port, rank=1 + stage, size=1 + pp)
+        group = SyncGroup.create("127.0.0.1", conn.recv(), rank=1 + stage, size=1 + pp)
         sources = list(range(1, 1 + pp))
         results["broadcast_report"] = (
             BroadcastSender(group, sources, bucket_bytes=16 << 10)
