@@ -68,28 +68,36 @@ def check_accounting(rows: list[dict]) -> list[int]:
     return trained
 
 
-def test_zero_staleness_is_the_synchronous_run(ray_local, cache, tmp_path):
+def sync_and_zero_staleness_runs(runner, tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """3 steps synchronous and fully async at max_staleness 0 (`runner`: a `run_in_process`),
+    asserted equal on every metrics key but timings, and the runs really learning (lengths
+    vary, updates are real). Returns (sync rows, async rows)."""
     common = (
         "steps=3",
         "checkpoint.every_steps=0",
         "rollout.max_new_tokens=8",
         "reward.function=user_rewards:length_score",
     )
-    sync = run_in_process(tmp_path / "sync", *common)
-    asynchronous = run_in_process(tmp_path / "async", *common, *ASYNC, "cluster.max_staleness=0")
+    sync = runner(tmp_path / "sync", *common)
+    asynchronous = runner(tmp_path / "async", *common, *ASYNC, "cluster.max_staleness=0")
     assert len(sync) == len(asynchronous) == 3
     for s, a in zip(sync, asynchronous):
         diff = {k: (s[k], a.get(k)) for k in sorted(s) if not is_timing(k) and s[k] != a.get(k)}
         assert not diff, f"step {s['step']}: {diff}"
         assert a["rollout/staleness_max"] == 0 and a["rollout/stale_dropped_groups"] == 0
+    assert len({r["rollout/response_len_mean"] for r in sync}) > 1
+    assert all(r["train/grad_norm"] > 0 for r in sync)
+    check_accounting(asynchronous)
+    return sync, asynchronous
+
+
+def test_zero_staleness_is_the_synchronous_run(ray_local, cache, tmp_path):
+    sync, asynchronous = sync_and_zero_staleness_runs(run_in_process, tmp_path)
+    for s, a in zip(sync, asynchronous):
         assert a["rollout/trained_prompt_ids"] == list(
             range(s["step"] * PROMPTS, (s["step"] + 1) * PROMPTS)
         )
         assert a["rollout/continued_groups"] == 0
-    # the runs really differ in what they are compared on: lengths vary, updates are real
-    assert len({r["rollout/response_len_mean"] for r in sync}) > 1
-    assert all(r["train/grad_norm"] > 0 for r in sync)
-    check_accounting(asynchronous)
 
 
 # long responses (a length reward, room to run): generating a batch outlasts training one, so

@@ -145,6 +145,20 @@ def kill_engine_mid_rollout(out: Path, known: set[str], done: threading.Event) -
             return
 
 
+# Few, long samples: a rollout (256 decode steps) outlasts a training step by far, so a kill
+# lands mid-rollout.
+FEW_LONG_SAMPLES = (
+    "steps=4",
+    "rollout.prompts_per_step=2",
+    "rollout.n=2",
+    "rollout.max_new_tokens=256",
+    "sft.steps=0",
+    "trainer.updates_per_rollout=1",
+    "rollout.kv_cache_tokens=4096",
+    "trainer.max_tokens_per_micro_batch=4096",
+)
+
+
 @pytest.mark.parametrize(
     "placement",
     [
@@ -162,14 +176,7 @@ def test_engine_killed_mid_rollout_is_replaced(ray_local, cache, tmp_path, capsy
         [
             RECIPE,
             f"tracking.output_dir={out}",
-            "steps=4",
-            "rollout.prompts_per_step=2",
-            "rollout.n=2",
-            "rollout.max_new_tokens=256",
-            "sft.steps=0",
-            "trainer.updates_per_rollout=1",
-            "rollout.kv_cache_tokens=4096",
-            "trainer.max_tokens_per_micro_batch=4096",
+            *FEW_LONG_SAMPLES,
             *placement,
         ],
         run=run,
@@ -200,14 +207,7 @@ def test_an_engine_death_past_the_restart_budget_stops_the_run(ray_local, cache,
         [
             RECIPE,
             f"tracking.output_dir={out}",
-            "steps=4",
-            "rollout.prompts_per_step=2",
-            "rollout.n=2",
-            "rollout.max_new_tokens=256",
-            "sft.steps=0",
-            "rollout.kv_cache_tokens=4096",
-            "trainer.max_tokens_per_micro_batch=4096",
-            "trainer.updates_per_rollout=1",
+            *FEW_LONG_SAMPLES,
             "cluster.max_engine_restarts=0",
         ],
         run=run,
