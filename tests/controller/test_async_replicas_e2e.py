@@ -6,9 +6,9 @@ Ray: 3 CPU slots, one trainer rank and two engines (`cluster.rollout_devices=2`)
   of their data positions (`rollout_manager._split`), so every metrics.jsonl key but the
   timings is equal (float64). The updates reach both replicas: a replica left with old weights
   would sample other tokens than the synchronous run's.
-* max_staleness 1 on long responses, replica 1 killed mid-run: every step, both replicas
-  compute (`perf/engine_busy_frac_min`, the least busy replica's share of the step, is above 0)
-  but the step of the replacement; no group is staler than the bound; the dead replica is
+* max_staleness 1 on long responses, replica 1 killed mid-run: in every step before the
+  death both replicas compute (`perf/engine_busy_frac_min`, the least busy replica's share of
+  the step, is above 0; after it the replacement's share may finish early); no group is staler than the bound; the dead replica is
   replaced once and every drawn prompt is trained, dropped or held exactly once.
 """
 
@@ -65,9 +65,13 @@ def test_both_replicas_generate_and_a_dead_one_is_replaced(ray_four, cache, tmp_
     assert [r["step"] for r in rows] == list(range(5))
     assert [r["rollout/engine_restarts"] for r in rows].count(1) == 1
     assert sum(r["rollout/engine_restarts"] for r in rows) == 1
-    for r in rows:
-        if not r["rollout/engine_restarts"]:
-            assert r["perf/engine_busy_frac_min"] > 0, r
+    # both replicas compute in every step before the death; after it, the replacement's share
+    # may have finished early (groups are not moved between replicas once sent), so a step
+    # there can see one replica idle: the completed run and the accounting show it took part
+    restart = [r["rollout/engine_restarts"] for r in rows].index(1)
+    assert restart >= 1
+    for r in rows[:restart]:
+        assert r["perf/engine_busy_frac_min"] > 0, r
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     assert any(r["rollout/staleness_max"] == 1 for r in rows[1:])
     assert len(check_accounting(rows)) == 5 * PROMPTS
