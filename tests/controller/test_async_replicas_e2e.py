@@ -8,8 +8,9 @@ Ray: 3 CPU slots, one trainer rank and two engines (`cluster.rollout_devices=2`)
   would sample other tokens than the synchronous run's.
 * max_staleness 1 on long responses, replica 1 killed mid-run: in every step before the
   death both replicas compute (`perf/engine_busy_frac_min`, the least busy replica's share of
-  the step, is above 0; after it the replacement's share may finish early); no group is staler than the bound; the dead replica is
-  replaced once and every drawn prompt is trained, dropped or held exactly once.
+  the step, is above 0; after it the replacement's share may finish early); no group is
+  staler than the bound; the dead replica is replaced once and every drawn prompt is
+  trained, dropped or held exactly once.
 """
 
 from __future__ import annotations
