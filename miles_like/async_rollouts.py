@@ -44,10 +44,19 @@ prompts_per_step), so what an engine is asked to do for a prompt does not depend
   (`Runtime.restart_engine`, within `cluster.max_engine_restarts`); its groups keep what they
   had delivered and are sent again (`_replace_dead`).
 
-Accounting: every drawn index is exactly one of trained, dropped (stale or aborted), or held
-(open, buffered, or being trained); `held_indices` with the trained / dropped ids of the rows
-makes that checkable. `state` (taken between `pause` and `resume`, when no request runs) holds
-the open groups with their tokens, log-probs and versions, and the buffer, for the checkpoint.
+* **Dynamic sampling** (`algorithm.dynamic_sampling`): a buffered group is filtered as soon as
+  it is scored when its rewards are all equal (no gradient): not trained, its room drawn again,
+  its index reported by the next take (`Taken.filtered`); at most dynamic_sampling_max_rounds x
+  prompts_per_step per batch, then groups are trained as they are. `take` chooses among the
+  scored groups only.
+* **Multi-turn rollout functions**: each open group is a task running the function
+  (`async_agents.py`), its engine calls continued from their tokens over an update.
+
+Accounting: every drawn index is exactly one of trained, dropped (stale or aborted), filtered
+(dynamic sampling), or held (open, buffered, being trained, or filtered and not yet reported);
+`held_indices` with the trained / dropped / filtered ids of the rows makes that checkable.
+`state` (taken between `pause` and `resume`, when no request runs) holds the open groups with
+their tokens, log-probs and versions, and the buffer, for the checkpoint.
 """
 
 from __future__ import annotations
@@ -60,10 +69,15 @@ import time
 from collections import Counter
 from typing import NamedTuple
 
+import torch
+
+from miles_like import async_agents
+from miles_like.async_agents import AgentGroup
 from miles_like.calls import ActorDied, is_death
 from miles_like.dispatch import Generation
 from miles_like.errors import RolloutFailed
 from miles_like.oversampling import EMPTY, OpenGroup, from_state, score_group, to_state
+from miles_like.reward_shaping import informative_groups
 from miles_like.workers import CLOSED
 
 
@@ -97,8 +111,10 @@ ENGINE_COUNTERS = (
 
 class _Done(NamedTuple):
     index: int
-    group: OpenGroup
+    group: OpenGroup  # an agent group's: its problem and rollouts, no samples
     scored: asyncio.Future  # -> (rollout_manager.Group, reward failure counts)
+    oldest: int | None  # the oldest weight version of its tokens
+    trajectories: list | None = None  # an agent group's (what a checkpoint saves)
 
 
 class Taken(NamedTuple):
@@ -112,6 +128,7 @@ class Taken(NamedTuple):
     seconds: float  # since the previous take (the window of the engine counters)
     engine: Counter  # the engines' counter deltas over that window
     buffered: int  # complete groups left in the buffer
+    filtered: list[int] | None  # dynamic sampling: groups filtered since the previous take
 
 
 class AsyncProducer:
@@ -131,6 +148,18 @@ class AsyncProducer:
         self.held = 0  # groups taken by the trainer whose weight update is not in yet
         self.dropped: list[int] = []  # stale since the last `drops`
         self.aborted: list[int] = []  # unfinished at an update with rollout.partial: abort
+        alg = manager.recipe.algorithm
+        self.dynamic = alg.dynamic_sampling
+        # dynamic sampling: groups filtered since the last take (reported by the next one), at
+        # most this many per batch; past it, groups are trained as they are
+        self.filtered: list[int] = []
+        self.filter_budget = (
+            alg.dynamic_sampling_max_rounds * manager.recipe.rollout.prompts_per_step
+        )
+        # a multi-turn rollout function: each group is a task running it (`async_agents.py`)
+        self.agent_mode = manager.recipe.rollout.function != "single_turn"
+        self.agents: dict[int, AgentGroup] = {}
+        self._wake: asyncio.Event | None = None  # agents' engine calls wait for work accepted
         self.accepting = False
         self.failure: BaseException | None = None
         self._waves: set[asyncio.Task] = set()
@@ -210,15 +239,30 @@ class AsyncProducer:
 
     # -------------------------------------------------------------------------- on the loop
     async def _start(self, version: int, state: dict | None) -> None:
-        self._changed = asyncio.Event()
+        self._changed, self._wake = asyncio.Event(), asyncio.Event()
         self.version = version
         if state is not None:
             for row in state["open"]:
                 (group,) = from_state([row])
-                self.slots[row["index"]] = _Slot(row["index"], group)
+                if self.agent_mode:  # restarts from its prompt (`async_agents.py`)
+                    self.agents[row["index"]] = self._agent(row["index"], group.problem)
+                else:
+                    self.slots[row["index"]] = _Slot(row["index"], group)
             for row in state["buffer"]:
                 (group,) = from_state([row])
-                self._complete(row["index"], group)
+                if "trajectories" in row:
+                    trajectories = [
+                        async_agents.trajectory_from_state(t) for t in row["trajectories"]
+                    ]
+                    self._complete_agent(row["index"], group, trajectories, {}, row["oldest"])
+                else:
+                    self._complete(row["index"], group)
+            if self.agents:
+                self.m.log(
+                    f"resume: the {len(self.agents)} agent groups running at the checkpoint "
+                    "restart from their prompts"
+                )
+            self.filtered = list(state.get("dynamic_filtered", []))
         self._stats = await self._engines("stats")
         self._stats_at = time.perf_counter()
         await self._resume()
@@ -280,6 +324,8 @@ class AsyncProducer:
         if not self.window_open:  # in_place updates leave it open: no round trip
             await self._engines("open")
             self.window_open = True
+        elif self.dead:  # found dead by the update's staleness check (`cancel_wave`)
+            await self._replace_dead()
         self.accepting = True
         self._fill()
 
@@ -287,11 +333,17 @@ class AsyncProducer:
         """Draw prompts up to the capacity, then send every open group not running."""
         if not self.accepting:
             return
-        room = self.capacity - len(self.slots) - len(self.done) - self.held
+        room = self.capacity - len(self.slots) - len(self.agents) - len(self.done) - self.held
         if room > 0:
             start = self.m.source.consumed
             for k, problem in enumerate(self.m.source.next_batch(room)):
-                self.slots[start + k] = _Slot(start + k, OpenGroup(problem, ()))
+                if self.agent_mode:
+                    self.agents[start + k] = self._agent(start + k, problem)
+                else:
+                    self.slots[start + k] = _Slot(start + k, OpenGroup(problem, ()))
+        if self.agent_mode:
+            self._start_agents()
+            return
         waiting = sorted(i for i, s in self.slots.items() if not s.running)
         if not waiting:
             return
@@ -303,6 +355,82 @@ class AsyncProducer:
                 task = asyncio.get_running_loop().create_task(self._wave(replica, ids))
                 self._waves.add(task)
                 task.add_done_callback(self._waves.discard)
+
+    # ------------------------------------------------------------------------- agent groups
+    def _agent(self, index: int, problem) -> AgentGroup:
+        """Group `index`, on its replica: its place in its batch's contiguous shares."""
+        from miles_like.rollout_manager import _split
+
+        per_step = self.recipe.rollout.prompts_per_step
+        shares = _split(per_step, len(self.m.engines))
+        replica = next(i for i, share in enumerate(shares) if index % per_step in share)
+        return AgentGroup(index, problem, replica)
+
+    def _start_agents(self) -> None:
+        """Start the groups not running yet (index order) and wake the calls waiting."""
+        loop = asyncio.get_running_loop()
+        for i in sorted(self.agents):
+            group = self.agents[i]
+            if group.task is None:
+                group.task = loop.create_task(async_agents.run_group(self, group))
+        self._wake.set()
+
+    async def agent_wave(self, replica: int, requests: list) -> list:
+        """One agent call's requests (input ids, params, sample indices) as a wave on
+        `replica`, once work is accepted and the replica is alive: what came back (aborted
+        requests with the tokens they have); nothing when the window was closed or the replica
+        died (the call sends its requests again). A non-death failure raises."""
+        while not self.accepting or replica in self.dead:
+            if self.failure is not None:
+                raise self.failure
+            self._wake.clear()
+            await self._wake.wait()
+        task = asyncio.get_running_loop().create_task(self._agent_wave(replica, requests))
+        self._waves.add(task)
+        task.add_done_callback(self._waves.discard)
+        got = await task
+        if self.failure is not None:
+            raise self.failure
+        return got
+
+    async def _agent_wave(self, replica: int, requests: list) -> list:
+        self._wave_ids += 1
+        engine, got = self.m.engines[replica], []
+        try:
+            gen = engine.generate_wave.remote(
+                [r[0] for r in requests], [r[1] for r in requests], self._wave_ids
+            )
+            while True:
+                try:
+                    ref = await asyncio.wait_for(gen.__anext__(), self.timeout)
+                except StopAsyncIteration:
+                    break
+                item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
+                if item == CLOSED:
+                    break
+                got.append(item)
+        except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
+            if is_death(e):
+                self._mark_dead(replica, engine, "generate_wave", e)
+            else:
+                self.failure = self.failure or RolloutFailed(
+                    f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
+                )
+        finally:
+            self._changed.set()
+        return got
+
+    def agent_finished(self, group: AgentGroup, trajectories: list, tallies) -> None:
+        del self.agents[group.index]
+        problem = OpenGroup(group.problem, (), group.rollouts)
+        self._complete_agent(group.index, problem, trajectories, tallies, group.oldest)
+
+    def _complete_agent(self, index: int, group: OpenGroup, trajectories, tallies, oldest):
+        loop = asyncio.get_running_loop()
+        scored = loop.run_in_executor(
+            None, async_agents.score_trajectories, self.m, group.problem, trajectories, tallies
+        )
+        self._buffer(_Done(index, group, scored, oldest, trajectories))
 
     def _first_params(self, index: int):
         """The synchronous loop's SamplingParams of data position `index`."""
@@ -401,12 +529,50 @@ class AsyncProducer:
     def _complete(self, index: int, group: OpenGroup) -> None:
         loop = asyncio.get_running_loop()
         scored = loop.run_in_executor(None, score_group, self.m, group)
-        self.done.append(_Done(index, group, scored))
+        oldest = min((v for s in group.samples for v in s.versions), default=None)
+        self._buffer(_Done(index, group, scored, oldest))
+
+    def _buffer(self, done: _Done) -> None:
+        self.done.append(done)
+        if self.dynamic:  # filtered as soon as it is scored: its room is free at once
+            done.scored.add_done_callback(lambda _: self._filter())
         self._changed.set()
+
+    @staticmethod
+    def _scored(d: _Done) -> bool:
+        return d.scored.done() and not d.scored.cancelled() and d.scored.exception() is None
+
+    def _filter(self) -> None:
+        """Dynamic sampling: buffered groups scored with all rewards equal (no gradient) are
+        not trained, counted in `filtered` (within the batch's budget), and their room is drawn
+        again. A scoring failure stays in the buffer for `take` to raise."""
+        keep = []
+        for d in self.done:
+            if (
+                len(self.filtered) < self.filter_budget
+                and self._scored(d)
+                and not bool(informative_groups(torch.tensor([d.scored.result()[0].rewards]))[0])
+            ):
+                self.filtered.append(d.index)
+            else:
+                keep.append(d)
+        if len(keep) < len(self.done):
+            self.done = keep
+            self._fill()
+        self._changed.set()
+
+    def _ready(self) -> list[_Done]:
+        """The buffered groups `take` may choose: with dynamic sampling, the scored ones (the
+        filter has seen them)."""
+        return [d for d in self.done if d.scored.done()] if self.dynamic else self.done
 
     def _staleness(self, group: OpenGroup, version: int) -> int:
         oldest = min((v for s in group.samples for v in s.versions), default=version)
         return version - oldest
+
+    @staticmethod
+    def _lag(oldest: int | None, version: int) -> int:
+        return 0 if oldest is None else version - oldest
 
     async def _take(self, count: int, version: int) -> Taken:
         while True:
@@ -415,23 +581,30 @@ class AsyncProducer:
             if self.dead:
                 await self._replace_dead()
             stale = {
-                d.index for d in self.done if self._staleness(d.group, version) > self.max_staleness
+                d.index for d in self.done if self._lag(d.oldest, version) > self.max_staleness
             }
             if stale:
                 self.dropped += sorted(stale)
                 self.done = [d for d in self.done if d.index not in stale]
                 self._fill()  # their room is free
-            if len(self.done) >= count:
+            if self.dynamic:
+                self._filter()
+            ready = self._ready()
+            if len(ready) >= count:
                 break
-            if not self._waves:  # nothing can complete a group any more
+            idle = not self._waves and not self.agents
+            if idle and len(ready) == len(self.done):  # nothing can complete one
                 raise RolloutFailed(
                     f"async rollouts: {len(self.done)} of {count} groups complete and nothing "
                     "generating (a producer bug)"
                 )
             self._changed.clear()
             await self._changed.wait()
-        chosen, self.done = self.done[:count], self.done[count:]
+        chosen = ready[:count]
+        taken_ids = {d.index for d in chosen}
+        self.done = [d for d in self.done if d.index not in taken_ids]
         self.held += count
+        filtered, self.filtered = (sorted(self.filtered), []) if self.dynamic else (None, [])
         tallies: Counter = Counter()
         groups = []
         chosen = sorted(chosen, key=lambda d: d.index)
@@ -449,16 +622,18 @@ class AsyncProducer:
         return Taken(
             groups,
             [d.index for d in chosen],
-            [self._staleness(d.group, version) for d in chosen],
+            [self._lag(d.oldest, version) for d in chosen],
             sum(d.group.rollouts > 0 for d in chosen),
             tallies,
             seconds,
             engine,
             len(self.done),
+            filtered,
         )
 
     async def _pause(self, abort: bool) -> None:
         self.accepting = False
+        self._wake.clear()
         if not abort:  # in_place: requests run on through the update, which must reach every
             await self._replace_dead()  # replica (a dead one is replaced first)
             return
@@ -493,27 +668,49 @@ class AsyncProducer:
                     check.setdefault(slot.wave[:2], []).extend(slot.wave[2])
                 if slot.group.samples or slot.running:  # continued across this update
                     slot.group = slot.group._replace(rollouts=slot.group.rollouts + 1)
-        if check:
-            await asyncio.wait_for(
-                asyncio.gather(
-                    *(
-                        asyncio.wrap_future(
-                            self.m.engines[replica].cancel_wave.remote(wave, ks).future()
-                        )
-                        for (replica, wave), ks in check.items()
-                    )
-                ),
-                self.timeout,
+        for i in sorted(self.agents):  # agent groups: no call runs (retract aborted them)
+            group = self.agents[i]
+            if group.oldest is not None and version - group.oldest > self.max_staleness:
+                self.dropped.append(i)
+            elif not self.keep_partial and group.oldest is not None:
+                self.aborted.append(i)
+            else:
+                group.rollouts += group.oldest is not None
+                continue
+            del self.agents[i]
+            if group.task is not None:
+                group.task.cancel()
+        if check:  # a replica that dies meanwhile is replaced at the next call (`_resume`)
+            calls = [
+                (replica, self.m.engines[replica], wave, ks)
+                for (replica, wave), ks in check.items()
+            ]
+            results = await asyncio.gather(
+                *(self._call(engine.cancel_wave.remote(wave, ks)) for _, engine, wave, ks in calls),
+                return_exceptions=True,
             )
+            for (replica, engine, _, _), r in zip(calls, results):
+                if isinstance(r, BaseException):
+                    if not is_death(r):
+                        raise r
+                    self._mark_dead(replica, engine, "cancel_wave", r)
 
     async def _state(self) -> dict:
         """JSON-ready: the open groups (index order) and the buffer (completion order)."""
         ids = sorted(self.slots)
         open_rows = to_state([self.slots[i].group for i in ids])
         buffer_rows = to_state([d.group for d in self.done])
+        agents = sorted(self.agents)  # restart from their prompts (`async_agents.py`)
+        open_rows += to_state([OpenGroup(self.agents[i].problem, ()) for i in agents])
+        for d, row in zip(self.done, buffer_rows):
+            if d.trajectories is not None:
+                row["trajectories"] = [async_agents.trajectory_to_state(t) for t in d.trajectories]
+                row["oldest"] = d.oldest
         return {
-            "open": [{**row, "index": i} for i, row in zip(ids, open_rows)],
+            "open": [{**row, "index": i} for i, row in zip(ids + agents, open_rows)],
             "buffer": [{**row, "index": d.index} for d, row in zip(self.done, buffer_rows)],
+            # filtered after this step's take: the next row reports them
+            "dynamic_filtered": list(self.filtered),
         }
 
     async def _drops(self) -> tuple[list[int], list[int], list[int]]:
@@ -522,7 +719,9 @@ class AsyncProducer:
         return out
 
     async def _held_indices(self) -> list[int]:
-        return sorted([*self.slots, *(d.index for d in self.done)])
+        """Open, buffered, or filtered since the last take (the next take reports them)."""
+        held = [*self.slots, *self.agents, *(d.index for d in self.done), *self.filtered]
+        return sorted(held)
 
 
 def batch_metrics(taken: Taken, stale: list[int], aborted: list[int], capacity: int) -> dict:
@@ -539,4 +738,13 @@ def batch_metrics(taken: Taken, stale: list[int], aborted: list[int], capacity: 
         "trained_prompt_ids": list(taken.indices),
         "stale_dropped_prompt_ids": stale,
         "aborted_prompt_ids": aborted,
+        **(
+            {}
+            if taken.filtered is None
+            else {  # the synchronous loop's dynamic-sampling keys, and the filtered indices
+                "dynamic_dropped_groups": float(len(taken.filtered)),
+                "dynamic_kept_groups": float(len(taken.indices)),
+                "dynamic_filtered_prompt_ids": list(taken.filtered),
+            }
+        ),
     }

@@ -321,10 +321,14 @@ class AlgorithmSection(Section):
     value_clip: float | None = setting(0.2, "critic value clip (gae); null disables it", gt=0.0)
     dynamic_sampling: bool = setting(
         False,
-        "drop groups whose rewards are all equal and oversample prompts to refill the batch (DAPO)",
+        "drop groups whose rewards are all equal and oversample prompts to refill the batch "
+        "(DAPO); cluster.fully_async: filtered from the buffer as they are scored",
     )
     dynamic_sampling_max_rounds: int = setting(
-        4, "most extra generation rounds to refill a batch before training on what there is", ge=1
+        4,
+        "most extra generation rounds to refill a batch before training on what there is "
+        "(fully_async: at most this x prompts_per_step groups filtered per batch)",
+        ge=1,
     )
     overlong_buffer: int = setting(
         0,
@@ -417,7 +421,8 @@ class ClusterSection(Section):
         False,
         "disaggregated only: engines generate without stopping into a bounded buffer; the "
         "trainer takes a batch when one is ready; weights reach the engines between their "
-        "steps (running requests continue by rollout.partial, null: retract)",
+        "steps (running requests continue by rollout.partial, null: retract; a multi-turn "
+        "function's engine calls continue from their tokens)",
     )
     max_staleness: int = setting(
         1,
@@ -741,8 +746,9 @@ class Recipe(Section):
             )
 
     def _check_fully_async(self) -> None:
-        """cluster.fully_async (`async_rollouts.py`): single-turn groups, its own choice of
-        which groups are trained (no over-sampling, streaming always on, no dynamic sampling)."""
+        """cluster.fully_async (`async_rollouts.py`, `async_agents.py`): its own choice of
+        which groups are trained (no over-sampling, streaming always on; dynamic sampling
+        filters the buffer); multi-turn functions continue their calls after an update."""
         rollout, cluster = self.rollout, self.cluster
         if rollout.over_sampling > 1:
             raise RecipeError(
@@ -766,16 +772,17 @@ class Recipe(Section):
                 "cluster.fully_async=true bounds staleness with cluster.max_staleness: "
                 "remove rollout.max_carry_versions"
             )
-        if rollout.function != "single_turn":
+        if rollout.function != "single_turn" and rollout.partial == "in_place":
             raise RecipeError(
-                f"cluster.fully_async=true works with rollout.function: single_turn (its "
-                f"groups are continued token by token across weight updates), not "
-                f"{rollout.function!r}"
+                f"rollout.partial=in_place keeps single-turn requests running through an "
+                f"update; rollout.function={rollout.function!r} continues its engine calls "
+                "after it: use rollout.partial: retract (or null)"
             )
-        if self.algorithm.dynamic_sampling:
+        if rollout.function != "single_turn" and rollout.serve_http:
             raise RecipeError(
-                "cluster.fully_async=true and algorithm.dynamic_sampling both choose which "
-                "groups a step trains on; set algorithm.dynamic_sampling: false"
+                "rollout.serve_http: cluster.fully_async=true tracks each engine call's weight "
+                "versions through ctx.generate, which HTTP requests bypass; set "
+                "rollout.serve_http: false"
             )
         buffer = cluster.async_buffer_groups
         if buffer is not None and buffer < rollout.prompts_per_step:

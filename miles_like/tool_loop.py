@@ -76,6 +76,7 @@ class Conversation:
             generation.logprobs,
             generation.weight_version,
             generation.finish_reason,
+            versions=generation.versions,
         )
         text = self.tok.decode(generation.token_ids, skip_special_tokens=True)
         if generation.finish_reason != "stop":

@@ -115,13 +115,20 @@ class TrajectoryBuilder:
         logprobs: Sequence[float],
         weight_version: int,
         finish_reason: str = "stop",
+        versions: Sequence[int] | None = None,
     ) -> None:
+        """`versions`: the version that sampled each token where they differ (a turn that ran
+        across a weight update: `Generation.versions`); else `weight_version` sampled all."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} sampled tokens but {len(logprobs)} logprobs")
+        if versions and len(versions) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} sampled tokens but {len(versions)} versions")
         self._tokens += [int(t) for t in token_ids]
         self._mask += [1] * len(token_ids)
         self._logprobs += [float(x) for x in logprobs]
-        self._versions += [int(weight_version)] * len(token_ids)
+        self._versions += (
+            [int(v) for v in versions] if versions else [int(weight_version)] * len(token_ids)
+        )
         self.finish_reason = finish_reason
         self.turns += 1
 

@@ -49,7 +49,7 @@ async def three_turns(ctx, problem):
         mismatches = 0
         for turn in range(TURNS):
             g = await ctx.generate(b.token_ids, ctx.sampling(j, turn))
-            b.sampled(g.token_ids, g.logprobs, g.weight_version, g.finish_reason)
+            b.sampled(g.token_ids, g.logprobs, g.weight_version, g.finish_reason, g.versions)
             if AFTER_FIRST_TURN:
                 AFTER_FIRST_TURN.pop()()
             sampled.append(g.token_ids)

@@ -50,13 +50,15 @@ def run_in_process(out: Path, *overrides: str) -> list[dict]:
 
 
 def check_accounting(rows: list[dict]) -> list[int]:
-    """Every drawn prompt index is trained, dropped or held after the last step, once; returns
-    the trained ones."""
+    """Every drawn prompt index is trained, dropped (stale, aborted, filtered) or held after the
+    last step, once; returns the trained ones."""
     trained = [i for r in rows for i in r["rollout/trained_prompt_ids"]]
-    dropped = [
+    dropped = [  # stale, aborted, or (dynamic sampling) filtered: rewards all equal
         i
         for r in rows
-        for i in r["rollout/stale_dropped_prompt_ids"] + r["rollout/aborted_prompt_ids"]
+        for i in r["rollout/stale_dropped_prompt_ids"]
+        + r["rollout/aborted_prompt_ids"]
+        + r.get("rollout/dynamic_filtered_prompt_ids", [])
     ]
     held = rows[-1]["rollout/held_prompt_ids"]
     every = trained + dropped + held

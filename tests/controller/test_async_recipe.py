@@ -80,12 +80,14 @@ def test_buffer_default_is_one_batch_per_version_of_lag():
             r"^rollout\.max_carry_versions bounds synchronous over-sampling; .*max_staleness",
         ),
         (
-            [*ASYNC, "rollout.function=tool_loop"],
-            r"^cluster\.fully_async=true works with rollout\.function: single_turn",
+            [*ASYNC, "rollout.function=agent_rollouts:three_turns", "rollout.partial=in_place"],
+            r"^rollout\.partial=in_place keeps single-turn requests running through an update; "
+            r".* use rollout\.partial: retract \(or null\)$",
         ),
         (
-            [*ASYNC, "algorithm.dynamic_sampling=true"],
-            r"^cluster\.fully_async=true and algorithm\.dynamic_sampling both choose",
+            [*ASYNC, "rollout.function=agent_rollouts:three_turns", "rollout.serve_http=true"],
+            r"^rollout\.serve_http: cluster\.fully_async=true tracks each engine call's weight "
+            r"versions through ctx\.generate, which HTTP requests bypass",
         ),
     ],
 )

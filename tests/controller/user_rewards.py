@@ -52,3 +52,14 @@ def sleepy_length_score(prompt: str, response: str, answer: str) -> float:
 
     time.sleep(SLEEP_S)
     return float(len(response))
+
+
+def parity_score(prompt: str, response: str, answer: str) -> float:
+    """1 for a response of odd length, else 0: a group of n = 2 is informative (rewards 0 and
+    1, standard deviation exactly 0.5) about half the time (the dynamic-sampling tests)."""
+    return float(len(response) % 2)
+
+
+def constant_score(prompt: str, response: str, answer: str) -> float:
+    """The same reward for every response: no group is informative."""
+    return 1.0

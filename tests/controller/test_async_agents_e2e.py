@@ -1,0 +1,137 @@
+"""Multi-turn rollout functions in fully asynchronous training (`async_agents.py`), end to end
+on Ray with `agent_rollouts:three_turns` (three model turns per sample, a deterministic tool
+message between them; each trajectory recorded).
+
+* max_staleness 0: one batch at a time under the current weights, as in the synchronous loop:
+  the trainer's log-probs of exactly the loss-masked tokens equal the engine's, every
+  sampled token has the step's version, each step trains the next prompts_per_step prompts.
+* max_staleness 1 on long turns: calls run across weight updates and are continued from their
+  tokens under the new weights: some recorded turn holds tokens of two versions (one call),
+  no trained group is staler than the bound (its oldest token), and every drawn prompt is
+  trained, dropped or held exactly once.
+* Kill -9 mid-run and resume: the accounting is exact across it (groups running at the
+  checkpoint restart from their prompts, buffered ones keep their trajectories).
+* A rollout function that raises stops the run with the synchronous loop's one line.
+"""
+
+from __future__ import annotations
+
+import agent_rollouts
+import pytest
+from killed_run import killed_run
+from test_async_e2e import ASYNC, BASE, PROMPTS, check_accounting, run_in_process
+from test_resume_e2e import RECIPE
+
+from miles_like.cli import main
+from miles_like.errors import RolloutFailed
+from miles_like.loop import run
+
+pytestmark = pytest.mark.slow
+
+AGENTS = (
+    *ASYNC,
+    "rollout.function=agent_rollouts:three_turns",
+    "rollout.max_turns=3",
+    "rollout.kv_cache_tokens=8192",
+)
+
+
+def sampled_versions(t) -> list[int]:
+    return [v for v, m in zip(t.weight_versions, t.loss_mask) if m]
+
+
+def test_zero_staleness_agents_train_on_the_engines_tokens(ray_local, cache, tmp_path):
+    agent_rollouts.RECORDS.clear()
+    rows = run_in_process(
+        tmp_path / "zero",
+        "steps=3",
+        "checkpoint.every_steps=0",
+        "rollout.max_new_tokens=6",
+        *AGENTS,
+        "cluster.max_staleness=0",
+    )
+    assert len(check_accounting(rows)) == 3 * PROMPTS
+    for r in rows:
+        step = r["step"]
+        assert r["rollout/trained_prompt_ids"] == list(range(step * PROMPTS, (step + 1) * PROMPTS))
+        assert r["rollout/turns_mean"] == 3.0 and r["rollout/staleness_max"] == 0
+        # float64 engine and trainer agree far below this; one appended (unsampled) token in
+        # the mask would differ by its trainer log-prob, order 1
+        assert r["train/logprob_diff_max"] <= 1e-6
+        assert r["train/ppo_kl"] == 0.0 and r["train/ratio_max"] == 1.0
+    records = agent_rollouts.RECORDS
+    assert len(records) == 3 * PROMPTS * 2
+    by_prompt = {}
+    for rec in records:  # each prompt's samples ran under one version: the step's
+        by_prompt.setdefault(rec.prompt, set()).update(sampled_versions(rec.trajectory))
+    assert all(len(v) == 1 for v in by_prompt.values())
+    assert {v for vs in by_prompt.values() for v in vs} == {0, 1, 2}
+
+
+def test_agents_run_across_weight_updates_within_the_bound(ray_local, cache, tmp_path):
+    agent_rollouts.RECORDS.clear()
+    rows = run_in_process(
+        tmp_path / "one",
+        "steps=4",
+        "checkpoint.every_steps=0",
+        "rollout.max_new_tokens=48",
+        "reward.function=user_rewards:length_score",
+        *AGENTS,
+        "cluster.max_staleness=1",
+    )
+    assert len(check_accounting(rows)) == 4 * PROMPTS
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert sum(r["rollout/continued_groups"] for r in rows) > 0
+    for r in rows:  # the oldest token of each trained group: at most one version old
+        trained_at = r["step"]
+        assert all(trained_at - 1 <= v <= trained_at for v in r["rollout/trained_prompt_versions"])
+    # a turn that was running at an update was continued: its call returned the tokens of
+    # both versions, each with its own version recorded, in order
+    mixed = [
+        rec for rec in agent_rollouts.RECORDS if len(set(sampled_versions(rec.trajectory))) > 1
+    ]
+    assert mixed
+    for rec in agent_rollouts.RECORDS:
+        versions = sampled_versions(rec.trajectory)
+        assert versions == sorted(versions)
+        assert len(versions) == sum(len(s) for s in rec.sampled)  # the mask: sampled tokens only
+
+
+STEPS = 8
+
+
+def test_killed_async_agent_run_resumes_exactly(ray_local, cache, tmp_path):
+    out = tmp_path / "killed"
+    overrides = (
+        f"steps={STEPS}",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=100",
+        "rollout.max_new_tokens=24",
+        "reward.function=user_rewards:length_score",
+        *AGENTS,
+        "cluster.max_staleness=1",
+    )
+    marker = out / "checkpoints" / "step_000002" / "state.json"
+    with killed_run(out, [RECIPE, *BASE, *overrides], marker, delay_s=0.3) as kill:
+        pass
+    assert kill.rows_at_kill and 2 <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
+    rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert len(check_accounting(rows)) == STEPS * PROMPTS
+    assert all(r["rollout/turns_mean"] == 3.0 for r in rows)
+
+
+def test_a_failing_rollout_function_stops_the_async_run(ray_local, cache, tmp_path):
+    with pytest.raises(RolloutFailed, match=r"rollout\.function='agent_rollouts:raises' failed"):
+        main(
+            [
+                RECIPE,
+                f"tracking.output_dir={tmp_path / 'raises'}",
+                *BASE,
+                "steps=2",
+                "checkpoint.every_steps=0",
+                *ASYNC,
+                "rollout.function=agent_rollouts:raises",
+            ],
+            run=run,
+        )
