@@ -11,7 +11,8 @@ message between them; each trajectory recorded).
   trained, dropped or held exactly once.
 * Kill -9 mid-run and resume: the accounting is exact across it (groups running at the
   checkpoint restart from their prompts, buffered ones keep their trajectories).
-* A rollout function that raises stops the run with the synchronous loop's one line.
+* A rollout function that returns a broken trajectory stops the run with the synchronous
+  loop's one line (exit code 1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from test_async_e2e import ASYNC, BASE, PROMPTS, check_accounting, run_in_proces
 from test_resume_e2e import RECIPE
 
 from miles_like.cli import main
-from miles_like.errors import RolloutFailed
 from miles_like.loop import run
 
 pytestmark = pytest.mark.slow
@@ -121,17 +121,20 @@ def test_killed_async_agent_run_resumes_exactly(ray_local, cache, tmp_path):
     assert all(r["rollout/turns_mean"] == 3.0 for r in rows)
 
 
-def test_a_failing_rollout_function_stops_the_async_run(ray_local, cache, tmp_path):
-    with pytest.raises(RolloutFailed, match=r"rollout\.function='agent_rollouts:raises' failed"):
-        main(
-            [
-                RECIPE,
-                f"tracking.output_dir={tmp_path / 'raises'}",
-                *BASE,
-                "steps=2",
-                "checkpoint.every_steps=0",
-                *ASYNC,
-                "rollout.function=agent_rollouts:raises",
-            ],
-            run=run,
-        )
+def test_a_failing_rollout_function_stops_the_async_run(ray_local, cache, tmp_path, capsys):
+    code = main(
+        [
+            RECIPE,
+            f"tracking.output_dir={tmp_path / 'raises'}",
+            *BASE,
+            "steps=2",
+            "checkpoint.every_steps=0",
+            *ASYNC,
+            "rollout.function=agent_rollouts:bad_mask",
+        ],
+        run=run,
+    )
+    assert code == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: rollout.function='agent_rollouts:bad_mask' failed on the prompt")
+    assert "ValueError: trajectory 0: loss_mask has" in line  # `RolloutManager._check_group`
