@@ -38,7 +38,7 @@ from trainer.config import RLBatch, TrainerConfig
 from trainer.hf_config import arch_from_hf_config
 from trainer.megatron_model import build_gpt_model
 from trainer.offload import move_optimizer_state, move_params, synchronize
-from trainer.optim import clip_grads_, grad_norm, lr_at
+from trainer.optim import clip_grads_, grad_norm, load_optimizer_state, lr_at
 from trainer.packing import MicroBatch, pack_all
 from trainer.response_rows import install as install_row_selection
 from trainer.response_rows import selecting
@@ -361,7 +361,7 @@ class MegatronModel:
                     m.copy_(saved)
             elif self.master is not self.params:
                 raise ValueError("the checkpoint has no fp32 master weights for this bf16 model")
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
 

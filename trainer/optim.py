@@ -56,3 +56,22 @@ def clip_grads_(params: list[torch.nn.Parameter], max_norm: float | None, norm: 
         return
     scale = max_norm / (norm + 1e-6)
     torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`, keeping the optimizer's own `fused` setting.
+
+    A state saved by an unfused AdamW (checkpoints from before the fused one) carries
+    `fused: None` in its param groups, which `load_state_dict` would restore; the update is the
+    same either way (up to rounding), so the fused kernel is kept, with each `step` counter on
+    its parameter's device as the fused kernel wants it (unfused AdamW keeps it on the host)."""
+    fused = [group.get("fused") for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, was in zip(optimizer.param_groups, fused, strict=True):
+        if not was:
+            continue
+        group["fused"] = was
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if st and torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].to(p.device, torch.float32)
