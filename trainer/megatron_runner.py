@@ -11,8 +11,8 @@ schedule is told not to rescale (`calculate_per_token_loss=True`, token count 1)
 sums rather than averages over DP. So the gradient is that of the whole batch's loss for any
 TP / PP / DP / micro-batch split.
 
-Optimizer: torch's AdamW with our model-parallel grad norm (`optim`), on CPU and GPU alike
-(megatron's optimizer and `clip_grads` allocate on "cuda"). With `dtype: bfloat16` the model
+Optimizer: torch's fused AdamW with our model-parallel grad norm (`optim`), on CPU and GPU
+alike (megatron's optimizer and `clip_grads` allocate on "cuda"). With `dtype: bfloat16` the model
 computes in bf16 while AdamW updates fp32 master copies of the weights from DDP's fp32 grad
 buffers (`grad_reduce_in_fp32`), then writes them back rounded to bf16 - the standard mixed
 precision recipe, done here instead of by megatron's Float16 optimizer.
@@ -38,8 +38,10 @@ from trainer.config import RLBatch, TrainerConfig
 from trainer.hf_config import arch_from_hf_config
 from trainer.megatron_model import build_gpt_model
 from trainer.offload import move_optimizer_state, move_params, synchronize
-from trainer.optim import clip_grads_, grad_norm, lr_at
+from trainer.optim import clip_grads_, grad_norm, load_optimizer_state, lr_at
 from trainer.packing import MicroBatch, pack_all
+from trainer.response_rows import install as install_row_selection
+from trainer.response_rows import selecting
 
 
 def device() -> torch.device:
@@ -164,6 +166,8 @@ class MegatronModel:
         load_hf_weights(
             model, arch, self.layout, ckpt, skip_prefixes=("output_layer.",) if value_head else ()
         )
+        if not value_head:  # the policy's log-probs may skip prompt rows (`run`)
+            install_row_selection(model)
         self.raw = model
         self.config = model.config
         self.step_count = 0
@@ -201,24 +205,37 @@ class MegatronModel:
             lr=lr_at(0, o),
             betas=o.betas,
             eps=o.eps,
+            # one fused kernel per parameter (CPU and GPU) instead of a chain of element-wise
+            # passes each: the same update, rounded differently (tests: float64 bound 1e-10)
+            fused=True,
         )
 
     # ----------------------------------------------------------------------------- running
 
     def run(
-        self, micro_batches: Sequence[MicroBatch], loss_fn: Callable, forward_only: bool
+        self,
+        micro_batches: Sequence[MicroBatch],
+        loss_fn: Callable,
+        forward_only: bool,
+        response_rows: bool = False,
     ) -> list:
-        """Run the schedule; on the last PP stage returns loss_fn's metric dicts, else []."""
+        """Run the schedule; on the last PP stage returns loss_fn's metric dicts, else [].
+
+        `response_rows`: the model's output (what `loss_fn(mb, output)` gets) covers only the
+        micro-batch's response positions (`mb.response_mask`), in packed order: the last layer
+        past its attention and the LM head skip the prompt rows (`response_rows`)."""
         dev = device()
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
-            out = model(
-                mb.input_ids.to(dev),
-                mb.position_ids.to(dev),
-                None,
-                packed_seq_params=_packed_params(mb, dev),
-            )
+            rows = mb.response_mask.nonzero().squeeze(1).to(dev) if response_rows else None
+            with selecting(self.raw, rows):
+                out = model(
+                    mb.input_ids.to(dev),
+                    mb.position_ids.to(dev),
+                    None,
+                    packed_seq_params=_packed_params(mb, dev),
+                )
             return out, functools.partial(loss_fn, mb)
 
         schedule = get_forward_backward_func()
@@ -233,11 +250,14 @@ class MegatronModel:
         )
 
     def per_sample(
-        self, batch: RLBatch, fn: Callable[[torch.Tensor, MicroBatch], dict[str, torch.Tensor]]
+        self,
+        batch: RLBatch,
+        fn: Callable[[torch.Tensor, MicroBatch], dict[str, torch.Tensor]],
+        response_rows: bool = False,
     ) -> dict:
         """Forward-only over the whole batch. `fn(output, mb)` returns per-response-token
         tensors (packed order); the result maps each name to a list with one tensor per sample
-        of the batch, on every rank."""
+        of the batch, on every rank. `response_rows`: as in `run`."""
         mine = dp_share(len(batch.tokens))
         mbs = pack_all(
             [batch.tokens[i] for i in mine],
@@ -257,19 +277,22 @@ class MegatronModel:
         was_training = self.module.training
         self.module.eval()
         with torch.no_grad():
-            stored = self.run(mbs, loss_fn, forward_only=True)
+            stored = self.run(mbs, loss_fn, forward_only=True, response_rows=response_rows)
         self.module.train(was_training)
         local = {k: v for out in stored for k, v in out.items()}
         merged = from_last_stage(all_gather_dicts(local, parallel_state.get_data_parallel_group()))
         names = next(iter(merged.values())).keys()
         return {k: [merged[i][k] for i in range(len(batch.tokens))] for k in names}
 
-    def train_micro_batches(self, local: RLBatch, loss_fn: Callable) -> list[dict]:
-        """Forward + backward over this DP rank's share `local`; grads left in DDP buffers."""
+    def train_micro_batches(
+        self, local: RLBatch, loss_fn: Callable, response_rows: bool = False
+    ) -> list[dict]:
+        """Forward + backward over this DP rank's share `local`; grads left in DDP buffers.
+        `response_rows`: as in `run`."""
         mbs = pack_all(local.tokens, local.prompt_lens, self.cfg.max_tokens_per_micro_batch)
         self.module.train()
         self.module.zero_grad_buffer()
-        return self.run(mbs, loss_fn, forward_only=False)
+        return self.run(mbs, loss_fn, forward_only=False, response_rows=response_rows)
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip by the global grad norm, set the scheduled LR, step. Returns (grad_norm, lr).
@@ -338,7 +361,7 @@ class MegatronModel:
                     m.copy_(saved)
             elif self.master is not self.params:
                 raise ValueError("the checkpoint has no fp32 master weights for this bf16 model")
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
 

@@ -67,10 +67,10 @@ class MegatronTrainer:
     # ----------------------------------------------------------------------------- log-probs
 
     def _token_logprobs(self, model: MegatronModel, logits: torch.Tensor, mb: MicroBatch):
-        # only the response positions go through the softmax (row-wise: the same values)
+        # `logits` [1, n, V]: the response positions only (the model ran with `response_rows`)
         resp = mb.response_mask.to(logits.device)
         out = vocab_parallel_logprobs(
-            logits[0][resp],
+            logits[0],
             mb.targets.to(logits.device)[resp],
             vocab_size=model.arch.vocab_size,
             temperature=self.cfg.loss.temperature,
@@ -83,7 +83,7 @@ class MegatronTrainer:
             lp, ent = self._token_logprobs(model, logits, mb)
             return {"lp": lp, "ent": ent}
 
-        out = model.per_sample(batch, fn)
+        out = model.per_sample(batch, fn, response_rows=True)
         return (out["lp"], out["ent"]) if with_entropy else out["lp"]
 
     def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False):
@@ -160,7 +160,7 @@ class MegatronTrainer:
                 metrics["old_logprobs"] = objective.split_by_sample(lp, local, mb, mine)
             return loss, torch.tensor(1), metrics
 
-        stored = self.policy.train_micro_batches(local, loss_fn)
+        stored = self.policy.train_micro_batches(local, loss_fn, response_rows=True)
         metrics = reduce_metrics(stored, objective.METRIC_KEYS, max_keys=("ratio_max",))
         old = None
         if fused:

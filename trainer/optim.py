@@ -32,16 +32,20 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
 
 
 def grad_norm(params: list[torch.nn.Parameter], *, model_parallel: bool = True) -> float:
-    """Global L2 norm of `.grad` over the whole (TP x PP sharded) model."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        if model_parallel and not (
-            param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
-        ):
-            continue
-        sq = sq + p.grad.detach().double().square().sum().cpu()
+    """Global L2 norm of `.grad` over the whole (TP x PP sharded) model, accumulated in float64.
+
+    Each tensor's norm is one float64-accumulating reduction (`vector_norm(dtype=float64)`),
+    no float64 copy of the gradient (that copy, its square and its sum were three passes)."""
+    norms = [
+        torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).cpu()
+        for p in params
+        if p.grad is not None
+        and (
+            not model_parallel
+            or (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p))
+        )
+    ]
+    sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
     if model_parallel and parallel_state.get_model_parallel_group().size() > 1:
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
     return float(sq.sqrt())
@@ -51,6 +55,23 @@ def clip_grads_(params: list[torch.nn.Parameter], max_norm: float | None, norm: 
     if max_norm is None or norm <= max_norm:
         return
     scale = max_norm / (norm + 1e-6)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(scale)
+    torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`, keeping the optimizer's own `fused` setting.
+
+    A state saved by an unfused AdamW (checkpoints from before the fused one) carries
+    `fused: None` in its param groups, which `load_state_dict` would restore; the update is the
+    same either way (up to rounding), so the fused kernel is kept, with each `step` counter on
+    its parameter's device as the fused kernel wants it (unfused AdamW keeps it on the host)."""
+    fused = [group.get("fused") for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, was in zip(optimizer.param_groups, fused, strict=True):
+        if not was:
+            continue
+        group["fused"] = was
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if st and torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].to(p.device, torch.float32)
