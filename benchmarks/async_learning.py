@@ -139,7 +139,9 @@ def welch(a: list[float], b: list[float]) -> dict:
 def equivalence(a: list[float], b: list[float], margin: float) -> dict:
     """TOST: is mean(a) - mean(b) within (-margin, +margin)? Two one-sided Welch t-tests (H0:
     difference <= -margin, H0: difference >= +margin); equivalence at level 0.05 when both
-    reject, i.e. p = the larger p-value < 0.05, i.e. the 90% confidence interval lies inside."""
+    reject, i.e. p = the larger p-value < 0.05, i.e. the 90% confidence interval lies inside.
+    The lower test alone is non-inferiority: a (async) is not worse than b (sync) by the margin
+    or more, whether or not it is better by more."""
     from scipy import stats
 
     # shifting a by the margin moves the null hypothesis' difference to 0 (spreads unchanged)
@@ -154,6 +156,7 @@ def equivalence(a: list[float], b: list[float], margin: float) -> dict:
         "p_value": p,
         "ci90": [finite(ci.low), finite(ci.high)],
         "equivalent_at_0_05": bool(margin > 0 and p < 0.05),
+        "non_inferior_at_0_05": bool(margin > 0 and (finite(lower.pvalue) or 1.0) < 0.05),
     }
 
 

@@ -104,25 +104,26 @@ def test_welch_summary_matches_the_textbook_formulas(a, b):
 
 
 @pytest.mark.parametrize(
-    "a, b, margin, equivalent",
+    "a, b, margin, equivalent, non_inferior",
     [
-        (
-            [0.30, 0.32, 0.29, 0.31, 0.30],
-            [0.31, 0.30, 0.32, 0.29, 0.31],
-            0.05,
-            True,
-        ),  # tight, close
-        ([0.30, 0.32, 0.29, 0.31, 0.30], [0.21, 0.20, 0.22, 0.19, 0.21], 0.05, False),  # apart
-        ([0.1, 0.5, 0.2, 0.6], [0.3, 0.2, 0.5, 0.4], 0.05, False),  # too noisy to tell
+        # close and tight: equivalent
+        ([0.30, 0.32, 0.29, 0.31, 0.30], [0.31, 0.30, 0.32, 0.29, 0.31], 0.05, True, True),
+        # a clearly ahead: not equivalent, but not worse
+        ([0.30, 0.32, 0.29, 0.31, 0.30], [0.21, 0.20, 0.22, 0.19, 0.21], 0.05, False, True),
+        # a clearly behind
+        ([0.21, 0.20, 0.22, 0.19, 0.21], [0.30, 0.32, 0.29, 0.31, 0.30], 0.05, False, False),
+        # too noisy to tell
+        ([0.1, 0.5, 0.2, 0.6], [0.3, 0.2, 0.5, 0.4], 0.05, False, False),
     ],
 )
-def test_equivalence_matches_the_textbook_tost(a, b, margin, equivalent):
+def test_equivalence_matches_the_textbook_tost(a, b, margin, equivalent, non_inferior):
     tost = benchmark_module().equivalence(a, b, margin)
     p_lower, p_upper, p = tost_by_hand(a, b, margin)
     assert [tost["p_lower"], tost["p_upper"], tost["p_value"]] == pytest.approx(
         [p_lower, p_upper, p]
     )
     assert tost["equivalent_at_0_05"] is equivalent
+    assert tost["non_inferior_at_0_05"] is non_inferior is bool(p_lower < 0.05)
     # equivalent at 0.05 exactly when the 90% interval lies inside the margin
     low, high = tost["ci90"]
     assert (-margin < low and high < margin) is equivalent
