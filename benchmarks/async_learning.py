@@ -9,7 +9,8 @@ modes that differ only in the loop:
   by the weights the step trains;
 * async: fully asynchronous (`cluster.fully_async: true`, `cluster.max_staleness: 1`): the
   engine keeps generating while the trainer trains; a group is trained at most one weight
-  version after its oldest token.
+  version after its oldest token; running requests continue across an update by `--partial`
+  (retract: prefilled again under the new weights, the default; in_place: kept on their K/V).
 
 For each seed (the recipe's `seed`: it changes the random init of the base model, the warm
 start's SFT data, the RL prompts and their order, and every sampling seed), one untimed
@@ -21,13 +22,17 @@ Learning signal: `rollout/reward_mean` of the trained batch, the chain reward (1
 value after the last "->" is the chain's result), so the success rate. Per run: its mean over
 the first k steps and over the last k, the gain (last - first), the sum of `perf/step_s`, the
 command's wall time (start-up, warm start cached, included), staleness mean and stale drops.
-Summary: mean and standard deviation of the gain per mode, async - sync with a Welch t-test
-p-value and a 95% confidence interval (Welch-Satterthwaite degrees of freedom), and the wall
-time ratios async / sync (of the means).
+Summary: mean, standard deviation and standard error of the gain per mode, async - sync with
+a Welch t-test p-value and a 95% confidence interval (Welch-Satterthwaite degrees of freedom),
+an equivalence test (TOST: two one-sided Welch tests) at a margin stated before the run as a
+fraction of sync's mean gain (`--margin-frac`, default 1/3: "async learns within a third of
+sync's gain"), and the wall time ratios async / sync (of the means).
 
-    python benchmarks/async_learning.py [--seeds 3 --steps 40 --k 10]
-    python benchmarks/async_learning.py --quick     # smoke test: 2 seeds, 3 steps, short SFT
-    (--output-dir DIR keeps each run's outputs, e.g. its metrics.jsonl, in DIR/MODE_SEED)
+    python benchmarks/async_learning.py [--seeds 5 --steps 60 --k 15 --partial retract]
+    python benchmarks/async_learning.py --quick     # smoke test: 2 seeds, 2 steps, short SFT,
+                                                    # no separate warm-start run
+    (--output-dir DIR keeps each run's outputs, e.g. its metrics.jsonl, in DIR/MODE_SEED;
+    --set KEY=VALUE, repeated, overrides the recipe in both modes)
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ MODES = {
     "async": ("cluster.fully_async=true", "cluster.max_staleness=1"),
 }
 QUICK = ("sft.steps=4",)  # a short warm start: the smoke test checks the plumbing, not learning
+PARTIAL = ("retract", "in_place")  # what an async weight update does to running requests
 
 
 def start_ray() -> None:
@@ -130,6 +136,30 @@ def welch(a: list[float], b: list[float]) -> dict:
     }
 
 
+def equivalence(a: list[float], b: list[float], margin: float) -> dict:
+    """TOST: is mean(a) - mean(b) within (-margin, +margin)? Two one-sided Welch t-tests (H0:
+    difference <= -margin, H0: difference >= +margin); equivalence at level 0.05 when both
+    reject, i.e. p = the larger p-value < 0.05, i.e. the 90% confidence interval lies inside.
+    The lower test alone is non-inferiority: a (async) is not worse than b (sync) by the margin
+    or more, whether or not it is better by more."""
+    from scipy import stats
+
+    # shifting a by the margin moves the null hypothesis' difference to 0 (spreads unchanged)
+    lower = stats.ttest_ind([x + margin for x in a], b, equal_var=False, alternative="greater")
+    upper = stats.ttest_ind([x - margin for x in a], b, equal_var=False, alternative="less")
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.90)
+    p = max(finite(lower.pvalue) or 1.0, finite(upper.pvalue) or 1.0)
+    return {
+        "margin": margin,
+        "p_lower": finite(lower.pvalue),
+        "p_upper": finite(upper.pvalue),
+        "p_value": p,
+        "ci90": [finite(ci.low), finite(ci.high)],
+        "equivalent_at_0_05": bool(margin > 0 and p < 0.05),
+        "non_inferior_at_0_05": bool(margin > 0 and (finite(lower.pvalue) or 1.0) < 0.05),
+    }
+
+
 def finite(x) -> float | None:
     """A float for the JSON; None where the test is undefined (no spread in either mode)."""
     return float(x) if math.isfinite(x) else None
@@ -137,14 +167,28 @@ def finite(x) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=3, help="seeds (runs per mode), >= 2")
-    ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
-    ap.add_argument("--k", type=int, default=10, help="steps in the first / last reward window")
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, 3 steps, k 1")
+    ap.add_argument("--seeds", type=int, default=5, help="seeds (runs per mode), >= 2")
+    ap.add_argument("--steps", type=int, default=60, help="RL steps per run")
+    ap.add_argument("--k", type=int, default=15, help="steps in the first / last reward window")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, 2 steps, k 1")
     ap.add_argument("--output-dir", type=Path, help="keep every run's outputs (metrics.jsonl) here")
+    ap.add_argument("--partial", choices=PARTIAL, default="retract", help="async: rollout.partial")
+    ap.add_argument(
+        "--margin-frac",
+        type=float,
+        default=1 / 3,
+        help="equivalence margin (TOST) as a fraction of sync's mean gain",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe override for both modes (repeatable)",
+    )
     args = ap.parse_args()
     if args.quick:
-        args.seeds, args.steps, args.k = 2, 3, 1
+        args.seeds, args.steps, args.k = 2, 2, 1
     if args.seeds < 2:
         ap.error("--seeds must be >= 2 (a standard deviation and a t-test need two runs a mode)")
     if not 1 <= args.k <= args.steps // 2:
@@ -153,8 +197,9 @@ def main() -> None:
     import ray
 
     load_before = os.getloadavg()
-    extra = list(QUICK) if args.quick else []
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    extra = [*(QUICK if args.quick else ()), *args.set]
+    modes = {**MODES, "async": (*MODES["async"], f"rollout.partial={args.partial}")}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     failures: list[str] = []
     start = time.perf_counter()
     start_ray()
@@ -163,13 +208,14 @@ def main() -> None:
             tmp = args.output_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
             for seed in range(args.seeds):
                 base = [*COMMON, *extra, f"seed={seed}"]
-                # untimed: builds (or finds) the seed's warm start, so neither mode pays it
-                prepare = tmp / f"prepare_{seed}"
-                run_once([*base, "steps=1", *MODES["sync"]], prepare, failures)
-                order = list(MODES) if seed % 2 == 0 else list(MODES)[::-1]
+                if not args.quick:  # the smoke test's 4-step warm start is not worth a run
+                    # untimed: builds (or finds) the seed's warm start, so neither mode pays it
+                    prepare = tmp / f"prepare_{seed}"
+                    run_once([*base, "steps=1", *modes["sync"]], prepare, failures)
+                order = list(modes) if seed % 2 == 0 else list(modes)[::-1]
                 for mode in order:
                     rows, wall = run_once(
-                        [*base, f"steps={args.steps}", *MODES[mode]],
+                        [*base, f"steps={args.steps}", *modes[mode]],
                         tmp / f"{mode}_{seed}",
                         failures,
                     )
@@ -183,14 +229,18 @@ def main() -> None:
             key: statistics.mean(r[key] for r in rs)
             for key in ("reward_first_k", "reward_last_k", "gain", "step_s_sum", "run_wall_s")
         }
-        | {"gain_std": statistics.stdev(gains[mode])}
+        | {
+            "gain_std": statistics.stdev(gains[mode]),
+            "gain_se": statistics.stdev(gains[mode]) / math.sqrt(len(gains[mode])),
+        }
         for mode, rs in runs.items()
     }
+    margin = args.margin_frac * abs(mean["sync"]["gain"])
     out = {
         "benchmark": "async_learning",
         "host": platform.node(),
         "recipe": str(RECIPE.relative_to(REPO)),
-        "overrides": {"common": [*COMMON, *extra], **{m: list(o) for m, o in MODES.items()}},
+        "overrides": {"common": [*COMMON, *extra], **{m: list(o) for m, o in modes.items()}},
         "seeds": args.seeds,
         "steps": args.steps,
         "k": args.k,
@@ -200,6 +250,8 @@ def main() -> None:
         "total_wall_s": time.perf_counter() - start,
         "mean": mean,
         "gain_async_minus_sync": welch(gains["async"], gains["sync"]),
+        "margin_frac": args.margin_frac,
+        "equivalence_tost": equivalence(gains["async"], gains["sync"], margin),
         "sync_gain_t_test": sync_learns(gains["sync"]),
         "wall_ratio_async_over_sync": {
             key: mean["async"][key] / mean["sync"][key] for key in ("step_s_sum", "run_wall_s")

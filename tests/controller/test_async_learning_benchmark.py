@@ -1,6 +1,6 @@
 """Smoke test: benchmarks/async_learning.py --quick runs the chain recipe sync and fully async
 for two seeds each and prints its JSON; its figures are checked against the per-step rewards it
-printed and a hand-written Welch t-test (not scipy's)."""
+printed and a hand-written Welch t-test and equivalence test (not scipy's)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,18 @@ def welch_by_hand(a: list[float], b: list[float]) -> tuple[float, float, tuple[f
     diff = statistics.mean(a) - statistics.mean(b)
     half = stats.t.ppf(0.975, df) * se
     return diff / se, 2 * stats.t.sf(abs(diff / se), df), (diff - half, diff + half)
+
+
+def tost_by_hand(a: list[float], b: list[float], margin: float) -> tuple[float, float, float]:
+    """TOST from the textbook: the two one-sided Welch p-values (H0: diff <= -margin, H0: diff
+    >= +margin) and their maximum."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    diff = statistics.mean(a) - statistics.mean(b)
+    p_lower = stats.t.sf((diff + margin) / se, df)
+    p_upper = stats.t.cdf((diff - margin) / se, df)
+    return p_lower, p_upper, max(p_lower, p_upper)
 
 
 @pytest.mark.slow
@@ -67,6 +79,9 @@ def test_quick_benchmark_compares_sync_and_async_learning():
     else:
         t, p, ci = welch_by_hand(gains["async"], gains["sync"])
         assert [welch["t"], welch["p_value"], *welch["ci95"]] == pytest.approx([t, p, *ci])
+    tost = out["equivalence_tost"]
+    assert tost["margin"] == pytest.approx(out["margin_frac"] * abs(out["mean"]["sync"]["gain"]))
+    assert out["overrides"]["async"][-1] == "rollout.partial=retract"
     ratio = out["wall_ratio_async_over_sync"]["step_s_sum"]
     assert ratio == pytest.approx(
         out["mean"]["async"]["step_s_sum"] / out["mean"]["sync"]["step_s_sum"]
@@ -86,3 +101,29 @@ def test_welch_summary_matches_the_textbook_formulas(a, b):
     assert welch["difference"] == pytest.approx(statistics.mean(a) - statistics.mean(b))
     assert [welch["t"], welch["p_value"], *welch["ci95"]] == pytest.approx([t, p, *ci])
     assert welch["ci95"][0] < welch["difference"] < welch["ci95"][1]
+
+
+@pytest.mark.parametrize(
+    "a, b, margin, equivalent, non_inferior",
+    [
+        # close and tight: equivalent
+        ([0.30, 0.32, 0.29, 0.31, 0.30], [0.31, 0.30, 0.32, 0.29, 0.31], 0.05, True, True),
+        # a clearly ahead: not equivalent, but not worse
+        ([0.30, 0.32, 0.29, 0.31, 0.30], [0.21, 0.20, 0.22, 0.19, 0.21], 0.05, False, True),
+        # a clearly behind
+        ([0.21, 0.20, 0.22, 0.19, 0.21], [0.30, 0.32, 0.29, 0.31, 0.30], 0.05, False, False),
+        # too noisy to tell
+        ([0.1, 0.5, 0.2, 0.6], [0.3, 0.2, 0.5, 0.4], 0.05, False, False),
+    ],
+)
+def test_equivalence_matches_the_textbook_tost(a, b, margin, equivalent, non_inferior):
+    tost = benchmark_module().equivalence(a, b, margin)
+    p_lower, p_upper, p = tost_by_hand(a, b, margin)
+    assert [tost["p_lower"], tost["p_upper"], tost["p_value"]] == pytest.approx(
+        [p_lower, p_upper, p]
+    )
+    assert tost["equivalent_at_0_05"] is equivalent
+    assert tost["non_inferior_at_0_05"] is non_inferior is bool(p_lower < 0.05)
+    # equivalent at 0.05 exactly when the 90% interval lies inside the margin
+    low, high = tost["ci90"]
+    assert (-margin < low and high < margin) is equivalent
