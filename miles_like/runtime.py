@@ -28,6 +28,7 @@ from miles_like.rollout_manager import RolloutManager
 from miles_like.schema import RecipeError
 from miles_like.tokenizer import load_tokenizer
 from miles_like.warm_start import warm_start
+from trainer.tensor_lists import unpack
 from weight_sync import DEFAULT_BUCKET_BYTES
 
 MIB = 1 << 20
@@ -301,11 +302,11 @@ class Runtime:
         return self._wait(each("engine", self.engines, method, *args))
 
     # ------------------------------------------------------------------------- trainer calls
-    def values(self, batch_ref):
-        return self._on_trainers("values", batch_ref)
+    def values(self, batch_ref) -> list:
+        return unpack(self._on_trainers("values", batch_ref))
 
-    def ref_logprobs(self, batch_ref):
-        return self._on_trainers("ref_logprobs", batch_ref)
+    def ref_logprobs(self, batch_ref) -> list:
+        return unpack(self._on_trainers("ref_logprobs", batch_ref))
 
     def train(self, batch) -> dict[str, float]:
         """Policy (and critic) updates on one rollout batch; the engines' memory is released
