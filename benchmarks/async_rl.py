@@ -30,11 +30,14 @@ run: the samples its steps trained over the sum of their `perf/step_s`, the firs
 (warm-up: first forward passes, first broadcast) left out; with each mode's mean
 `perf/engine_busy_frac`, `trainer_busy_frac` and `device_idle_frac`, and where an async step's
 time goes (`perf/*_s` means: waiting for a batch, training, the weight update's pieces, the
-controller's accounting; `trainer_busy_s`: the trainer's compute). The goal is >= 1.6x.
+controller's accounting; `trainer_busy_s`: the trainer's compute). `--take-ahead on,off` adds,
+per partial mode, async runs with `cluster.take_ahead=false` (the next batch taken after the
+update) to the rotation: that switch's A/B in the same process. The goal is >= 1.6x.
 `--train-runs 0` skips it.
 
     python benchmarks/async_rl.py [--rounds 6 --prompts 16 --n 4 --over-sampling 1.5]
                                   [--train-runs 2 --train-steps 8 --partial retract,in_place]
+                                  [--take-ahead on,off]
 """
 
 from __future__ import annotations
@@ -153,6 +156,12 @@ def main() -> None:
         default="retract,in_place",
         help="async_vs_sync: the async runs' rollout.partial, one run of each per round "
         "(comma-separated: retract, in_place)",
+    )
+    ap.add_argument(
+        "--take-ahead",
+        default="on",
+        help="async_vs_sync: cluster.take_ahead of the async runs, one run of each per round "
+        "(comma-separated: on, off; off modes are named *_no_take_ahead)",
     )
     args = ap.parse_args()
 
@@ -275,11 +284,16 @@ def async_vs_sync(args) -> dict:
     for partial in args.partial.split(","):
         if partial not in ("retract", "in_place"):
             raise SystemExit(f"--partial {partial!r}: use retract and / or in_place")
-        modes[ASYNC_MODE[partial]] = [
-            "cluster.fully_async=true",
-            "cluster.max_staleness=1",
-            f"rollout.partial={partial}",
-        ]
+        for ahead in args.take_ahead.split(","):
+            if ahead not in ("on", "off"):
+                raise SystemExit(f"--take-ahead {ahead!r}: use on and / or off")
+            name = ASYNC_MODE[partial] + ("" if ahead == "on" else "_no_take_ahead")
+            modes[name] = [
+                "cluster.fully_async=true",
+                "cluster.max_staleness=1",
+                f"rollout.partial={partial}",
+                f"cluster.take_ahead={'true' if ahead == 'on' else 'false'}",
+            ]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     try:
@@ -310,6 +324,9 @@ def async_vs_sync(args) -> dict:
                             },
                             **(
                                 {
+                                    "taken_ahead_frac": statistics.mean(
+                                        row["rollout/taken_ahead"] for row in rows
+                                    ),
                                     "staleness_mean": statistics.mean(
                                         row["rollout/staleness_mean"] for row in rows
                                     ),

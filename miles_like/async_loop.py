@@ -1,9 +1,15 @@
 """The fully asynchronous RL loop (`cluster.fully_async: true`, disaggregated), every phase
 timed:
 
-    take a batch from the buffer (waiting if none is ready) -> advantages -> train
-    -> pause the engines (running requests aborted, tokens kept) -> weight sync
-    -> drop what is now too stale -> [checkpoint] -> resume the engines -> log
+    take a batch from the buffer (waiting if none is ready) -> advantages
+    -> train (meanwhile: take the next step's batch ahead) -> pause the engines (running
+    requests aborted, tokens kept) -> weight sync -> drop what is now too stale
+    -> [checkpoint] -> resume the engines -> log
+
+At max_staleness >= 1 the next step's batch is taken while the train call runs, for the
+version that call produces (`AsyncProducer.take_ahead`; given up, nothing taken, if the call
+finishes first or an engine is dead), so that the next call starts right after the update;
+not in a step that checkpoints (the checkpoint's producer state holds every untrained group).
 
 The engines generate all along (`async_rollouts.AsyncProducer`): while the trainer trains,
 they finish the groups left open and (below the buffer's capacity) start new ones. The weight
@@ -24,8 +30,10 @@ resume: nothing runs, so the open groups (with their tokens, log-probs and versi
 buffer and the data position in state.json (`async`) are exactly what the resumed producer
 starts from; the step's metrics row goes into the checkpoint before it is marked complete.
 The rows carry `rollout/trained_prompt_ids`, `rollout/stale_dropped_prompt_ids`,
-`rollout/aborted_prompt_ids`, and after the step `rollout/held_prompt_ids` (open, buffered) and
-`rollout/data_consumed`: over a run's rows, trained + dropped + held = every drawn index, once.
+`rollout/aborted_prompt_ids`, `rollout/dynamic_filtered_prompt_ids` (dynamic sampling), and
+after the step `rollout/held_prompt_ids` (open, buffered, taken ahead, filtered but not yet
+reported) and `rollout/data_consumed`: over a run's rows, trained + dropped + aborted + filtered
++ held = every drawn index, once.
 
 `perf/`: the rollout window of the busy accounting is the step itself (the engines generate
 through every phase), so `perf/engine_busy_frac` is the share of the step's wall time the
@@ -62,6 +70,11 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
     producer.start(rt.weight_version, state)
     busy = BusyAccounting(rt)
     in_place = recipe.rollout.partial == "in_place"
+    # the next step's batch, taken while this one trains (`take_ahead`); at max_staleness 0
+    # the next batch is generated only after the update
+    can_take_ahead = recipe.cluster.take_ahead and recipe.cluster.max_staleness > 0
+    ahead = None
+    per_step = recipe.rollout.prompts_per_step
     for step in tqdm(
         range(first, recipe.steps), initial=first, total=recipe.steps, desc="RL steps", unit="step"
     ):
@@ -69,12 +82,19 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
         parts = PhaseTimer()  # the weight update's and the controller's pieces (perf/async_*)
         ckpt = checkpoint.begin(out, step + 1) if every and (step + 1) % every == 0 else None
         trained_version, restarts = rt.weight_version, rt.engine_restarts
+        taken_ahead = ahead is not None
         with timer("rollout"):  # waiting for a batch: the trainer's idle time
-            taken = producer.take(recipe.rollout.prompts_per_step, trained_version)
+            taken, prepared = ahead or (producer.take(per_step, trained_version), None)
         with timer("advantages"):
-            batch, adv_metrics = batch_with_advantages(recipe, rt, taken.groups)
+            batch, adv_metrics = prepared or batch_with_advantages(recipe, rt, taken.groups)
         with timer("train"):
-            train_metrics = rt.train(batch)
+            calls = rt.start_train(batch)
+            # not before a checkpoint: its producer state must hold every untrained group
+            ahead = None
+            if can_take_ahead and ckpt is None and step + 1 < recipe.steps:
+                with parts("take_ahead"):
+                    ahead = _take_ahead(recipe, rt, producer, trained_version + 1, calls[0].ref)
+            train_metrics = rt.finish_train(calls)
         with timer("weight_sync"):
             # in_place: requests run on through the update, except before a checkpoint, which
             # needs every open group's tokens (their K/V is parked for the continuation)
@@ -106,6 +126,7 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
             # the oldest weight version of each trained group's tokens
             "rollout/trained_prompt_versions": [trained_version - s for s in taken.staleness],
             "rollout/held_prompt_ids": held,
+            "rollout/taken_ahead": float(taken_ahead),
             "rollout/engine_restarts": rt.engine_restarts - restarts,
             "rollout/data_consumed": rt.source.consumed,
             **{f"rollout/{k}": v for k, v in adv_metrics.items()},
@@ -130,3 +151,16 @@ def steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int) 
                 ckpt, controller_state(rt, tracker, step + 1, consumed, row, **saved)
             )
         tracker.log(row)
+
+
+def _take_ahead(recipe: Recipe, rt: Runtime, producer: AsyncProducer, version: int, training):
+    """(the next step's batch for trainer `version`, with its advantages where they need no
+    trainer call: GRPO-like) taken while `training` runs, or None (`AsyncProducer.take_ahead`)."""
+    from miles_like.loop import advantages_ask_trainer, batch_with_advantages
+
+    taken = producer.take_ahead(recipe.rollout.prompts_per_step, version, training)
+    if taken is None:
+        return None
+    if advantages_ask_trainer(recipe):  # the trainer is busy: they are computed in the step
+        return taken, None
+    return taken, batch_with_advantages(recipe, rt, taken.groups)

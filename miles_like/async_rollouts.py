@@ -145,7 +145,9 @@ class AsyncProducer:
         self._wave_ids = 0
         self.slots: dict[int, _Slot] = {}
         self.done: list[_Done] = []
-        self.held = 0  # groups taken by the trainer whose weight update is not in yet
+        # the indices of each batch taken by the trainer whose weight update is not in yet
+        # (two while `take_ahead`'s batch waits for the step being trained)
+        self.taken: list[list[int]] = []
         self.dropped: list[int] = []  # stale since the last `drops`
         self.aborted: list[int] = []  # unfinished at an update with rollout.partial: abort
         alg = manager.recipe.algorithm
@@ -210,6 +212,16 @@ class AsyncProducer:
     def take(self, count: int, version: int) -> Taken:
         self.version = version
         return self._run(self._take(count, version))
+
+    def take_ahead(self, count: int, version: int, training) -> Taken | None:
+        """The next step's batch, for trainer version `version` (the one the step being trained
+        will produce), taken while `training` (an ObjectRef: that step's train call) runs, so
+        that the next train call can start right after the weight update. None, and nothing
+        taken, once `training` is done first, or when an engine is dead (its replacement takes
+        the trainer's weights: it waits for the update, after the train call). The engines stay
+        at their version; a group staler than max_staleness at `version` is dropped, as
+        `take` at `version` would drop it."""
+        return self._run(self._take(count, version, training))
 
     def pause(self, abort: bool = True) -> None:
         """Stop sending; with `abort`, abort every running request and wait until all of them
@@ -302,10 +314,13 @@ class AsyncProducer:
     async def _call(self, ref):
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
 
-    async def _engines(self, method: str, *args) -> list:
+    async def _engines(self, method: str, *args, replace: bool = True) -> list | None:
         """`method` on every replica; one found dead is replaced and every replica asked again
-        (the calls made this way are idempotent: open, close, stats)."""
+        (the calls made this way are idempotent: open, close, stats). With `replace` false,
+        None once a replica is found dead (the next call with `replace` replaces it)."""
         while True:
+            if self.dead and not replace:
+                return None
             await self._replace_dead()
             handles = list(self.m.engines)
             results = await asyncio.gather(
@@ -333,7 +348,8 @@ class AsyncProducer:
         """Draw prompts up to the capacity, then send every open group not running."""
         if not self.accepting:
             return
-        room = self.capacity - len(self.slots) - len(self.agents) - len(self.done) - self.held
+        room = self.capacity - len(self.slots) - len(self.agents) - len(self.done)
+        room -= sum(map(len, self.taken))
         if room > 0:
             start = self.m.source.consumed
             for k, problem in enumerate(self.m.source.next_batch(room)):
@@ -574,11 +590,17 @@ class AsyncProducer:
     def _lag(oldest: int | None, version: int) -> int:
         return 0 if oldest is None else version - oldest
 
-    async def _take(self, count: int, version: int) -> Taken:
+    async def _take(self, count: int, version: int, training=None) -> Taken | None:
+        ahead = training is not None  # `take_ahead`: give up rather than wait or replace
+        trained = asyncio.wrap_future(training.future()) if ahead else None
+        if ahead:  # its result (or error) is the controller's, read by `finish_train`
+            trained.add_done_callback(lambda f: f.cancelled() or f.exception())
         while True:
             if self.failure is not None:
                 raise self.failure
             if self.dead:
+                if ahead:
+                    return None
                 await self._replace_dead()
             stale = {
                 d.index for d in self.done if self._lag(d.oldest, version) > self.max_staleness
@@ -592,6 +614,8 @@ class AsyncProducer:
             ready = self._ready()
             if len(ready) >= count:
                 break
+            if ahead and trained.done():
+                return None
             idle = not self._waves and not self.agents
             if idle and len(ready) == len(self.done):  # nothing can complete one
                 raise RolloutFailed(
@@ -599,21 +623,27 @@ class AsyncProducer:
                     "generating (a producer bug)"
                 )
             self._changed.clear()
-            await self._changed.wait()
-        chosen = ready[:count]
+            changed = asyncio.ensure_future(self._changed.wait())
+            await asyncio.wait(
+                [changed, trained] if ahead else [changed], return_when=asyncio.FIRST_COMPLETED
+            )
+            changed.cancel()
+        stats = await self._engines("stats", replace=not ahead)
+        if stats is None:
+            return None
+        now = time.perf_counter()
+        # after the await: the buffer only grew meanwhile, so the first `count` ready are still
+        chosen = sorted(self._ready()[:count], key=lambda d: d.index)
         taken_ids = {d.index for d in chosen}
         self.done = [d for d in self.done if d.index not in taken_ids]
-        self.held += count
+        self.taken.append([d.index for d in chosen])
         filtered, self.filtered = (sorted(self.filtered), []) if self.dynamic else (None, [])
         tallies: Counter = Counter()
         groups = []
-        chosen = sorted(chosen, key=lambda d: d.index)
         for d in chosen:
             group, counts = await d.scored
             groups.append(group)
             tallies.update(counts)
-        stats = await self._engines("stats")
-        now = time.perf_counter()
         engine: Counter = Counter()
         for before, after in zip(self._stats, stats):
             for key in ENGINE_COUNTERS:
@@ -650,7 +680,9 @@ class AsyncProducer:
         still running across the update may hold such tokens too: those sent more than
         max_staleness versions ago are aborted (their tokens come back, parked K/V kept), and
         `_deliver` drops the group if its tokens really are too old, else continues it."""
-        self.held, self.version = 0, version
+        if self.taken:  # the trained batch's room is free
+            self.taken.pop(0)
+        self.version = version
         check: dict[tuple[int, int], list[int]] = {}  # (replica, wave) -> requests to abort
         for i in sorted(self.slots):
             slot = self.slots[i]
@@ -697,6 +729,7 @@ class AsyncProducer:
 
     async def _state(self) -> dict:
         """JSON-ready: the open groups (index order) and the buffer (completion order)."""
+        assert not self.taken, "a checkpoint with a batch taken ahead would not hold it"
         ids = sorted(self.slots)
         open_rows = to_state([self.slots[i].group for i in ids])
         buffer_rows = to_state([d.group for d in self.done])
@@ -719,8 +752,10 @@ class AsyncProducer:
         return out
 
     async def _held_indices(self) -> list[int]:
-        """Open, buffered, or filtered since the last take (the next take reports them)."""
-        held = [*self.slots, *self.agents, *(d.index for d in self.done), *self.filtered]
+        """Open, buffered, taken ahead (after the update, `taken` holds only that one), or
+        filtered since the last take (the next take reports them)."""
+        ahead = [i for batch in self.taken for i in batch]
+        held = [*self.slots, *self.agents, *(d.index for d in self.done), *self.filtered, *ahead]
         return sorted(held)
 
 

@@ -186,6 +186,12 @@ def _steps(recipe: Recipe, rt: Runtime, tracker: Tracker, out: Path, first: int)
         tracker.log(row)
 
 
+def advantages_ask_trainer(recipe: Recipe) -> bool:
+    """Whether `batch_with_advantages` calls the trainer (the critic's values, the reference's
+    log-probs)."""
+    return recipe.algorithm.advantage == "gae" or recipe.algorithm.kl_reward_coef > 0
+
+
 def batch_with_advantages(recipe: Recipe, rt: Runtime, groups) -> tuple:
     """The trainer's batch of `groups` with its advantages (and their metrics), asking the
     critic for values (GAE) and the reference model for log-probs (KL in the reward) where the

@@ -430,6 +430,12 @@ class ClusterSection(Section):
         "token was sampled, else dropped (counted); 0 reproduces the synchronous run",
         ge=0,
     )
+    take_ahead: bool = setting(
+        True,
+        "fully_async, max_staleness >= 1: take the next step's batch while the trainer trains, "
+        "so that the next train call starts right after the weight update (not in a step that "
+        "checkpoints); false: take it after the update",
+    )
     async_buffer_groups: int | None = setting(
         None,
         "fully_async: groups generating, waiting or being trained at once (back-pressure); "
@@ -483,10 +489,14 @@ class ClusterSection(Section):
                 "cluster.colocate: false or cluster.off_policy_steps: 0"
             )
         if not self.fully_async and (
-            self.async_buffer_groups is not None or self.max_staleness != 1
+            self.async_buffer_groups is not None or self.max_staleness != 1 or not self.take_ahead
         ):
             field = (
-                "async_buffer_groups" if self.async_buffer_groups is not None else "max_staleness"
+                "async_buffer_groups"
+                if self.async_buffer_groups is not None
+                else "max_staleness"
+                if self.max_staleness != 1
+                else "take_ahead"
             )
             raise RecipeError(
                 f"cluster.{field} applies to fully asynchronous training; set "

@@ -28,6 +28,7 @@ from miles_like.rollout_manager import RolloutManager
 from miles_like.schema import RecipeError
 from miles_like.tokenizer import load_tokenizer
 from miles_like.warm_start import warm_start
+from trainer.tensor_lists import unpack
 from weight_sync import DEFAULT_BUCKET_BYTES
 
 MIB = 1 << 20
@@ -301,29 +302,37 @@ class Runtime:
         return self._wait(each("engine", self.engines, method, *args))
 
     # ------------------------------------------------------------------------- trainer calls
-    def values(self, batch_ref):
-        return self._on_trainers("values", batch_ref)
+    def values(self, batch_ref) -> list:
+        return unpack(self._on_trainers("values", batch_ref))
 
-    def ref_logprobs(self, batch_ref):
-        return self._on_trainers("ref_logprobs", batch_ref)
+    def ref_logprobs(self, batch_ref) -> list:
+        return unpack(self._on_trainers("ref_logprobs", batch_ref))
 
     def train(self, batch) -> dict[str, float]:
         """Policy (and critic) updates on one rollout batch; the engines' memory is released
         first when they share the devices."""
+        return self.finish_train(self.start_train(batch))
+
+    def start_train(self, batch) -> list[Call]:
+        """`train`'s calls, started (the trainer ranks run them in call order); the caller may
+        do other work before `finish_train` waits for them. Rank 0's policy call is first."""
         if self.layout.colocated:
             self._on_engines("release")
         if self.staged_memory:
             self._on_trainers("onload")
         ref = ray.put(batch)
         updates = self.recipe.trainer.updates_per_rollout
-        metrics = self._on_trainers("train", ref, updates)
+        calls = each("trainer rank", self.trainers, "train", ref, updates)
         if batch.returns is not None:
-            metrics.update(
-                {
-                    f"critic_{k}": v
-                    for k, v in self._on_trainers("train_critic", ref, updates).items()
-                }
-            )
+            calls += each("trainer rank", self.trainers, "train_critic", ref, updates)
+        return calls
+
+    def finish_train(self, calls: list[Call]) -> dict[str, float]:
+        ranks = len(self.trainers)
+        metrics = self._wait(calls[:ranks])[0]
+        if calls[ranks:]:  # the critic's (each wait has its own call_timeout_s)
+            critic = self._wait(calls[ranks:])[0]
+            metrics.update({f"critic_{k}": v for k, v in critic.items()})
         return metrics
 
     def sync_weights(self, in_place: bool = False) -> float:

@@ -26,6 +26,8 @@ from typing import NamedTuple
 import ray
 import torch
 
+from trainer.tensor_lists import PackedTensors, pack
+
 
 def _set_threads(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
@@ -204,13 +206,14 @@ class TrainerWorker:
             self.policy, batch, _mini_batches(len(batch.tokens), updates), self.off_policy
         )
 
-    def ref_logprobs(self, batch) -> list[torch.Tensor]:
+    # per-sample tensors go back as one flat tensor (`trainer.tensor_lists`: cheap to pickle)
+    def ref_logprobs(self, batch) -> PackedTensors:
         with self._computing():
-            return [t.cpu() for t in self.policy.compute_ref_logprobs(batch)]
+            return pack([t.cpu() for t in self.policy.compute_ref_logprobs(batch)])
 
-    def values(self, batch) -> list[torch.Tensor]:
+    def values(self, batch) -> PackedTensors:
         with self._computing():
-            return [t.cpu() for t in self.critic.compute_values(batch)]
+            return pack([t.cpu() for t in self.critic.compute_values(batch)])
 
     def train_critic(self, batch, updates: int) -> dict[str, float]:
         with self._computing():

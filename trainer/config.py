@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
 
 from trainer.losses import AGG_MODES, KL_KINDS
+from trainer.tensor_lists import pack, unpack
 
 
 @dataclass(frozen=True)
@@ -177,3 +178,13 @@ class RLBatch:
             prompt_lens=pick(self.prompt_lens),
             **{name: pick(getattr(self, name)) for name in self._PER_TOKEN},
         )
+
+    def __reduce__(self):
+        # each per-token field as one flat tensor: pickling hundreds of small tensors one by
+        # one is most of a Ray call's cost (`trainer.tensor_lists`); every field travels
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return _unpickle_batch, (values | {k: pack(values[k]) for k in self._PER_TOKEN},)
+
+
+def _unpickle_batch(values: dict) -> RLBatch:
+    return RLBatch(**{k: unpack(v) for k, v in values.items()})

@@ -67,6 +67,7 @@ def check_accounting(rows: list[dict]) -> list[int]:
     for r in rows:
         assert len(r["rollout/trained_prompt_ids"]) == PROMPTS
         assert r["rollout/stale_dropped_groups"] == len(r["rollout/stale_dropped_prompt_ids"])
+    assert rows[0]["rollout/taken_ahead"] == 0  # no step trained before the first
     return trained
 
 
@@ -87,6 +88,7 @@ def sync_and_zero_staleness_runs(runner, tmp_path: Path) -> tuple[list[dict], li
         diff = {k: (s[k], a.get(k)) for k in sorted(s) if not is_timing(k) and s[k] != a.get(k)}
         assert not diff, f"step {s['step']}: {diff}"
         assert a["rollout/staleness_max"] == 0 and a["rollout/stale_dropped_groups"] == 0
+        assert a["rollout/taken_ahead"] == 0  # the next batch is generated after the update
     assert len({r["rollout/response_len_mean"] for r in sync}) > 1
     assert all(r["train/grad_norm"] > 0 for r in sync)
     check_accounting(asynchronous)
@@ -152,6 +154,9 @@ def test_killed_async_run_resumes_without_loss_or_repeat(ray_local, cache, tmp_p
     # groups open or buffered at the checkpoint resumed from are among them (after it)
     trained = check_accounting(rows)
     assert len(trained) == STEPS * PROMPTS
+    # a checkpoint's state holds every untrained group: the step before one takes no batch
+    # ahead (checkpoints after steps 2, 5, 8; the resumed run starts at one)
+    assert all(r["rollout/taken_ahead"] == 0 for r in rows if r["step"] % 3 == 0)
     # the checkpoints hold open groups with their partial tokens, log-probs and versions
     # (every checkpoint is kept: the killed run's and the resumed run's)
     partial = [

@@ -50,15 +50,15 @@ def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, 
         return deliver(self, owner, samples, version, versions)
 
     trained: list[tuple[list[int], int, list[float]]] = []
-    train = Runtime.train
+    start_train = Runtime.start_train  # every train call starts here (either loop)
 
-    def recording_train(self, batch):
+    def recording_start_train(self, batch):
         for tokens, start, lp in zip(batch.tokens, batch.prompt_lens, batch.rollout_logprobs):
             trained.append((list(tokens), start, lp.tolist()))
-        return train(self, batch)
+        return start_train(self, batch)
 
     monkeypatch.setattr(AsyncProducer, "_deliver", recording_deliver)
-    monkeypatch.setattr(Runtime, "train", recording_train)
+    monkeypatch.setattr(Runtime, "start_train", recording_start_train)
     rows = run_in_process(
         tmp_path / "in_place",
         "steps=6",

@@ -60,6 +60,11 @@ def test_buffer_default_is_one_batch_per_version_of_lag():
             r"^cluster\.max_staleness applies to fully asynchronous training",
         ),
         (
+            [*DISAGG, "cluster.take_ahead=false"],
+            r"^cluster\.take_ahead applies to fully asynchronous training; set "
+            r"cluster\.fully_async: true or remove cluster\.take_ahead$",
+        ),
+        (
             [*ASYNC, "rollout.over_sampling=1.5", "rollout.partial=retract"],
             r"^rollout\.over_sampling: cluster\.fully_async=true keeps the engines full",
         ),
