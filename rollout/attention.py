@@ -287,16 +287,18 @@ def cascade_decode_attention_flash(
     )  # [G, Hkv, M*rows]
     prefix_out = prefix_out.view(groups, num_kv_heads, members, rows, head_dim).transpose(1, 2)
     prefix_lse = prefix_lse.view(groups, num_kv_heads, members, rows).transpose(1, 2)
-    if meta.members_in_order:  # merge on [G, M] views of the suffix part: no gathers
-        out = out.view(groups, members, num_kv_heads, rows, head_dim)
-        lse = lse.view(groups, members, num_kv_heads, rows)
+    if meta.members_in_order:  # grid cell i is sequence i: a reshape instead of gathers
+        # (the same contiguous layout as the gathers', so the merge below rounds alike:
+        # vectorised and scalar exp may differ in the last bit)
+        prefix_out = prefix_out.reshape(num_seqs, num_kv_heads, rows, head_dim)
+        prefix_lse = prefix_lse.reshape(num_seqs, num_kv_heads, rows)
     else:
         prefix_out, prefix_lse = prefix_out[group_of, slot_of], prefix_lse[group_of, slot_of]
     top = torch.maximum(lse, prefix_lse)  # finite: a query always sees its own token
     w_suffix = torch.exp(lse - top).unsqueeze(-1)
     w_prefix = torch.exp(prefix_lse - top).unsqueeze(-1)
     merged = (out * w_suffix + prefix_out * w_prefix) / (w_suffix + w_prefix)
-    return _grid_output(merged.reshape(num_seqs, num_kv_heads, rows, head_dim), meta, q.dtype)
+    return _grid_output(merged, meta, q.dtype)
 
 
 def cascade_decode_attention_matmul(
