@@ -66,6 +66,9 @@ class DecodeMetadata:
     # With lanes: what identifies the groups' prefixes across steps (`SuffixLanes.prefix`): each
     # group leader's (kv_epoch, num_tree_pages), in group order.
     prefix_key: tuple | None = None
+    # member_index is arange(D) with D = G * M (every group full, its members consecutive, as
+    # forks of one prompt decode): the [G, M] grid is then a view of the sequences, no scatter.
+    members_in_order: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -262,11 +265,14 @@ def cascade_decode_attention_flash(
         return _grid_output(out, meta, q.dtype)
     prefix_k, prefix_v = prefix_kv  # [Hkv, G, Lp, Dh]
     groups, members = prefix_k.shape[1], meta.group_size
-    group_of = torch.div(meta.member_index, members, rounding_mode="floor")
-    slot_of = meta.member_index - group_of * members
-    # Queries into the [G, M] grid (empty cells stay zero; their rows are never read back).
-    member_q = grid_q.new_zeros(groups, members, num_kv_heads, rows, head_dim)
-    member_q[group_of, slot_of] = grid_q
+    if meta.members_in_order:  # the [G, M] grid is the sequences themselves
+        member_q = grid_q.view(groups, members, num_kv_heads, rows, head_dim)
+    else:
+        group_of = torch.div(meta.member_index, members, rounding_mode="floor")
+        slot_of = meta.member_index - group_of * members
+        # Queries into the [G, M] grid (empty cells stay zero; their rows are never read back).
+        member_q = grid_q.new_zeros(groups, members, num_kv_heads, rows, head_dim)
+        member_q[group_of, slot_of] = grid_q
     member_q = member_q.transpose(1, 2).reshape(groups, num_kv_heads, members * rows, head_dim)
     prefix_bias = meta.prefix_bias.to(grid_q.dtype)
     prefix_out, prefix_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -281,7 +287,13 @@ def cascade_decode_attention_flash(
     )  # [G, Hkv, M*rows]
     prefix_out = prefix_out.view(groups, num_kv_heads, members, rows, head_dim).transpose(1, 2)
     prefix_lse = prefix_lse.view(groups, num_kv_heads, members, rows).transpose(1, 2)
-    prefix_out, prefix_lse = prefix_out[group_of, slot_of], prefix_lse[group_of, slot_of]
+    if meta.members_in_order:  # grid cell i is sequence i: a reshape instead of gathers
+        # (the same contiguous layout as the gathers', so the merge below rounds alike:
+        # vectorised and scalar exp may differ in the last bit)
+        prefix_out = prefix_out.reshape(num_seqs, num_kv_heads, rows, head_dim)
+        prefix_lse = prefix_lse.reshape(num_seqs, num_kv_heads, rows)
+    else:
+        prefix_out, prefix_lse = prefix_out[group_of, slot_of], prefix_lse[group_of, slot_of]
     top = torch.maximum(lse, prefix_lse)  # finite: a query always sees its own token
     w_suffix = torch.exp(lse - top).unsqueeze(-1)
     w_prefix = torch.exp(prefix_lse - top).unsqueeze(-1)

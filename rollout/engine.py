@@ -459,6 +459,7 @@ class Engine:
             for p in self.model.parameters():
                 released += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.model.fuse_projections()  # the fused tensors must not keep the storage alive
             self._weights_reloaded = set()
         return released
 
@@ -474,9 +475,13 @@ class Engine:
             self.pool.allocate()
         if self.draft_model is not None:
             self.draft_model.resume()
+        recreated = False
         for name, p in self.model.named_parameters():
             if p.numel() == 0 and len(self._param_shapes[name]):
                 p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
+                recreated = True
+        if recreated:  # else the parameters (and the fused tensors) keep their addresses
+            self.model.fuse_projections()
 
     def close(self) -> None:
         """Under tensor parallelism: tell the other ranks to stop serving (their `run_rank`

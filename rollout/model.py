@@ -27,6 +27,24 @@ from rollout.rope import RotaryEmbedding
 from rollout.tp_group import TPGroup
 
 
+def _share_storage(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights (and biases) concatenated along the outputs into one new tensor
+    each, current values kept; each parameter's data becomes its rows of it."""
+    fused = []
+    for attr in ("weight", "bias"):
+        params = [getattr(linear, attr) for linear in linears]
+        if params[0] is None:
+            fused.append(None)
+            continue
+        whole = torch.cat([p.data for p in params])
+        offset = 0
+        for p in params:
+            p.data = whole[offset : offset + p.shape[0]]
+            offset += p.shape[0]
+        fused.append(whole)
+    return fused[0], fused[1]
+
+
 class LayerPieces(NamedTuple):
     attention_inputs: Callable  # (layer, x, positions, rotary) -> q, k, v
     attention_outputs: Callable  # (layer, x, attention output) -> x after the layer
@@ -64,6 +82,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # q/k/v weights and biases in one tensor each (`CausalLM.fuse_projections`), or None.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
 
     def forward(
         self,
@@ -80,10 +101,18 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k, v [T, Hkv, D] of the tokens' (normed) hidden states, rotated."""
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_weight is None:
+            q = self.q_proj(x).view(num_tokens, heads, self.head_dim)
+            k = self.k_proj(x).view(num_tokens, kv_heads, self.head_dim)
+            v = self.v_proj(x).view(num_tokens, kv_heads, self.head_dim)
+        else:  # one matrix multiply; q, k, v are views of its output heads
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(num_tokens, -1, self.head_dim)
+            if self.q_norm is None:  # q and k rotate together: one pass over their heads
+                qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
+                q, k = rotary.rotate(qk, positions).split([heads, kv_heads], dim=1)
+                return q, k, v
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, positions)
@@ -99,9 +128,15 @@ class MLP(nn.Module):
         self.gate_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.up_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.down_proj = row(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
+        # gate/up weights and biases in one tensor each (`CausalLM.fuse_projections`), or None.
+        self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -177,7 +212,20 @@ class CausalLM(nn.Module):
         model.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)
         ).to(device)
+        model.fuse_projections()
         return model.eval().requires_grad_(False)
+
+    def fuse_projections(self) -> None:
+        """Give each layer's q/k/v weights (and biases) one tensor, and gate/up theirs, the
+        parameters becoming views of it: each group is then one matrix multiply over the
+        tokens (one pass over them, wider outputs) instead of two or three. Loading copies into
+        the parameters in place, so it writes the fused tensors. Call again whenever the
+        parameters' storage is replaced (`Engine.release_memory` / `resume_memory`): the fused
+        tensors would otherwise keep the old storage alive and stale."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_weight, attn.qkv_bias = _share_storage([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up_weight, mlp.gate_up_bias = _share_storage([mlp.gate_proj, mlp.up_proj])
 
     def tie_weights(self) -> None:
         """Re-establish tying; needed again after conversions that rebuild parameters."""

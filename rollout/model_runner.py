@@ -194,6 +194,8 @@ class ModelRunner:
                 if plan is not None
                 else None
             ),
+            members_in_order=len(groups) * group_size == len(seqs)
+            and member_index == list(range(len(seqs))),
         )
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -259,6 +259,8 @@ class Scheduler:
         """Give `seq` pages for `num_new` more tokens, evicting and then preempting the newest
         running sequences as needed. False if `seq` itself had to be preempted."""
         count = self._pages_for(seq, num_new)
+        if count == 0:  # most decode steps: the last page has room
+            return True
         while (pages := self._alloc(count)) is None:
             victim = max(self.running, key=lambda s: s.order)
             self._preempt(victim)

@@ -88,15 +88,20 @@ class EngineFollower:
                 if command.weights:
                     for p in self.model.parameters():
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    self.model.fuse_projections()
                 self.tp.barrier()  # rank 0 waits until every rank has done it
             elif isinstance(command, Resume):
                 if not self.pool.allocated:
                     self.pool.allocate()
+                recreated = False
                 for name, p in self.model.named_parameters():
                     if p.numel() == 0 and len(self._param_shapes[name]):
                         p.data = torch.empty(
                             self._param_shapes[name], dtype=p.dtype, device=p.device
                         )
+                        recreated = True
+                if recreated:
+                    self.model.fuse_projections()
                 self.tp.barrier()
             elif isinstance(command, Stop):
                 return

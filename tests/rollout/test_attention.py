@@ -1,6 +1,7 @@
 """Shared-prefix (cascade) decode attention and the prefill path against a naive per-sequence
 softmax attention written out with explicit loops."""
 
+import dataclasses
 import math
 
 import pytest
@@ -191,3 +192,59 @@ def test_prefill_segment_is_causal_over_cached_prefix():
             out[i], naive_attention(q[i], keys[:visible], values[:visible]), atol=1e-5, rtol=1e-5
         )
     torch.testing.assert_close(pool.k[0][:, new_slots].transpose(0, 1), k)  # new K/V were stored
+
+
+def in_order_case(page_size, seed, dtype=torch.float64):
+    """Two groups of three members, in order (member_index = arange), one query each: the GRPO
+    layout the flash path serves without scatters (`DecodeMetadata.members_in_order`)."""
+    g = torch.Generator().manual_seed(seed)
+    num_kv, num_heads, head_dim, num_pages = 2, 6, 8, 64
+    k_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g, dtype=dtype)
+    v_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g, dtype=dtype)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    prefix_pages = torch.tensor([[perm.pop() for _ in range(2)], [perm.pop(), 0]])
+    prefix_lens = torch.tensor([[2 * page_size], [page_size]])
+    suffix_lens = [1, 3, page_size + 2, 2, 2 * page_size, 5]
+    width = -(-max(suffix_lens) // page_size)
+    suffix_pages = torch.tensor(
+        [
+            [perm.pop() for _ in range(-(-n // page_size))] + [0] * (width - -(-n // page_size))
+            for n in suffix_lens
+        ]
+    )
+
+    def bias(limits, columns):
+        return torch.zeros(*limits.shape[:-1], columns).masked_fill_(
+            torch.arange(columns) >= limits, float("-inf")
+        )
+
+    meta = DecodeMetadata(
+        prefix_pages,
+        bias(prefix_lens, 2 * page_size),
+        torch.arange(6),
+        3,
+        suffix_pages,
+        bias(torch.tensor(suffix_lens).view(6, 1, 1), width * page_size),
+        torch.arange(6),
+        torch.arange(6),
+        members_in_order=True,
+    )
+    q = torch.randn(6, num_heads, head_dim, generator=g, dtype=dtype)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_members_in_order_equals_the_scatter_path(seed, dtype):
+    """`members_in_order` views the sequences as the [G, M] grid; the general path scatters them
+    into it and gathers back: the same arithmetic on the same layouts, so bitwise equal (the
+    engine's lanes-vs-gather test needs that), and equal to the matmul reference to rounding."""
+    q, k_cache, v_cache, meta = in_order_case(4, seed, dtype)
+    in_order = run_kernel("flash", q, k_cache, v_cache, meta, 4)
+    scattered = run_kernel(
+        "flash", q, k_cache, v_cache, dataclasses.replace(meta, members_in_order=False), 4
+    )
+    assert torch.equal(in_order, scattered)
+    matmul = run_kernel("matmul", q, k_cache, v_cache, meta, 4)
+    bound = 1e-13 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(in_order, matmul, atol=bound, rtol=bound)
