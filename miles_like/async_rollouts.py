@@ -411,11 +411,22 @@ class AsyncProducer:
 
     async def _agent_wave(self, replica: int, requests: list) -> list:
         self._wave_ids += 1
-        engine, got = self.m.engines[replica], []
+        got = []
         try:
-            gen = engine.generate_wave.remote(
-                [r[0] for r in requests], [r[1] for r in requests], self._wave_ids
-            )
+            prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+            await self._stream_wave(replica, prompts, params, self._wave_ids, got.append)
+        finally:
+            self._changed.set()
+        return got
+
+    async def _stream_wave(self, replica: int, prompts, params, wave: int, on_item) -> None:
+        """Send one wave to `replica` and pass what it streams back, item by item, to
+        `on_item` until the engine closes the window. A death marks the replica dead; any
+        other failure (the engine's or `on_item`'s) is kept for `take` to raise. Either ends
+        the wave; the caller's bookkeeping sends again what did not come back."""
+        engine = self.m.engines[replica]
+        try:
+            gen = engine.generate_wave.remote(prompts, params, wave)
             while True:
                 try:
                     ref = await asyncio.wait_for(gen.__anext__(), self.timeout)
@@ -424,7 +435,7 @@ class AsyncProducer:
                 item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
                 if item == CLOSED:
                     break
-                got.append(item)
+                on_item(item)
         except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
             if is_death(e):
                 self._mark_dead(replica, engine, "generate_wave", e)
@@ -432,9 +443,6 @@ class AsyncProducer:
                 self.failure = self.failure or RolloutFailed(
                     f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
                 )
-        finally:
-            self._changed.set()
-        return got
 
     def agent_finished(self, group: AgentGroup, trajectories: list, tallies) -> None:
         del self.agents[group.index]
@@ -492,26 +500,13 @@ class AsyncProducer:
                 params.append(p)
                 owners.append((i, js))
             slot.pending, slot.sent_version, slot.wave = len(ks), self.version, (replica, wave, ks)
-        engine = self.m.engines[replica]
+
+        def deliver(item) -> None:
+            k, samples, version, versions = item
+            self._deliver(owners[k], samples, version, versions)
+
         try:
-            gen = engine.generate_wave.remote(prompts, params, wave)
-            while True:
-                try:
-                    ref = await asyncio.wait_for(gen.__anext__(), self.timeout)
-                except StopAsyncIteration:
-                    break
-                item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
-                if item == CLOSED:
-                    break
-                k, samples, version, versions = item
-                self._deliver(owners[k], samples, version, versions)
-        except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
-            if is_death(e):
-                self._mark_dead(replica, engine, "generate_wave", e)
-            else:
-                self.failure = self.failure or RolloutFailed(
-                    f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
-                )
+            await self._stream_wave(replica, prompts, params, wave, deliver)
         finally:
             for i in ids:  # a closed window or a failure: what did not come back waits
                 slot = self.slots.get(i)

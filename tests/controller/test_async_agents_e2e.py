@@ -9,8 +9,9 @@ message between them; each trajectory recorded).
   tokens under the new weights: some recorded turn holds tokens of two versions (one call),
   no trained group is staler than the bound (its oldest token), and every drawn prompt is
   trained, dropped or held exactly once.
-* Kill -9 mid-run and resume: the accounting is exact across it (groups running at the
-  checkpoint restart from their prompts, buffered ones keep their trajectories).
+* Kill -9 mid-run and resume, with dynamic sampling on: the accounting is exact across it
+  (groups running at the checkpoint restart from their prompts, buffered ones keep their
+  trajectories, filtered ones stay counted), and every trained group is informative.
 * A rollout function that returns a broken trajectory stops the run with the synchronous
   loop's one line (exit code 1).
 """
@@ -19,8 +20,15 @@ from __future__ import annotations
 
 import agent_rollouts
 import pytest
-from killed_run import killed_run
-from test_async_e2e import ASYNC, BASE, PROMPTS, check_accounting, run_in_process
+from test_async_dynamic_e2e import filtered_ids
+from test_async_e2e import (
+    ASYNC,
+    BASE,
+    PROMPTS,
+    check_accounting,
+    killed_and_resumed,
+    run_in_process,
+)
 from test_resume_e2e import RECIPE
 
 from miles_like.cli import main
@@ -97,28 +105,28 @@ def test_agents_run_across_weight_updates_within_the_bound(ray_local, cache, tmp
         assert len(versions) == sum(len(s) for s in rec.sampled)  # the mask: sampled tokens only
 
 
-STEPS = 8
+STEPS = 6
 
 
-def test_killed_async_agent_run_resumes_exactly(ray_local, cache, tmp_path):
+def test_killed_async_agent_run_with_dynamic_sampling_resumes_exactly(ray_local, cache, tmp_path):
     out = tmp_path / "killed"
     overrides = (
         f"steps={STEPS}",
         "checkpoint.every_steps=2",
         "checkpoint.keep_last=100",
         "rollout.max_new_tokens=24",
-        "reward.function=user_rewards:length_score",
         *AGENTS,
         "cluster.max_staleness=1",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.dynamic_sampling_max_rounds=100",
+        "reward.function=user_rewards:parity_score",
     )
-    marker = out / "checkpoints" / "step_000002" / "state.json"
-    with killed_run(out, [RECIPE, *BASE, *overrides], marker, delay_s=0.3) as kill:
-        pass
-    assert kill.rows_at_kill and 2 <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
-    rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    assert len(check_accounting(rows)) == STEPS * PROMPTS
+    rows = killed_and_resumed(out, overrides, every=2)
     assert all(r["rollout/turns_mean"] == 3.0 for r in rows)
+    # some groups were filtered (their rewards all equal), across the kill too, and every
+    # trained one was informative: rewards {0, 1} on n = 2, standard deviation exactly 0.5
+    assert filtered_ids(rows)
+    assert [r["rollout/reward_group_std_mean"] for r in rows] == [0.5] * STEPS
 
 
 def test_a_failing_rollout_function_stops_the_async_run(ray_local, cache, tmp_path, capsys):

@@ -11,16 +11,15 @@ trained as they are, as the synchronous loop trains on what there is after its l
   was informative; about half the groups are not, so some are filtered.
 * `user_rewards:constant_score`: no group is informative; the first batch comes after exactly
   the budget was filtered, and no batch filters more.
-* Kill -9 mid-run and resume: every drawn prompt is trained, dropped, filtered or held once
-  (the filtered-but-not-yet-reported indices are part of the checkpoint).
+* Kill -9 mid-run and resume (in `test_async_agents_e2e.py`, with multi-turn rollouts): every
+  drawn prompt is trained, dropped, filtered or held once (the filtered-but-not-yet-reported
+  indices are part of the checkpoint).
 """
 
 from __future__ import annotations
 
 import pytest
-from killed_run import killed_run
-from test_async_e2e import ASYNC, BASE, PROMPTS, check_accounting, run_in_process
-from test_resume_e2e import RECIPE
+from test_async_e2e import ASYNC, PROMPTS, check_accounting, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -68,28 +67,3 @@ def test_async_dynamic_sampling_filters_at_most_its_budget(ray_local, cache, tmp
     assert all(r["rollout/dynamic_dropped_groups"] <= PROMPTS for r in rows)
     assert all(r["rollout/reward_group_std_mean"] == 0.0 for r in rows)
     check_accounting(rows)
-
-
-STEPS = 8
-
-
-def test_killed_async_dynamic_run_resumes_exactly(ray_local, cache, tmp_path):
-    out = tmp_path / "killed"
-    overrides = (
-        f"steps={STEPS}",
-        "checkpoint.every_steps=2",
-        "checkpoint.keep_last=100",
-        *DYNAMIC,
-        "reward.function=user_rewards:parity_score",
-        "algorithm.dynamic_sampling_max_rounds=100",
-    )
-    marker = out / "checkpoints" / "step_000002" / "state.json"
-    with killed_run(out, [RECIPE, *BASE, *overrides], marker, delay_s=0.3) as kill:
-        pass
-    assert kill.rows_at_kill and 2 <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
-    rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    filtered = filtered_ids(rows)
-    assert filtered
-    assert len(check_accounting(rows)) == STEPS * PROMPTS
-    assert [r["rollout/reward_group_std_mean"] for r in rows] == [0.5] * STEPS

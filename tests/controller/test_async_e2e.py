@@ -71,6 +71,22 @@ def check_accounting(rows: list[dict]) -> list[int]:
     return trained
 
 
+def killed_and_resumed(out: Path, overrides: tuple[str, ...], every: int) -> list[dict]:
+    """Runs `overrides` (with `steps=` and `checkpoint.every_steps=every`) in a subprocess,
+    SIGKILLs it 0.3 s after its first checkpoint (inside a step, not at a checkpoint), resumes
+    it in this process with checkpoint.resume=auto, and returns the finished run's rows: every
+    step once, and every drawn prompt trained, dropped or held exactly once."""
+    steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("steps="))
+    marker = out / "checkpoints" / f"step_{every:06d}" / "state.json"
+    with killed_run(out, [RECIPE, *BASE, *overrides], marker, delay_s=0.3) as kill:
+        pass  # the run goes on alone until the watcher kills it
+    assert kill.rows_at_kill and every <= kill.rows_at_kill[0] < steps, "not killed mid-run"
+    rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert len(check_accounting(rows)) == steps * PROMPTS
+    return rows
+
+
 def sync_and_zero_staleness_runs(runner, tmp_path: Path) -> tuple[list[dict], list[dict]]:
     """3 steps synchronous and fully async at max_staleness 0 (`runner`: a `run_in_process`),
     asserted equal on every metrics key but timings, and the runs really learning (lengths
@@ -131,7 +147,6 @@ def test_one_step_staleness_runs_ahead_within_the_bound(ray_local, cache, tmp_pa
 
 
 STEPS = 12
-DELAY_S = 0.3  # after checkpoint 3: inside step 3 or later, not at a checkpoint
 
 
 def test_killed_async_run_resumes_without_loss_or_repeat(ray_local, cache, tmp_path):
@@ -144,16 +159,9 @@ def test_killed_async_run_resumes_without_loss_or_repeat(ray_local, cache, tmp_p
         *ASYNC,
         "cluster.max_staleness=1",
     )
-    marker = out / "checkpoints" / "step_000003" / "state.json"
-    with killed_run(out, [RECIPE, *BASE, *overrides], marker, delay_s=DELAY_S) as kill:
-        pass  # the run goes on alone until the watcher kills it
-    assert kill.rows_at_kill and 3 <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
-    rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    # nothing lost, nothing twice: every drawn index is trained, dropped or held, once; the
-    # groups open or buffered at the checkpoint resumed from are among them (after it)
-    trained = check_accounting(rows)
-    assert len(trained) == STEPS * PROMPTS
+    # nothing lost, nothing twice (`killed_and_resumed`); the groups open or buffered at the
+    # checkpoint resumed from are among them (after it)
+    rows = killed_and_resumed(out, overrides, every=3)
     # a checkpoint's state holds every untrained group: the step before one takes no batch
     # ahead (checkpoints after steps 2, 5, 8; the resumed run starts at one)
     assert all(r["rollout/taken_ahead"] == 0 for r in rows if r["step"] % 3 == 0)
