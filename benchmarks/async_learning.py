@@ -41,6 +41,7 @@ mean gain (`--margin-frac`, default 1/3: "async learns within a third of sync's 
     python benchmarks/async_learning.py --quick     # smoke test: 2 seeds, 2 steps, short SFT,
                                                     # no separate warm-start run
     (--output-dir DIR keeps each run's outputs, e.g. its metrics.jsonl, in DIR/MODE_SEED;
+    --first-seed S runs seeds S, S + 1, ...: a second process can run more seeds alongside;
     --set KEY=VALUE, repeated, overrides the recipe in both modes)
 """
 
@@ -218,6 +219,9 @@ def finite(x) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds (runs per mode), >= 2")
+    ap.add_argument(
+        "--first-seed", type=int, default=0, help="seeds run: first-seed .. first-seed + seeds - 1"
+    )
     ap.add_argument("--steps", type=int, default=60, help="RL steps per run")
     ap.add_argument("--k", type=int, default=15, help="steps in the first / last reward window")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, 2 steps, k 1")
@@ -257,7 +261,7 @@ def main() -> None:
     try:
         with contextlib.ExitStack() as stack:
             tmp = args.output_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 base = [*COMMON, *extra, f"seed={seed}"]
                 if not args.quick:  # the smoke test's 4-step warm start is not worth a run
                     # untimed: builds (or finds) the seed's warm start, so neither mode pays it
@@ -294,6 +298,7 @@ def main() -> None:
         "recipe": str(args.recipe),
         "overrides": {"common": [*COMMON, *extra], **{m: list(o) for m, o in modes.items()}},
         "seeds": args.seeds,
+        "first_seed": args.first_seed,
         "steps": args.steps,
         "k": args.k,
         "learning_signal": "rollout/reward_mean (chain reward: the success rate)",
