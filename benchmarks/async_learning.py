@@ -2,7 +2,8 @@
 less wall time? (issue 14, acceptance). Prints one JSON object.
 
 The real controller (`miles_like.loop.run`, one local Ray with 2 CPU slots: one engine and one
-trainer rank, disaggregated, `cluster.cpu_threads=1`) on `recipes/tiny_chain_grpo.yaml`, in two
+trainer rank, disaggregated, `cluster.cpu_threads=1`) on `recipes/tiny_chain_learn_grpo.yaml`
+(the long-tailed chain task tuned to learn visibly in 60 steps; `--recipe` runs another), in two
 modes that differ only in the loop:
 
 * sync: synchronous on-policy (`cluster.off_policy_steps: 0`): each step's rollout is sampled
@@ -22,16 +23,25 @@ Learning signal: `rollout/reward_mean` of the trained batch, the chain reward (1
 value after the last "->" is the chain's result), so the success rate. Per run: its mean over
 the first k steps and over the last k, the gain (last - first), the sum of `perf/step_s`, the
 command's wall time (start-up, warm start cached, included), staleness mean and stale drops.
-Summary: mean, standard deviation and standard error of the gain per mode, async - sync with
-a Welch t-test p-value and a 95% confidence interval (Welch-Satterthwaite degrees of freedom),
-an equivalence test (TOST: two one-sided Welch tests) at a margin stated before the run as a
-fraction of sync's mean gain (`--margin-frac`, default 1/3: "async learns within a third of
-sync's gain"), and the wall time ratios async / sync (of the means).
+Summary: mean, standard deviation and standard error of the gain per mode, and the wall time
+ratios async / sync (of the means). The margin is stated before the run as a fraction of sync's
+mean gain (`--margin-frac`, default 1/3: "async learns within a third of sync's gain").
+
+* Primary test, paired (`paired_async_minus_sync`): a seed's sync and async runs share the base
+  model, the warm start and the prompts and their order, so the per-seed difference async -
+  sync cancels that part of the seed-to-seed variance. Its mean, sd, SE, the paired t-test
+  (two-sided p, 95% CI), the paired TOST at the margin (equivalence: both one-sided tests reject
+  at 0.05, i.e. the 90% CI lies inside +-margin) and its lower half alone (non-inferiority:
+  async not worse than sync by the margin or more).
+* Secondary, unpaired (`gain_async_minus_sync`, `equivalence_tost`): a Welch t-test with its
+  95% CI (Welch-Satterthwaite degrees of freedom) and the TOST of two one-sided Welch tests, at
+  the same margin; they ignore the pairing, so they are wider.
 
     python benchmarks/async_learning.py [--seeds 5 --steps 60 --k 15 --partial retract]
     python benchmarks/async_learning.py --quick     # smoke test: 2 seeds, 2 steps, short SFT,
                                                     # no separate warm-start run
     (--output-dir DIR keeps each run's outputs, e.g. its metrics.jsonl, in DIR/MODE_SEED;
+    --first-seed S runs seeds S, S + 1, ...: a second process can run more seeds alongside;
     --set KEY=VALUE, repeated, overrides the recipe in both modes)
 """
 
@@ -52,7 +62,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-RECIPE = REPO / "recipes" / "tiny_chain_grpo.yaml"
+RECIPE = REPO / "recipes" / "tiny_chain_learn_grpo.yaml"
 COMMON = (
     "cluster.devices=2",
     "cluster.colocate=false",
@@ -74,7 +84,9 @@ def start_ray() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 
-def run_once(overrides: list[str], out: Path, failures: list[str]) -> tuple[list[dict], float]:
+def run_once(
+    recipe_path: Path, overrides: list[str], out: Path, failures: list[str]
+) -> tuple[list[dict], float]:
     """One controller run in this process: its metrics rows and its wall time. A run whose
     actor or Ray node died (`RunFailed`: on a loaded box the raylet can miss its heartbeats) is
     rerun once from scratch on a fresh Ray, and the failure is reported in `failures`."""
@@ -84,7 +96,7 @@ def run_once(overrides: list[str], out: Path, failures: list[str]) -> tuple[list
     from miles_like.loop import run
     from miles_like.recipe import load_recipe
 
-    recipe = load_recipe(RECIPE, [*overrides, f"tracking.output_dir={out}"])
+    recipe = load_recipe(recipe_path, [*overrides, f"tracking.output_dir={out}"])
     for attempt in (1, 2):
         start = time.perf_counter()
         try:
@@ -160,6 +172,45 @@ def equivalence(a: list[float], b: list[float], margin: float) -> dict:
     }
 
 
+def paired(a: list[float], b: list[float], margin: float) -> dict:
+    """The paired analysis of a[i] - b[i] (async - sync of the same seed: the seed fixes the
+    base model, the warm start and the prompts, so the two runs share that part of their
+    variance and the difference cancels it): mean, standard deviation and error, the paired
+    t-test (two-sided p, 95% CI), and the paired TOST at `margin` (two one-sided one-sample
+    t-tests of the differences, H0: mean <= -margin and H0: mean >= +margin; equivalent at 0.05
+    when both reject, i.e. the 90% CI lies inside the margin). The lower test alone is
+    non-inferiority: a is not worse than b by the margin or more."""
+    from scipy import stats
+
+    if len(a) != len(b):
+        raise ValueError(f"paired samples need equal lengths, got {len(a)} and {len(b)}")
+    d = [x - y for x, y in zip(a, b)]
+    test = stats.ttest_1samp(d, 0.0)
+    ci95, ci90 = test.confidence_interval(0.95), test.confidence_interval(0.90)
+    lower = stats.ttest_1samp(d, -margin, alternative="greater")
+    upper = stats.ttest_1samp(d, margin, alternative="less")
+    p_lower, p_upper = finite(lower.pvalue), finite(upper.pvalue)
+    p = max(p_lower or 1.0, p_upper or 1.0)
+    sd = statistics.stdev(d)
+    return {
+        "differences": d,
+        "mean": statistics.mean(d),
+        "sd": sd,
+        "se": sd / math.sqrt(len(d)),
+        "t": finite(test.statistic),
+        "df": len(d) - 1,
+        "p_value": finite(test.pvalue),
+        "ci95": [finite(ci95.low), finite(ci95.high)],
+        "margin": margin,
+        "tost_p_lower": p_lower,
+        "tost_p_upper": p_upper,
+        "tost_p_value": p,
+        "ci90": [finite(ci90.low), finite(ci90.high)],
+        "equivalent_at_0_05": bool(margin > 0 and p < 0.05),
+        "non_inferior_at_0_05": bool(margin > 0 and (p_lower or 1.0) < 0.05),
+    }
+
+
 def finite(x) -> float | None:
     """A float for the JSON; None where the test is undefined (no spread in either mode)."""
     return float(x) if math.isfinite(x) else None
@@ -168,10 +219,14 @@ def finite(x) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds (runs per mode), >= 2")
+    ap.add_argument(
+        "--first-seed", type=int, default=0, help="seeds run: first-seed .. first-seed + seeds - 1"
+    )
     ap.add_argument("--steps", type=int, default=60, help="RL steps per run")
     ap.add_argument("--k", type=int, default=15, help="steps in the first / last reward window")
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, 2 steps, k 1")
     ap.add_argument("--output-dir", type=Path, help="keep every run's outputs (metrics.jsonl) here")
+    ap.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe both modes run")
     ap.add_argument("--partial", choices=PARTIAL, default="retract", help="async: rollout.partial")
     ap.add_argument(
         "--margin-frac",
@@ -206,15 +261,16 @@ def main() -> None:
     try:
         with contextlib.ExitStack() as stack:
             tmp = args.output_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 base = [*COMMON, *extra, f"seed={seed}"]
                 if not args.quick:  # the smoke test's 4-step warm start is not worth a run
                     # untimed: builds (or finds) the seed's warm start, so neither mode pays it
                     prepare = tmp / f"prepare_{seed}"
-                    run_once([*base, "steps=1", *modes["sync"]], prepare, failures)
+                    run_once(args.recipe, [*base, "steps=1", *modes["sync"]], prepare, failures)
                 order = list(modes) if seed % 2 == 0 else list(modes)[::-1]
                 for mode in order:
                     rows, wall = run_once(
+                        args.recipe,
                         [*base, f"steps={args.steps}", *modes[mode]],
                         tmp / f"{mode}_{seed}",
                         failures,
@@ -239,9 +295,10 @@ def main() -> None:
     out = {
         "benchmark": "async_learning",
         "host": platform.node(),
-        "recipe": str(RECIPE.relative_to(REPO)),
+        "recipe": str(args.recipe),
         "overrides": {"common": [*COMMON, *extra], **{m: list(o) for m, o in modes.items()}},
         "seeds": args.seeds,
+        "first_seed": args.first_seed,
         "steps": args.steps,
         "k": args.k,
         "learning_signal": "rollout/reward_mean (chain reward: the success rate)",
@@ -251,6 +308,7 @@ def main() -> None:
         "mean": mean,
         "gain_async_minus_sync": welch(gains["async"], gains["sync"]),
         "margin_frac": args.margin_frac,
+        "paired_async_minus_sync": paired(gains["async"], gains["sync"], margin),
         "equivalence_tost": equivalence(gains["async"], gains["sync"], margin),
         "sync_gain_t_test": sync_learns(gains["sync"]),
         "wall_ratio_async_over_sync": {

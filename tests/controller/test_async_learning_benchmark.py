@@ -1,6 +1,7 @@
 """Smoke test: benchmarks/async_learning.py --quick runs the chain recipe sync and fully async
 for two seeds each and prints its JSON; its figures are checked against the per-step rewards it
-printed and a hand-written Welch t-test and equivalence test (not scipy's)."""
+printed and a hand-written Welch t-test and equivalence test (not scipy's); the paired analysis
+(the primary test) is checked against scipy's paired and one-sample t-tests."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def test_quick_benchmark_compares_sync_and_async_learning():
     else:
         t, p, ci = welch_by_hand(gains["async"], gains["sync"])
         assert [welch["t"], welch["p_value"], *welch["ci95"]] == pytest.approx([t, p, *ci])
+    pair = out["paired_async_minus_sync"]
+    assert pair["differences"] == pytest.approx(
+        [a - s for a, s in zip(gains["async"], gains["sync"])]
+    )
+    assert pair["margin"] == out["equivalence_tost"]["margin"]
     tost = out["equivalence_tost"]
     assert tost["margin"] == pytest.approx(out["margin_frac"] * abs(out["mean"]["sync"]["gain"]))
     assert out["overrides"]["async"][-1] == "rollout.partial=retract"
@@ -127,3 +133,51 @@ def test_equivalence_matches_the_textbook_tost(a, b, margin, equivalent, non_inf
     # equivalent at 0.05 exactly when the 90% interval lies inside the margin
     low, high = tost["ci90"]
     assert (-margin < low and high < margin) is equivalent
+
+
+@pytest.mark.parametrize(
+    "a, b, margin",
+    [
+        # the seeds differ a lot, their pairs little: the paired test sees what Welch cannot
+        ([0.10, 0.31, 0.52, 0.20, 0.41], [0.11, 0.30, 0.50, 0.22, 0.40], 0.05),
+        # a clearly ahead of its pair, seed by seed
+        ([0.30, 0.32, 0.29, 0.31, 0.30, 0.35], [0.21, 0.20, 0.22, 0.19, 0.21, 0.22], 0.05),
+        # a clearly behind
+        ([0.21, 0.20, 0.22, 0.19], [0.30, 0.32, 0.29, 0.31], 0.05),
+        # too noisy to tell
+        ([0.1, 0.5, 0.2, 0.6], [0.3, 0.2, 0.5, 0.4], 0.05),
+    ],
+)
+def test_paired_analysis_matches_scipy(a, b, margin):
+    out = benchmark_module().paired(a, b, margin)
+    d = [x - y for x, y in zip(a, b)]
+    assert out["differences"] == pytest.approx(d)
+    assert out["mean"] == pytest.approx(statistics.mean(d))
+    assert out["se"] == pytest.approx(stats.sem(d))
+    rel = stats.ttest_rel(a, b)
+    assert [out["t"], out["p_value"]] == pytest.approx([rel.statistic, rel.pvalue])
+    ci95 = rel.confidence_interval(0.95)
+    assert out["ci95"] == pytest.approx([ci95.low, ci95.high])
+    # the two one-sided tests, each from scipy's paired test on the shifted pairs
+    p_lower = stats.ttest_rel([x + margin for x in a], b, alternative="greater").pvalue
+    p_upper = stats.ttest_1samp(d, margin, alternative="less").pvalue
+    assert [out["tost_p_lower"], out["tost_p_upper"]] == pytest.approx([p_lower, p_upper])
+    assert out["tost_p_value"] == pytest.approx(max(p_lower, p_upper))
+    assert out["non_inferior_at_0_05"] is bool(p_lower < 0.05)
+    # equivalent at 0.05 exactly when the paired 90% interval lies inside the margin
+    low, high = out["ci90"]
+    assert [low, high] == pytest.approx(list(rel.confidence_interval(0.90)))
+    assert out["equivalent_at_0_05"] is (-margin < low and high < margin)
+
+
+def test_paired_analysis_is_stronger_than_welch_on_paired_seeds():
+    # seeds that differ by far more than their sync / async pairs do
+    a, b = [0.10, 0.31, 0.52, 0.20, 0.41], [0.11, 0.30, 0.50, 0.22, 0.40]
+    module = benchmark_module()
+    assert module.paired(a, b, 0.05)["equivalent_at_0_05"]
+    assert not module.equivalence(a, b, 0.05)["equivalent_at_0_05"]
+
+
+def test_paired_analysis_needs_pairs():
+    with pytest.raises(ValueError, match="equal lengths"):
+        benchmark_module().paired([0.1, 0.2, 0.3], [0.1, 0.2], 0.05)

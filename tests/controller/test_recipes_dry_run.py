@@ -48,3 +48,31 @@ def test_real_model_recipe_needs_its_paths():
         load_recipe(path)
     r = load_recipe(path, check_paths_exist=False)
     assert r.reward.function == "math" and r.data.prompt_key == "question"
+
+
+def test_chain_learn_recipe_changes_only_what_it_says():
+    """tiny_chain_learn_grpo.yaml is tiny_chain_grpo.yaml with the three changes its header
+    names (and its own steps and output dir): the same long-tailed task, capped at 12 ops."""
+    import dataclasses
+
+    def fields(recipe, prefix=""):
+        out = {}
+        for f in dataclasses.fields(recipe):
+            value = getattr(recipe, f.name)
+            if dataclasses.is_dataclass(value):
+                out |= fields(value, f"{prefix}{f.name}.")
+            else:
+                out[f"{prefix}{f.name}"] = value
+        return out
+
+    base = fields(load_recipe(RECIPES[NAMES.index("tiny_chain_grpo.yaml")]))
+    learn = fields(load_recipe(RECIPES[NAMES.index("tiny_chain_learn_grpo.yaml")]))
+    changed = {key: learn[key] for key in base if base[key] != learn[key]}
+    assert changed == {
+        "steps": 60,
+        "data.chain_continue_p": 0.3,
+        "rollout.prompts_per_step": 32,
+        "trainer.updates_per_rollout": 8,
+        "tracking.output_dir": "outputs/tiny_chain_learn_grpo",
+    }
+    assert learn["data.chain_max_ops"] == 12
