@@ -71,7 +71,10 @@ class DeepSpeedTrainer:
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,  # boundaries are set by hand per train_step
-            "zero_optimization": {"stage": cfg.zero_stage},
+            # ZeRO-3's memory-efficient linear replaces torch.nn.functional.linear for the
+            # whole process, for good: anything else in it (an engine, a reference model, a
+            # second trainer) would then compute its linears through ZeRO's autograd function
+            "zero_optimization": {"stage": cfg.zero_stage, "memory_efficient_linear": False},
             "optimizer": {
                 "type": "AdamW",
                 "params": {
