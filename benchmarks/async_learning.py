@@ -74,7 +74,8 @@ MODES = {
     "sync": ("cluster.off_policy_steps=0",),
     "async": ("cluster.fully_async=true", "cluster.max_staleness=1"),
 }
-QUICK = ("sft.steps=4",)  # a short warm start: the smoke test checks the plumbing, not learning
+# the smoke test checks the plumbing, not learning: a short warm start, small steps
+QUICK = ("sft.steps=4", "rollout.prompts_per_step=8", "trainer.updates_per_rollout=2")
 PARTIAL = ("retract", "in_place")  # what an async weight update does to running requests
 
 
