@@ -148,7 +148,9 @@ class Runtime:
             policy = dataclasses.replace(policy, reference_path=str(self.reference_dir))
         critic = critic_config(recipe, str(self.model_dir)) if alg.advantage == "gae" else None
         off_policy = recipe.cluster.off_policy_steps == 1
-        self._on_trainers(
+        build = each(
+            "trainer rank",
+            self.trainers,
             "build",
             policy,
             critic,
@@ -156,6 +158,21 @@ class Runtime:
             off_policy,
             str(engine_dir) if off_policy and self.resume is not None else None,
         )
+        # The engines start while the trainer ranks build (separate processes: megatron's
+        # import and the engines' start-up overlap), except where an engine sizes its KV
+        # cache by the free memory of a device the trainer's weights are still filling.
+        if self._engine_sizes_by_free_memory():
+            self._wait(build)
+        # every rank of every replica; `engines` are their rank 0s, which stand for the replica
+        # in every call but the resharding sync
+        self.replicas = placement.create_engines(
+            self.layout,
+            self.pg,
+            self._engine_config(engine_dir),
+            [placement.engine_name(self.tag, i) for i in range(self.layout.num_replicas)],
+            self.timeout_s,
+        )
+        self._wait(build)
         if self.resume is not None:
             self._wait(
                 [
@@ -168,15 +185,6 @@ class Runtime:
                     for rank, t in enumerate(self.trainers)
                 ]
             )
-        # every rank of every replica; `engines` are their rank 0s, which stand for the replica
-        # in every call but the resharding sync
-        self.replicas = placement.create_engines(
-            self.layout,
-            self.pg,
-            self._engine_config(engine_dir),
-            [placement.engine_name(self.tag, i) for i in range(self.layout.num_replicas)],
-            self.timeout_s,
-        )
         self.engines = [ranks[0] for ranks in self.replicas]
         # trainer TP rank r feeds engine TP rank r its own shards when the sizes match, over
         # either transport (the resharding sync)
@@ -216,6 +224,13 @@ class Runtime:
         if self.state is not None:  # the partial groups the checkpoint's pending rollout continued
             self.rollouts.restore_carry(self.state.get("carried", []))
         self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
+
+    def _engine_sizes_by_free_memory(self) -> bool:
+        return (
+            self.layout.colocated
+            and self.layout.accelerator == "cuda"
+            and self.recipe.rollout.kv_cache_tokens is None
+        )
 
     def _engine_config(self, model_dir: Path):
         device = "cuda" if self.layout.accelerator == "cuda" else "cpu"

@@ -43,3 +43,20 @@ def tiny_hf_checkpoints(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shared_ray
+
+    shared_ray.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with `slow` (end-to-end) tests first, each file's tests kept together and in order.
+
+    `make test` runs the files in two processes (pytest-xdist, `--dist loadfile
+    --no-loadscope-reorder`: files handed out in this order as a process frees up). The
+    end-to-end files take minutes each and the rest seconds, so starting the long ones first
+    and filling in with the short ones ends both processes close together."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order is kept

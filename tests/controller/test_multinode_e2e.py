@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -60,10 +61,15 @@ def in_ns(ns: str, *cmd: str, **kw) -> subprocess.CompletedProcess:
 
 def _remove_namespaces() -> None:
     for ns in NS:
-        if sh("ip", "netns", "pids", ns, check=False).returncode == 0:
-            for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
-                sh("kill", "-9", pid, check=False)
-            sh("ip", "netns", "del", ns, check=False)
+        if sh("ip", "netns", "pids", ns, check=False).returncode != 0:
+            continue  # no such namespace
+        for _ in range(50):  # until empty: a process may fork while its parent is being killed
+            pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            if not pids:
+                break
+            sh("kill", "-9", *pids, check=False)
+            time.sleep(0.1)
+        sh("ip", "netns", "del", ns, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +123,9 @@ def two_nodes():
         )
         yield f"{HEAD}:6390"
     finally:
-        for ns in NS:
-            in_ns(ns, str(BIN / "ray"), "stop", "--force", check=False)
+        # Not `ray stop`: it finds Ray processes by name on the whole machine, the network
+        # namespace notwithstanding, and would stop every other Ray running here too. The
+        # namespaces' own processes are exactly these nodes'.
         _remove_namespaces()
         shutil.rmtree(temp_dir, ignore_errors=True)
 

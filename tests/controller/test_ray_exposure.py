@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import psutil
 import ray
+import shared_ray
 
 from miles_like.placement import plan, start_ray
 from miles_like.recipe import ClusterSection
 
 
 def test_local_ray_dashboard_is_off_and_on_loopback():
-    assert not ray.is_initialized()  # other modules' fixtures have shut theirs down
+    shared_ray.stop()  # the local Ray earlier modules left running
+    assert not ray.is_initialized()
     try:
         start_ray(ClusterSection(), plan(ClusterSection()))
         assert ray._private.worker.global_worker.node.address_info["webui_url"] in ("", None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import ray
+import shared_ray
 import torch
 
 from miles_like.placement import create_trainers, plan, release, reserve, start_ray
@@ -14,7 +15,8 @@ from miles_like.recipe import ClusterSection
 
 
 def test_trainer_ranks_run_at_normal_priority_with_the_recipes_threads():
-    assert not ray.is_initialized()  # other modules' fixtures have shut theirs down
+    shared_ray.stop()  # the local Ray earlier modules left running
+    assert not ray.is_initialized()
     cluster = ClusterSection(cpu_threads=1)
     layout = plan(cluster)
     assert layout.threads == 1

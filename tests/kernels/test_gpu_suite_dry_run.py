@@ -9,9 +9,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # every section end to end, each in its own processes
 def test_gpu_suite_dry_run_runs_every_section(tmp_path):
     out, md = tmp_path / "suite.json", tmp_path / "RESULTS.md"
     proc = subprocess.run(

@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 import ray
+import shared_ray
 import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -27,6 +28,7 @@ PROMPTS = [[1, 2, 3, 4], [7, 7, 1], [9, 8, 7, 6, 5]]
 @pytest.fixture(scope="module")
 def ray_local():
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    shared_ray.stop()  # the controller modules' local Ray, if one is left running
     ray.init(
         num_cpus=2,
         include_dashboard=False,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import shared_ray
 import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -98,6 +99,7 @@ def ray_local():
     # Workers import this module by name to build the actors, so they get the test paths; the
     # node stays on loopback.
     path = os.pathsep.join([str(here.parent.parent), str(here.parent), str(here)])
+    shared_ray.stop()  # the controller modules' local Ray, if one is left running
     ray.init(
         num_cpus=2,
         include_dashboard=False,
