@@ -12,10 +12,9 @@ train: env
 	$(PY) -m miles_like.train recipes/tiny_arith_grpo.yaml
 
 # Lint and format checks first (seconds), then the suite in two worker processes, one test
-# file each at a time (a module's fixtures, such as its local Ray, stay in one process). The
-# end-to-end tests leave a core idle much of the time (one phase computes while the other
-# waits, processes start), so two files at once keep both cores busy; one OpenMP thread per
-# process, since two 2-thread processes on 2 cores spin-wait against each other.
+# file each at a time (a module's fixtures, such as its local Ray, stay in one process), the
+# end-to-end files first (tests/conftest.py). One OpenMP thread per process: two 2-thread
+# processes on 2 cores would spin-wait against each other. Times: benchmarks/RESULTS.md.
 test: env
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -113,6 +113,8 @@ class Runtime:
         placement.start_ray(recipe.cluster, self.layout)
         self.pg = placement.reserve(self.layout, strategy=recipe.cluster.placement_strategy)
         self.trainers, self.engines, self.replicas = [], [], []
+        # colocated on GPUs: engines and trainer take turns holding the devices' memory
+        self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
         try:
             self._start_actors(base_dir, max_prompt)
         except BaseException:
@@ -161,7 +163,7 @@ class Runtime:
         # The engines start while the trainer ranks build (separate processes: megatron's
         # import and the engines' start-up overlap), except where an engine sizes its KV
         # cache by the free memory of a device the trainer's weights are still filling.
-        if self._engine_sizes_by_free_memory():
+        if self.staged_memory and recipe.rollout.kv_cache_tokens is None:
             self._wait(build)
         # every rank of every replica; `engines` are their rank 0s, which stand for the replica
         # in every call but the resharding sync
@@ -223,14 +225,6 @@ class Runtime:
         )
         if self.state is not None:  # the partial groups the checkpoint's pending rollout continued
             self.rollouts.restore_carry(self.state.get("carried", []))
-        self.staged_memory = self.layout.colocated and self.layout.accelerator == "cuda"
-
-    def _engine_sizes_by_free_memory(self) -> bool:
-        return (
-            self.layout.colocated
-            and self.layout.accelerator == "cuda"
-            and self.recipe.rollout.kv_cache_tokens is None
-        )
 
     def _engine_config(self, model_dir: Path):
         device = "cuda" if self.layout.accelerator == "cuda" else "cpu"

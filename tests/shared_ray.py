@@ -11,6 +11,7 @@ up), gets a fresh one. Modules that start Ray their own way call `stop()` first.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -50,7 +51,6 @@ def start(num_cpus: int) -> None:
 
 
 def stop() -> None:
-    import sys
-
-    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-        sys.modules["ray"].shutdown()
+    ray = sys.modules.get("ray")  # not imported: nothing is running
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
