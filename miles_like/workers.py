@@ -138,6 +138,9 @@ class TrainerWorker:
         copy of those to tell the precision mismatch from the policy lag); `sampling_path`: a
         resumed run's engine-side weights, what its pending rollout is sampled with."""
         from trainer import make_trainer
+        from trainer.megatron_import import import_megatron_core
+
+        import_megatron_core()  # before trainer.parallel imports it
         from trainer.parallel import init_distributed
 
         init_distributed(self._world_store)  # the world, before the trainer asks for it

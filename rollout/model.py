@@ -162,11 +162,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def uninitialised(cfg: ModelConfig) -> torch.Tensor:
+    """The embedding's weight, left as allocated: `nn.Embedding` would fill it with `normal_`,
+    whose meta-device kernel is a Python decomposition that imports dynamo (seconds of CPU in
+    every engine process), and the checkpoint's weights replace it anyway."""
+    return torch.empty(cfg.vocab_size, cfg.hidden_size)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.embed_tokens = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=uninitialised(cfg))
             if tp is None
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         )

@@ -61,7 +61,8 @@ class RowParallelLinear(nn.Linear):
 class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab: int, hidden: int, tp: TPGroup):
         start, length = tp.vocab_split(vocab)
-        super().__init__(length, hidden)
+        # left as allocated, as the unsharded embedding (`rollout.model.uninitialised`)
+        super().__init__(length, hidden, _weight=torch.empty(length, hidden))
         self.shard = Shard(0, start, length, vocab)
         self.tp = tp
 

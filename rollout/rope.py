@@ -17,9 +17,10 @@ from rollout.model_config import RopeConfig
 def inverse_frequencies(
     rope: RopeConfig, head_dim: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    inv_freq = 1.0 / (
-        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim)
-    )
+    # On the CPU whatever the default device (the caller moves the tables): under the meta
+    # device (`CausalLM.build`) these ops are Python decompositions that import dynamo.
+    positions = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (rope.theta ** (positions.to(dtype) / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -53,7 +54,7 @@ class RotaryEmbedding(torch.nn.Module):
     ):
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim, dtype)
-        freqs = torch.outer(torch.arange(max_positions, dtype=dtype), inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=dtype, device="cpu"), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # Buffers are not parameters: they never appear among the HF-named weights.
         self.register_buffer("cos", emb.cos(), persistent=False)

@@ -17,6 +17,9 @@ __all__ = ["LossConfig", "OptimConfig", "RLBatch", "TrainerConfig", "make_traine
 def make_trainer(cfg: TrainerConfig):
     """The policy trainer for `cfg.backend` (every rank of the world calls this together)."""
     if cfg.backend == "megatron":
+        from trainer.megatron_import import import_megatron_core
+
+        import_megatron_core()
         from trainer.megatron_trainer import MegatronTrainer
 
         return MegatronTrainer(cfg)

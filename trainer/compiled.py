@@ -34,6 +34,8 @@ exactly 0 (its old log-probs are this forward's own, compiled or not).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -116,7 +118,8 @@ def compile_swiglu() -> None:
         fn = getattr(fused, name)
         if getattr(fn, "_miles_like_dynamic", False):
             continue
-        eager = getattr(fn, "_torchdynamo_orig_callable", fn)
+        # megatron's function, unwrapped from its torch.compile (or compile_on_first_call)
+        eager = getattr(fn, "_torchdynamo_orig_callable", None) or inspect.unwrap(fn)
         dynamic = torch.compile(eager, dynamic=True)
         dynamic._miles_like_dynamic = True
         setattr(fused, name, dynamic)

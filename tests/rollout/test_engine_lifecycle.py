@@ -134,3 +134,30 @@ def test_request_errors(tiny_hf_checkpoints, tmp_path):
     with pytest.raises(ValueError, match="max_running_requests"):
         engine.add_request([1], SamplingParams(n=5, max_new_tokens=4))
     assert not engine.has_unfinished()
+
+
+def test_engine_start_up_does_not_import_dynamo(tiny_hf_checkpoints):
+    """A fresh engine process builds its model on the meta device; there, `nn.Embedding`'s
+    initialisation and the rotary tables' ops are Python decompositions that import dynamo
+    (seconds of CPU per engine process). Built and generating, it has not imported it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, directory = tiny_hf_checkpoints("qwen2")
+    code = (
+        "import sys\n"
+        "from rollout import Engine, EngineConfig, SamplingParams\n"
+        f"engine = Engine(EngineConfig(model_path={str(directory)!r}))\n"
+        "engine.generate([[5, 9, 2, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False"]
