@@ -4,7 +4,7 @@ Colocated (default): trainer rank i and engine replica i share bundle i (each ta
 resources) and the controller alternates their phases. Disaggregated: the first
 `devices - rollout_devices` bundles hold trainer ranks, the rest engines; both sides can run at
 once. On a machine without CUDA a "device" is a CPU slot (a bundle of 1 CPU) and the workers run
-torch on `cluster.cpu_threads` threads each (default `usable_cpus() // devices`); the code path
+torch on `cluster.cpu_threads` threads each (default `default_threads`); the code path
 is the same.
 """
 
@@ -51,6 +51,17 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def default_threads(devices: int) -> int:
+    """Torch threads per worker where `cluster.cpu_threads` is unset: the usable cores split
+    over the devices, at most `$OMP_NUM_THREADS` where the environment sets it (the launcher's
+    word for how many threads a process may use, as torch reads it: a shared machine, a test
+    runner with runs side by side, where each run's threads would spin waiting for one another
+    on cores the other runs hold)."""
+    threads = max(1, usable_cpus() // devices)
+    omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return min(threads, int(omp)) if omp.isdigit() and int(omp) > 0 else threads
+
+
 def plan(cluster, engine_tp: int = 1) -> Layout:
     """Where every actor goes, from the recipe's cluster section and `rollout.tp` (`engine_tp`
     consecutive engine bundles per replica; the recipe checks it divides them). Colocated,
@@ -60,7 +71,7 @@ def plan(cluster, engine_tp: int = 1) -> Layout:
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     d = cluster.devices
-    threads = cluster.cpu_threads or max(1, usable_cpus() // d)
+    threads = cluster.cpu_threads or default_threads(d)
     cpus: tuple[tuple[int, ...], ...] = ()
     if cluster.pin_cpus and accelerator == "cpu":
         mine = sorted(os.sched_getaffinity(0))

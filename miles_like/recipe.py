@@ -452,9 +452,9 @@ class ClusterSection(Section):
     )
     cpu_threads: int | None = setting(
         None,
-        "torch CPU threads per trainer rank / engine; null: CPU cores // devices. 1 on a shared "
-        "machine: a multi-threaded step whose threads wait for one another slows down many "
-        "times when other processes hold the cores",
+        "torch CPU threads per trainer rank / engine; null: CPU cores // devices, at most "
+        "$OMP_NUM_THREADS where it is set. 1 on a shared machine: a multi-threaded step whose "
+        "threads wait for one another slows down many times when other processes hold the cores",
         ge=1,
     )
     pin_cpus: bool = setting(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import ray
 import shared_ray
 import torch
@@ -34,8 +35,19 @@ def test_trainer_ranks_run_at_normal_priority_with_the_recipes_threads():
         ray.shutdown()
 
 
-def test_cpu_threads_default_splits_the_cores_over_the_devices():
-    cores = os.cpu_count() or 1
+def test_cpu_threads_default_splits_the_cores_over_the_devices(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert plan(ClusterSection()).threads == max(1, cores)
     assert plan(ClusterSection(devices=2)).threads == max(1, cores // 2)
     assert plan(ClusterSection(cpu_threads=3)).threads == 3
+
+
+@pytest.mark.parametrize(("omp", "want"), [("1", 1), ("1,1", 1), ("64", None), ("", None)])
+def test_cpu_threads_default_is_capped_by_omp_num_threads(monkeypatch, omp, want):
+    """`make test` runs two pytest processes with OMP_NUM_THREADS=1: their runs' workers take
+    one thread each, not the machine's cores each. A larger value or none leaves the split."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert plan(ClusterSection()).threads == (want or max(1, cores))
+    assert plan(ClusterSection(cpu_threads=2)).threads == 2  # an explicit value wins
