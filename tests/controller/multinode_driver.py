@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 import sys
 
-import ray
-
-from miles_like.calls import each, gather
-from miles_like.cli import main
-from miles_like.loop import run
-from miles_like.runtime import Runtime
-
 
 def _record_then_shutdown(report_path: str):
+    import ray
+
+    from miles_like.calls import each, gather
+    from miles_like.runtime import Runtime
+
     real_shutdown = Runtime.shutdown
 
     def shutdown(self, graceful: bool = True):
@@ -41,6 +39,12 @@ def _record_then_shutdown(report_path: str):
 
 
 if __name__ == "__main__":
+    # imported here: the run's spawned reward workers import this module again as their
+    # __main__ (`miles_like/train.py` says why that must stay light)
+    from miles_like.cli import main
+    from miles_like.loop import run
+    from miles_like.runtime import Runtime
+
     recipe, report, *overrides = sys.argv[1:]
     Runtime.shutdown = _record_then_shutdown(report)
     sys.exit(main([recipe, *overrides], run=run))

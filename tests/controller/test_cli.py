@@ -114,3 +114,15 @@ def test_readme_lists_every_recipe_field_as_generated():
     assert body.strip() == fields_markdown().strip(), (
         "README's field table is stale: paste miles_like.cli.fields_markdown() into it"
     )
+
+
+def test_the_entry_module_imports_nothing_heavy():
+    """A run's reward and tool workers are spawned: each imports `python -m miles_like.train`'s
+    module again as its `__main__` before it starts. Imported as a spawned worker imports it
+    (a fresh interpreter), it must not pull in torch (seconds of CPU in each of the workers)."""
+    code = "import sys, miles_like.train; print(sorted({'torch', 'ray'} & set(sys.modules)))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
