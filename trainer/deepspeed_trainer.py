@@ -105,6 +105,12 @@ class DeepSpeedTrainer:
             self.reference.requires_grad_(False)
             self.reference.to("cpu" if cfg.reference_on_cpu else _device())
         self.sampling = None  # frozen copy of the weights the engines sample with (host)
+        if not torch.cuda.is_available():
+            # DeepSpeed's comm backend on CPU JIT-compiles its shared-memory all-reduce (ninja,
+            # g++: minutes of CPU the first time on a machine) for its inference all-reduce
+            # only, which ZeRO training never calls. Marked incompatible in the probe's dict
+            # (module state DeepSpeed reads), the backend starts on torch.distributed alone.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups, config=ds_config, dist_init_required=False
         )  # init_distributed() above owns the process group

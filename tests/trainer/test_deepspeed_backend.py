@@ -1,11 +1,15 @@
 """DeepSpeed backend (ZeRO-2 and ZeRO-3, CPU, torch Adam): log-probs equal HF's, steps lower
 the loss, and its first PPO step computes the same loss, gradient norm and weights as the
-megatron backend.
-
-The first DeepSpeed use on a machine JIT-compiles a small shared-memory comm op (~1-2 min on
-2 cores); later runs load it from the torch extensions cache."""
+megatron backend; and on CPU it starts without JIT-compiling DeepSpeed's shared-memory comm op
+(minutes of CPU on a fresh machine, for an inference all-reduce ZeRO training never calls)."""
 
 from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +127,30 @@ def test_bf16_steps_lower_the_loss(tiny_hf_checkpoints):
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     losses = [trainer.train_step(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_a_cpu_trainer_compiles_no_deepspeed_op(tiny_hf_checkpoints, tmp_path):
+    """In a fresh process with an empty torch extensions cache (where DeepSpeed JIT-builds its
+    ops): a ZeRO-2 trainer is built and steps, and the cache is still empty."""
+    _, directory = tiny_hf_checkpoints("qwen2")
+    tests = Path(__file__).resolve().parents[1]
+    code = (
+        "import scenarios\n"
+        "from trainer.deepspeed_trainer import DeepSpeedTrainer\n"
+        f"cfg = scenarios.trainer_config({str(directory)!r}, backend='deepspeed')\n"
+        "trainer = DeepSpeedTrainer(cfg)\n"
+        "print(trainer.train_step(scenarios.fixed_batch(trainer.vocab_size))['loss'])\n"
+    )
+    extensions = tmp_path / "torch_extensions"
+    path = os.pathsep.join(str(p) for p in (tests.parent, tests / "trainer", tests))
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        cwd=tests.parent,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert math.isfinite(float(proc.stdout.split()[-1]))  # the step ran
+    assert not extensions.exists() or not any(extensions.iterdir())
