@@ -15,8 +15,7 @@ train: env
 # file each at a time (a module's fixtures, such as its local Ray, stay in one process), the
 # end-to-end files first (tests/conftest.py). One OpenMP thread per process, and per worker of
 # the runs the tests start (the default cluster.cpu_threads is capped by OMP_NUM_THREADS): two
-# runs of 2-thread workers side by side on 2 cores spin-wait against each other (measured: two
-# concurrent 6-step runs took 129 s of wall with 2 threads a worker, 94 s with 1).
+# runs of 2-thread workers side by side on 2 cores spin-wait against each other.
 # Times: benchmarks/RESULTS.md.
 test: env
 	$(PY) -m ruff check .

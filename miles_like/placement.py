@@ -58,8 +58,9 @@ def default_threads(devices: int) -> int:
     runner with runs side by side, where each run's threads would spin waiting for one another
     on cores the other runs hold)."""
     threads = max(1, usable_cpus() // devices)
-    omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return min(threads, int(omp)) if omp.isdigit() and int(omp) > 0 else threads
+    omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()  # "4" or nested "4,2"
+    cap = int(omp) if omp.isdigit() else 0
+    return min(threads, cap) if cap > 0 else threads
 
 
 def plan(cluster, engine_tp: int = 1) -> Layout:

@@ -22,7 +22,7 @@ from torch import nn
 from rollout.attention import AttentionMetadata, TorchAttention
 from rollout.config import accum_dtype
 from rollout.model_config import ModelConfig
-from rollout.parallel_layers import VocabParallelEmbedding, column, lm_head, row
+from rollout.parallel_layers import column, embedding, lm_head, row
 from rollout.rope import RotaryEmbedding
 from rollout.tp_group import TPGroup
 
@@ -162,21 +162,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def uninitialised(cfg: ModelConfig) -> torch.Tensor:
-    """The embedding's weight, left as allocated: `nn.Embedding` would fill it with `normal_`,
-    whose meta-device kernel is a Python decomposition that imports dynamo (seconds of CPU in
-    every engine process), and the checkpoint's weights replace it anyway."""
-    return torch.empty(cfg.vocab_size, cfg.hidden_size)
-
-
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=uninitialised(cfg))
-            if tp is None
-            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        )
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -58,11 +58,26 @@ class RowParallelLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+def uninitialised_embedding(num: int, dim: int) -> nn.Embedding:
+    """`nn.Embedding(num, dim)` with its weight left as allocated: `nn.Embedding` would fill it
+    with `normal_`, whose meta-device kernel is a Python decomposition that imports dynamo
+    (seconds of CPU in every engine process), and the checkpoint's weights replace it anyway."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+def embedding(vocab: int, hidden: int, tp: TPGroup | None) -> nn.Embedding:
+    """The token embedding, or this rank's share of the vocabulary; uninitialised either way."""
+    return (
+        uninitialised_embedding(vocab, hidden)
+        if tp is None
+        else VocabParallelEmbedding(vocab, hidden, tp)
+    )
+
+
 class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab: int, hidden: int, tp: TPGroup):
         start, length = tp.vocab_split(vocab)
-        # left as allocated, as the unsharded embedding (`rollout.model.uninitialised`)
-        super().__init__(length, hidden, _weight=torch.empty(length, hidden))
+        super().__init__(length, hidden, _weight=torch.empty(length, hidden))  # as above
         self.shard = Shard(0, start, length, vocab)
         self.tp = tp
 
