@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout import native
 from rollout.config import accum_dtype
-from rollout.kv_pool import KVPool
+from rollout.kv_pool import KVPool, store_rows
 from rollout.suffix_lanes import SuffixLanes
 
 
@@ -101,8 +102,8 @@ class TorchAttention:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, D]
-        k_cache.index_copy_(1, meta.out_slots, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
+        store_rows(k_cache, meta.out_slots, k)
+        store_rows(v_cache, meta.out_slots, v)
         out = torch.empty_like(q)
         if meta.decode is not None:
             num_decode, suffix, prefix = meta.num_decode, None, None
@@ -181,9 +182,11 @@ def cascade_decode_attention(
     pool. `prefix_kv`: the groups' prefix K, V as [Hkv, G, Lp, Dh], `accum_dtype` (kept across
     steps by the lanes); None gathers them.
 
-    On CPU the two parts run through torch's fused flash-attention kernel and are merged by
-    their log-sum-exps (`cascade_decode_attention_flash`); elsewhere as explicit matrix products
-    and one softmax (`cascade_decode_attention_matmul`, the reference both are tested against).
+    On CPU, in float32, one C kernel computes both parts in one softmax per (sequence, KV head)
+    (`rollout.native`); in float64, or without that kernel, the two parts run through torch's
+    fused flash-attention kernel and are merged by their log-sum-exps
+    (`cascade_decode_attention_flash`); elsewhere as explicit matrix products and one softmax
+    (`cascade_decode_attention_matmul`, the reference all are tested against).
     """
     if suffix_kv is None:
         suffix_kv = (
@@ -195,12 +198,11 @@ def cascade_decode_attention(
             _gather(k_cache, meta.prefix_pages, page_size),
             _gather(v_cache, meta.prefix_pages, page_size),
         )
-    kernel = (
-        cascade_decode_attention_flash
-        if q.device.type == "cpu"
-        else cascade_decode_attention_matmul
-    )
-    return kernel(q, meta, suffix_kv, prefix_kv)
+    if q.device.type != "cpu":
+        return cascade_decode_attention_matmul(q, meta, suffix_kv, prefix_kv)
+    if accum_dtype(q.dtype) == torch.float32 and (lib := native.attention()) is not None:
+        return cascade_decode_attention_native(lib, q, meta, suffix_kv, prefix_kv)
+    return cascade_decode_attention_flash(q, meta, suffix_kv, prefix_kv)
 
 
 def _grid_queries(q: torch.Tensor, meta: DecodeMetadata, num_kv_heads: int) -> torch.Tensor:
@@ -221,6 +223,25 @@ def _grid_output(out: torch.Tensor, meta: DecodeMetadata, dtype: torch.dtype) ->
     out = out.view(num_seqs, num_kv_heads, num_queries, -1, head_dim).transpose(1, 2)
     out = out.reshape(num_seqs * num_queries, -1, head_dim).index_select(0, meta.token_cell)
     return out.to(dtype)
+
+
+def cascade_decode_attention_native(
+    lib,
+    q: torch.Tensor,
+    meta: DecodeMetadata,
+    suffix_kv: tuple[torch.Tensor, torch.Tensor],
+    prefix_kv: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """`cascade_decode_attention` on CPU in float32 through the C kernel `rollout.native`: each
+    (sequence, KV head) attends over its group's prefix and its own suffix in one softmax, K and
+    V read in place (the suffix lanes' strided views included). The many small products of the
+    decode shape cost torch's flash kernel more in per-call set-up than in arithmetic."""
+    grid_q = _grid_queries(q, meta, suffix_kv[0].shape[0])
+    group_of = torch.div(meta.member_index, meta.group_size, rounding_mode="floor")
+    out = native.cascade_decode(
+        lib, grid_q, suffix_kv, meta.suffix_bias, prefix_kv, meta.prefix_bias, group_of
+    )
+    return _grid_output(out, meta, q.dtype)
 
 
 def cascade_decode_attention_flash(

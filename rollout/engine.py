@@ -29,6 +29,7 @@ from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
 from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner, execute
+from rollout.native import layers as native_layers
 from rollout.parallel_layers import Shard, check_divisible, shard_spec
 from rollout.scheduler import Scheduler
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
@@ -117,6 +118,8 @@ class Engine:
         self.model_config, self.max_model_len, self.model, self._shards = loaded
         if config.compile:
             compile_model(self.model)  # compiles lazily, at the first forward of each shape kind
+        elif native_layers.applies(self.model):
+            native_layers.use_native_pieces(self.model)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         eos = (

@@ -10,6 +10,24 @@ from __future__ import annotations
 
 import torch
 
+from rollout import native
+
+
+def store_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst [Hkv, N, D][:, index[t]] = src [T, Hkv, D][t]: the K/V stores of the pool and the
+    suffix lanes. float32 on CPU through the C row scatter (its rows copied by all threads);
+    otherwise `index_copy_`, its reference."""
+    if (
+        src.dtype == dst.dtype == torch.float32
+        and src.device.type == "cpu"
+        and src.stride(-1) == 1
+        and src.stride(-2) == src.shape[-1]
+        and (lib := native.pointwise()) is not None
+    ):
+        native.scatter_rows_(lib, dst, index, src)
+    else:
+        dst.index_copy_(1, index, src.transpose(0, 1).to(dst.dtype))
+
 
 class KVPool:
     def __init__(

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.config import accum_dtype
-from rollout.kv_pool import KVPool
+from rollout.kv_pool import KVPool, store_rows
 
 if TYPE_CHECKING:
     from rollout.sequence import Sequence
@@ -254,8 +254,7 @@ class SuffixLanes:
     ) -> None:
         """Write this step's decode-token K/V ([T, Hkv, dim], pool dtype) into their lanes."""
         for buf, new in ((self.k, k), (self.v, v)):
-            flat = buf[layer].view(buf.shape[1], -1, buf.shape[4])
-            flat.index_copy_(1, write_index, new.transpose(0, 1).to(buf.dtype))
+            store_rows(buf[layer].view(buf.shape[1], -1, buf.shape[4]), write_index, new)
 
     def check(self, running: list[Sequence]) -> None:
         """Assert the invariant of the module docstring for every lane still assigned."""

@@ -48,10 +48,10 @@ def run_kernel(name, q, k_cache, v_cache, meta, page_size):
     return KERNELS[name](q, meta, suffix, prefix if meta.prefix_pages.shape[1] else None)
 
 
-def cascade_case(page_size, dtype=torch.float32, seed=0):
+def cascade_case(page_size, dtype=torch.float32, seed=0, head_dim=8):
     """q, caches, metadata and the per-sequence layout of the mixed case below."""
     g = torch.Generator().manual_seed(seed)
-    num_kv, num_heads, head_dim, num_pages = 2, 6, 8, 64
+    num_kv, num_heads, num_pages = 2, 6, 64
     k_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g, dtype=dtype)
     v_cache = torch.randn(num_kv, num_pages * page_size, head_dim, generator=g, dtype=dtype)
     perm = torch.randperm(num_pages, generator=g).tolist()
@@ -118,7 +118,7 @@ def cascade_case(page_size, dtype=torch.float32, seed=0):
 def test_cascade_matches_naive(page_size, kernel):
     q, k_cache, v_cache, meta, layout = cascade_case(page_size)
     prefixes, members, suffix_pages, suffix_lens, queries, starts = layout
-    if kernel is None:  # the dispatcher (flash on CPU), gathering itself
+    if kernel is None:  # the dispatcher (the C kernel on CPU in float32), gathering itself
         got = cascade_decode_attention(q, k_cache, v_cache, meta, page_size)
     else:
         got = run_kernel(kernel, q, k_cache, v_cache, meta, page_size)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import native_build
 from weight_sync import BucketPacker, native, unpack
 from weight_sync.checksum import checksum, copy_with_checksums, wxh64_reference
 
@@ -218,7 +219,7 @@ def test_a_library_planted_in_the_shared_temp_dir_is_not_loaded(tmp_path, foreig
         os.chown(planted_dir, os.getuid() + 4242, -1)
     source = tmp_path / "planted.c"
     source.write_text(PLANTED_C)
-    cc = native._compiler()
+    cc = native_build.compiler()
     planted = planted_dir / native.library_name(cc)
     subprocess.run(
         [cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted), str(source)],

@@ -1,0 +1,217 @@
+"""The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c) and
+the element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores).
+
+Each source is built on first use by `native_build` with OpenMP; the kernels run on torch's
+threads (`torch.get_num_threads()`, the process's one libgomp). Without a compiler, with
+MILES_LIKE_NATIVE=0, or where a build fails, `attention()` / `pointwise()` return None after one
+warning and the engine runs its torch code instead: the same functions (tests compare each kernel
+with its torch reference). `rollout.native.layers` holds the model pieces built on them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import native_build
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+
+def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.cascade_decode_f32.argtypes = [
+        *(_I64,) * 5,  # D, Hkv, R, Dh, rows_per_bias
+        *(_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR),  # q, suffix K, V, strides, Ls, bias
+        *(_PTR, _PTR, _I64, _I64, _I64, _PTR),  # prefix K, V, head / group strides, Lp, bias
+        *(_PTR, _I64, _F32, _PTR, _INT),  # group_of, G, scale, out, threads
+    ]
+    lib.cascade_decode_f32.restype = _INT
+    lib.cascade_decode_has_avx2.restype = _INT
+    return lib
+
+
+def declare_pointwise(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _I64, _INT]
+    lib.rotary_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]
+    lib.silu_mul_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]
+    lib.scatter_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]
+    lib.rms_norm_f32.restype = lib.silu_mul_f32.restype = None
+    lib.rotary_f32.restype = lib.scatter_rows_f32.restype = _INT
+    lib.pointwise_has_avx2.restype = _INT
+    return lib
+
+
+class NativeLibrary:
+    """One C source, built and loaded at the first call; None (one warning) where impossible."""
+
+    def __init__(self, source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: str):
+        self.source = Path(__file__).with_name(source)
+        self.declare = declare
+        self.what = what
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def __call__(self) -> ctypes.CDLL | None:
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if not self._tried:
+                try:
+                    self._lib = self.declare(native_build.load(self.source, FLAGS))
+                except native_build.Unavailable as e:
+                    if os.environ.get("MILES_LIKE_NATIVE", "1") != "0":
+                        warnings.warn(
+                            f"rollout: native {self.what} unavailable ({e}); using the torch "
+                            "path on CPU (same results, slower).",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                self._tried = True
+        return self._lib
+
+    def build(self, flags: list[str]) -> ctypes.CDLL:
+        """The same source built with other flags (tests: the portable build)."""
+        return self.declare(native_build.load(self.source, flags))
+
+
+attention = NativeLibrary("cascade_decode.c", declare_attention, "decode attention")
+pointwise = NativeLibrary("pointwise.c", declare_pointwise, "element-wise kernels")
+
+
+def _rows_of_dh(t: torch.Tensor) -> torch.Tensor:
+    """`t` [..., L, Dh] with rows of Dh contiguous floats, one after another (a view if it has)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def cascade_decode(
+    lib: ctypes.CDLL,
+    grid_q: torch.Tensor,
+    suffix_kv: tuple[torch.Tensor, torch.Tensor],
+    suffix_bias: torch.Tensor,
+    prefix_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    prefix_bias: torch.Tensor,
+    group_of: torch.Tensor,
+) -> torch.Tensor:
+    """Softmax attention of each sequence's grid rows over (its group's prefix ++ its suffix).
+
+    grid_q [D, Hkv, R, Dh] float32, rows ordered (query token, head in the KV group); suffix K, V
+    [Hkv, D, Ls, Dh]; suffix_bias [D, Q, Ls] additive (row r reads query r // (R / Q));
+    prefix K, V [Hkv, G, Lp, Dh] or None; prefix_bias [G, Lp]; group_of [D] -> [D, Hkv, R, Dh]."""
+    num_seqs, num_kv_heads, rows, head_dim = grid_q.shape
+    grid_q = grid_q.contiguous()
+    suffix_k, suffix_v = (_rows_of_dh(t) for t in suffix_kv)
+    if suffix_k.stride() != suffix_v.stride():
+        suffix_k, suffix_v = suffix_k.contiguous(), suffix_v.contiguous()
+    suffix_bias = suffix_bias.to(torch.float32).contiguous()
+    rows_per_bias = rows // suffix_bias.shape[1]
+    if prefix_kv is None:
+        prefix_k = prefix_v = prefix_bias = suffix_k  # not read: Lp = 0
+        prefix_len = 0
+    else:
+        prefix_k, prefix_v = (t.contiguous() for t in prefix_kv)
+        prefix_bias = prefix_bias.to(torch.float32).contiguous()
+        prefix_len = prefix_k.shape[2]
+        assert prefix_bias.shape[1] == prefix_len, (prefix_bias.shape, prefix_k.shape)
+    group_of = group_of.to(torch.int64).contiguous()
+    out = torch.empty_like(grid_q)
+    status = lib.cascade_decode_f32(
+        num_seqs,
+        num_kv_heads,
+        rows,
+        head_dim,
+        rows_per_bias,
+        grid_q.data_ptr(),
+        suffix_k.data_ptr(),
+        suffix_v.data_ptr(),
+        suffix_k.stride(0),
+        suffix_k.stride(1),
+        suffix_k.shape[2],
+        suffix_bias.data_ptr(),
+        prefix_k.data_ptr(),
+        prefix_v.data_ptr(),
+        prefix_k.stride(0),
+        prefix_k.stride(1) if prefix_len else 0,
+        prefix_len,
+        prefix_bias.data_ptr(),
+        group_of.data_ptr(),
+        prefix_k.shape[1] if prefix_len else 0,
+        1.0 / math.sqrt(head_dim),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise IndexError("cascade decode attention: a sequence's group is out of range")
+    if status != 0:
+        raise MemoryError("cascade decode attention: a score buffer could not be allocated")
+    return out
+
+
+def _rows(t: torch.Tensor, what: str) -> int:
+    """Token stride of a [T, ...] float32 tensor whose rows are each contiguous."""
+    inner = t[0] if t.dim() > 1 and t.shape[0] > 0 else t
+    assert t.dtype == torch.float32 and inner.is_contiguous(), (what, t.dtype, t.stride())
+    return t.stride(0)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rollout.model.RMSNorm` of x [T, H] float32 -> a new [T, H] tensor."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if x.shape[0]:
+        lib.rms_norm_f32(
+            x.data_ptr(), _rows(x, "x"), None, 0, weight.contiguous().data_ptr(), eps,
+            out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def rotary_(
+    lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Rotate x [T, heads, D] float32 in place (`RotaryEmbedding.rotate`): heads of D contiguous
+    floats, cos / sin [max_positions, D] tables, positions [T] int64."""
+    assert x.stride(1) == x.shape[2] and x.stride(2) == 1, x.stride()
+    positions = positions.to(torch.int64).contiguous()
+    assert cos.shape == sin.shape and cos.shape[1] == x.shape[2], (cos.shape, x.shape)
+    if x.shape[0] and lib.rotary_f32(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
+        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), cos.shape[0],
+        positions.data_ptr(), torch.get_num_threads(),
+    ):  # fmt: skip
+        raise IndexError(f"rotary: a position is outside the tables' {cos.shape[0]} rows")
+
+
+def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up [T, I] float32 (rows contiguous) -> a new [T, I] tensor."""
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    if gate.shape[0]:
+        lib.silu_mul_f32(
+            gate.data_ptr(), _rows(gate, "gate"), up.data_ptr(), _rows(up, "up"),
+            out.data_ptr(), out.stride(0), gate.shape[0], gate.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def scatter_rows_(
+    lib: ctypes.CDLL, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor
+) -> None:
+    """dst[h, index[t]] = src[t, h] for dst [Hkv, N, D] (rows of D contiguous floats, any head
+    stride) and src [T, Hkv, D] float32: `dst.index_copy_(1, index, src.transpose(0, 1))`."""
+    num_tokens, num_kv_heads, head_dim = src.shape
+    assert dst.dtype == src.dtype == torch.float32, (dst.dtype, src.dtype)
+    assert dst.stride(1) == head_dim and dst.stride(2) == 1, dst.stride()
+    assert src.stride(1) == head_dim and src.stride(2) == 1, src.stride()
+    assert index.dtype == torch.int64 and index.is_contiguous() and index.numel() == num_tokens
+    if num_tokens and lib.scatter_rows_f32(
+        dst.data_ptr(), dst.stride(0), dst.shape[1], src.data_ptr(), src.stride(0),
+        index.data_ptr(), num_tokens, num_kv_heads, head_dim, torch.get_num_threads(),
+    ):  # fmt: skip
+        raise IndexError(f"K/V store: a row index is outside [0, {dst.shape[1]})")

@@ -1,0 +1,143 @@
+/* The engine's element-wise steps on the CPU, float32, each one pass over its tokens instead of
+   a chain of torch ops (each a pass over memory and a dispatch): RMSNorm (with the residual add
+   before it), rotary embedding in place, SiLU(gate) * up, and row scatters into the KV pool.
+   Each computes the function of its torch reference in rollout/model.py, rollout/rope.py and
+   rollout/attention.py (tests compare them).
+
+   Compiled with -std=c11, so no multiply-add is contracted into an FMA: the rotary and scatter
+   kernels round exactly as torch's separate multiplies and adds do; RMSNorm's sum of squares and
+   SiLU's exp round differently from torch's (a different summation order, another exp), within a
+   few float32 ulps. Work is split over OpenMP threads (torch's libgomp) only for large batches,
+   where the fork / join is worth it. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+#define PARALLEL_ELEMENTS 65536  // below this, one thread: the fork / join costs more
+
+int pointwise_has_avx2(void) { return HAVE_AVX2; }
+
+/* Per token t of x [T, H] (token stride x_stride): if residual != NULL, x += residual first
+   (x is written back); then out[t] = weight * (x * 1 / sqrt(mean(x^2) + eps)), as
+   rollout.model.RMSNorm computes it (normalise, then scale). */
+void rms_norm_f32(float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
+                  const float *weight, float eps, float *out, int64_t out_stride, int64_t T,
+                  int64_t H, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    float *xt = x + t * x_stride, *ot = out + t * out_stride;
+    if (residual != NULL) {
+      const float *rt = residual + t * residual_stride;
+      for (int64_t i = 0; i < H; i++) xt[i] = xt[i] + rt[i];
+    }
+    float sum = 0.f;
+    int64_t i = 0;
+#if HAVE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= H; i += 8) {
+      __m256 v = _mm256_loadu_ps(xt + i);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, acc);
+    for (int k = 0; k < 8; k++) sum += lane[k];
+#endif
+    for (; i < H; i++) sum += xt[i] * xt[i];
+    const float inv = 1.f / sqrtf(sum / (float)H + eps);
+    for (i = 0; i < H; i++) ot[i] = weight[i] * (xt[i] * inv);
+  }
+}
+
+/* Rotary embedding in the "rotate half" layout, in place: for each token t and head h of x
+   [T, heads, D] (token stride x_stride, head stride D), with c, s the rows of cos / sin [*, D]
+   at positions[t]: x[:D/2], x[D/2:] <- x1 c1 - x2 s1, x2 c2 + x1 s2 (q * cos +
+   rotate_half(q) * sin, term by term). Returns -1, writing nothing, if a position is outside
+   the tables' table_rows rows. */
+int rotary_f32(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D,
+               const float *cos_table, const float *sin_table, int64_t table_rows,
+               const int64_t *positions, int num_threads) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; t++)
+    if (positions[t] < 0 || positions[t] >= table_rows) return -1;  // nothing written
+#pragma omp parallel for num_threads(num_threads) if (T * heads * D >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+    for (int64_t h = 0; h < heads; h++) {
+      float *v = x + t * x_stride + h * D;
+      for (int64_t i = 0; i < half; i++) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+      }
+    }
+  }
+  return 0;
+}
+
+#if HAVE_AVX2
+/* e^x for 8 floats (Cephes' expf polynomial, ~1 ulp); 0 below -87.3, clamped above 88.4. */
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3762626647949f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+/* out[t, i] = silu(gate[t, i]) * up[t, i] = gate / (1 + e^-gate) * up, for gate and up [T, I]
+   (token strides gate_stride, up_stride: the halves of one fused projection). */
+void silu_mul_f32(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride,
+                  float *out, int64_t out_stride, int64_t T, int64_t I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const float *g = gate + t * gate_stride, *u = up + t * up_stride;
+    float *o = out + t * out_stride;
+    int64_t i = 0;
+#if HAVE_AVX2
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+      __m256 vg = _mm256_loadu_ps(g + i);
+      __m256 silu = _mm256_div_ps(vg, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, vg))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+}
+
+/* dst rows [Hkv, dst_rows, D]: for each token t and KV head h, dst[h, index[t]] = src[t, h], with src
+   element (t, h, x) at t * src_stride + h * D + x and dst row (h, r) at h * dst_head_stride +
+   r * D. Rows are copied exactly (the pool's and the lanes' K/V stores). Returns -1, writing
+   nothing, if an index is out of range. */
+int scatter_rows_f32(float *dst, int64_t dst_head_stride, int64_t dst_rows, const float *src,
+                     int64_t src_stride, const int64_t *index, int64_t T, int64_t Hkv, int64_t D,
+                     int num_threads) {
+  for (int64_t t = 0; t < T; t++)
+    if (index[t] < 0 || index[t] >= dst_rows) return -1;  // nothing written
+#pragma omp parallel for num_threads(num_threads) if (T * Hkv * D >= PARALLEL_ELEMENTS / 4) schedule(static)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < Hkv; h++)
+      memcpy(dst + h * dst_head_stride + index[t] * D, src + t * src_stride + h * D,
+             sizeof(float) * (size_t)D);
+  return 0;
+}

@@ -1,0 +1,142 @@
+"""The engine's element-wise C kernels (`rollout/native/pointwise.c`) against their torch
+references: RMSNorm (`rollout.model.RMSNorm`), rotary (`RotaryEmbedding.rotate`), SiLU * up and
+the K/V row stores (`index_copy_`); the vector (AVX2) and the portable build; and the native
+model pieces (`rollout.native.layers`) against the reference pieces on a real model."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout import native
+from rollout.model import RMSNorm
+from rollout.model_config import RopeConfig
+from rollout.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(
+    native.pointwise() is None, reason="no C compiler: the engine runs these steps in torch"
+)
+
+PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64" for f in native.FLAGS]
+BUILDS = {"native": native.pointwise()}
+if platform.machine() == "x86_64":
+    BUILDS["portable"] = native.pointwise.build(PORTABLE_FLAGS)
+    assert BUILDS["portable"].pointwise_has_avx2() == 0
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("tokens, hidden", [(1, 8), (5, 20), (300, 256), (3, 1000)])
+def test_rms_norm_matches_the_module(build, tokens, hidden):
+    """Within a few float32 ulps of the torch module (the sum of squares is added in another
+    order), measured against the float64 value of the same formula. A strided input (every other
+    row of a wider buffer) is read in place."""
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = _randn(hidden, seed=1)
+    wide = _randn(tokens, 2 * hidden, seed=2, scale=3.0)
+    x = wide[:, :hidden]
+    got = native.rms_norm(BUILDS[build], x, norm.weight, norm.eps)
+    ref64 = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref64 = norm.weight.double() * ref64
+    with torch.no_grad():
+        torch_err = (norm(x).double() - ref64).abs().max()
+    ours_err = (got.double() - ref64).abs().max()
+    assert ours_err <= max(4 * torch_err, 1e-6 * ref64.abs().max()), (ours_err, torch_err)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rotary_equals_the_module_bitwise(build, head_dim):
+    """x1 c - x2 s, x2 c + x1 s with no fused multiply-add: exactly torch's x * cos +
+    rotate_half(x) * sin, in place over the q and k heads of a fused q/k/v output."""
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 512)
+    heads, kv_heads, tokens = 6, 2, 37
+    qkv = _randn(tokens, heads + 2 * kv_heads, head_dim, seed=head_dim)
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(3))
+    qk = qkv[:, : heads + kv_heads]
+    expected = rope.rotate(qk, positions)
+    v_before = qkv[:, heads + kv_heads :].clone()
+    native.rotary_(BUILDS[build], qk, rope.cos, rope.sin, positions)
+    assert torch.equal(qkv[:, : heads + kv_heads], expected)
+    assert torch.equal(qkv[:, heads + kv_heads :], v_before)  # v is not touched
+
+
+def test_rotary_refuses_a_position_outside_the_tables():
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), 8, 16)
+    x = _randn(3, 2, 8)
+    before = x.clone()
+    with pytest.raises(IndexError, match="outside the tables' 16 rows"):
+        native.rotary_(native.pointwise(), x, rope.cos, rope.sin, torch.tensor([0, 16, 1]))
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("width", [1, 7, 8, 704, 1001])
+def test_silu_mul_matches_torch(build, width):
+    """silu(gate) * up over the two halves of one [T, 2I] projection output, within 2 float32
+    ulps of the float64 value (torch's own error is about 1)."""
+    gate_up = _randn(9, 2 * width, seed=width, scale=6.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = native.silu_mul(BUILDS[build], gate, up)
+    ref64 = F.silu(gate.double()) * up.double()
+    ulp = torch.finfo(torch.float32).eps * ref64.abs().clamp_min(1e-30)
+    assert ((got.double() - ref64).abs() <= 2 * ulp + 1e-37).all()
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_row_scatter_equals_index_copy(build):
+    """Pool-shaped [Hkv, slots, D] destination, K of a fused q/k/v output as source (token stride
+    wider than its heads): bitwise what index_copy_ writes, and nothing else changes."""
+    kv_heads, slots, head_dim, tokens = 2, 500, 16, 130
+    qkv = _randn(tokens, 4 + 2 * kv_heads, head_dim, seed=4)
+    k = qkv[:, 4 : 4 + kv_heads]
+    index = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[:tokens]
+    dst = _randn(kv_heads, slots, head_dim, seed=6)
+    expected = dst.clone().index_copy_(1, index, k.transpose(0, 1))
+    native.scatter_rows_(BUILDS[build], dst, index, k)
+    assert torch.equal(dst, expected)
+
+
+def test_row_scatter_refuses_an_index_out_of_range():
+    dst = torch.zeros(2, 10, 4)
+    with pytest.raises(IndexError, match=r"outside \[0, 10\)"):
+        native.scatter_rows_(native.pointwise(), dst, torch.tensor([3, 10]), torch.ones(2, 2, 4))
+    assert not dst.any()
+
+
+def test_native_pieces_match_the_reference_pieces(tmp_path):
+    """A float32 engine on the native pieces against the same engine on the reference pieces
+    (`DecoderLayer.attention_inputs` / `attention_outputs`, `CausalLM._logits`): the logits of a
+    mixed prefill + decode batch agree to float32 rounding, and the native pieces are the ones
+    the engine chose."""
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.model import CausalLM, DecoderLayer, LayerPieces
+    from rollout.native import layers
+
+    from tiny_hf import make_hf_model, save_hf_model
+
+    save_hf_model(make_hf_model("qwen2", seed=0), tmp_path)
+    engine = Engine(EngineConfig(model_path=str(tmp_path), kv_cache_tokens=2048, seed=0))
+    assert engine.model.pieces.attention_inputs is layers.attention_inputs
+    reference = LayerPieces(
+        DecoderLayer.attention_inputs, DecoderLayer.attention_outputs, CausalLM._logits
+    )
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=1)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    native_out = engine.generate(prompts, params)
+    engine.model.pieces = reference
+    engine.flush_prefix_cache()
+    reference_out = engine.generate(prompts, params)
+    for a, b in zip(native_out, reference_out):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            torch.testing.assert_close(
+                torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-5, rtol=0
+            )
