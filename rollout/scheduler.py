@@ -274,7 +274,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         decode: list[Sequence] = []
         prefill: list[tuple[Sequence, int]] = []
-        budget = self.max_prefill_tokens
+        budget, page_size = self.max_prefill_tokens, self.page_size
         # Oldest first: a victim (the newest) is then never one already scheduled this step.
         running = sorted(self.running, key=lambda s: s.order)
         if self.proposer is not None:
@@ -283,6 +283,9 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted by an older sequence this step
                 continue
             pending = len(seq.token_ids) - seq.num_computed
+            if pending == 1 and not seq.draft and seq.num_computed < len(seq.pages) * page_size:
+                decode.append(seq)  # most decode steps: its last page has room (`_reserve`)
+                continue
             num_new = 1 + len(seq.draft) if pending == 1 else min(pending, budget)
             if num_new == 0 or not self._reserve(seq, num_new):
                 continue
@@ -452,9 +455,13 @@ class Scheduler:
                 row += 1 + len(seq.draft)
                 continue
             seq.num_computed += 1
-            for s in self._ready_to_sample(seq):
-                to_sample.append(s)
+            if seq.num_generated and seq.num_forks == 1:  # a decoding sample: nothing to share
+                to_sample.append(seq)
                 logit_rows.append(row)
+            else:
+                for s in self._ready_to_sample(seq):
+                    to_sample.append(s)
+                    logit_rows.append(row)
             row += 1
         if speculated:
             rows = torch.cat([torch.arange(r, r + 1 + len(s.draft)) for s, r in speculated]).to(

@@ -12,6 +12,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.radix_cache import RadixCache, TreeNode
+from rollout.sampler import UniformStream
 from rollout.speculative import DraftBackoff
 
 # Process-wide and monotonic, so an epoch is never reused, not even by another engine.
@@ -98,7 +99,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # speculated tokens verified this step
     draft_probs: torch.Tensor | None = None  # what `draft` was drawn from; None = point mass
     backoff: DraftBackoff | None = None  # drafting pause after failed drafts (scheduler's)
-    generator: torch.Generator = field(init=False)
+    uniforms: UniformStream = field(init=False)  # this sample's random stream
     # Names one lifetime of this sequence's page table: changes whenever pages are taken,
     # replaced or released otherwise than by appending (admit, prefix-cache insert, preempt,
     # finish). Copies of its K/V kept elsewhere (`SuffixLanes`) are valid only for this epoch.
@@ -108,7 +109,7 @@ class Sequence:
         if self.token_ids is None:
             self.token_ids = list(self.request.prompt)
         # Seeded on CPU whatever the device, so draws do not depend on where the model runs.
-        self.generator = torch.Generator().manual_seed(self.request.base_seed + self.sample_index)
+        self.uniforms = UniformStream(self.request.base_seed + self.sample_index)
         self.new_kv_epoch()
 
     def new_kv_epoch(self) -> None:

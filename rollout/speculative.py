@@ -299,4 +299,4 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verified]:
 
 def draw_uniform(seq: Sequence) -> float:
     """One uniform in [0, 1) from the sequence's own generator."""
-    return torch.rand((), generator=seq.generator, dtype=torch.float64).item()
+    return seq.uniforms.draw()

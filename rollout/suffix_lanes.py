@@ -76,6 +76,10 @@ class SuffixLanes:
         self._prefix_key: tuple | None = None  # DecodeMetadata.prefix_key of the copies below
         self._prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (K, V)
         self._prefix_pages: torch.Tensor | None = None  # [G, Np] the copies were gathered from
+        # The last plan's sequences (their kv_epochs, in decode order) and their lanes.
+        self._last_epochs: list[int] | None = None
+        self._last_lane_of: list[int] = []
+        self._last_order: list[int] = []
 
     @property
     def capacity(self) -> int:
@@ -86,11 +90,13 @@ class SuffixLanes:
         self.k = self.v = None
         self.lanes, self.lane_of_epoch = [], {}
         self._prefix_key, self._prefix = None, {}
+        self._last_epochs = None
 
     def forget(self) -> None:
         """Free every lane (keeping the buffers): a step without decode breaks continuity."""
         self.lanes, self.lane_of_epoch = [None] * len(self.lanes), {}
         self._prefix_key, self._prefix = None, {}
+        self._last_epochs = None
 
     def prefix(
         self, layer: int, key: tuple, pages: torch.Tensor
@@ -164,6 +170,31 @@ class SuffixLanes:
             self.forget()
             return None
 
+        epochs = [s.kv_epoch for s in seqs]
+        if epochs == self._last_epochs:
+            # The same sequences in the same order as the last plan: the assignment below would
+            # keep every lane where it is (lanes [0, num) hold exactly them; nothing to move or
+            # fill). Consecutive decode steps of a steady batch take this path.
+            lane_of, order = self._last_lane_of, self._last_order
+        else:
+            lane_of = self._assign(seqs, starts, computed)
+            order = [0] * num
+            for i, lane in enumerate(lane_of):
+                order[lane] = i
+            self._last_epochs, self._last_lane_of, self._last_order = epochs, lane_of, order
+        capacity = self.capacity
+        write = [
+            lane * capacity + c + j
+            for lane, c, s in zip(lane_of, computed, seqs)
+            for j in range(1 + len(s.draft))
+        ]
+        return LanePlan(
+            order, lane_of, torch.tensor(write, dtype=torch.int64, device=self.pool.device), width
+        )
+
+    def _assign(self, seqs: list[Sequence], starts: list[int], computed: list[int]) -> list[int]:
+        """Lanes of this step's decode sequences (see `plan`): kept, moved down, or filled."""
+        num = len(seqs)
         # Keep the lanes of sequences still decoding in the same epoch; free the others.
         kept: dict[int, int] = {}  # decode index -> lane
         for i, s in enumerate(seqs):
@@ -204,19 +235,7 @@ class SuffixLanes:
                 [lane for _, lane in fills],
             )
 
-        lane_of = [kept[i] for i in range(num)]
-        order = [0] * num
-        for i, lane in enumerate(lane_of):
-            order[lane] = i
-        capacity = self.capacity
-        write = [
-            lane * capacity + c + j
-            for lane, c, s in zip(lane_of, computed, seqs)
-            for j in range(1 + len(s.draft))
-        ]
-        return LanePlan(
-            order, lane_of, torch.tensor(write, dtype=torch.int64, device=self.pool.device), width
-        )
+        return [kept[i] for i in range(num)]
 
     def _fill(self, seqs: list[Sequence], computed: list[int], lanes: list[int]) -> None:
         """Copy the computed suffix of each sequence (whole pages) from the pool into its lane."""

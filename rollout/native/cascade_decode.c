@@ -131,40 +131,62 @@ static inline float exp_row(float *sr, int64_t L) {
   return sum;
 }
 
-/* One item: out [R, Dh] = softmax([prefix ++ suffix] scores) @ [prefix V ++ suffix V]. */
+#if HAVE_AVX2
+/* acc0 += p0[t] V[t], acc1 += p1[t] V[t] over n rows of V [n, Dh]: two query rows share each V
+   load, and their 2 x Dh / 8 independent accumulator chains hide the FMA latency. */
+static inline __attribute__((always_inline)) void pv_pair(const int64_t Dh, const float *p0,
+                                                          const float *p1, const float *V,
+                                                          int64_t n, __m256 *acc0, __m256 *acc1) {
+  for (int64_t t = 0; t < n; t++) {
+    if (p0[t] == 0.f && p1[t] == 0.f) continue;  // masked for both: V[t] is never read
+    const __m256 b0 = _mm256_set1_ps(p0[t]), b1 = _mm256_set1_ps(p1[t]);
+    for (int64_t x = 0; x < Dh / 8; x++) {
+      const __m256 v = _mm256_loadu_ps(V + t * Dh + x * 8);
+      acc0[x] = _mm256_fmadd_ps(b0, v, acc0[x]);
+      acc1[x] = _mm256_fmadd_ps(b1, v, acc1[x]);
+    }
+  }
+}
+#endif
+
+/* One item: out [R, Dh] = softmax([prefix ++ suffix] scores) @ [prefix V ++ suffix V].
+   s holds R * (Lp + Ls) scores, then R normalisers. */
 static inline __attribute__((always_inline)) void item(
     const int64_t Dh, int64_t R, int64_t rows_per_bias, const float *q, const float *pk,
     const float *pv, int64_t Lp, const float *pbias, const float *sk, const float *sv, int64_t Ls,
     const float *sbias, float scale, float *out, float *s) {
   const int64_t L = Lp + Ls;
+  float *inv = s + R * L;
   if (Lp > 0) scores(q, R, Dh, pk, Lp, pbias, 0, R, scale, s, L);
   scores(q, R, Dh, sk, Ls, sbias, Ls, rows_per_bias, scale, s + Lp, L);
-  for (int64_t r = 0; r < R; r++) {
-    float *sr = s + r * L, *o = out + r * Dh;
-    const float inv = 1.f / exp_row(sr, L);
+  for (int64_t r = 0; r < R; r++) inv[r] = 1.f / exp_row(s + r * L, L);
+  int64_t r = 0;
 #if HAVE_AVX2
-    if (Dh % 8 == 0 && Dh <= 256) {
-      __m256 acc[32];
-      for (int64_t x = 0; x < Dh / 8; x++) acc[x] = _mm256_setzero_ps();
-      for (int64_t t = 0; t < L; t++) {
-        if (sr[t] == 0.f) continue;
-        const float *vt = t < Lp ? pv + t * Dh : sv + (t - Lp) * Dh;
-        __m256 p = _mm256_set1_ps(sr[t]);
-        for (int64_t x = 0; x < Dh / 8; x++)
-          acc[x] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + x * 8), acc[x]);
+  if (Dh % 8 == 0 && Dh <= 128) {
+    for (; r + 2 <= R; r += 2) {  // rows in pairs (a last odd row: the loop below)
+      const float *s0 = s + r * L, *s1 = s0 + L;
+      __m256 acc0[16], acc1[16];
+      for (int64_t x = 0; x < Dh / 8; x++) acc0[x] = acc1[x] = _mm256_setzero_ps();
+      pv_pair(Dh, s0, s1, pv, Lp, acc0, acc1);
+      pv_pair(Dh, s0 + Lp, s1 + Lp, sv, Ls, acc0, acc1);
+      const __m256 inv0 = _mm256_set1_ps(inv[r]), inv1 = _mm256_set1_ps(inv[r + 1]);
+      for (int64_t x = 0; x < Dh / 8; x++) {
+        _mm256_storeu_ps(out + r * Dh + x * 8, _mm256_mul_ps(acc0[x], inv0));
+        _mm256_storeu_ps(out + (r + 1) * Dh + x * 8, _mm256_mul_ps(acc1[x], inv1));
       }
-      __m256 vinv = _mm256_set1_ps(inv);
-      for (int64_t x = 0; x < Dh / 8; x++) _mm256_storeu_ps(o + x * 8, _mm256_mul_ps(acc[x], vinv));
-      continue;
     }
+  }
 #endif
+  for (; r < R; r++) {
+    const float *sr = s + r * L;
+    float *o = out + r * Dh;
     for (int64_t x = 0; x < Dh; x++) o[x] = 0.f;
     for (int64_t t = 0; t < L; t++) {
       if (sr[t] == 0.f) continue;
       const float *vt = t < Lp ? pv + t * Dh : sv + (t - Lp) * Dh;
       for (int64_t x = 0; x < Dh; x++) o[x] += sr[t] * vt[x];
     }
-    for (int64_t x = 0; x < Dh; x++) o[x] *= inv;
+    for (int64_t x = 0; x < Dh; x++) o[x] *= inv[r];
   }
 }
 
@@ -186,7 +208,7 @@ int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t ro
   int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
-    float *s = (float *)malloc(sizeof(float) * (size_t)(R * (L > 0 ? L : 1)));
+    float *s = (float *)malloc(sizeof(float) * (size_t)(R * (L + 1)));
     failed = s == NULL;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < D * Hkv; it++) {

@@ -4,7 +4,7 @@ of positive mass (never a zero-probability token)."""
 
 import torch
 
-from rollout.sampler import SamplingBatch, sample, truncation_mask
+from rollout.sampler import SamplingBatch, UniformStream, sample, truncation_mask
 
 
 def reference_draw(probs: torch.Tensor, u: float) -> int:
@@ -63,3 +63,16 @@ def test_mixed_greedy_and_sampled_rows():
         assert int(tokens[r]) == reference_draw(
             torch.softmax(logits[r], -1), float(batch.uniforms[r])
         )
+
+
+def test_a_uniform_stream_is_its_generators_draws_one_at_a_time():
+    """Drawn a block at a time, the stream is exactly the sequence of one-draw
+    `torch.rand((), generator=g, dtype=float64)` calls on the same seed, across block ends."""
+    for seed in (0, 7, 2**40 + 3):
+        stream = UniformStream(seed)
+        g = torch.Generator().manual_seed(seed)
+        draws = [stream.draw() for _ in range(3 * UniformStream.BLOCK + 5)]
+        expected = [
+            torch.rand((), generator=g, dtype=torch.float64).item() for _ in range(len(draws))
+        ]
+        assert draws == expected
