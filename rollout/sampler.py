@@ -7,7 +7,10 @@ decides which tokens may be drawn.
 
 Batch invariance: a row's draw depends only on its own logits, parameters and generator. Every
 row uses the same procedure (mask in vocabulary order, inverse CDF with one uniform from its own
-generator), so a seeded sequence samples the same tokens alone or inside any batch.
+generator), so a seeded sequence samples the same tokens alone or inside any batch. On the CPU
+in float32, rows drawn at a temperature > 0 without truncation (the RL case) take the C kernel
+of `rollout.native` (the same procedure in one pass over the row); whether a row does depends on
+its own parameters only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from rollout import native
 
 if TYPE_CHECKING:
     from rollout.sequence import Sequence
@@ -87,6 +92,11 @@ def truncation_mask(
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
+def _truncating(batch: SamplingBatch, vocab: int) -> torch.Tensor:
+    """[R] bool: rows whose top-k, top-p or min-p removes any token."""
+    return ((batch.top_k > 0) & (batch.top_k < vocab)) | (batch.top_p < 1) | (batch.min_p > 0)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] float32 or float64 -> (tokens [R] int64, logprobs [R] in the logits' dtype).
 
@@ -94,6 +104,39 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     (inverse CDF over e, truncated; the draw is unchanged by the scale 1 / sum(e)) and its sum
     gives the chosen token's log-prob, x / T - m - log(sum(e)): the formula log_softmax
     evaluates, computed for the chosen tokens only."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu":
+        if (lib := native.sampling()) is not None:
+            return _sample_native(lib, logits, batch)
+    return _sample_torch(logits, batch)
+
+
+def _sample_native(lib, logits: torch.Tensor, batch: SamplingBatch):
+    """Rows drawn at a temperature > 0 without truncation go through the C kernel
+    (`rollout.native.sample_rows`, the same procedure in one pass); the others through
+    `_sample_torch`. Which path a row takes depends on its own parameters only."""
+    plain = (batch.temperature > 0) & ~_truncating(batch, logits.shape[-1])
+    if bool(plain.all()):
+        return native.sample_rows(lib, logits, batch.temperature, batch.uniforms)
+    if not bool(plain.any()):
+        return _sample_torch(logits, batch)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    logprobs = torch.empty(logits.shape[0], dtype=logits.dtype)
+    for rows, fast in (
+        (plain.nonzero().squeeze(-1), True),
+        ((~plain).nonzero().squeeze(-1), False),
+    ):
+        part = SamplingBatch(*(t[rows] for t in batch))
+        if fast:
+            tokens[rows], logprobs[rows] = native.sample_rows(
+                lib, logits[rows], part.temperature, part.uniforms
+            )
+        else:
+            tokens[rows], logprobs[rows] = _sample_torch(logits[rows], part)
+    return tokens, logprobs
+
+
+def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` in torch ops (any device and dtype; the reference of the C kernel)."""
     device = logits.device
     temperature = batch.temperature.to(device)
     greedy = temperature == 0
@@ -117,7 +160,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         top_k, top_p, min_p = (
             t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p)
         )
-        truncating = ((top_k > 0) & (top_k < probs.shape[-1])) | (top_p < 1) | (min_p > 0)
+        truncating = _truncating(SamplingBatch(None, top_p, top_k, min_p, None), probs.shape[-1])
         if truncating.any():
             # truncation_mask compares ratios of masses (top-p within the top-k mass, min-p to
             # the max), so unnormalised weights select the same tokens as probabilities.

@@ -486,14 +486,15 @@ class Scheduler:
                     logit_rows.append(row)
                 row += 1
         assert row == logits.shape[0], "logits rows do not match the batch"
+        sampled = ()
         if to_sample:
             rows = torch.tensor(logit_rows, device=logits.device)
             tokens, logprobs = sample(logits[rows], SamplingBatch.of(to_sample))
-            emitted.extend(
-                (s, [t], [lp]) for s, t, lp in zip(to_sample, tokens.tolist(), logprobs.tolist())
-            )
+            sampled = zip(to_sample, tokens.tolist(), logprobs.tolist())
         for seq, tokens, logprobs in emitted:
             self._append(seq, tokens, logprobs)
+        for seq, token, logprob in sampled:
+            self._append(seq, (token,), (logprob,))
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
         """Append sampled tokens, stopping at the first that finishes the sequence."""

@@ -164,8 +164,8 @@ class SuffixLanes:
         num = len(seqs)
         starts = [s.num_tree_pages * page for s in seqs]
         computed = [s.num_computed - st for s, st in zip(seqs, starts)]
-        ends = [c + 1 + len(s.draft) for s, c in zip(seqs, computed)]
-        width = -(-max(ends) // page) * page
+        end = max(c + 1 + len(s.draft) for s, c in zip(seqs, computed))
+        width = -(-end // page) * page
         if not self._ensure(num, width):
             self.forget()
             return None
@@ -183,11 +183,14 @@ class SuffixLanes:
                 order[lane] = i
             self._last_epochs, self._last_lane_of, self._last_order = epochs, lane_of, order
         capacity = self.capacity
-        write = [
-            lane * capacity + c + j
-            for lane, c, s in zip(lane_of, computed, seqs)
-            for j in range(1 + len(s.draft))
-        ]
+        if any(s.draft for s in seqs):
+            write = [
+                lane * capacity + c + j
+                for lane, c, s in zip(lane_of, computed, seqs)
+                for j in range(1 + len(s.draft))
+            ]
+        else:  # one token each
+            write = [lane * capacity + c for lane, c in zip(lane_of, computed)]
         return LanePlan(
             order, lane_of, torch.tensor(write, dtype=torch.int64, device=self.pool.device), width
         )

@@ -1,5 +1,6 @@
-"""The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c) and
-the element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores).
+"""The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c), the
+element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores) and
+sampling without truncation (sampling.c: each row's draw and log-prob in one pass).
 
 Each source is built on first use by `native_build` with OpenMP; the kernels run on torch's
 threads (`torch.get_num_threads()`, the process's one libgomp). Without a compiler, with
@@ -49,6 +50,13 @@ def declare_pointwise(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def declare_sampling(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.sample_rows_f32.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]
+    lib.sample_rows_f32.restype = None
+    lib.sampling_has_avx2.restype = _INT
+    return lib
+
+
 class NativeLibrary:
     """One C source, built and loaded at the first call; None (one warning) where impossible."""
 
@@ -85,6 +93,7 @@ class NativeLibrary:
 
 attention = NativeLibrary("cascade_decode.c", declare_attention, "decode attention")
 pointwise = NativeLibrary("pointwise.c", declare_pointwise, "element-wise kernels")
+sampling = NativeLibrary("sampling.c", declare_sampling, "sampling")
 
 
 def _rows_of_dh(t: torch.Tensor) -> torch.Tensor:
@@ -215,3 +224,26 @@ def scatter_rows_(
         index.data_ptr(), num_tokens, num_kv_heads, head_dim, torch.get_num_threads(),
     ):  # fmt: skip
         raise IndexError(f"K/V store: a row index is outside [0, {dst.shape[1]})")
+
+
+def sample_rows(
+    lib: ctypes.CDLL, logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rollout.sampler.sample` for rows without truncation and with temperature > 0: logits
+    [R, V] float32 (rows contiguous), temperature [R], uniforms [R] -> (tokens [R] int64,
+    logprobs [R] float32)."""
+    num_rows, vocab = logits.shape
+    stride = _rows(logits, "logits")
+    temperature = temperature.to(torch.float32).contiguous()
+    uniforms = uniforms.to(torch.float64).contiguous()
+    assert temperature.shape == uniforms.shape == (num_rows,)
+    tokens = torch.empty(num_rows, dtype=torch.int64)
+    logprobs = torch.empty(num_rows, dtype=torch.float32)
+    scratch = torch.empty(num_rows, vocab, dtype=torch.float32)
+    if num_rows:
+        lib.sample_rows_f32(
+            logits.data_ptr(), stride, num_rows, vocab, temperature.data_ptr(),
+            uniforms.data_ptr(), scratch.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return tokens, logprobs

@@ -1,4 +1,4 @@
-"""The one-pass sampler (one exp per logit feeding both the draw and the log-prob) against the
+"""The one-pass torch sampler (one exp per logit feeding both the draw and the log-prob) against the
 two-pass sampler it replaced, written out below as the reference: log_softmax over the row, exp
 of it for the probabilities, then the same truncation and inverse-CDF draw.
 
@@ -12,7 +12,7 @@ that round to the total."""
 import pytest
 import torch
 
-from rollout.sampler import SamplingBatch, sample, truncation_mask
+from rollout.sampler import SamplingBatch, _sample_torch, truncation_mask
 
 
 def two_pass_sample(logits: torch.Tensor, batch: SamplingBatch):
@@ -66,7 +66,7 @@ def random_batch(rows: int, vocab: int, dtype: torch.dtype, seed: int, mode: str
 def test_one_pass_sampler_equals_the_two_pass_sampler(dtype, vocab, mode):
     for seed in range(4):
         logits, batch = random_batch(256, vocab, dtype, seed, mode)
-        tokens, logprobs = sample(logits, batch)
+        tokens, logprobs = _sample_torch(logits, batch)
         ref_tokens, ref_logprobs = two_pass_sample(logits, batch)
         # A float32 uniform that rounds to 1 (probability 2^-25 a draw) selects the last token
         # whose mass the float32 cdf still registers, which depends on the cdf's scale: both
