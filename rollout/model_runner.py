@@ -70,11 +70,16 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         decode_rows: list[int] = []
-        for seq in batch.decode:  # the pending token, then any drafted tokens to verify
-            tokens = [seq.token_ids[seq.num_computed], *seq.draft]
-            ids.extend(tokens)
-            positions.extend(range(seq.num_computed, seq.num_computed + len(tokens)))
-            decode_rows.extend([seq.row] * len(tokens))
+        if any(seq.draft for seq in batch.decode):
+            for seq in batch.decode:  # the pending token, then the drafted tokens to verify
+                tokens = [seq.token_ids[seq.num_computed], *seq.draft]
+                ids.extend(tokens)
+                positions.extend(range(seq.num_computed, seq.num_computed + len(tokens)))
+                decode_rows.extend([seq.row] * len(tokens))
+        else:  # one pending token each
+            ids = [seq.token_ids[seq.num_computed] for seq in batch.decode]
+            positions = [seq.num_computed for seq in batch.decode]
+            decode_rows = [seq.row for seq in batch.decode]
         logits_rows = list(range(len(ids)))
         decode_meta = self._decode_metadata(batch.decode) if batch.decode else None
         if not batch.decode and self.suffix_lanes is not None:

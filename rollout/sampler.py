@@ -60,16 +60,24 @@ class SamplingBatch(NamedTuple):
         params = [s.request.params for s in seqs]
         # Greedy rows draw too, so a generator's stream advances one draw per token whatever
         # the temperature (keeps seeded streams simple to reason about).
-        uniforms = [s.uniforms.draw() for s in seqs]
-        floats = torch.tensor(
-            [(p.temperature, p.top_p, p.min_p) for p in params], dtype=torch.float32
-        ).reshape(-1, 3)
+        uniforms = torch.tensor([s.uniforms.draw() for s in seqs], dtype=torch.float64)
+        keys = [(p.temperature, p.top_p, p.min_p, p.top_k) for p in params]
+        if keys and keys.count(keys[0]) == len(keys):  # one setting for all (the RL case)
+            (temperature, top_p, min_p, top_k), rows = keys[0], len(keys)
+            return cls(
+                temperature=torch.full((rows,), temperature, dtype=torch.float32),
+                top_p=torch.full((rows,), top_p, dtype=torch.float32),
+                top_k=torch.full((rows,), top_k, dtype=torch.int64),
+                min_p=torch.full((rows,), min_p, dtype=torch.float32),
+                uniforms=uniforms,
+            )
+        floats = torch.tensor([k[:3] for k in keys], dtype=torch.float32).reshape(-1, 3)
         return cls(
             temperature=floats[:, 0],
             top_p=floats[:, 1],
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            top_k=torch.tensor([k[3] for k in keys], dtype=torch.int64),
             min_p=floats[:, 2],
-            uniforms=torch.tensor(uniforms, dtype=torch.float64),
+            uniforms=uniforms,
         )
 
 
