@@ -20,11 +20,15 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -87,14 +91,19 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def headers_of(source: Path) -> list[Path]:
+    """The headers `source` includes with quotes (`#include "x.h"`), beside it."""
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [source.with_name(n) for n in names]
+
+
 def library_name(source: Path, flags: list[str], cc: str) -> str:
-    """The cached library's file name: `<stem>-<key>.so`, keyed by the source, the flags, the
-    compiler and this CPU."""
+    """The cached library's file name: `<stem>-<key>.so`, keyed by the source and the headers
+    it includes, the flags, the compiler and this CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    texts = [source.read_text(), *(h.read_text() for h in headers_of(source))]
     key = hashlib.sha256(
-        "\0".join(
-            [source.read_text(), " ".join(flags), version, cpu_id(), platform.machine()]
-        ).encode()
+        "\0".join([*texts, " ".join(flags), version, cpu_id(), platform.machine()]).encode()
     ).hexdigest()[:20]
     return f"{source.stem}-{key}.so"
 
@@ -142,3 +151,44 @@ def load(source: Path, flags: list[str]) -> ctypes.CDLL:
         raise
     except Exception as e:  # noqa: BLE001 -- any build/load failure means: fall back
         raise Unavailable(f"building {source.name} failed: {e}") from e
+
+
+class LazyLibrary:
+    """One C source, built and loaded at the first call (then declared by `declare`); None, with
+    one warning saying `fallback`, where that is impossible (none at all with
+    MILES_LIKE_NATIVE=0, which asks for the fallback)."""
+
+    def __init__(
+        self,
+        source: Path,
+        flags: list[str],
+        declare: Callable[[ctypes.CDLL], ctypes.CDLL],
+        what: str,
+        fallback: str,
+    ):
+        self.source, self.flags, self.declare = source, flags, declare
+        self.what, self.fallback = what, fallback
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def __call__(self) -> ctypes.CDLL | None:
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if not self._tried:
+                try:
+                    self._lib = self.declare(load(self.source, self.flags))
+                except Unavailable as e:
+                    if os.environ.get("MILES_LIKE_NATIVE", "1") != "0":
+                        warnings.warn(
+                            f"{self.what} unavailable ({e}); {self.fallback}",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                self._tried = True
+        return self._lib
+
+    def build(self, flags: list[str]) -> ctypes.CDLL:
+        """The same source built with other flags (tests: the portable build)."""
+        return self.declare(load(self.source, flags))

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,43 +54,19 @@ def declare_sampling(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-class NativeLibrary:
-    """One C source, built and loaded at the first call; None (one warning) where impossible."""
-
-    def __init__(self, source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: str):
-        self.source = Path(__file__).with_name(source)
-        self.declare = declare
-        self.what = what
-        self._lock = threading.Lock()
-        self._lib: ctypes.CDLL | None = None
-        self._tried = False
-
-    def __call__(self) -> ctypes.CDLL | None:
-        if self._tried:
-            return self._lib
-        with self._lock:
-            if not self._tried:
-                try:
-                    self._lib = self.declare(native_build.load(self.source, FLAGS))
-                except native_build.Unavailable as e:
-                    if os.environ.get("MILES_LIKE_NATIVE", "1") != "0":
-                        warnings.warn(
-                            f"rollout: native {self.what} unavailable ({e}); using the torch "
-                            "path on CPU (same results, slower).",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-                self._tried = True
-        return self._lib
-
-    def build(self, flags: list[str]) -> ctypes.CDLL:
-        """The same source built with other flags (tests: the portable build)."""
-        return self.declare(native_build.load(self.source, flags))
+def _library(source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: str):
+    return native_build.LazyLibrary(
+        Path(__file__).with_name(source),
+        FLAGS,
+        declare,
+        f"rollout: native {what}",
+        "using the torch path on CPU (same results, slower).",
+    )
 
 
-attention = NativeLibrary("cascade_decode.c", declare_attention, "decode attention")
-pointwise = NativeLibrary("pointwise.c", declare_pointwise, "element-wise kernels")
-sampling = NativeLibrary("sampling.c", declare_sampling, "sampling")
+attention = _library("cascade_decode.c", declare_attention, "decode attention")
+pointwise = _library("pointwise.c", declare_pointwise, "element-wise kernels")
+sampling = _library("sampling.c", declare_sampling, "sampling")
 
 
 def _rows_of_dh(t: torch.Tensor) -> torch.Tensor:

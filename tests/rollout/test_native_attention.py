@@ -5,13 +5,13 @@ sequence, the suffix read in place from a strided view (as the suffix lanes give
 
 from __future__ import annotations
 
-import platform
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from native_builds import builds
 from test_attention import cascade_case
 
 from rollout import native
@@ -26,18 +26,7 @@ pytestmark = pytest.mark.skipif(
     native.attention() is None, reason="no C compiler: decode attention uses torch's flash kernel"
 )
 
-# The portable build: no AVX2 / FMA (x86-64's baseline), so the plain C loops run.
-PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64" for f in native.FLAGS]
-
-
-def _builds():
-    builds = {"native": native.attention()}
-    if platform.machine() == "x86_64":
-        builds["portable"] = native.attention.build(PORTABLE_FLAGS)
-    return builds
-
-
-BUILDS = _builds()
+BUILDS = builds(native.attention)
 
 
 def _gathered(k_cache, v_cache, meta, page_size):

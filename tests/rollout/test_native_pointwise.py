@@ -5,11 +5,10 @@ model pieces (`rollout.native.layers`) against the reference pieces on a real mo
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
+from native_builds import builds
 
 from rollout import native
 from rollout.model import RMSNorm
@@ -20,11 +19,8 @@ pytestmark = pytest.mark.skipif(
     native.pointwise() is None, reason="no C compiler: the engine runs these steps in torch"
 )
 
-PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64" for f in native.FLAGS]
-BUILDS = {"native": native.pointwise()}
-if platform.machine() == "x86_64":
-    BUILDS["portable"] = native.pointwise.build(PORTABLE_FLAGS)
-    assert BUILDS["portable"].pointwise_has_avx2() == 0
+BUILDS = builds(native.pointwise)
+assert "portable" not in BUILDS or BUILDS["portable"].pointwise_has_avx2() == 0
 
 
 def _randn(*shape, seed=0, scale=1.0):

@@ -9,19 +9,12 @@ half of a large tensor. Without it (no compiler, MILES_LIKE_NATIVE=0, an unsafe 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
-import warnings
 from pathlib import Path
 
 import native_build
 
 SOURCE = Path(__file__).with_name("wxh64.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
-
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
-_tried = False
 
 
 def library_name(cc: str) -> str:
@@ -44,23 +37,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def kernel() -> ctypes.CDLL | None:
-    """The loaded kernel, building it on first use; None (one warning) if that is impossible."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    with _lock:
-        if _tried:
-            return _kernel
-        try:
-            _kernel = _declare(native_build.load(SOURCE, FLAGS))
-        except native_build.Unavailable as e:
-            if os.environ.get("MILES_LIKE_NATIVE", "1") != "0":
-                warnings.warn(
-                    f"weight_sync: native wxh64 kernel unavailable ({e}); using xxh3 checksums "
-                    "and torch copies, about 1.5x slower syncs.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        _tried = True
-        return _kernel
+kernel = native_build.LazyLibrary(
+    SOURCE,
+    FLAGS,
+    _declare,
+    "weight_sync: native wxh64 kernel",
+    "using xxh3 checksums and torch copies, about 1.5x slower syncs.",
+)
+"""The loaded kernel, building it on first use; None (one warning) if that is impossible."""

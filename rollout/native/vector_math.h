@@ -1,0 +1,36 @@
+/* Vector math shared by the engine's C kernels (included by each source: native_build keys a
+   library by its source and the headers it includes). */
+
+#ifndef ROLLOUT_NATIVE_VECTOR_MATH_H
+#define ROLLOUT_NATIVE_VECTOR_MATH_H
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+/* e^x for 8 floats: Cephes' expf polynomial (~1 ulp); exactly 0 below -87.3 (so at -inf),
+   clamped above 88.4. */
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3762626647949f));
+  // e^x = 2^n e^r with n = round(x log2 e), r = x - n ln 2 (ln 2 split in two for precision)
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#else
+#define HAVE_AVX2 0
+#endif
+
+#endif
