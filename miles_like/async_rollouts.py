@@ -368,7 +368,10 @@ class AsyncProducer:
         for replica, share in enumerate(_split(len(waiting), len(self.m.engines))):
             if share:
                 ids = [waiting[k] for k in share]
-                task = asyncio.get_running_loop().create_task(self._wave(replica, ids))
+                # marked running now, not when the task starts: a second _fill before then
+                # (a delivery, a replacement) must not send them again
+                requests = self._begin_wave(replica, ids)
+                task = asyncio.get_running_loop().create_task(self._wave(replica, ids, *requests))
                 self._waves.add(task)
                 task.add_done_callback(self._waves.discard)
 
@@ -487,7 +490,9 @@ class AsyncProducer:
             out.append((prompt + list(s.token_ids), p, [j]))
         return out
 
-    async def _wave(self, replica: int, ids: list[int]) -> None:
+    def _begin_wave(self, replica: int, ids: list[int]) -> tuple[int, list, list, list]:
+        """A new wave of groups `ids` to `replica`: its id and its requests (prompts, params,
+        owners); the groups are marked as sent in it."""
         prompts, params, owners = [], [], []
         self._wave_ids += 1
         wave = self._wave_ids
@@ -500,7 +505,9 @@ class AsyncProducer:
                 params.append(p)
                 owners.append((i, js))
             slot.pending, slot.sent_version, slot.wave = len(ks), self.version, (replica, wave, ks)
+        return wave, prompts, params, owners
 
+    async def _wave(self, replica: int, ids: list[int], wave: int, prompts, params, owners) -> None:
         def deliver(item) -> None:
             k, samples, version, versions = item
             self._deliver(owners[k], samples, version, versions)
