@@ -100,9 +100,9 @@ def truncation_mask(
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
-def _truncating(batch: SamplingBatch, vocab: int) -> torch.Tensor:
+def _truncating(top_k, top_p, min_p, vocab: int) -> torch.Tensor:
     """[R] bool: rows whose top-k, top-p or min-p removes any token."""
-    return ((batch.top_k > 0) & (batch.top_k < vocab)) | (batch.top_p < 1) | (batch.min_p > 0)
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +122,9 @@ def _sample_native(lib, logits: torch.Tensor, batch: SamplingBatch):
     """Rows drawn at a temperature > 0 without truncation go through the C kernel
     (`rollout.native.sample_rows`, the same procedure in one pass); the others through
     `_sample_torch`. Which path a row takes depends on its own parameters only."""
-    plain = (batch.temperature > 0) & ~_truncating(batch, logits.shape[-1])
+    plain = (batch.temperature > 0) & ~_truncating(
+        batch.top_k, batch.top_p, batch.min_p, logits.shape[-1]
+    )
     if bool(plain.all()):
         return native.sample_rows(lib, logits, batch.temperature, batch.uniforms)
     if not bool(plain.any()):
@@ -168,7 +170,7 @@ def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
         top_k, top_p, min_p = (
             t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p)
         )
-        truncating = _truncating(SamplingBatch(None, top_p, top_k, min_p, None), probs.shape[-1])
+        truncating = _truncating(top_k, top_p, min_p, probs.shape[-1])
         if truncating.any():
             # truncation_mask compares ratios of masses (top-p within the top-k mass, min-p to
             # the max), so unnormalised weights select the same tokens as probabilities.
