@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 
 from miles_like.errors import RunFailed
+from miles_like.orphans import terminate_gracefully
 from miles_like.recipe import Recipe, RecipeError, load_recipe, recipe_to_yaml
 from miles_like.schema import describe
 
@@ -96,7 +97,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[[Recipe], int] | None 
     if run is None:
         from miles_like.loop import run  # imports Ray and torch: not needed for --help / --dry-run
     try:
-        return run(recipe)
+        with terminate_gracefully():  # SIGTERM cleans up as Ctrl-C does (`orphans`)
+            return run(recipe)
     except RecipeError as e:  # found while starting the run (data columns, tokenizer, sizes)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -18,6 +18,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles_like import orphans
 from miles_like.calls import call, each, gather
 from miles_like.workers import EngineWorker, TrainerWorker
 
@@ -114,6 +115,7 @@ def start_ray(cluster, layout: Layout) -> None:
     }
     if cluster.address is not None:
         ray.init(address=cluster.address, runtime_env=env, log_to_driver=True)
+        orphans.reassert_sigterm()
         return
     ray.init(
         num_cpus=max(layout.devices, os.cpu_count() or 1),
@@ -125,6 +127,7 @@ def start_ray(cluster, layout: Layout) -> None:
         configure_logging=False,
         _system_config={"worker_niceness": 0},
     )
+    orphans.reassert_sigterm()
 
 
 def _options(layout: Layout, pg, bundle: int):

@@ -60,8 +60,10 @@ def _serve(conn: Connection, spec: str, preload: str | None) -> None:
     """Worker main loop: import the function, say ready, then score jobs until the pipe closes."""
     import importlib
 
+    from miles_like.orphans import exit_with_parent
     from miles_like.rewards import resolve_reward
 
+    exit_with_parent()  # a function that never returns must not outlive the controller
     try:
         fn = resolve_reward(spec)
         if preload is not None:

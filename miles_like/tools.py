@@ -252,6 +252,9 @@ def _as_text(value: Any) -> str:
 def _worker_main(conn, specs: list[str], max_output_chars: int) -> None:
     """A worker process: import the tools, then answer (name, arguments) requests forever.
     The tools' own prints go nowhere (they would interleave with the controller's output)."""
+    from miles_like.orphans import exit_with_parent
+
+    exit_with_parent()  # a tool that never returns must not outlive the controller
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
