@@ -64,8 +64,14 @@ def make_batch(args):
     from trainer.config import RLBatch
 
     g = torch.Generator().manual_seed(0)
-    n = args.prompt + args.response
-    tokens = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for _ in range(args.batch)]
+    if args.batch % args.group_size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of --group-size")
+    tokens = []
+    for _ in range(args.batch // args.group_size):  # a GRPO group: one prompt, several samples
+        prompt = torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist()
+        for _ in range(args.group_size):
+            response = torch.randint(0, args.vocab, (args.response,), generator=g).tolist()
+            tokens.append(prompt + response)
     advantages = [torch.randn(args.response, generator=g) for _ in range(args.batch)]
     return RLBatch(tokens=tokens, prompt_lens=[args.prompt] * args.batch, advantages=advantages)
 
@@ -155,6 +161,12 @@ def main() -> None:
         default=0,
         help="0: 2048 (default workload); the whole batch with --rl (HF's one padded forward)",
     )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=0,
+        help="samples per prompt (a GRPO group); 0: 8 with --rl (issue 15's 8 prompts x 8), else 1",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
@@ -166,6 +178,7 @@ def main() -> None:
         args.micro_batch_tokens = args.micro_batch_tokens or args.batch * (
             args.prompt + args.response
         )
+    args.group_size = args.group_size or (8 if args.rl else 1)
     if args.quick:
         args.hidden, args.layers, args.heads, args.vocab = 64, 2, 4, 256
         args.batch, args.prompt, args.response, args.steps = 4, 8, 24, 2
@@ -232,6 +245,7 @@ def report(args, results: dict) -> dict:
             "batch": args.batch,
             "prompt": args.prompt,
             "response": args.response,
+            "samples_per_prompt": args.group_size,
             "max_tokens_per_micro_batch": args.micro_batch_tokens,
             "loss": "ppo, first update (old log-probs from its forward) + fwd/bwd + AdamW",
         },

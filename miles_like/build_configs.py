@@ -92,6 +92,7 @@ def trainer_config(recipe: Recipe, model_path: str) -> TrainerConfig:
             max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch,
             dtype=recipe.model.dtype,
             compile=tr.compile,
+            share_prompts=tr.share_prompts,
             optim=OptimConfig(
                 lr=tr.lr,
                 min_lr=tr.min_lr,

@@ -375,6 +375,12 @@ class TrainerSection(Section):
         "compiles in the first step; rounds differently from eager, so off for exact float64 "
         "runs)",
     )
+    share_prompts: bool = setting(
+        True,
+        "megatron backend: a prompt shared by samples of a micro-batch (a GRPO group) is "
+        "computed once, its responses attending to it as in their own sequences (the same "
+        "function; float32 rounds differently)",
+    )
 
 
 @dataclass(frozen=True)

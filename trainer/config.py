@@ -84,6 +84,9 @@ class TrainerConfig:
     use_transformer_engine: bool = False
     # megatron backend: torch.compile the element-wise pieces (RMSNorm, SwiGLU; `compiled`)
     compile: bool = False
+    # megatron backend: a prompt shared by samples of a micro-batch (a GRPO group) is computed
+    # once, its responses attending to it as in their own sequences (`packing`)
+    share_prompts: bool = True
 
     def __post_init__(self):
         if self.backend not in ("megatron", "deepspeed"):

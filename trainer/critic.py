@@ -52,7 +52,7 @@ class MegatronCritic:
 
     @staticmethod
     def _token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        return output[0, :, 0][mb.response_mask.to(output.device)]
+        return output[0, :, 0].index_select(0, mb.read_rows.to(output.device))
 
     def compute_values(self, batch: RLBatch) -> list[torch.Tensor]:
         """Per-sample values of the response tokens, for the whole batch, on every rank."""

@@ -133,9 +133,11 @@ class DeepSpeedTrainer:
         model = self.engine if model is None else model
         logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
         packed = logits[attn.to(device).bool()]  # [t, V] in packed order (row-major)
-        resp = mb.response_mask.to(device)  # only the response rows go through the softmax
+        # only the read rows go through the softmax (unshared packing: each row read at most once)
         out = full_vocab_logprobs(
-            packed[resp], mb.targets.to(device)[resp], temperature=self.cfg.loss.temperature
+            packed.index_select(0, mb.read_rows.to(device)),
+            mb.read_targets.to(device),
+            temperature=self.cfg.loss.temperature,
         )
         return out.logprobs, out.entropy
 

@@ -33,6 +33,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from trainer import shared_prompts
 from trainer.bridge import HFCheckpoint, load_hf_weights
 from trainer.config import RLBatch, TrainerConfig
 from trainer.hf_config import arch_from_hf_config
@@ -66,7 +67,10 @@ def dp_share(n: int) -> list[int]:
 
 
 def _packed_params(mb: MicroBatch, dev) -> PackedSeqParams:
+    """megatron's view of `mb`; its shared-prompt layout, if any, is bound to the `cu_seqlens`
+    tensor that attention and RoPE get (`shared_prompts`)."""
     cu = mb.cu_seqlens.to(dev)
+    shared_prompts.bind(cu, None if mb.shared is None else shared_prompts.to_device(mb.shared, dev))
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -169,6 +173,9 @@ class MegatronModel:
         if not value_head:  # the policy's log-probs may skip prompt rows (`run`)
             install_row_selection(model)
         self.raw = model
+        # a prompt shared by samples of a micro-batch runs once (`packing`); Transformer
+        # Engine's attention cannot attend in that layout, ours can
+        self.share_prompts = cfg.share_prompts and not cfg.use_transformer_engine
         self.config = model.config
         self.step_count = 0
         self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
@@ -222,13 +229,14 @@ class MegatronModel:
         """Run the schedule; on the last PP stage returns loss_fn's metric dicts, else [].
 
         `response_rows`: the model's output (what `loss_fn(mb, output)` gets) covers only the
-        micro-batch's response positions (`mb.response_mask`), in packed order: the last layer
-        past its attention and the LM head skip the prompt rows (`response_rows`)."""
+        micro-batch's read rows (`mb.logit_rows`; `mb.reads_of` gives one row per read): the
+        last layer past its attention and the LM head skip the other rows (`response_rows`);
+        without it the output covers every packed row."""
         dev = device()
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
-            rows = mb.response_mask.nonzero().squeeze(1).to(dev) if response_rows else None
+            rows = mb.logit_rows.to(dev) if response_rows else None
             with selecting(self.raw, rows):
                 out = model(
                     mb.input_ids.to(dev),
@@ -263,6 +271,7 @@ class MegatronModel:
             [batch.tokens[i] for i in mine],
             [batch.prompt_lens[i] for i in mine],
             self.cfg.max_tokens_per_micro_batch,
+            self.share_prompts,
         )
 
         def loss_fn(mb, output):
@@ -289,7 +298,9 @@ class MegatronModel:
     ) -> list[dict]:
         """Forward + backward over this DP rank's share `local`; grads left in DDP buffers.
         `response_rows`: as in `run`."""
-        mbs = pack_all(local.tokens, local.prompt_lens, self.cfg.max_tokens_per_micro_batch)
+        mbs = pack_all(
+            local.tokens, local.prompt_lens, self.cfg.max_tokens_per_micro_batch, self.share_prompts
+        )
         self.module.train()
         self.module.zero_grad_buffer()
         return self.run(mbs, loss_fn, forward_only=False, response_rows=response_rows)

@@ -67,11 +67,10 @@ class MegatronTrainer:
     # ----------------------------------------------------------------------------- log-probs
 
     def _token_logprobs(self, model: MegatronModel, logits: torch.Tensor, mb: MicroBatch):
-        # `logits` [1, n, V]: the response positions only (the model ran with `response_rows`)
-        resp = mb.response_mask.to(logits.device)
+        # `logits` [1, m, V] at `mb.logit_rows` (the model ran with `response_rows`)
         out = vocab_parallel_logprobs(
-            logits[0],
-            mb.targets.to(logits.device)[resp],
+            mb.reads_of(logits[0]),
+            mb.read_targets.to(logits.device),
             vocab_size=model.arch.vocab_size,
             temperature=self.cfg.loss.temperature,
             entropy_grad=bool(self.cfg.loss.entropy_coef),

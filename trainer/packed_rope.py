@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer import compiled
+from trainer import compiled, shared_prompts
 from trainer.compiled import call
 
 _original = None
@@ -90,11 +90,15 @@ def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype):
             == (freqs._version, cu_seqlens._version, dtype)
         ):
             return _last[1]
-    bounds = cu_seqlens.to(torch.int64)
-    lengths = bounds[1:] - bounds[:-1]
-    rows = torch.arange(int(bounds[-1]), device=freqs.device)
-    starts = torch.repeat_interleave(bounds[:-1], lengths).to(freqs.device)
-    positions = rows - starts  # each row's position within its own sequence
+    layout = shared_prompts.layout_for(cu_seqlens)
+    if layout is not None:  # a response after a shared prompt continues the prompt's positions
+        positions = layout.positions.to(freqs.device)
+    else:
+        bounds = cu_seqlens.to(torch.int64)
+        lengths = bounds[1:] - bounds[:-1]
+        rows = torch.arange(int(bounds[-1]), device=freqs.device)
+        starts = torch.repeat_interleave(bounds[:-1], lengths).to(freqs.device)
+        positions = rows - starts  # each row's position within its own sequence
     packed = freqs.reshape(freqs.shape[0], -1).index_select(0, positions).unsqueeze(1)
     # as megatron computes them: (cos(freqs) * mscale).to(t.dtype), here with mscale 1
     pair = (torch.cos(packed).to(dtype), torch.sin(packed).to(dtype))
@@ -116,6 +120,11 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
         and t.shape[-1] % 2 == 0
     )
     if not simple:
+        if shared_prompts.layout_for(cu_seqlens) is not None:
+            raise NotImplementedError(
+                "shared prompts need the plain rotary embedding (no rope fusion, interleaving, "
+                "MLA, mscale or context parallelism); set trainer.share_prompts: false"
+            )
         return _original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
     cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype)
     return _Rotate.apply(t, cos, sin, compiled.rotation_of(config))

@@ -31,6 +31,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from trainer import shared_prompts
+from trainer.packing import SharedPrompts
+
 
 class SDPACoreAttention(MegatronModule):
     def __init__(
@@ -78,9 +81,13 @@ class SDPACoreAttention(MegatronModule):
                     "packed sequences carry their boundaries in cu_seqlens; "
                     "pass attention_mask=None"
                 )
-            out = packed_causal_attention(
-                query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale
-            )  # [t, heads, d]
+            cu = packed_seq_params.cu_seqlens_q
+            layout = shared_prompts.layout_for(cu)
+            if layout is None:
+                out = packed_causal_attention(query, key, value, cu, self.softmax_scale)
+            else:
+                out = shared_prompt_attention(query, key, value, layout, self.softmax_scale)
+            # out: [t, heads, d]
             return out.reshape(out.size(0), -1)  # attention.py reshapes to [t, 1, h]
         if attention_mask is not None:
             raise NotImplementedError(
@@ -216,3 +223,16 @@ def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
         pieces.append(out.reshape(-1, *out.shape[2:]))
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return out if plan.dest is None else _GatherRows.apply(out, plan.dest)
+
+
+def shared_prompt_attention(query, key, value, layout: SharedPrompts, scale: float):
+    """`packed_causal_attention` of micro-batch rows where samples share prompts
+    (`packing.SharedPrompts`): the rows are expanded into each sample's own sequence (a shared
+    prompt's rows repeated in front of each of its responses), attended causally as usual, and
+    each packed row's output taken from one copy. A response row therefore attends over its
+    prompt and itself exactly as in its own sequence. A prompt row's output comes from its
+    first sample's copy; the other copies' outputs are dropped, so they pass gradient only
+    through their keys and values, which the expansion's backward sums into the prompt's rows."""
+    q, k, v = (x.index_select(0, layout.expand) for x in (query, key, value))
+    out = packed_causal_attention(q, k, v, layout.cu_seqlens, scale)
+    return _GatherRows.apply(out, layout.pick)

@@ -27,10 +27,9 @@ def _score(trainer, batch, response_rows: bool):
     rows_seen = []
 
     def fn(logits, mb):
-        rows_seen.append((logits.shape[1], mb.num_tokens, int(mb.response_mask.sum())))
-        resp = mb.response_mask
-        picked = logits[0] if response_rows else logits[0][resp]
-        out = vocab_parallel_logprobs(picked, mb.targets[resp], vocab_size=trainer.vocab_size)
+        rows_seen.append((logits.shape[1], mb.num_tokens, mb.logit_rows.numel()))
+        picked = mb.reads_of(logits[0]) if response_rows else logits[0][mb.read_rows]
+        out = vocab_parallel_logprobs(picked, mb.read_targets, vocab_size=trainer.vocab_size)
         return {"lp": out.logprobs, "ent": out.entropy}
 
     out = trainer.policy.per_sample(batch, fn, response_rows=response_rows)
@@ -44,10 +43,9 @@ def _grads(trainer, batch, response_rows: bool) -> list[torch.Tensor]:
     weights = torch.Generator().manual_seed(3)
 
     def loss_fn(mb, logits):
-        resp = mb.response_mask
-        picked = logits[0] if response_rows else logits[0][resp]
+        picked = mb.reads_of(logits[0]) if response_rows else logits[0][mb.read_rows]
         lp = vocab_parallel_logprobs(
-            picked, mb.targets[resp], vocab_size=trainer.vocab_size
+            picked, mb.read_targets, vocab_size=trainer.vocab_size
         ).logprobs
         w = torch.randn(lp.shape, generator=weights, dtype=lp.dtype)
         return (w * lp).sum(), torch.tensor(1), {}

@@ -58,9 +58,10 @@ def test_pack_layout():
     assert mb.input_ids.tolist() == [[10, 11, 12, 13, 20, 21, 22]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert mb.cu_seqlens.tolist() == [0, 4, 7] and mb.max_seqlen == 4
-    # position p predicts targets[p]; responses are 12, 13 and 21, 22
-    assert mb.targets.tolist() == [11, 12, 13, 0, 21, 22, 0]
-    assert mb.response_mask.tolist() == [False, True, True, False, True, True, False]
+    # row 1 predicts 12, row 2 13; row 4 predicts 21, row 5 22
+    assert mb.read_rows.tolist() == [1, 2, 4, 5] and mb.read_targets.tolist() == [12, 13, 21, 22]
+    assert mb.logit_rows.tolist() == [1, 2, 4, 5] and mb.read_index is None
+    assert mb.shared is None
     with pytest.raises(ValueError, match="prompt_len"):
         pack(tokens, [0, 1], [0])
     assert [m.sample_indices for m in pack_all(tokens, [2, 1], 4)] == [(0,), (1,)]
