@@ -169,6 +169,10 @@ def pack(
     logit_rows, read_index, shared = rows, None, None
     if any(len(g) > 1 for g in groups):
         logit_rows, read_index = torch.unique(rows, sorted=True, return_inverse=True)
+    if not read_rows:  # no response token: the model returns every row (it cannot return
+        # none), and nobody reads them
+        logit_rows, read_index = torch.arange(len(ids)), rows
+    if any(len(g) > 1 for g in groups):
         shared = SharedPrompts(
             positions=torch.tensor(pos, dtype=torch.long),
             expand=torch.tensor(expand, dtype=torch.long),

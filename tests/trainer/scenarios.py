@@ -20,9 +20,12 @@ from trainer.config import LossConfig, OptimConfig, RLBatch, TrainerConfig
 
 
 def fixed_batch(vocab_size: int) -> RLBatch:
+    """Six samples of mixed lengths; samples 0 and 3 share their 3-token prompt (a GRPO
+    group), so the megatron backend packs that prompt once (`trainer.share_prompts`)."""
     g = torch.Generator().manual_seed(1234)
-    lengths, prompts = (9, 5, 12, 7, 10, 6), (3, 2, 6, 4, 1, 5)
+    lengths, prompts = (9, 5, 12, 7, 10, 6), (3, 2, 6, 3, 1, 5)
     tokens = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+    tokens[3][:3] = tokens[0][:3]
     advantages = [torch.randn(n - p, generator=g) for n, p in zip(lengths, prompts)]
     return RLBatch(tokens=tokens, prompt_lens=list(prompts), advantages=advantages)
 

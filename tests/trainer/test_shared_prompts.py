@@ -42,6 +42,10 @@ def test_layout_by_hand():
     assert mb.shared.cu_seqlens.tolist() == [0, 5, 9, 15, 18]
     assert mb.shared.pick.tolist() == [0, 1, 2, 3, 4, 8, 12, 13, 14, 15, 16, 17]
     assert torch.equal(mb.shared.expand[mb.shared.pick], torch.arange(12))
+    # responses of no token: nothing is read, the model's selection keeps every row
+    empty = pack([[1, 2], [3]], [2, 1], [0, 1])
+    assert empty.read_rows.numel() == 0 and empty.logit_rows.tolist() == [0, 1, 2]
+    assert empty.reads_of(torch.ones(3, 5)).shape == (0, 5)
     # no prompt shared: the plain layout
     plain = pack(tokens, [3, 3, 2, 3], [0, 2], share_prompts=True)
     assert plain.shared is None and plain.read_index is None
