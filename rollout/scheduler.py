@@ -493,8 +493,14 @@ class Scheduler:
             sampled = zip(to_sample, tokens.tolist(), logprobs.tolist())
         for seq, tokens, logprobs in emitted:
             self._append(seq, tokens, logprobs)
-        for seq, token, logprob in sampled:
-            self._append(seq, (token,), (logprob,))
+        version = self.weight_version
+        for seq, token, logprob in sampled:  # `_append` of one token, inline (every step)
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            if (reason := self._finish_reason(seq, token)) is not None:
+                self._finish(seq, reason)
+        self.stats.generated_tokens += len(to_sample)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
         """Append sampled tokens, stopping at the first that finishes the sequence."""
@@ -504,16 +510,18 @@ class Scheduler:
             seq.versions.append(self.weight_version)
             self.stats.generated_tokens += 1
             reason = self._finish_reason(seq, token)
-            if reason is None:
-                continue
-            # Stopping inside an accepted draft: K/V past the last kept token is not the sequence's.
-            seq.num_computed = min(seq.num_computed, len(seq.token_ids))
-            if seq.status is Status.RUNNING:
-                self._release(seq, cache_kv=True)
-            else:  # a fork that found no page: it never held KV
-                self.waiting.remove(seq)
-            self._record(seq, reason)
-            return
+            if reason is not None:
+                self._finish(seq, reason)
+                return
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        # Stopping inside an accepted draft: K/V past the last kept token is not the sequence's.
+        seq.num_computed = min(seq.num_computed, len(seq.token_ids))
+        if seq.status is Status.RUNNING:
+            self._release(seq, cache_kv=True)
+        else:  # a fork that found no page: it never held KV
+            self.waiting.remove(seq)
+        self._record(seq, reason)
 
     def _ready_to_sample(self, seq: Sequence) -> list[Sequence]:
         """`seq` has computed all its tokens. A completed prompt (via a prefill chunk or, fully

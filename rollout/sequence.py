@@ -104,8 +104,10 @@ class Sequence:
     # replaced or released otherwise than by appending (admit, prefix-cache insert, preempt,
     # finish). Copies of its K/V kept elsewhere (`SuffixLanes`) are valid only for this epoch.
     kv_epoch: int = field(init=False)
+    prompt_len: int = field(init=False)  # len(request.prompt), read every step
 
     def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt)
         if self.token_ids is None:
             self.token_ids = list(self.request.prompt)
         # Seeded on CPU whatever the device, so draws do not depend on where the model runs.
@@ -120,10 +122,6 @@ class Sequence:
     def order(self) -> tuple[int, int]:
         """Arrival order; the largest is the newest (preempted first)."""
         return (self.request.request_id, self.sample_index)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt)
 
     @property
     def num_generated(self) -> int:
