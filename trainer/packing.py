@@ -126,35 +126,37 @@ def pack(
         groups = prompt_groups(tokens, prompt_lens, indices)
     else:
         groups = [[i] for i in indices]
+    shared_any = any(len(g) > 1 for g in groups)
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
     read_rows: list[int] = []
     read_targets: list[int] = []
-    # the per-sample layout: row r of it computes what packed row expand[r] computes in its
-    # own sequence; pick[q] is one per-sample row of packed row q
+    # only with a shared prompt, the per-sample layout: row r of it computes what packed row
+    # expand[r] computes in its own sequence; pick[q] is one per-sample row of packed row q
     expand: list[int] = []
     cu_e = [0]
     pick: list[int] = []
     for members in groups:
-        p = _check(tokens, prompt_lens, members[0])
+        p = _check(tokens, prompt_lens, members[0])  # every member's (`prompt_groups`)
         prompt_start = len(ids)
         ids.extend(tokens[members[0]][:p])
         pos.extend(range(p))
-        pick.extend(range(cu_e[-1], cu_e[-1] + p))  # the first member's copy of the prompt
+        if shared_any:
+            pick.extend(range(cu_e[-1], cu_e[-1] + p))  # the first member's copy of the prompt
         if len(members) > 1:
             cu.append(len(ids))  # the shared prompt is a piece of its own
         for i in members:
-            _check(tokens, prompt_lens, i)
             response = list(tokens[i][p:])
             start, r = len(ids), len(response)
             ids.extend(response)
             pos.extend(range(p, p + r))
-            copy = cu_e[-1]
-            expand.extend(range(prompt_start, prompt_start + p))
-            expand.extend(range(start, start + r))
-            pick.extend(range(copy + p, copy + p + r))
-            cu_e.append(copy + p + r)
+            if shared_any:
+                copy = cu_e[-1]
+                expand.extend(range(prompt_start, prompt_start + p))
+                expand.extend(range(start, start + r))
+                pick.extend(range(copy + p, copy + p + r))
+                cu_e.append(copy + p + r)
             if r:
                 # the prompt's last row predicts the first response token; each response row
                 # but the last predicts the next
@@ -167,23 +169,22 @@ def pack(
             cu.append(len(ids))
     rows = torch.tensor(read_rows, dtype=torch.long)
     logit_rows, read_index, shared = rows, None, None
-    if any(len(g) > 1 for g in groups):
+    if shared_any:
         logit_rows, read_index = torch.unique(rows, sorted=True, return_inverse=True)
-    if not read_rows:  # no response token: the model returns every row (it cannot return
-        # none), and nobody reads them
-        logit_rows, read_index = torch.arange(len(ids)), rows
-    if any(len(g) > 1 for g in groups):
         shared = SharedPrompts(
             positions=torch.tensor(pos, dtype=torch.long),
             expand=torch.tensor(expand, dtype=torch.long),
             cu_seqlens=torch.tensor(cu_e, dtype=torch.int32),
             pick=torch.tensor(pick, dtype=torch.long),
         )
+    if not read_rows:  # no response token: the model returns every row (it cannot return
+        # none), and nobody reads them
+        logit_rows, read_index = torch.arange(len(ids)), rows
     return MicroBatch(
         input_ids=torch.tensor([ids], dtype=torch.long),
         position_ids=torch.tensor([pos], dtype=torch.long),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        max_seqlen=max(b - a for a, b in zip(cu_e[:-1], cu_e[1:])),
+        max_seqlen=max(len(tokens[i]) for i in indices),
         read_rows=rows,
         read_targets=torch.tensor(read_targets, dtype=torch.long),
         logit_rows=logit_rows,

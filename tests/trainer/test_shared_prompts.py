@@ -82,7 +82,7 @@ def grouped_batch(vocab_size: int) -> RLBatch:
 def _trainer(directory, dtype: str, share: bool):
     from trainer.megatron_trainer import MegatronTrainer
 
-    # 24 rows: the batch's 59 packed rows (71 unshared) take three micro-batches
+    # 24 rows: the batch's 51 packed rows take three micro-batches (72 rows, four, unshared)
     cfg = scenarios.trainer_config(
         directory, dtype=dtype, max_tokens_per_micro_batch=24, share_prompts=share
     )
