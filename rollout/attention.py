@@ -70,6 +70,16 @@ class DecodeMetadata:
     # member_index is arange(D) with D = G * M (every group full, its members consecutive, as
     # forks of one prompt decode): the [G, M] grid is then a view of the sequences, no scatter.
     members_in_order: bool = False
+    # One query per sequence and the grid in batch order (query_index and token_cell are
+    # aranges): the grid's rows are the decode tokens' rows, read and written in place.
+    grid_is_batch: bool = False
+    # [D] each sequence's group (member_index // group_size); computed here when not given.
+    group_of: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.group_of is None:
+            group_of = torch.div(self.member_index, self.group_size, rounding_mode="floor")
+            object.__setattr__(self, "group_of", group_of)
 
     @property
     def num_tokens(self) -> int:
@@ -104,22 +114,29 @@ class TorchAttention:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, D]
         store_rows(k_cache, meta.out_slots, k)
         store_rows(v_cache, meta.out_slots, v)
+        if meta.decode is not None and not meta.prefill:  # pure decode: no rows to merge
+            return self._decode(layer, q, k, v, meta, k_cache, v_cache)
         out = torch.empty_like(q)
         if meta.decode is not None:
-            num_decode, suffix, prefix = meta.num_decode, None, None
-            decode, page_size = meta.decode, self.pool.page_size
-            if decode.lane_write is not None:
-                lanes = self.suffix_lanes
-                lanes.mirror(layer, decode.lane_write, k[:num_decode], v[:num_decode])
-                num_seqs, width = decode.suffix_bias.shape[0], decode.suffix_bias.shape[-1]
-                suffix = lanes.views(layer, num_seqs, width)
-                if decode.prefix_key is not None and decode.prefix_pages.shape[1] > 0:
-                    prefix = lanes.prefix(layer, decode.prefix_key, decode.prefix_pages)
-            out[:num_decode] = cascade_decode_attention(
-                q[:num_decode], k_cache, v_cache, decode, page_size, suffix, prefix
-            )
+            out[: meta.num_decode] = self._decode(layer, q, k, v, meta, k_cache, v_cache)
         prefill_attention(q, k_cache, v_cache, meta.prefill, out)
         return out
+
+    def _decode(self, layer, q, k, v, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
+        """Attention of the decode tokens (the batch's first `meta.num_decode` rows), their K/V
+        already stored -> [num_decode, H, D]."""
+        num_decode, suffix, prefix = meta.num_decode, None, None
+        decode, page_size = meta.decode, self.pool.page_size
+        if decode.lane_write is not None:
+            lanes = self.suffix_lanes
+            lanes.mirror(layer, decode.lane_write, k[:num_decode], v[:num_decode])
+            num_seqs, width = decode.suffix_bias.shape[0], decode.suffix_bias.shape[-1]
+            suffix = lanes.views(layer, num_seqs, width)
+            if decode.prefix_key is not None and decode.prefix_pages.shape[1] > 0:
+                prefix = lanes.prefix(layer, decode.prefix_key, decode.prefix_pages)
+        return cascade_decode_attention(
+            q[:num_decode], k_cache, v_cache, decode, page_size, suffix, prefix
+        )
 
 
 def prefill_attention(
@@ -236,11 +253,16 @@ def cascade_decode_attention_native(
     (sequence, KV head) attends over its group's prefix and its own suffix in one softmax, K and
     V read in place (the suffix lanes' strided views included). The many small products of the
     decode shape cost torch's flash kernel more in per-call set-up than in arithmetic."""
-    grid_q = _grid_queries(q, meta, suffix_kv[0].shape[0])
-    group_of = torch.div(meta.member_index, meta.group_size, rounding_mode="floor")
+    num_kv_heads = suffix_kv[0].shape[0]
+    if meta.grid_is_batch:  # the kernel reads the q heads in place and writes the token rows
+        grid_q = q.to(torch.float32).unflatten(1, (num_kv_heads, -1))
+    else:
+        grid_q = _grid_queries(q, meta, num_kv_heads)
     out = native.cascade_decode(
-        lib, grid_q, suffix_kv, meta.suffix_bias, prefix_kv, meta.prefix_bias, group_of
+        lib, grid_q, suffix_kv, meta.suffix_bias, prefix_kv, meta.prefix_bias, meta.group_of
     )
+    if meta.grid_is_batch:
+        return out.view(q.shape).to(q.dtype)
     return _grid_output(out, meta, q.dtype)
 
 
@@ -289,7 +311,7 @@ def cascade_decode_attention_flash(
     if meta.members_in_order:  # the [G, M] grid is the sequences themselves
         member_q = grid_q.view(groups, members, num_kv_heads, rows, head_dim)
     else:
-        group_of = torch.div(meta.member_index, members, rounding_mode="floor")
+        group_of = meta.group_of
         slot_of = meta.member_index - group_of * members
         # Queries into the [G, M] grid (empty cells stay zero; their rows are never read back).
         member_q = grid_q.new_zeros(groups, members, num_kv_heads, rows, head_dim)

@@ -27,9 +27,10 @@ _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cascade_decode_f32.argtypes = [
         *(_I64,) * 5,  # D, Hkv, R, Dh, rows_per_bias
-        *(_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR),  # q, suffix K, V, strides, Ls, bias
+        *(_PTR, _I64),  # q, its sequence stride
+        *(_PTR, _PTR, _I64, _I64, _I64, _PTR),  # suffix K, V, strides, Ls, bias
         *(_PTR, _PTR, _I64, _I64, _I64, _PTR),  # prefix K, V, head / group strides, Lp, bias
-        *(_PTR, _I64, _F32, _PTR, _INT),  # group_of, G, scale, out, threads
+        *(_PTR, _I64, _F32, _PTR, _I64, _INT),  # group_of, G, scale, out, its stride, threads
     ]
     lib.cascade_decode_f32.restype = _INT
     lib.cascade_decode_has_avx2.restype = _INT
@@ -85,11 +86,14 @@ def cascade_decode(
 ) -> torch.Tensor:
     """Softmax attention of each sequence's grid rows over (its group's prefix ++ its suffix).
 
-    grid_q [D, Hkv, R, Dh] float32, rows ordered (query token, head in the KV group); suffix K, V
-    [Hkv, D, Ls, Dh]; suffix_bias [D, Q, Ls] additive (row r reads query r // (R / Q));
-    prefix K, V [Hkv, G, Lp, Dh] or None; prefix_bias [G, Lp]; group_of [D] -> [D, Hkv, R, Dh]."""
+    grid_q [D, Hkv, R, Dh] float32, rows ordered (query token, head in the KV group), read in
+    place where each sequence's Hkv * R rows are contiguous, whatever the stride between
+    sequences (the q heads of the fused projection's output); suffix K, V [Hkv, D, Ls, Dh];
+    suffix_bias [D, Q, Ls] additive (row r reads query r // (R / Q)); prefix K, V
+    [Hkv, G, Lp, Dh] or None; prefix_bias [G, Lp]; group_of [D] -> [D, Hkv, R, Dh], contiguous."""
     num_seqs, num_kv_heads, rows, head_dim = grid_q.shape
-    grid_q = grid_q.contiguous()
+    if grid_q.stride()[1:] != (rows * head_dim, head_dim, 1):
+        grid_q = grid_q.contiguous()
     suffix_k, suffix_v = (_rows_of_dh(t) for t in suffix_kv)
     if suffix_k.stride() != suffix_v.stride():
         suffix_k, suffix_v = suffix_k.contiguous(), suffix_v.contiguous()
@@ -104,7 +108,7 @@ def cascade_decode(
         prefix_len = prefix_k.shape[2]
         assert prefix_bias.shape[1] == prefix_len, (prefix_bias.shape, prefix_k.shape)
     group_of = group_of.to(torch.int64).contiguous()
-    out = torch.empty_like(grid_q)
+    out = torch.empty(grid_q.shape, dtype=torch.float32)
     status = lib.cascade_decode_f32(
         num_seqs,
         num_kv_heads,
@@ -112,6 +116,7 @@ def cascade_decode(
         head_dim,
         rows_per_bias,
         grid_q.data_ptr(),
+        grid_q.stride(0),
         suffix_k.data_ptr(),
         suffix_v.data_ptr(),
         suffix_k.stride(0),
@@ -128,6 +133,7 @@ def cascade_decode(
         prefix_k.shape[1] if prefix_len else 0,
         1.0 / math.sqrt(head_dim),
         out.data_ptr(),
+        out.stride(0),
         torch.get_num_threads(),
     )
     if status == -2:

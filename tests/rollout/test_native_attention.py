@@ -9,8 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+from dataclasses import replace
+
 import pytest
 import torch
+from kernels.kernel_cases import cascade_metadata, random_pool
 from native_builds import builds
 from test_attention import cascade_case
 
@@ -81,6 +84,41 @@ def test_a_strided_suffix_is_read_in_place_with_any_thread_count(threads):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(in_place, cascade_decode_attention_native(lib, q, meta, suffix, prefix))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batch_ordered_grid_reads_q_in_place_and_returns_token_rows(threads):
+    """One query per sequence in batch order (`grid_is_batch`, the engine's steady decode): the
+    kernel reads the q heads in place from a wider fused-projection row and its output rows are
+    the tokens' rows, bitwise the result of the gathered grid, and within float32 rounding of
+    the float64 reference."""
+    g = torch.Generator().manual_seed(5)
+    page_size, num_kv, per_kv, head_dim = 4, 2, 3, 32
+    k_cache, v_cache = random_pool(num_kv, 64, page_size, head_dim, torch.float32, g)
+    groups = [(2, [1, 5, 9]), (1, [3]), (0, [6])]
+    meta = cascade_metadata(groups, page_size, 64, g)
+    num_tokens, heads = meta.num_tokens, num_kv * per_kv
+    fused = torch.randn(num_tokens, heads + 2 * num_kv, head_dim, generator=g)
+    q = fused[:, :heads]  # the q heads of a q/k/v projection's output: a strided view
+    assert not q.is_contiguous()
+    suffix, prefix = _gathered(k_cache, v_cache, meta, page_size)
+    lib, before = native.attention(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        in_place = cascade_decode_attention_native(
+            lib, q, replace(meta, grid_is_batch=True), suffix, prefix
+        )
+        gathered = cascade_decode_attention_native(lib, q, meta, suffix, prefix)
+    finally:
+        torch.set_num_threads(before)
+    assert in_place.shape == q.shape and in_place.is_contiguous()
+    assert torch.equal(in_place, gathered)
+    torch.testing.assert_close(
+        in_place.double(),
+        _reference(q, k_cache, v_cache, meta, page_size),
+        atol=2e-6,
+        rtol=2e-6,
+    )
 
 
 def test_the_dispatcher_uses_the_kernel_in_float32_only():
