@@ -24,7 +24,7 @@ buffers instead of gathering them from the pool every step; the function compute
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -73,13 +73,13 @@ class DecodeMetadata:
     # One query per sequence and the grid in batch order (query_index and token_cell are
     # aranges): the grid's rows are the decode tokens' rows, read and written in place.
     grid_is_batch: bool = False
-    # [D] each sequence's group (member_index // group_size); computed here when not given.
-    group_of: torch.Tensor | None = None
+    # [D] each sequence's group, member_index // group_size: derived once here, read by every
+    # layer.
+    group_of: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
-        if self.group_of is None:
-            group_of = torch.div(self.member_index, self.group_size, rounding_mode="floor")
-            object.__setattr__(self, "group_of", group_of)
+        group_of = torch.div(self.member_index, self.group_size, rounding_mode="floor")
+        object.__setattr__(self, "group_of", group_of)
 
     @property
     def num_tokens(self) -> int:

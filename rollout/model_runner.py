@@ -42,7 +42,6 @@ class _Layout(NamedTuple):
     prefix_key: tuple | None  # each group leader's (kv_epoch, num_tree_pages), in group order
     members_in_order: bool
     grid_is_batch: bool
-    group_of: torch.Tensor
 
 
 class ModelRunner:
@@ -174,7 +173,6 @@ class ModelRunner:
             prefix_key=layout.prefix_key,
             members_in_order=layout.members_in_order,
             grid_is_batch=layout.grid_is_batch,
-            group_of=layout.group_of,
         )
 
     def _layout(
@@ -220,11 +218,10 @@ class ModelRunner:
             + torch.arange(len(token_seq), device=device)
             - batch_start[token_seq]
         )
-        member_index_t = torch.tensor(member_index, device=device)
         return _Layout(
             prefix_pages,
             prefix_bias,
-            member_index_t,
+            torch.tensor(member_index, device=device),
             group_size,
             query_index,
             token_cell,
@@ -233,7 +230,6 @@ class ModelRunner:
             else None,
             len(groups) * group_size == len(seqs) and member_index == list(range(len(seqs))),
             width_q == 1 and list(order) == list(range(len(seqs))),
-            torch.div(member_index_t, group_size, rounding_mode="floor"),
         )
 
     def _pages_of(self, rows: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:

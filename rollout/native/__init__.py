@@ -30,7 +30,7 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
         *(_PTR, _I64),  # q, its sequence stride
         *(_PTR, _PTR, _I64, _I64, _I64, _PTR),  # suffix K, V, strides, Ls, bias
         *(_PTR, _PTR, _I64, _I64, _I64, _PTR),  # prefix K, V, head / group strides, Lp, bias
-        *(_PTR, _I64, _F32, _PTR, _I64, _INT),  # group_of, G, scale, out, its stride, threads
+        *(_PTR, _I64, _F32, _PTR, _INT),  # group_of, G, scale, out, threads
     ]
     lib.cascade_decode_f32.restype = _INT
     lib.cascade_decode_has_avx2.restype = _INT
@@ -133,7 +133,6 @@ def cascade_decode(
         prefix_k.shape[1] if prefix_len else 0,
         1.0 / math.sqrt(head_dim),
         out.data_ptr(),
-        out.stride(0),
         torch.get_num_threads(),
     )
     if status == -2:

@@ -167,15 +167,14 @@ static inline __attribute__((always_inline)) void item(
    decode tokens' q heads read in place from the fused projection's output); suffix K, V:
    element (h, d, t, x) at h * s_h + d * s_d + t * Dh + x; sbias [D, R / rows_per_bias, Ls];
    prefix K, V [Hkv, G, Lp, Dh] at h * p_h + g * p_g; pbias [G, Lp]; group_of [D], each in
-   [0, G = num_groups); out [D, Hkv, R, Dh], sequence d's rows at out + d * out_d. Returns 0; -1
-   if a buffer could not be allocated (out is then incomplete); -2, writing nothing, if a group
-   index is out of range. */
+   [0, G = num_groups); out [D, Hkv, R, Dh] contiguous. Returns 0; -1 if a buffer could not be
+   allocated (out is then incomplete); -2, writing nothing, if a group index is out of range. */
 int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
                        const float *q, int64_t q_d, const float *sk, const float *sv, int64_t s_h,
                        int64_t s_d, int64_t Ls, const float *sbias, const float *pk,
                        const float *pv, int64_t p_h, int64_t p_g, int64_t Lp, const float *pbias,
                        const int64_t *group_of, int64_t num_groups, float scale, float *out,
-                       int64_t out_d, int num_threads) {
+                       int num_threads) {
   const int64_t L = Lp + Ls, sbias_d = (R / rows_per_bias) * Ls;
   if (Lp > 0)
     for (int64_t d = 0; d < D; d++)
@@ -193,7 +192,7 @@ int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t ro
       const float *pki = pk + h * p_h + g * p_g, *pvi = pv + h * p_h + g * p_g;
       const float *ski = sk + h * s_h + d * s_d, *svi = sv + h * s_h + d * s_d;
       const float *pb = pbias + g * Lp, *sb = sbias + d * sbias_d;
-      float *o = out + d * out_d + h * R * Dh;
+      float *o = out + it * R * Dh;
       switch (Dh) {  // constant head sizes let the compiler unroll and keep acc in registers
         case 32: item(32, R, rows_per_bias, qi, pki, pvi, Lp, pb, ski, svi, Ls, sb, scale, o, s); break;
         case 64: item(64, R, rows_per_bias, qi, pki, pvi, Lp, pb, ski, svi, Ls, sb, scale, o, s); break;
