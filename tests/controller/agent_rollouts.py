@@ -4,11 +4,14 @@
 tokens the model's last turn had; the next turn's input is the previous tokens plus the chat
 template's delta for the tool's message (nothing sampled is decoded and re-encoded). Each
 trajectory and what went into it is recorded in `RECORDS` for the test to rebuild by hand.
+`three_turns_across_updates`: the same, its "tool" slow enough to span a weight update (fully
+async runs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import NamedTuple
 
 from miles_like.trajectory import TrajectoryBuilder
@@ -39,6 +42,37 @@ AFTER_FIRST_TURN: list = []
 
 
 async def three_turns(ctx, problem):
+    return await _three_turns(ctx, problem, wait_for_update=False)
+
+
+async def three_turns_across_updates(ctx, problem):
+    """`three_turns`, but a sample whose first turn was sampled entirely by weights newer than
+    the first (version >= 1) waits, as a slow tool would, for the next weight update before its
+    second turn: its group is open with tokens at that update (continued across it, staleness 1
+    when trained) and its trajectory holds tokens of two versions, whatever the relative speed
+    of engine and trainer. Groups drawn under the initial weights never wait, so the batches
+    that make the updates happen always complete."""
+    return await _three_turns(ctx, problem, wait_for_update=True)
+
+
+UPDATE_WAIT_S = 120.0
+
+
+async def next_update(ctx, token_ids: list[int], j: int, version: int) -> int:
+    """Polls the engine with one-token calls (their tokens are discarded) until it samples with
+    weights newer than `version`; returns that version."""
+    poll = dataclasses.replace(ctx.sampling(j), max_new_tokens=1)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + UPDATE_WAIT_S
+    while loop.time() < deadline:
+        g = await ctx.generate(token_ids, poll)
+        if min(g.versions or (g.weight_version,)) > version:
+            return g.weight_version
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"no weight update after version {version} within {UPDATE_WAIT_S} s")
+
+
+async def _three_turns(ctx, problem, wait_for_update: bool):
     tok = ctx.tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>")
 
@@ -52,6 +86,9 @@ async def three_turns(ctx, problem):
             b.sampled(g.token_ids, g.logprobs, g.weight_version, g.finish_reason, g.versions)
             if AFTER_FIRST_TURN:
                 AFTER_FIRST_TURN.pop()()
+            oldest = min(g.versions or (g.weight_version,))
+            if wait_for_update and turn == 0 and oldest >= 1:
+                await next_update(ctx, b.token_ids, j, max(g.versions or (g.weight_version,)))
             sampled.append(g.token_ids)
             logprobs.append(g.logprobs)
             messages.append(
@@ -91,8 +128,6 @@ async def bad_mask(ctx, problem):
     b = TrajectoryBuilder(problem.prompt_ids)
     b.sampled(g.token_ids, g.logprobs, g.weight_version)
     t = b.build(response_text="")
-    import dataclasses
-
     return [dataclasses.replace(t, loss_mask=t.loss_mask + (1,))] * ctx.n
 
 

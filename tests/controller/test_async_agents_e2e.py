@@ -5,10 +5,12 @@ message between them; each trajectory recorded).
 * max_staleness 0: one batch at a time under the current weights, as in the synchronous loop:
   the trainer's log-probs of exactly the loss-masked tokens equal the engine's, every
   sampled token has the step's version, each step trains the next prompts_per_step prompts.
-* max_staleness 1 on long turns: calls run across weight updates and are continued from their
-  tokens under the new weights: some recorded turn holds tokens of two versions (one call),
-  no trained group is staler than the bound (its oldest token), and every drawn prompt is
-  trained, dropped or held exactly once.
+* max_staleness 1, with `agent_rollouts:three_turns_across_updates` (a group drawn under
+  updated weights waits, between its first and second turn, for the next update, as a slow
+  tool would, so it holds tokens at an update whatever the speed of engine and trainer): such
+  groups are continued across the update and their trajectories hold tokens of two versions,
+  each token with the version that sampled it, in order; no trained group is staler than the
+  bound (its oldest token), and every drawn prompt is trained, dropped or held exactly once.
 * Kill -9 mid-run and resume, with dynamic sampling on: the accounting is exact across it
   (groups running at the checkpoint restart from their prompts, buffered ones keep their
   trajectories, filtered ones stay counted), and every trained group is informative.
@@ -85,6 +87,7 @@ def test_agents_run_across_weight_updates_within_the_bound(ray_local, cache, tmp
         "rollout.max_new_tokens=48",
         "reward.function=user_rewards:length_score",
         *AGENTS,
+        "rollout.function=agent_rollouts:three_turns_across_updates",
         "cluster.max_staleness=1",
     )
     assert len(check_accounting(rows)) == 4 * PROMPTS
@@ -93,8 +96,8 @@ def test_agents_run_across_weight_updates_within_the_bound(ray_local, cache, tmp
     for r in rows:  # the oldest token of each trained group: at most one version old
         trained_at = r["step"]
         assert all(trained_at - 1 <= v <= trained_at for v in r["rollout/trained_prompt_versions"])
-    # a turn that was running at an update was continued: its call returned the tokens of
-    # both versions, each with its own version recorded, in order
+    # a group open at an update was continued under the new weights: its trajectory holds the
+    # tokens of both versions, each with its own version recorded, in order
     mixed = [
         rec for rec in agent_rollouts.RECORDS if len(set(sampled_versions(rec.trajectory))) > 1
     ]
