@@ -56,13 +56,15 @@ class DecodeMetadata:
     prefix_bias: torch.Tensor  # [G, Np * page_size] float, 0 = real token, -inf = padding
     member_index: torch.Tensor  # [D] position of each sequence in the flattened [G, M] grid
     group_size: int  # M
-    suffix_pages: torch.Tensor  # [D, Ns] each sequence's own pages after its group prefix
+    # [D, Ns] each sequence's own pages after its group prefix; None when the suffixes are read
+    # from the lanes (`lane_write` is set)
+    suffix_pages: torch.Tensor | None
     suffix_bias: torch.Tensor  # [D, Q, Ns * page_size] float: 0 = visible to that query (causal)
     query_index: torch.Tensor  # [D * Q] batch row of the query in each grid cell
     token_cell: torch.Tensor  # [num_tokens] grid cell of each decode token, in batch order
     # Set when the grid order is the lane order of `SuffixLanes`: where each decode token's K/V
     # is mirrored (flat lane * capacity + offset, batch order); the suffix is then read from the
-    # lanes instead of `suffix_pages`.
+    # lanes (`suffix_pages` is None).
     lane_write: torch.Tensor | None = None
     # With lanes: what identifies the groups' prefixes across steps (`SuffixLanes.prefix`): each
     # group leader's (kv_epoch, num_tree_pages), in group order.

@@ -193,7 +193,7 @@ class Engine:
                 self.suffix_lanes = SuffixLanes(self.pool, max_tokens)
             attention = TorchAttention(self.pool, self.suffix_lanes)
         self.runner = ModelRunner(
-            self.model, attention, self.scheduler.slot_table, config.page_size, self.suffix_lanes
+            self.model, attention, self.scheduler.slot_table, config.page_size
         )
         self.decode_graphs = (
             DecodeGraphs(

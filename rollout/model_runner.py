@@ -51,15 +51,19 @@ class ModelRunner:
         attention: TorchAttention,
         slot_table: torch.Tensor,
         page_size: int,
-        suffix_lanes: SuffixLanes | None = None,
     ):
         self.model = model
         self.page_size = page_size
         self.attention = attention
         self.slot_table = slot_table  # owned by the scheduler: (row, position) -> KV slot
         self.device = slot_table.device
-        self.suffix_lanes = suffix_lanes  # the attention's lanes, when it reads suffixes from them
         self._steady: tuple[tuple, _Layout] | None = None  # the last one-query step's layout
+
+    @property
+    def suffix_lanes(self) -> SuffixLanes | None:
+        """The attention's lanes, when it reads decode suffixes from them (then the metadata
+        names no suffix pages). Read from the attention, so swapping it swaps them too."""
+        return getattr(self.attention, "suffix_lanes", None)
 
     def prepare(self, batch: ScheduledBatch) -> StepPlan:
         """(input_ids [T], positions [T], attention metadata, logits row indices [R]).
@@ -150,16 +154,19 @@ class ModelRunner:
         computed = [
             s.num_computed - p for s, p in zip(seqs, seq_prefix)
         ]  # suffix tokens already in the pool
-        suffix_pages = self._pages_of(
-            [s.row for s in seqs], seq_prefix, [c + q for c, q in zip(computed, num_queries)]
-        )
-        assert plan is None or plan.width == suffix_pages.shape[1] * page_size
+        if plan is not None:  # the lanes hold the suffixes: attention reads no suffix pages
+            suffix_pages, width = None, plan.width
+        else:
+            suffix_pages = self._pages_of(
+                [s.row for s in seqs], seq_prefix, [c + q for c, q in zip(computed, num_queries)]
+            )
+            width = suffix_pages.shape[1] * page_size
         # Query j of a sequence sees its suffix up to and including itself; padding cells
         # repeat the sequence's last query.
         num_q = torch.tensor(num_queries, device=device)
         j = torch.minimum(torch.arange(width_q, device=device), num_q.unsqueeze(-1) - 1)
         limits = torch.tensor(computed, device=device).unsqueeze(-1) + j + 1  # [D, Q]
-        suffix_bias = self._visible(limits.unsqueeze(-1), suffix_pages.shape[1] * page_size)
+        suffix_bias = self._visible(limits.unsqueeze(-1), width)
         return DecodeMetadata(
             layout.prefix_pages,
             layout.prefix_bias,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from rollout import native
@@ -36,16 +37,15 @@ class UniformStream:
 
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
-        self._block: list[float] = []
-        self._next = 0
+        self._block = iter(())  # the current block's remaining draws
 
     def draw(self) -> float:
-        if self._next == len(self._block):
-            self._block = torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64)
-            self._block = self._block.tolist()
-            self._next = 0
-        self._next += 1
-        return self._block[self._next - 1]
+        try:
+            return next(self._block)
+        except StopIteration:
+            block = torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64)
+            self._block = iter(block.tolist())
+            return next(self._block)
 
 
 class SamplingBatch(NamedTuple):
@@ -54,6 +54,9 @@ class SamplingBatch(NamedTuple):
     top_k: torch.Tensor  # [R] int, <= 0 = off
     min_p: torch.Tensor  # [R] float in [0, 1)
     uniforms: torch.Tensor  # [R] float64 in [0, 1), one draw from each row's generator
+    # True: every row is drawn at a temperature > 0 with no top-k, top-p or min-p at all (what
+    # `of` knows from one setting shared by every row); False: not known, `sample` checks.
+    plain: bool = False
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> SamplingBatch:
@@ -61,16 +64,27 @@ class SamplingBatch(NamedTuple):
         # Greedy rows draw too, so a generator's stream advances one draw per token whatever
         # the temperature (keeps seeded streams simple to reason about).
         uniforms = torch.tensor([s.uniforms.draw() for s in seqs], dtype=torch.float64)
-        keys = [(p.temperature, p.top_p, p.min_p, p.top_k) for p in params]
-        if keys and keys.count(keys[0]) == len(keys):  # one setting for all (the RL case)
-            (temperature, top_p, min_p, top_k), rows = keys[0], len(keys)
+        # Requests share parameter objects (the samples of one request, often the requests of
+        # one call): compare the settings of the distinct objects only.
+        distinct = list({id(p): p for p in params}.values())
+        keys = {(p.temperature, p.top_p, p.min_p, p.top_k) for p in distinct}
+        if len(keys) == 1:  # one setting for all (the RL case)
+            ((temperature, top_p, min_p, top_k),), rows = keys, len(params)
             return cls(
                 temperature=torch.full((rows,), temperature, dtype=torch.float32),
                 top_p=torch.full((rows,), top_p, dtype=torch.float32),
                 top_k=torch.full((rows,), top_k, dtype=torch.int64),
                 min_p=torch.full((rows,), min_p, dtype=torch.float32),
                 uniforms=uniforms,
+                # compared in float32, as `sample` compares the tensors
+                plain=bool(
+                    np.float32(temperature) > 0
+                    and top_k <= 0
+                    and np.float32(top_p) >= 1
+                    and np.float32(min_p) <= 0
+                ),
             )
+        keys = [(p.temperature, p.top_p, p.min_p, p.top_k) for p in params]
         floats = torch.tensor([k[:3] for k in keys], dtype=torch.float32).reshape(-1, 3)
         return cls(
             temperature=floats[:, 0],
@@ -79,6 +93,13 @@ class SamplingBatch(NamedTuple):
             min_p=floats[:, 2],
             uniforms=uniforms,
         )
+
+    def select(self, rows) -> SamplingBatch:
+        """The batch of `rows` (an index tensor or a slice)."""
+        return self._replace(**{f: getattr(self, f)[rows] for f in _PER_ROW})
+
+
+_PER_ROW = ("temperature", "top_p", "top_k", "min_p", "uniforms")
 
 
 def truncation_mask(
@@ -122,6 +143,8 @@ def _sample_native(lib, logits: torch.Tensor, batch: SamplingBatch):
     """Rows drawn at a temperature > 0 without truncation go through the C kernel
     (`rollout.native.sample_rows`, the same procedure in one pass); the others through
     `_sample_torch`. Which path a row takes depends on its own parameters only."""
+    if batch.plain:
+        return native.sample_rows(lib, logits, batch.temperature, batch.uniforms)
     plain = (batch.temperature > 0) & ~_truncating(
         batch.top_k, batch.top_p, batch.min_p, logits.shape[-1]
     )
@@ -135,7 +158,7 @@ def _sample_native(lib, logits: torch.Tensor, batch: SamplingBatch):
         (plain.nonzero().squeeze(-1), True),
         ((~plain).nonzero().squeeze(-1), False),
     ):
-        part = SamplingBatch(*(t[rows] for t in batch))
+        part = batch.select(rows)
         if fast:
             tokens[rows], logprobs[rows] = native.sample_rows(
                 lib, logits[rows], part.temperature, part.uniforms

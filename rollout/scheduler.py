@@ -279,7 +279,8 @@ class Scheduler:
         running = sorted(self.running, key=lambda s: s.order)
         if self.proposer is not None:
             self._draft([s for s in running if len(s.token_ids) - s.num_computed == 1])
-        for seq in running:
+        evicted = False
+        for i, seq in enumerate(running):
             if seq.status is not Status.RUNNING:  # preempted by an older sequence this step
                 continue
             pending = len(seq.token_ids) - seq.num_computed
@@ -287,6 +288,9 @@ class Scheduler:
                 decode.append(seq)  # most decode steps: its last page has room (`_reserve`)
                 continue
             num_new = 1 + len(seq.draft) if pending == 1 else min(pending, budget)
+            if not evicted and (count := self._pages_for(seq, num_new)) > self.pool.num_free_pages:
+                self._evict_for_step(count, running[i + 1 :])
+                evicted = True
             if num_new == 0 or not self._reserve(seq, num_new):
                 continue
             if pending == 1:
@@ -309,6 +313,22 @@ class Scheduler:
                 prefill.append((seq, num_new))
             budget -= num_new
         return ScheduledBatch(decode, prefill)
+
+    def _evict_for_step(self, count: int, rest: list[Sequence]) -> None:
+        """Evict, in one pass over the tree, what `count` pages and the decodes of `rest` need
+        beyond the free pages. Decoding sequences cross page boundaries together (forks of a
+        prompt in lockstep); evicting for each in turn (`_alloc`) walked the whole tree once per
+        sequence."""
+        if self.cache is None or not self.cache.evictable_pages:
+            return
+        need = count + sum(
+            self._pages_for(s, 1 + len(s.draft))
+            for s in rest
+            if len(s.token_ids) - s.num_computed == 1
+        )
+        if need > self.pool.num_free_pages:
+            freed = self.cache.evict(need - self.pool.num_free_pages)
+            self.stats.evicted_tokens += freed * self.page_size
 
     def _draft(self, decoding: list[Sequence]) -> None:
         """Set `draft` / `draft_probs` of every decoding sequence: a speculated continuation, never
@@ -570,7 +590,8 @@ class Scheduler:
         stop_check = seq.request.stop_check
         if stop_check is not None and stop_check(seq.token_ids[seq.prompt_len :]):
             return "stop"
-        if seq.num_generated >= params.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+        length = len(seq.token_ids)  # (num_generated inline: this runs for every token)
+        if length - seq.prompt_len >= params.max_new_tokens or length >= self.max_model_len:
             return "length"
         return None
 

@@ -79,13 +79,9 @@ def test_sample_routes_rows_by_their_own_parameters():
         batch.uniforms,
     )
     tokens, logprobs = sample(logits, mixed)
-    alone = [
-        sample(logits[i : i + 1], SamplingBatch(*(t[i : i + 1] for t in mixed))) for i in range(6)
-    ]
+    alone = [sample(logits[i : i + 1], mixed.select(slice(i, i + 1))) for i in range(6)]
     for i, (t, lp) in enumerate(alone):
         assert int(tokens[i]) == int(t[0]) and float(logprobs[i]) == float(lp[0]), i
     others = torch.tensor([1, 2, 3])
-    ref_tokens, ref_logprobs = _sample_torch(
-        logits[others], SamplingBatch(*(t[others] for t in mixed))
-    )
+    ref_tokens, ref_logprobs = _sample_torch(logits[others], mixed.select(others))
     assert torch.equal(tokens[others], ref_tokens) and torch.equal(logprobs[others], ref_logprobs)

@@ -76,3 +76,47 @@ def test_a_uniform_stream_is_its_generators_draws_one_at_a_time():
             torch.rand((), generator=g, dtype=torch.float64).item() for _ in range(len(draws))
         ]
         assert draws == expected
+
+
+def test_a_shared_setting_knows_the_kernel_rows_as_the_per_row_check_does():
+    """`SamplingBatch.of` marks a batch `plain` from its one shared setting; that must be the
+    per-row check `sample` makes on the tensors otherwise (temperature > 0, no truncation, in
+    float32), and `plain` must not change what is drawn. Settings sharing one value through
+    different objects count as one setting; two settings never do."""
+    from rollout.config import SamplingParams
+    from rollout.sampler import _truncating
+    from rollout.sequence import Request, Sequence
+
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.7),
+        dict(temperature=1e-50),  # positive, 0 in float32: greedy rows
+        dict(temperature=0.0),
+        dict(temperature=1.0, top_p=0.9),
+        dict(temperature=1.0, top_p=1 - 1e-9),  # 1 in float32: no truncation
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.0, min_p=0.1),
+    ]
+    for kw in settings:
+        # two requests with equal but distinct parameter objects, three samples each
+        seqs = [
+            Sequence(Request(r, [1, 2], SamplingParams(n=3, **kw), base_seed=10 * r), j)
+            for r in range(2)
+            for j in range(3)
+        ]
+        batch = SamplingBatch.of(seqs)
+        per_row = (batch.temperature > 0) & ~_truncating(
+            batch.top_k, batch.top_p, batch.min_p, vocab
+        )
+        assert batch.plain == bool(per_row.all()), kw
+        unmarked = batch._replace(plain=False)
+        for a, b in zip(sample(logits, batch), sample(logits, unmarked)):
+            assert torch.equal(a, b), kw
+    two = [
+        Sequence(Request(r, [1, 2], SamplingParams(temperature=t), base_seed=r), 0)
+        for r, t in enumerate((1.0, 0.5))
+    ]
+    mixed = SamplingBatch.of(two)
+    assert not mixed.plain and mixed.temperature.tolist() == [1.0, 0.5]
