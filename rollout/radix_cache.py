@@ -65,11 +65,15 @@ class RadixCache:
 
     def _common_pages_len(self, key: list[int], tokens: list[int], start: int, end: int) -> int:
         """Length (in tokens, page aligned) of the common prefix of `key` and tokens[start:end]."""
+        page = self.page_size
         limit = min(len(key), end - start)
-        i = 0
-        while i < limit and key[i] == tokens[start + i]:
-            i += 1
-        return i - i % self.page_size
+        limit -= limit % page
+        if key[:limit] == tokens[start : start + limit]:  # the common case: one C comparison
+            return limit
+        i = 0  # else whole pages, each compared as a slice
+        while i < limit and key[i : i + page] == tokens[start + i : start + i + page]:
+            i += page
+        return i
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut `node`'s edge after `at` tokens; returns the new upper node."""

@@ -96,3 +96,33 @@ def test_reset_frees_everything_once():
     cache.insert([1, 2, 5, 6], [8, 7])
     assert cache.reset() == 3 and sorted(ledger.freed) == [7, 8, 9]
     assert cache.match_prefix([1, 2]).num_tokens == 0
+
+
+def _common_whole_pages(a: list[int], b: list[int], page: int) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n - n % page
+
+
+def test_matches_the_longest_whole_page_prefix_of_any_inserted_sequence():
+    """Random sequences over 3 token ids (so edges diverge mid-page and at page ends, and are
+    split often): a match is the longest whole-page common prefix with any inserted sequence,
+    the brute-force answer."""
+    import random
+
+    rng = random.Random(0)
+    for page in (1, 4):
+        cache, _ = make(page)
+        inserted: list[list[int]] = []
+        pages = iter(range(10**6))
+        for _ in range(150):
+            base = rng.choice(inserted) if inserted and rng.random() < 0.8 else []
+            seq = base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(12)]
+            seq = seq[: len(seq) - len(seq) % page]
+            cache.insert(seq, [next(pages) for _ in range(len(seq) // page)])
+            inserted.append(seq)
+            probe = rng.choice(inserted)[: rng.randrange(1, 30)] + [rng.randrange(3)] * 3
+            want = max(_common_whole_pages(probe, s, page) for s in inserted)
+            assert cache.match_prefix(probe).num_tokens == want
+        cache.check_integrity()
