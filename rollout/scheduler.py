@@ -118,6 +118,10 @@ class Scheduler:
         self.parked: list[ParkedKV] = []  # oldest first
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
+        # `running` as it was when last sorted oldest first, and that order (steady decode
+        # steps run the same sequences: no sort)
+        self._sorted_from: list[Sequence] = []
+        self._sorted: list[Sequence] = []
         self.requests: dict[int, Request] = {}  # unfinished requests
         self.slot_table = torch.zeros(
             (self.max_running_requests, self.max_model_len),
@@ -276,7 +280,10 @@ class Scheduler:
         prefill: list[tuple[Sequence, int]] = []
         budget, page_size = self.max_prefill_tokens, self.page_size
         # Oldest first: a victim (the newest) is then never one already scheduled this step.
-        running = sorted(self.running, key=lambda s: s.order)
+        if self.running != self._sorted_from:  # identity, element by element
+            self._sorted_from = list(self.running)
+            self._sorted = sorted(self.running, key=lambda s: s.order)
+        running = self._sorted
         if self.proposer is not None:
             self._draft([s for s in running if len(s.token_ids) - s.num_computed == 1])
         evicted = False
@@ -475,7 +482,8 @@ class Scheduler:
                 row += 1 + len(seq.draft)
                 continue
             seq.num_computed += 1
-            if seq.num_generated and seq.num_forks == 1:  # a decoding sample: nothing to share
+            # a decoding sample (num_generated > 0, inline): nothing to share
+            if len(seq.token_ids) > seq.prompt_len and seq.num_forks == 1:
                 to_sample.append(seq)
                 logit_rows.append(row)
             else:
