@@ -9,7 +9,8 @@ returns, which would otherwise live on, re-parented to init.
 `terminate_gracefully()` makes SIGTERM in the controller raise `SystemExit(143)` in its main
 thread, so the run's `finally` blocks and `atexit` hooks run (Ray actors released, worker
 pools closed, the tracker finished) as on Ctrl-C, instead of the interpreter dying on the spot;
-`reassert_sigterm()` after `ray.init` keeps it in place.
+`reassert_sigterm()` after `ray.init` keeps it in place, and a SIGTERM that a blocking Ray
+call turns into its own exit still ends the run with 143.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ def exit_with_parent() -> None:
 
 
 def _raise_exit(signum, frame) -> None:
+    global _terminated
+    _terminated = True
     raise SystemExit(SIGTERM_EXIT_CODE)
 
 
 _graceful = False  # within `terminate_gracefully`
+_terminated = False  # a SIGTERM arrived within it
 
 
 def reassert_sigterm() -> None:
@@ -54,15 +58,21 @@ def reassert_sigterm() -> None:
 
 @contextlib.contextmanager
 def terminate_gracefully():
-    """Within the block (main thread only), SIGTERM raises SystemExit(143)."""
-    global _graceful
+    """Within the block (main thread only), SIGTERM raises SystemExit(143), and the block
+    exits with 143 whatever became of that exception: a SIGTERM landing in a blocking Ray call
+    (`ray.wait`, `ray.get`) comes out of it as Ray's own SystemExit(1)."""
+    global _graceful, _terminated
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_exit)
-    _graceful = True
+    _graceful, _terminated = True, False
     try:
         yield
+    except SystemExit as e:
+        if _terminated and e.code != SIGTERM_EXIT_CODE:
+            raise SystemExit(SIGTERM_EXIT_CODE) from e
+        raise
     finally:
         _graceful = False
         signal.signal(signal.SIGTERM, previous)

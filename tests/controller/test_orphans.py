@@ -118,3 +118,34 @@ def _cmdline(p: psutil.Process) -> list[str]:
 def _is_spawned(p: psutil.Process) -> bool:
     """A multiprocessing spawn child (the reward and tool workers)."""
     return any("multiprocessing.spawn" in part for part in _cmdline(p))
+
+
+def test_a_sigterm_inside_a_blocking_ray_call_still_exits_143(ray_local):
+    """A SIGTERM that lands while the controller waits in `ray.wait` (starting engines, say)
+    comes out of Ray as its own SystemExit(1); `terminate_gracefully` still ends with 143."""
+    import threading
+
+    import ray
+
+    from miles_like import orphans
+
+    @ray.remote(num_cpus=0)
+    def sleeper():
+        time.sleep(60)
+
+    ref = sleeper.remote()
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        with pytest.raises(SystemExit) as exited:
+            with orphans.terminate_gracefully():
+                timer.start()
+                ray.wait([ref], timeout=30)
+    finally:
+        timer.cancel()
+        ray.cancel(ref, force=True)
+    assert exited.value.code == orphans.SIGTERM_EXIT_CODE
+    # without a SIGTERM, another exit keeps its code
+    with pytest.raises(SystemExit) as plain:
+        with orphans.terminate_gracefully():
+            raise SystemExit(1)
+    assert plain.value.code == 1
