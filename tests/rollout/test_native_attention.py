@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernels.kernel_cases import cascade_metadata, random_pool
 from native_builds import builds
 from test_attention import cascade_case
 
@@ -23,6 +22,8 @@ from rollout.attention import (
     cascade_decode_attention_matmul,
     cascade_decode_attention_native,
 )
+
+from kernel_cases import cascade_metadata, random_pool
 
 pytestmark = pytest.mark.skipif(
     native.attention() is None, reason="no C compiler: decode attention uses torch's flash kernel"
