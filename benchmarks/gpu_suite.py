@@ -116,7 +116,9 @@ def main() -> int:
         # when the kernels are decorated.
         os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "tests" / "kernels"))
+    # the tests' decode-attention cases (tests/kernel_cases.py); the packages at REPO, regular
+    # ones, win over the namespace folders of the same names under tests/
+    sys.path.insert(0, str(REPO / "tests"))
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
