@@ -67,9 +67,9 @@ class SamplingBatch(NamedTuple):
         # Requests share parameter objects (the samples of one request, often the requests of
         # one call): compare the settings of the distinct objects only.
         distinct = list({id(p): p for p in params}.values())
-        keys = {(p.temperature, p.top_p, p.min_p, p.top_k) for p in distinct}
-        if len(keys) == 1:  # one setting for all (the RL case)
-            ((temperature, top_p, min_p, top_k),), rows = keys, len(params)
+        settings = {(p.temperature, p.top_p, p.min_p, p.top_k) for p in distinct}
+        if len(settings) == 1:  # one setting for all (the RL case)
+            ((temperature, top_p, min_p, top_k),), rows = settings, len(params)
             return cls(
                 temperature=torch.full((rows,), temperature, dtype=torch.float32),
                 top_p=torch.full((rows,), top_p, dtype=torch.float32),
@@ -96,10 +96,7 @@ class SamplingBatch(NamedTuple):
 
     def select(self, rows) -> SamplingBatch:
         """The batch of `rows` (an index tensor or a slice)."""
-        return self._replace(**{f: getattr(self, f)[rows] for f in _PER_ROW})
-
-
-_PER_ROW = ("temperature", "top_p", "top_k", "min_p", "uniforms")
+        return self._replace(**{f: getattr(self, f)[rows] for f in self._fields if f != "plain"})
 
 
 def truncation_mask(
