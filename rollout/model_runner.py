@@ -26,7 +26,10 @@ def execute(model: CausalLM, attention: TorchAttention, plan: StepPlan) -> torch
     """The forward of one step: float32 logits (float64 for a float64 model), one row per
     `plan.logits_rows`."""
     hidden = model(plan.input_ids, plan.positions, attention, plan.meta)
-    return model.compute_logits(hidden[plan.logits_rows])
+    # Distinct increasing rows: as many as the batch's tokens means every row (a decode step).
+    if plan.logits_rows.shape[0] != hidden.shape[0]:
+        hidden = hidden[plan.logits_rows]
+    return model.compute_logits(hidden)
 
 
 class _Layout(NamedTuple):
@@ -75,7 +78,8 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         decode_rows: list[int] = []
-        if any(seq.draft for seq in batch.decode):
+        drafting = any(seq.draft for seq in batch.decode)
+        if drafting:
             for seq in batch.decode:  # the pending token, then the drafted tokens to verify
                 tokens = [seq.token_ids[seq.num_computed], *seq.draft]
                 ids.extend(tokens)
@@ -86,7 +90,7 @@ class ModelRunner:
             positions = [seq.num_computed for seq in batch.decode]
             decode_rows = [seq.row for seq in batch.decode]
         logits_rows = list(range(len(ids)))
-        decode_meta = self._decode_metadata(batch.decode) if batch.decode else None
+        decode_meta = self._decode_metadata(batch.decode, drafting) if batch.decode else None
         if not batch.decode and self.suffix_lanes is not None:
             self.suffix_lanes.forget()  # lanes are kept only across consecutive decode steps
         out_slots = [
@@ -122,24 +126,25 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.int64, device=device),
         )
 
-    def _decode_metadata(self, batch_seqs: list[Sequence]) -> DecodeMetadata:
+    def _decode_metadata(self, batch_seqs: list[Sequence], drafting: bool) -> DecodeMetadata:
         """Group decode sequences by the radix node whose pages start their context (forks of
         one prompt share it); a sequence without cached pages is a group of its own.
+        `drafting`: whether any sequence holds a draft (else one query each).
 
         The [D, Q] grid lists the sequences in lane order when suffix lanes are used (so attention
         reads the lanes in place), else in batch order; `query_index` / `token_cell` map between
         grid cells and batch rows either way."""
         device, page_size = self.device, self.page_size
-        plan = self.suffix_lanes.plan(batch_seqs) if self.suffix_lanes is not None else None
-        order = (
-            plan.order if plan is not None else range(len(batch_seqs))
-        )  # grid position -> batch index
-        seqs = [batch_seqs[i] for i in order]
+        lanes = self.suffix_lanes
+        plan = lanes.plan(batch_seqs, drafting) if lanes is not None else None
+        in_order = plan is None or plan.in_order  # grid position i holds batch index i
+        order = range(len(batch_seqs)) if in_order else plan.order  # grid position -> batch index
+        seqs = batch_seqs if in_order else [batch_seqs[i] for i in order]
         # The layout depends only on which sequences decode, in which batch and grid order, their
         # page tables before the suffix (named by kv_epoch: it changes whenever those change)
         # and their query counts: consecutive one-query steps of a steady batch reuse it (the
         # engine's runner; a draft model's sequences carry no epochs).
-        reuse = plan is not None and not any(s.draft for s in batch_seqs)
+        reuse = plan is not None and not drafting
         key = ([s.kv_epoch for s in batch_seqs], list(order)) if reuse else None
         if reuse and self._steady is not None and self._steady[0] == key:
             layout = self._steady[1]
@@ -147,25 +152,26 @@ class ModelRunner:
             layout = self._layout(batch_seqs, seqs, order, plan is not None)
             self._steady = (key, layout) if reuse else None
 
-        # Suffix: each sequence's tokens after its group prefix, this step's queries included.
-        num_queries = [1 + len(s.draft) for s in seqs]
-        width_q = max(num_queries)
-        seq_prefix = [s.num_tree_pages * page_size for s in seqs]
-        computed = [
-            s.num_computed - p for s, p in zip(seqs, seq_prefix)
-        ]  # suffix tokens already in the pool
+        # Suffix: each sequence's tokens after its group prefix, this step's queries included;
+        # `computed` of them are in the pool already.
         if plan is not None:  # the lanes hold the suffixes: attention reads no suffix pages
             suffix_pages, width = None, plan.width
+            computed = plan.computed if in_order else [plan.computed[i] for i in order]
         else:
-            suffix_pages = self._pages_of(
-                [s.row for s in seqs], seq_prefix, [c + q for c, q in zip(computed, num_queries)]
-            )
+            seq_prefix = [s.num_tree_pages * page_size for s in seqs]
+            computed = [s.num_computed - p for s, p in zip(seqs, seq_prefix)]
+            ends = [c + 1 + len(s.draft) for c, s in zip(computed, seqs)]
+            suffix_pages = self._pages_of([s.row for s in seqs], seq_prefix, ends)
             width = suffix_pages.shape[1] * page_size
         # Query j of a sequence sees its suffix up to and including itself; padding cells
         # repeat the sequence's last query.
-        num_q = torch.tensor(num_queries, device=device)
-        j = torch.minimum(torch.arange(width_q, device=device), num_q.unsqueeze(-1) - 1)
-        limits = torch.tensor(computed, device=device).unsqueeze(-1) + j + 1  # [D, Q]
+        if drafting:
+            num_queries = [1 + len(s.draft) for s in seqs]
+            num_q = torch.tensor(num_queries, device=device)
+            j = torch.minimum(torch.arange(max(num_queries), device=device), num_q[:, None] - 1)
+            limits = torch.tensor(computed, device=device).unsqueeze(-1) + j + 1  # [D, Q]
+        else:  # one query each: Q = 1
+            limits = torch.tensor(computed, device=device).add_(1).unsqueeze(-1)
         suffix_bias = self._visible(limits.unsqueeze(-1), width)
         return DecodeMetadata(
             layout.prefix_pages,

@@ -34,7 +34,6 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from rollout.config import SamplingParams
 from rollout.kv_pool import KVPool, write_page_slots
 from rollout.radix_cache import RadixCache, TreeNode
 from rollout.sampler import SamplingBatch, sample
@@ -135,7 +134,11 @@ class Scheduler:
         """Queue a request. With the prefix cache its samples share one prefill (fork); without
         it each sample is its own sequence and prefills the prompt itself."""
         self.requests[request.request_id] = request
-        n = request.params.n
+        params = request.params
+        eos = self.eos_token_ids if not params.ignore_eos else frozenset()
+        request.stop_ids = eos | frozenset(params.stop_token_ids)
+        request.end_len = min(len(request.prompt) + params.max_new_tokens, self.max_model_len)
+        n = params.n
         if self.cache is not None:
             self.waiting.append(Sequence(request, 0, num_forks=n))
         else:
@@ -474,19 +477,23 @@ class Scheduler:
         emitted: list[tuple[Sequence, list[int], list[float]]] = []
         row = 0
         speculated: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
+        drafting = self.proposer is not None  # else no sequence ever holds a draft
         for seq in batch.decode:
-            if seq.num_computed < seq.prompt_len:
-                self.stats.prefill_tokens_computed += 1
-            if seq.draft:
+            if drafting and seq.draft:
+                if seq.num_computed < seq.prompt_len:
+                    self.stats.prefill_tokens_computed += 1
                 speculated.append((seq, row))
                 row += 1 + len(seq.draft)
                 continue
-            seq.num_computed += 1
-            # a decoding sample (num_generated > 0, inline): nothing to share
-            if len(seq.token_ids) > seq.prompt_len and seq.num_forks == 1:
+            seq.num_computed = computed = seq.num_computed + 1
+            # a decoding sample (its one pending token was sampled: num_generated > 0), the
+            # common case: nothing to share
+            if computed > seq.prompt_len and seq.num_forks == 1:
                 to_sample.append(seq)
                 logit_rows.append(row)
             else:
+                if computed <= seq.prompt_len:  # the prompt's last token (the rest was cached)
+                    self.stats.prefill_tokens_computed += 1
                 for s in self._ready_to_sample(seq):
                     to_sample.append(s)
                     logit_rows.append(row)
@@ -516,18 +523,23 @@ class Scheduler:
         assert row == logits.shape[0], "logits rows do not match the batch"
         sampled = ()
         if to_sample:
-            rows = torch.tensor(logit_rows, device=logits.device)
-            tokens, logprobs = sample(logits[rows], SamplingBatch.of(to_sample))
+            # Rows 0, 1, ... each sampled once (a pure decode step): the logits as they are.
+            if logit_rows != list(range(logits.shape[0])):
+                logits = logits[torch.tensor(logit_rows, device=logits.device)]
+            tokens, logprobs = sample(logits, SamplingBatch.of(to_sample))
             sampled = zip(to_sample, tokens.tolist(), logprobs.tolist())
         for seq, tokens, logprobs in emitted:
             self._append(seq, tokens, logprobs)
         version = self.weight_version
         for seq, token, logprob in sampled:  # `_append` of one token, inline (every step)
-            seq.token_ids.append(token)
+            ids, request = seq.token_ids, seq.request
+            ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)
-            if (reason := self._finish_reason(seq, token)) is not None:
-                self._finish(seq, reason)
+            # `_finish_reason` only where a stop is possible (its checks, inline)
+            if token in request.stop_ids or len(ids) >= request.end_len or request.stop_check:
+                if (reason := self._finish_reason(seq, token)) is not None:
+                    self._finish(seq, reason)
         self.stats.generated_tokens += len(to_sample)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
@@ -590,18 +602,12 @@ class Scheduler:
         return forks
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params: SamplingParams = seq.request.params
-        if (
-            token in self.eos_token_ids and not params.ignore_eos
-        ) or token in params.stop_token_ids:
+        request = seq.request
+        if token in request.stop_ids:
             return "stop"
-        stop_check = seq.request.stop_check
-        if stop_check is not None and stop_check(seq.token_ids[seq.prompt_len :]):
+        if request.stop_check is not None and request.stop_check(seq.token_ids[seq.prompt_len :]):
             return "stop"
-        length = len(seq.token_ids)  # (num_generated inline: this runs for every token)
-        if length - seq.prompt_len >= params.max_new_tokens or length >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if len(seq.token_ids) >= request.end_len else None
 
     def _record(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

@@ -58,6 +58,11 @@ class Request:
     versions: list[list[int]] = field(init=False)  # per sample: see RequestOutput
     aborted: bool = False
     cached_tokens: int | None = None  # set when its first sequence is admitted
+    # Set by `Scheduler.add`, read for every sampled token: the ids that end a sample with
+    # "stop" (EOS unless ignored, and `stop_token_ids`), and the length (prompt + generated)
+    # at which it ends with "length" (max_new_tokens, or the engine's max_model_len).
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    end_len: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.samples = [None] * self.params.n

@@ -63,6 +63,8 @@ class LanePlan:
         torch.Tensor
     )  # [num decode tokens, batch order] flat (lane * capacity + offset) to mirror into
     width: int  # suffix width attention reads (whole pages, as the gather path)
+    computed: list[int]  # computed[i]: suffix tokens of decode sequence i already in its lane
+    in_order: bool  # order == lane_of == range(len): lane i holds decode sequence i
 
 
 class SuffixLanes:
@@ -80,6 +82,7 @@ class SuffixLanes:
         self._last_epochs: list[int] | None = None
         self._last_lane_of: list[int] = []
         self._last_order: list[int] = []
+        self._last_in_order = False
 
     @property
     def capacity(self) -> int:
@@ -156,15 +159,19 @@ class SuffixLanes:
         self.lanes = self.lanes + [None] * (new_lanes - lanes)
         return True
 
-    def plan(self, seqs: list[Sequence]) -> LanePlan | None:
+    def plan(self, seqs: list[Sequence], drafting: bool = True) -> LanePlan | None:
         """Assign lanes [0, len(seqs)) to this step's decode sequences: keep valid lanes, move high
         ones down, fill new ones from the pool. None: lanes would exceed the memory bound; the
-        caller gathers from the pool this step (and every lane is dropped: it will miss a write)."""
+        caller gathers from the pool this step (and every lane is dropped: it will miss a write).
+        `drafting` False promises that no sequence holds a draft (one query each)."""
         page = self.pool.page_size
         num = len(seqs)
         starts = [s.num_tree_pages * page for s in seqs]
         computed = [s.num_computed - st for s, st in zip(seqs, starts)]
-        end = max(c + 1 + len(s.draft) for s, c in zip(seqs, computed))
+        if drafting:
+            end = max(c + 1 + len(s.draft) for s, c in zip(seqs, computed))
+        else:
+            end = max(computed) + 1
         width = -(-end // page) * page
         if not self._ensure(num, width):
             self.forget()
@@ -175,15 +182,17 @@ class SuffixLanes:
             # The same sequences in the same order as the last plan: the assignment below would
             # keep every lane where it is (lanes [0, num) hold exactly them; nothing to move or
             # fill). Consecutive decode steps of a steady batch take this path.
-            lane_of, order = self._last_lane_of, self._last_order
+            lane_of, order, in_order = self._last_lane_of, self._last_order, self._last_in_order
         else:
             lane_of = self._assign(seqs, starts, computed)
             order = [0] * num
             for i, lane in enumerate(lane_of):
                 order[lane] = i
+            in_order = order == list(range(num))
             self._last_epochs, self._last_lane_of, self._last_order = epochs, lane_of, order
+            self._last_in_order = in_order
         capacity = self.capacity
-        if any(s.draft for s in seqs):
+        if drafting and any(s.draft for s in seqs):
             write = [
                 lane * capacity + c + j
                 for lane, c, s in zip(lane_of, computed, seqs)
@@ -191,9 +200,8 @@ class SuffixLanes:
             ]
         else:  # one token each
             write = [lane * capacity + c for lane, c in zip(lane_of, computed)]
-        return LanePlan(
-            order, lane_of, torch.tensor(write, dtype=torch.int64, device=self.pool.device), width
-        )
+        write_index = torch.tensor(write, dtype=torch.int64, device=self.pool.device)
+        return LanePlan(order, lane_of, write_index, width, computed, in_order)
 
     def _assign(self, seqs: list[Sequence], starts: list[int], computed: list[int]) -> list[int]:
         """Lanes of this step's decode sequences (see `plan`): kept, moved down, or filled."""

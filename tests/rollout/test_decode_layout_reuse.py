@@ -21,8 +21,8 @@ def test_reused_layouts_equal_fresh_ones(tmp_path, monkeypatch, speculative, kv_
     plans, checked, reused = [], [0], [0]
     plan = SuffixLanes.plan
 
-    def recording_plan(self, seqs):
-        plans.append(result := plan(self, seqs))
+    def recording_plan(self, seqs, drafting=True):
+        plans.append(result := plan(self, seqs, drafting))
         return result
 
     build, decode_metadata = ModelRunner._layout, ModelRunner._decode_metadata
@@ -31,10 +31,10 @@ def test_reused_layouts_equal_fresh_ones(tmp_path, monkeypatch, speculative, kv_
         reused[0] -= 1
         return build(self, *args)
 
-    def compared(self, batch_seqs):
+    def compared(self, batch_seqs, drafting):
         plans.clear()
         reused[0] += 1
-        meta = decode_metadata(self, batch_seqs)
+        meta = decode_metadata(self, batch_seqs, drafting)
         order = plans[0].order if plans and plans[0] is not None else range(len(batch_seqs))
         fresh = build(self, batch_seqs, [batch_seqs[i] for i in order], order, True)
         for name in ("prefix_pages", "prefix_bias", "member_index", "query_index", "token_cell"):
