@@ -27,22 +27,38 @@ from rollout.rope import RotaryEmbedding
 from rollout.tp_group import TPGroup
 
 
-def _share_storage(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _share_storage(
+    linears: list[nn.Linear], column_major: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The linears' weights (and biases) concatenated along the outputs into one new tensor
-    each, current values kept; each parameter's data becomes its rows of it."""
+    each, current values kept; each parameter's data becomes its rows of it. `column_major`:
+    the fused weight [out, in] is stored transposed (see `CausalLM.column_major`)."""
     fused = []
     for attr in ("weight", "bias"):
         params = [getattr(linear, attr) for linear in linears]
         if params[0] is None:
             fused.append(None)
             continue
-        whole = torch.cat([p.data for p in params])
+        if attr == "weight" and column_major and params[0].dim() == 2:
+            # [out, in] with strides (1, out): the [in, out] tensor in memory
+            whole = torch.cat([p.data.t() for p in params], dim=1).t()
+        else:
+            whole = torch.cat([p.data for p in params])
         offset = 0
         for p in params:
             p.data = whole[offset : offset + p.shape[0]]
             offset += p.shape[0]
         fused.append(whole)
     return fused[0], fused[1]
+
+
+def _lay_out(linear: nn.Linear, column_major: bool) -> None:
+    """The weight [out, in] stored transposed (`column_major`: a view [out, in] of an [in, out]
+    tensor) or as is (row-major); values kept, the storage replaced only when the layout
+    changes."""
+    weight = linear.weight.data
+    if weight.dim() == 2:
+        linear.weight.data = weight.t().contiguous().t() if column_major else weight.contiguous()
 
 
 class LayerPieces(NamedTuple):
@@ -182,6 +198,11 @@ class CausalLM(nn.Module):
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_weights()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        # Linear weights stored transposed ([in, out] in memory, the parameters [out, in] views
+        # of it): x @ W.t() then multiplies by a contiguous matrix, which MKL's CPU GEMM runs
+        # faster at the engine's shapes than the transposed operand of HF's row-major layout.
+        # Set by `build` on CPU; the values, names and shapes of the parameters are unchanged.
+        self.column_major = False
         # The per-layer pieces and the logits head: these plain functions (the reference), or
         # their torch.compile'd versions (`rollout.compiled.compile_model`).
         self.pieces = LayerPieces(
@@ -208,6 +229,7 @@ class CausalLM(nn.Module):
         model.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)
         ).to(device)
+        model.column_major = device.type == "cpu"
         model.fuse_projections()
         return model.eval().requires_grad_(False)
 
@@ -217,11 +239,22 @@ class CausalLM(nn.Module):
         tokens (one pass over them, wider outputs) instead of two or three. Loading copies into
         the parameters in place, so it writes the fused tensors. Call again whenever the
         parameters' storage is replaced (`Engine.release_memory` / `resume_memory`): the fused
-        tensors would otherwise keep the old storage alive and stale."""
+        tensors would otherwise keep the old storage alive and stale. It also lays out every
+        other linear weight as `column_major` says (not a tied LM head: the embedding reads its
+        rows)."""
+        column_major = self.column_major
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_weight, attn.qkv_bias = _share_storage([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up_weight, mlp.gate_up_bias = _share_storage([mlp.gate_proj, mlp.up_proj])
+            attn.qkv_weight, attn.qkv_bias = _share_storage(
+                [attn.q_proj, attn.k_proj, attn.v_proj], column_major
+            )
+            mlp.gate_up_weight, mlp.gate_up_bias = _share_storage(
+                [mlp.gate_proj, mlp.up_proj], column_major
+            )
+            _lay_out(attn.o_proj, column_major)
+            _lay_out(mlp.down_proj, column_major)
+        if not self.config.tie_word_embeddings:
+            _lay_out(self.lm_head, column_major)
 
     def tie_weights(self) -> None:
         """Re-establish tying; needed again after conversions that rebuild parameters."""

@@ -6,7 +6,9 @@ projections they replace, on the same weights, in one process, float64:
 * the parameters are views of the fused tensors, so a weight update (in-place copies) moves
   the fused engine's outputs with the reference's;
 * after `release_memory(weights=True)` the fused tensors hold no storage (the memory is really
-  released), and after `resume_memory` + a full update the outputs agree again.
+  released), and after `resume_memory` + a full update the outputs agree again;
+* on CPU every linear weight is stored column-major (`CausalLM.column_major`), also after a
+  release / resume, and a row-major engine on the same weights gives the same tokens.
 
 The reference is the same engine class with each layer's fused tensors set to None, which is
 the separate-projection code path (nn.Linear per projection, rotary on q and k apart).
@@ -41,6 +43,22 @@ def perturbed(engine: Engine, seed: int):
         (name, p.detach() + 0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
         for name, p in engine.model.named_parameters()
     ]
+
+
+def linear_weights(engine: Engine) -> list[torch.Tensor]:
+    model = engine.model
+    out = [model.lm_head.weight] if not model.config.tie_word_embeddings else []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight]
+        out += [p.weight for p in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj)]
+    return out
+
+
+def column_major(engine: Engine) -> bool:
+    """Every linear weight [out, in] has its `out` elements adjacent in memory (a fused
+    projection's parameters are column blocks of the fused [in, out] tensor)."""
+    return all(w.stride(0) == 1 and w.stride(1) >= w.shape[0] for w in linear_weights(engine))
 
 
 def fused_tensors(engine: Engine) -> list[torch.Tensor]:
@@ -91,4 +109,30 @@ def test_fused_projections_equal_separate(tiny_hf_checkpoints, family):
         engine.update_weights(update)
     unfused(reference)  # resume re-fused the reference's new storage
     assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert column_major(fused)
     check()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_column_major_weights_equal_row_major(tiny_hf_checkpoints, family):
+    """The CPU engine's column-major linear weights against the same engine laid out row-major
+    (HF's layout): same values, same tokens, log-probs within 1e-12 (float64; the two layouts
+    sum the products in other orders)."""
+    model, directory = tiny_hf_checkpoints(family)
+    config = dict(model_path=str(directory), page_size=4, max_model_len=96, dtype="float64")
+    engine, row_major = Engine(EngineConfig(**config)), Engine(EngineConfig(**config))
+    row_major.model.column_major = False
+    row_major.model.fuse_projections()
+    assert column_major(engine)
+    assert all(w.stride(1) == 1 for w in linear_weights(row_major))
+    params = dict(row_major.model.named_parameters())
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, params[name]), name
+    prompts = prompts_for(model.config.vocab_size, 4)
+    sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=3)
+    for a, b in zip(
+        itertools.chain(*row_major.generate(prompts, sampled)),
+        itertools.chain(*engine.generate(prompts, sampled)),
+    ):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-12
