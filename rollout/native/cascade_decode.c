@@ -1,19 +1,30 @@
 /* Cascade decode attention on the CPU, float32: the function of
    rollout.attention.cascade_decode_attention_matmul (its reference, and the test's).
 
-   One work item is (sequence d, KV head h): the R query rows of d that read KV head h (query
-   token x query head of the KV group) attend over [group prefix of d ++ own suffix of d] with one
-   exact softmax. Scores of an item live in a per-thread buffer [R, Lp + Ls]; K and V are read in
-   place (the suffix may be a strided view of the suffix lanes: any sequence and head strides,
-   rows of Dh contiguous floats). Items are split over OpenMP threads; with torch imported first
-   the process's one libgomp (torch's) runs them.
+   Each of the R query rows of sequence d that read KV head h (query token x query head of the
+   KV group) attends over [group prefix of d ++ own suffix of d] with one exact softmax. K and V
+   are read in place (the suffix may be a strided view of the suffix lanes: any sequence and
+   head strides, rows of Dh contiguous floats). Work items are split over OpenMP threads; with
+   torch imported first the process's one libgomp (torch's) runs them.
 
-   Masking is additive, as in the reference: bias 0 = visible, -inf = not. A masked key's
-   probability is exactly 0 and its V row is never read, so stale padding values never matter.
-   Every row sees at least its own token, so its maximum score is finite.
+   Without a prefix (Lp = 0) a work item is (sequence d, KV head h): `item`, its scores in a
+   per-thread buffer [R, Ls]. With one, a work item is (a run of members of one group, KV head
+   h): `group_item` scores all the run's rows against the prefix K together (register-blocked,
+   the prefix K transposed once per item) and multiplies their probabilities with the prefix V
+   together, several rows per V load; each member's suffix is scored and multiplied on its own.
+   A group's members are found from group_of (any order in the batch); a large group is cut
+   into several runs so that all threads get work. How rows are blocked never changes a row's
+   result: every dot product and every output element is one chain of operations in key / dim
+   order, so results are bitwise the same for any number of threads.
 
-   With AVX2 + FMA (x86-64, -march=native on a machine that has them) scores take 8 keys at a
-   time and exp is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere plain C loops compute
+   Masking is additive, as in the reference: bias 0 = visible, -inf = not. A masked key's score
+   is -inf and its probability exactly 0 whatever its (stale) K row holds; the V row of a key
+   masked for every row of an item is never read, so stale padding values never matter (a key
+   masked for some rows only is a real token: its V is finite, times 0 for those rows). Every
+   row sees at least its own token, so its maximum score is finite.
+
+   With AVX2 + FMA (x86-64, -march=native on a machine that has them) the products are vector
+   code and exp is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere plain C loops compute
    the same function. Results differ from torch's in float32 rounding only. */
 
 #include <math.h>
@@ -36,7 +47,8 @@ static inline __attribute__((always_inline)) void scores(
     const float *kb = k + j * Dh;
     for (int64_t r = 0; r < R; r++) {
       __m256 vb = _mm256_loadu_ps(bias + (r / rows_per_bias) * bias_stride + j);
-      if (_mm256_movemask_ps(_mm256_cmp_ps(vb, ninf, _CMP_EQ_OQ)) == 0xff) {
+      const __m256 masked = _mm256_cmp_ps(vb, ninf, _CMP_EQ_OQ);
+      if (_mm256_movemask_ps(masked) == 0xff) {
         _mm256_storeu_ps(s + r * ld + j, ninf);  // a whole masked block: no dots
         continue;
       }
@@ -53,7 +65,9 @@ static inline __attribute__((always_inline)) void scores(
       __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
       __m256 dot = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
                                  _mm256_permute2f128_ps(t0, t1, 0x31));
-      _mm256_storeu_ps(s + r * ld + j, _mm256_fmadd_ps(dot, vscale, vb));  // -inf stays -inf
+      // a masked key: -inf whatever its (stale) K row holds (inf + -inf would be NaN)
+      _mm256_storeu_ps(s + r * ld + j,
+                       _mm256_blendv_ps(_mm256_fmadd_ps(dot, vscale, vb), ninf, masked));
     }
   }
 #endif
@@ -122,7 +136,8 @@ static inline __attribute__((always_inline)) void pv_pair(const int64_t Dh, cons
 }
 #endif
 
-/* One item: out [R, Dh] = softmax([prefix ++ suffix] scores) @ [prefix V ++ suffix V].
+/* One item: out [R, Dh] = softmax([prefix ++ suffix] scores) @ [prefix V ++ suffix V] (called
+   with Lp = 0: sequences with a prefix go through `group_item`).
    s holds R * (Lp + Ls) scores, then R normalisers. */
 static inline __attribute__((always_inline)) void item(
     const int64_t Dh, int64_t R, int64_t rows_per_bias, const float *q, const float *pk,
@@ -163,12 +178,334 @@ static inline __attribute__((always_inline)) void item(
   }
 }
 
+/* ---- Group items: the prefix part shared by all the rows of a group's members. ---- */
+
+/* Per-thread buffers of a group item of at most `rows` query rows. */
+typedef struct {
+  float *q;      // [rows, Dh] the item's query rows, member after member
+  float *kt;     // [Dh, Lpad] prefix K transposed, keys Lp..Lpad zero (AVX2 build)
+  float *pb;     // [Lpad] prefix bias, -inf past Lp
+  float *sp;     // [rows, Lpad] prefix scores, then probabilities
+  float *ss;     // [rows, Ls] suffix scores, then probabilities
+  float *o;      // [rows, Dh] unnormalised outputs
+  float *inv;    // [rows] normalisers
+  unsigned char *vis;  // [Lpad + Ls] key visible to some row: prefix keys, then one member's suffix
+} group_buffers;
+
+/* Software prefetch of a list of byte ranges, a few cache lines at a time: a group item issues
+   the loads of its members' suffix K and V (and of the next item's prefix K) while it computes
+   on the prefix, so that their memory latency overlaps arithmetic (each suffix is a short run
+   of its own, which the hardware prefetchers learn too late). Only a hint: it changes no
+   result. */
+#define PF_MAX_RANGES 67  // a run of at most 64 members: their suffix K, prefix K, V, next K
+typedef struct {
+  const char *p[PF_MAX_RANGES];
+  int64_t len[PF_MAX_RANGES];
+  int k, n;
+  int64_t off;
+} prefetcher;
+
+static inline void pf_add(prefetcher *f, const void *p, int64_t bytes) {
+  if (f->n < PF_MAX_RANGES && p != NULL && bytes > 0)
+    f->p[f->n] = (const char *)p, f->len[f->n++] = bytes;
+}
+
+static inline int64_t pf_lines(const prefetcher *f) {
+  int64_t lines = 0;
+  for (int i = f->k; i < f->n; i++) lines += (f->len[i] + 63) / 64;
+  return lines - f->off / 64;
+}
+
+static inline void pf_issue(prefetcher *f, int64_t lines) {
+  for (; lines > 0 && f->k < f->n; lines--) {
+    __builtin_prefetch(f->p[f->k] + f->off, 0, 3);
+    f->off += 64;
+    if (f->off >= f->len[f->k]) f->k++, f->off = 0;
+  }
+}
+
+#if HAVE_AVX2
+/* 8 x 8 transpose: dst[x * ldd + j] = src[j * lds + x] for j, x < 8. */
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+  __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds);
+  __m256 r2 = _mm256_loadu_ps(src + 2 * lds), r3 = _mm256_loadu_ps(src + 3 * lds);
+  __m256 r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
+  __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* Scores of RB rows of q [RB, Dh] against the 16 keys of kt (columns of [Dh, ldk]): each dot is
+   one FMA chain over x = 0..Dh-1 from 0, so a score's rounding does not depend on RB (how rows
+   are blocked: the number of threads) nor on which rows share the block. */
+static inline __attribute__((always_inline)) void prefix_block(
+    const int RB, const int64_t Dh, const float *q, const float *kt, int64_t ldk,
+    const float *bias, float scale, float *s, int64_t lds) {
+  __m256 a0[6], a1[6];
+  for (int r = 0; r < RB; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t x = 0; x < Dh; x++) {
+    __m256 k0 = _mm256_loadu_ps(kt + x * ldk), k1 = _mm256_loadu_ps(kt + x * ldk + 8);
+    __asm__("" : "+x"(k0), "+x"(k1));  // one load each, kept in registers for the RB rows
+    for (int r = 0; r < RB; r++) {
+      const __m256 vq = _mm256_broadcast_ss(q + r * Dh + x);
+      a0[r] = _mm256_fmadd_ps(vq, k0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(vq, k1, a1[r]);
+    }
+  }
+  const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+  const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
+  const __m256 m0 = _mm256_cmp_ps(b0, ninf, _CMP_EQ_OQ), m1 = _mm256_cmp_ps(b1, ninf, _CMP_EQ_OQ);
+  for (int r = 0; r < RB; r++) {  // a masked key: -inf whatever its (stale) K row holds
+    _mm256_storeu_ps(s + r * lds, _mm256_blendv_ps(_mm256_fmadd_ps(a0[r], vscale, b0), ninf, m0));
+    _mm256_storeu_ps(s + r * lds + 8,
+                     _mm256_blendv_ps(_mm256_fmadd_ps(a1[r], vscale, b1), ninf, m1));
+  }
+}
+
+/* o[r] (RB rows of NV * 8 columns, row stride ldo) += sum over visible keys t of p[r][t] V[t]
+   (columns [0, NV * 8) of rows of Dh floats): RB rows share each V load; per output element
+   one FMA chain over the keys in order, whatever the blocking. */
+static inline __attribute__((always_inline)) void pv_block(
+    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldp, const float *V,
+    int64_t n, const unsigned char *vis, float *o, int64_t ldo, prefetcher *pf, int64_t per_key) {
+  __m256 acc[3][4];
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = _mm256_loadu_ps(o + r * ldo + v * 8);
+  for (int64_t t = 0; t < n; t++) {
+    pf_issue(pf, per_key);
+    if (!vis[t]) continue;  // masked for every row: V[t] is never read
+    __m256 b[3];
+    for (int r = 0; r < RB; r++) b[r] = _mm256_broadcast_ss(p + r * ldp + t);
+    for (int v = 0; v < NV; v++) {
+      __m256 vv = _mm256_loadu_ps(V + t * Dh + v * 8);
+      __asm__("" : "+x"(vv));  // one load, kept in a register for the RB rows
+      for (int r = 0; r < RB; r++) acc[r][v] = _mm256_fmadd_ps(b[r], vv, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + r * ldo + v * 8, acc[r][v]);
+}
+#endif
+
+#if HAVE_AVX2
+/* pv_block over n_rows rows for the NV * 8 columns at V, o: blocks of 3 rows (12 accumulators
+   at NV = 4), the last 4 rows as 2 + 2 (each V load then serves 2 rows, not 3 + 1). */
+static inline __attribute__((always_inline)) void pv_cols(
+    const int NV, const int64_t Dh, const float *p, int64_t ldp, int64_t n_rows, const float *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key) {
+  int64_t i = 0;
+  for (; n_rows - i > 4 || n_rows - i == 3; i += 3)
+    pv_block(3, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key);
+  for (; n_rows - i >= 2; i += 2)
+    pv_block(2, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key);
+  if (i < n_rows) pv_block(1, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key);
+}
+#endif
+
+/* o [n_rows, Dh] += p [n_rows, ldp] @ V [n, Dh] over the keys with vis[t]; issues the pending
+   prefetches of pf spread over the keys it visits. */
+static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, const float *p,
+                                                          int64_t ldp, int64_t n_rows,
+                                                          const float *V, int64_t n,
+                                                          const unsigned char *vis, float *o,
+                                                          prefetcher *pf) {
+  const int64_t visits = ((n_rows + 2) / 3) * ((Dh + 31) / 32) * n;
+  const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
+#if HAVE_AVX2
+  if (Dh % 8 == 0) {
+    for (int64_t c = 0; c < Dh; c += 32) {  // columns 32 at a time (4 vectors), then the rest
+      if (Dh - c >= 32) pv_cols(4, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
+      else if (Dh - c == 24) pv_cols(3, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
+      else if (Dh - c == 16) pv_cols(2, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
+      else pv_cols(1, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < n_rows; r++)
+    for (int64_t t = 0; t < n; t++) {
+      pf_issue(pf, per_key);
+      if (!vis[t]) continue;
+      const float pt = p[r * ldp + t];
+      for (int64_t x = 0; x < Dh; x++) o[r * Dh + x] += pt * V[t * Dh + x];
+    }
+}
+
+/* Largest of s[0..L) (-inf if L == 0). */
+static inline float row_max(const float *s, int64_t L) {
+  float m = -INFINITY;
+  int64_t j = 0;
+#if HAVE_AVX2
+  float lane[8];
+  __m256 vm = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= L; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+  _mm256_storeu_ps(lane, vm);
+  for (int i = 0; i < 8; i++) m = lane[i] > m ? lane[i] : m;
+#endif
+  for (; j < L; j++) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+/* s[0..L) -> e^(s - m) in place; returns their sum. */
+static inline float exp_sum(float *s, int64_t L, float m) {
+  float sum = 0.f;
+  int64_t j = 0;
+#if HAVE_AVX2
+  float lane[8];
+  __m256 vmax = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+  for (; j + 8 <= L; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  _mm256_storeu_ps(lane, vsum);
+  for (int i = 0; i < 8; i++) sum += lane[i];
+#endif
+  for (; j < L; j++) {
+    float e = s[j] == -INFINITY ? 0.f : expf(s[j] - m);
+    s[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+/* One group item: the rows of n members (sequences mem[0..n)) of one group for KV head h. The
+   prefix scores of all n * R rows come from one pass over the group's prefix K (transposed
+   once per item), and its PV from one pass over prefix V with several rows per V load; each
+   member's suffix is then scored and multiplied on its own. One softmax per row over
+   prefix ++ suffix, as in `item`. b->q .. b->vis hold at least n * R rows. */
+static inline __attribute__((always_inline)) void group_item(
+    const int64_t Dh, int64_t R, int64_t rows_per_bias, const float *q, int64_t q_d,
+    const int64_t *mem, int64_t n, int64_t h, const float *pk, const float *pv, int64_t Lp,
+    int64_t Lpad, const float *pbias, const float *sk, const float *sv, int64_t s_h,
+    int64_t s_d, int64_t Ls, const float *sbias, int64_t sbias_d, int64_t Hkv, float scale,
+    float *out, const group_buffers *b, const float *next_pk) {
+  const int64_t N = n * R, Q = R / rows_per_bias;
+  prefetcher pf = {0}, pf_v = {0};  // prefix K now; prefix V, suffix K; suffix V
+  pf_add(&pf, pk, Lp * Dh * 4);
+  pf_issue(&pf, pf_lines(&pf));
+  pf_add(&pf, pv, Lp * Dh * 4);
+  for (int64_t i = 0; i < n; i++) {
+    pf_add(&pf, sk + h * s_h + mem[i] * s_d, Ls * Dh * 4);
+    pf_add(&pf_v, sv + h * s_h + mem[i] * s_d, Ls * Dh * 4);
+  }
+  pf_add(&pf_v, next_pk, Lp * Dh * 4);  // the next item's first reads
+  for (int64_t i = 0; i < n; i++) {  // the query rows, member after member
+    const float *qi = q + mem[i] * q_d + h * R * Dh;
+    for (int64_t e = 0; e < R * Dh; e++) b->q[i * R * Dh + e] = qi[e];
+  }
+  for (int64_t j = 0; j < Lpad; j++) {
+    b->pb[j] = j < Lp ? pbias[j] : -INFINITY;
+    b->vis[j] = b->pb[j] != -INFINITY;
+  }
+  // prefix scores [N, Lpad] (columns past Lp are -inf)
+#if HAVE_AVX2
+  {
+    int64_t j = 0;
+    if (Dh % 8 == 0)
+      for (; j + 8 <= Lp; j += 8)
+        for (int64_t x = 0; x < Dh; x += 8)
+          transpose8(pk + j * Dh + x, Dh, b->kt + x * Lpad + j, Lpad);
+    for (int64_t x = 0; x < Dh; x++)
+      for (int64_t t = j; t < Lpad; t++) b->kt[x * Lpad + t] = t < Lp ? pk[t * Dh + x] : 0.f;
+  }
+  const int64_t calls = Lpad / 16 * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
+  for (int64_t j = 0; j < Lpad; j += 16) {
+    float *s = b->sp + j;
+    const float *kt = b->kt + j, *pb = b->pb + j;
+    int any = 0;
+    for (int64_t t = 0; t < 16; t++) any |= b->vis[j + t];
+    if (!any) {  // 16 masked keys: no dots
+      for (int64_t r = 0; r < N; r++)
+        for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
+      continue;
+    }
+    int64_t r = 0;
+    for (; r + 6 <= N; r += 6) {
+      prefix_block(6, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+      pf_issue(&pf, per_call);
+    }
+    const float *qr = b->q + r * Dh;
+    switch (N - r) {  // the last rows: one block of a constant size
+      case 5: prefix_block(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 4: prefix_block(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 3: prefix_block(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 2: prefix_block(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 1: prefix_block(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+    }
+  }
+#else
+  pf_issue(&pf, pf_lines(&pf));
+  for (int64_t r = 0; r < N; r++)
+    for (int64_t j = 0; j < Lpad; j++) {
+      if (b->pb[j] == -INFINITY) {
+        b->sp[r * Lpad + j] = -INFINITY;
+        continue;
+      }
+      float acc = 0.f;
+      for (int64_t x = 0; x < Dh; x++) acc += b->q[r * Dh + x] * pk[j * Dh + x];
+      b->sp[r * Lpad + j] = acc * scale + b->pb[j];
+    }
+#endif
+  pf_issue(&pf, pf_lines(&pf));  // whatever is left (masked blocks issue none)
+  // each member's suffix scores, then one softmax per row over prefix ++ suffix
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t d = mem[i];
+    scores(b->q + i * R * Dh, R, Dh, sk + h * s_h + d * s_d, Ls, sbias + d * sbias_d, Ls,
+           rows_per_bias, scale, b->ss + i * R * Ls, Ls);
+  }
+  for (int64_t r = 0; r < N; r++) {
+    float *sp = b->sp + r * Lpad, *ss = b->ss + r * Ls;
+    const float m0 = row_max(sp, Lp), m1 = row_max(ss, Ls), m = m0 > m1 ? m0 : m1;
+    const float sum = exp_sum(sp, Lp, m) + exp_sum(ss, Ls, m);
+    b->inv[r] = 1.f / sum;
+  }
+  // prefix PV for all rows, then each member's suffix PV and normalisation
+  for (int64_t e = 0; e < N * Dh; e++) b->o[e] = 0.f;
+  pv_rows(Dh, b->sp, Lpad, N, pv, Lp, b->vis, b->o, &pf_v);
+  unsigned char *vis = b->vis + Lpad;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t d = mem[i];
+    const float *sb = sbias + d * sbias_d;
+    for (int64_t t = 0; t < Ls; t++) {
+      unsigned char any = 0;
+      for (int64_t u = 0; u < Q; u++) any |= sb[u * Ls + t] != -INFINITY;
+      vis[t] = any;
+    }
+    float *o = b->o + i * R * Dh;
+    pv_rows(Dh, b->ss + i * R * Ls, Ls, R, sv + h * s_h + d * s_d, Ls, vis, o, &pf_v);
+    float *dst = out + (d * Hkv + h) * R * Dh;
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t x = 0; x < Dh; x++) dst[r * Dh + x] = o[r * Dh + x] * b->inv[i * R + r];
+  }
+  pf_issue(&pf_v, pf_lines(&pf_v));
+}
+
 /* q [D, Hkv, R, Dh]: sequence d's Hkv * R rows of Dh contiguous floats at q + d * q_d (the
    decode tokens' q heads read in place from the fused projection's output); suffix K, V:
    element (h, d, t, x) at h * s_h + d * s_d + t * Dh + x; sbias [D, R / rows_per_bias, Ls];
    prefix K, V [Hkv, G, Lp, Dh] at h * p_h + g * p_g; pbias [G, Lp]; group_of [D], each in
    [0, G = num_groups); out [D, Hkv, R, Dh] contiguous. Returns 0; -1 if a buffer could not be
-   allocated (out is then incomplete); -2, writing nothing, if a group index is out of range. */
+   allocated (out is then incomplete); -2, writing nothing, if a group index is out of range.
+
+   With a prefix (Lp > 0) a work item is (a run of at most `chunk` members of one group, KV
+   head): the members of a group in sequence order (any order in the batch), split into runs so
+   that a batch of few large groups still spreads over the threads. Without one it is
+   (sequence, KV head). */
 int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
                        const float *q, int64_t q_d, const float *sk, const float *sv, int64_t s_h,
                        int64_t s_d, int64_t Ls, const float *sbias, const float *pk,
@@ -180,27 +517,88 @@ int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t ro
     for (int64_t d = 0; d < D; d++)
       if (group_of[d] < 0 || group_of[d] >= num_groups) return -2;  // nothing written
   int failed = 0;
+  if (Lp == 0) {
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+      float *s = (float *)malloc(sizeof(float) * (size_t)(R * (L + 1)));
+      failed = s == NULL;
+#pragma omp for schedule(static)
+      for (int64_t it = 0; it < D * Hkv; it++) {
+        if (s == NULL) continue;
+        const int64_t d = it / Hkv, h = it % Hkv;
+        const float *qi = q + d * q_d + h * R * Dh;
+        const float *ski = sk + h * s_h + d * s_d, *svi = sv + h * s_h + d * s_d;
+        const float *sb = sbias + d * sbias_d;
+        float *o = out + it * R * Dh;
+        switch (Dh) {  // constant head sizes let the compiler unroll and keep acc in registers
+          case 32: item(32, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s); break;
+          case 64: item(64, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s); break;
+          case 128: item(128, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s); break;
+          default: item(Dh, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s);
+        }
+      }
+      free(s);
+    }
+    return failed ? -1 : 0;
+  }
+  // Members of each group in sequence order (a counting sort of group_of), cut into runs of at
+  // most `chunk` members: at most 64 rows per item (buffers stay in L1/L2), and small enough
+  // that there are at least ~4 items per thread.
+  int64_t chunk = R >= 64 ? 1 : 64 / R;
+  const int64_t balance = D * Hkv / (4 * (int64_t)(num_threads > 0 ? num_threads : 1));
+  if (balance < chunk) chunk = balance > 1 ? balance : 1;
+  int64_t *start = (int64_t *)calloc((size_t)(num_groups + 1), sizeof(int64_t));
+  int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (size_t)(D > 0 ? D : 1));
+  int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * (D > 0 ? D : 1)));
+  if (start == NULL || order == NULL || runs == NULL) {
+    free(start), free(order), free(runs);
+    return -1;
+  }
+  for (int64_t d = 0; d < D; d++) start[group_of[d] + 1]++;
+  for (int64_t g = 0; g < num_groups; g++) start[g + 1] += start[g];
+  for (int64_t d = 0; d < D; d++) order[start[group_of[d]]++] = d;  // start[g] -> end of g
+  int64_t num_runs = 0;
+  for (int64_t g = 0, begin = 0; g < num_groups; begin = start[g], g++)
+    for (int64_t i = begin; i < start[g]; i += chunk) {
+      runs[2 * num_runs] = i;
+      runs[2 * num_runs + 1] = start[g] - i < chunk ? start[g] - i : chunk;
+      num_runs++;
+    }
+  const int64_t rows = chunk * R, Lpad = (Lp + 15) / 16 * 16;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
-    float *s = (float *)malloc(sizeof(float) * (size_t)(R * (L + 1)));
-    failed = s == NULL;
+    group_buffers b = {0};
+    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + rows * Lpad + rows * Ls +
+                                   rows * Dh + rows);
+    float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls));
+    failed = buf == NULL;
+    if (buf != NULL) {
+      b.q = buf, b.kt = b.q + rows * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
+      b.ss = b.sp + rows * Lpad, b.o = b.ss + rows * Ls, b.inv = b.o + rows * Dh;
+      b.vis = (unsigned char *)(b.inv + rows);
+    }
 #pragma omp for schedule(static)
-    for (int64_t it = 0; it < D * Hkv; it++) {
-      if (s == NULL) continue;
-      const int64_t d = it / Hkv, h = it % Hkv, g = Lp > 0 ? group_of[d] : 0;
-      const float *qi = q + d * q_d + h * R * Dh;
+    for (int64_t it = 0; it < num_runs * Hkv; it++) {
+      if (buf == NULL) continue;
+      const int64_t *run = runs + 2 * (it / Hkv), h = it % Hkv;
+      const int64_t *mem = order + run[0], n = run[1], g = group_of[mem[0]];
       const float *pki = pk + h * p_h + g * p_g, *pvi = pv + h * p_h + g * p_g;
-      const float *ski = sk + h * s_h + d * s_d, *svi = sv + h * s_h + d * s_d;
-      const float *pb = pbias + g * Lp, *sb = sbias + d * sbias_d;
-      float *o = out + it * R * Dh;
-      switch (Dh) {  // constant head sizes let the compiler unroll and keep acc in registers
-        case 32: item(32, R, rows_per_bias, qi, pki, pvi, Lp, pb, ski, svi, Ls, sb, scale, o, s); break;
-        case 64: item(64, R, rows_per_bias, qi, pki, pvi, Lp, pb, ski, svi, Ls, sb, scale, o, s); break;
-        case 128: item(128, R, rows_per_bias, qi, pki, pvi, Lp, pb, ski, svi, Ls, sb, scale, o, s); break;
-        default: item(Dh, R, rows_per_bias, qi, pki, pvi, Lp, pb, ski, svi, Ls, sb, scale, o, s);
+      const float *pb = pbias + g * Lp, *next_pk = NULL;
+      if (it + 1 < num_runs * Hkv)
+        next_pk = pk + ((it + 1) % Hkv) * p_h + group_of[order[runs[2 * ((it + 1) / Hkv)]]] * p_g;
+      switch (Dh) {  // as in `item`
+#define GROUP_ITEM(DH)                                                                        \
+  group_item(DH, R, rows_per_bias, q, q_d, mem, n, h, pki, pvi, Lp, Lpad, pb, sk, sv, s_h, s_d, \
+             Ls, sbias, sbias_d, Hkv, scale, out, &b, next_pk)
+        case 32: GROUP_ITEM(32); break;
+        case 64: GROUP_ITEM(64); break;
+        case 128: GROUP_ITEM(128); break;
+        default: GROUP_ITEM(Dh);
+#undef GROUP_ITEM
       }
     }
-    free(s);
+    free(buf);
   }
+  free(start), free(order), free(runs);
   return failed ? -1 : 0;
 }

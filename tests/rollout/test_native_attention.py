@@ -180,3 +180,118 @@ def test_disabled_native_code_falls_back_to_torch_quietly():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "True"]
     assert "native decode attention unavailable" not in result.stderr
+
+
+def _permuted(meta, perm: torch.Tensor):
+    """`meta` with its sequences reordered (new sequence i = old sequence perm[i]); the decode
+    tokens keep their batch rows. A group's members are then neither consecutive nor in order."""
+    num_seqs, width_q = meta.suffix_bias.shape[:2]
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(num_seqs)
+    cells = meta.token_cell
+    return replace(
+        meta,
+        member_index=meta.member_index[perm],
+        suffix_pages=meta.suffix_pages[perm],
+        suffix_bias=meta.suffix_bias[perm],
+        query_index=meta.query_index.view(num_seqs, width_q)[perm].reshape(-1),
+        token_cell=inverse[cells // width_q] * width_q + cells % width_q,
+    )
+
+
+def _group_case(head_dim: int, page_size: int, seed: int, *, shuffle: bool = True):
+    """Groups of unequal sizes sharing prefixes of different lengths (a group of 8, groups of
+    1, one of 5 with a longer prefix, one whose prefix is empty while others' are not), 1 to 3
+    queries per sequence, the sequences shuffled out of member order."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = random_pool(2, 160, page_size, head_dim, torch.float32, g)
+    sizes = [(2, 8), (1, 1), (5, 5), (0, 1), (3, 1)]
+    groups = [
+        (pages, torch.randint(0, 3 * page_size, (n,), generator=g).tolist()) for pages, n in sizes
+    ]
+    num_queries = [torch.randint(1, 4, (n,), generator=g).tolist() for _, n in sizes]
+    meta = cascade_metadata(groups, page_size, 160, g, num_queries=num_queries)
+    if shuffle:
+        meta = _permuted(meta, torch.randperm(meta.suffix_bias.shape[0], generator=g))
+    q = torch.randn(meta.num_tokens, 2 * 3, head_dim, generator=g)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("head_dim", [20, 24, 32, 40])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_groups_of_any_size_and_order_match_the_float64_reference(build, head_dim, page_size):
+    """A prefix is shared by all the rows of its group's members (one work item per group and
+    KV head), whatever the sequences' order in the batch, the groups' sizes, the number of
+    queries per sequence and whether the head size fills whole vectors (24, 40: 32 + 8)."""
+    q, k_cache, v_cache, meta = _group_case(head_dim, page_size, seed=head_dim + page_size)
+    assert not torch.equal(meta.member_index, meta.member_index.sort().values)
+    suffix, prefix = _gathered(k_cache, v_cache, meta, page_size)
+    got = cascade_decode_attention_native(BUILDS[build], q, meta, suffix, prefix)
+    torch.testing.assert_close(
+        got.double(), _reference(q, k_cache, v_cache, meta, page_size), atol=2e-6, rtol=2e-6
+    )
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_no_shared_prefix_at_all_matches_the_reference(build):
+    """Lp = 0 (no group has a prefix page): one work item per sequence."""
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache = random_pool(2, 64, 4, 32, torch.float32, g)
+    meta = cascade_metadata([(0, [3, 9]), (0, [0])], 4, 64, g, num_queries=[[1, 2], [3]])
+    q = torch.randn(meta.num_tokens, 6, 32, generator=g)
+    suffix, prefix = _gathered(k_cache, v_cache, meta, 4)
+    assert prefix is None
+    got = cascade_decode_attention_native(BUILDS[build], q, meta, suffix, prefix)
+    torch.testing.assert_close(
+        got.double(), _reference(q, k_cache, v_cache, meta, 4), atol=2e-6, rtol=2e-6
+    )
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_a_large_group_is_split_over_threads_with_bitwise_equal_results(build):
+    """One group of 24 members: with more threads its members are cut into shorter runs (work
+    items), which changes how rows are blocked but no row's result, bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    k_cache, v_cache = random_pool(2, 128, 4, 32, torch.float32, g)
+    meta = cascade_metadata(
+        [(5, torch.randint(0, 9, (24,), generator=g).tolist()), (2, [4])], 4, 128, g
+    )
+    q = torch.randn(meta.num_tokens, 6, 32, generator=g)
+    suffix, prefix = _gathered(k_cache, v_cache, meta, 4)
+    lib, before, outs = BUILDS[build], torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            outs.append(cascade_decode_attention_native(lib, q, meta, suffix, prefix))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(
+        outs[0].double(), _reference(q, k_cache, v_cache, meta, 4), atol=2e-6, rtol=2e-6
+    )
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("head_dim", [20, 32])
+def test_stale_values_under_masked_keys_never_matter(build, head_dim):
+    """K and V of keys masked for every row of a sequence (padding pages, a suffix's tail, a
+    group's empty prefix) may hold any finite values, even ones whose dot products overflow:
+    the output is bitwise the same."""
+    q, k_cache, v_cache, meta = _group_case(head_dim, 4, seed=21)
+    (sk, sv), (pk, pv) = _gathered(k_cache, v_cache, meta, 4)
+    clean = cascade_decode_attention_native(BUILDS[build], q, meta, (sk, sv), (pk, pv))
+    suffix_masked = torch.isneginf(meta.suffix_bias).all(1)  # [D, Ls]: masked for every query
+    prefix_masked = torch.isneginf(meta.prefix_bias)  # [G, Lp]
+    assert suffix_masked.any() and prefix_masked.any()
+    huge = torch.tensor([3e38, -3e38]).repeat(head_dim // 2)
+    for t, masked in (
+        (sk, suffix_masked),
+        (sv, suffix_masked),
+        (pk, prefix_masked),
+        (pv, prefix_masked),
+    ):
+        t[:, masked] = huge
+    dirty = cascade_decode_attention_native(BUILDS[build], q, meta, (sk, sv), (pk, pv))
+    assert torch.equal(dirty, clean)
