@@ -40,7 +40,10 @@ class PrefillSegment:
     token_start: int  # first row of this chunk in the flat batch
     num_new: int  # tokens computed in this chunk
     context_slots: torch.Tensor  # [C] slots of the whole visible context (cached prefix + chunk)
-    mask: torch.Tensor  # [num_new, C] bool, True = may attend (causal, offset by the prefix)
+    # [num_new, C] bool, True = may attend (causal, offset by the prefix); None when the context
+    # is the chunk itself (no cached prefix): plain causal attention, which SDPA runs without
+    # reading a mask and skips the blocks above the diagonal
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,12 @@ def prefill_attention(
         queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         out[rows] = (
             F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=seg.mask, enable_gqa=True
+                queries,
+                keys,
+                values,
+                attn_mask=seg.mask,
+                is_causal=seg.mask is None,
+                enable_gqa=True,
             )
             .squeeze(0)
             .transpose(0, 1)

@@ -194,6 +194,29 @@ def test_prefill_segment_is_causal_over_cached_prefix():
     torch.testing.assert_close(pool.k[0][:, new_slots].transpose(0, 1), k)  # new K/V were stored
 
 
+def test_prefill_segment_without_a_prefix_is_plain_causal():
+    """A chunk with no cached prefix (mask None, as `ModelRunner.prepare` gives it) attends
+    causally over itself: each query sees the keys up to its own, GQA heads sharing a KV head."""
+    g = torch.Generator().manual_seed(2)
+    pool = KVPool(
+        num_layers=1,
+        num_pages=16,
+        page_size=1,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    slots = torch.tensor([5, 0, 11, 3, 8])
+    meta = AttentionMetadata(slots, None, (PrefillSegment(0, 5, slots, None),))
+    q = torch.randn(5, 4, 8, generator=g)
+    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    out = TorchAttention(pool).forward(0, q, k, v, meta)
+    for i in range(5):
+        want = naive_attention(q[i], k[: i + 1], v[: i + 1])
+        torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+
+
 def in_order_case(page_size, seed, dtype=torch.float64):
     """Two groups of three members, in order (member_index = arange), one query each: the GRPO
     layout the flash path serves without scatters (`DecodeMetadata.members_in_order`)."""
