@@ -124,7 +124,7 @@ class TorchAttention:
         out = torch.empty_like(q)
         if meta.decode is not None:
             out[: meta.num_decode] = self._decode(layer, q, k, v, meta, k_cache, v_cache)
-        prefill_attention(q, k_cache, v_cache, meta.prefill, out)
+        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out)
         return out
 
     def _decode(self, layer, q, k, v, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
@@ -146,29 +146,54 @@ class TorchAttention:
 
 def prefill_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     segments: tuple[PrefillSegment, ...],
     out: torch.Tensor,
 ) -> None:
-    """Each chunk attends causally over its cached prefix and itself; writes rows of `out`."""
-    for seg in segments:
+    """Each chunk attends causally over its cached prefix and itself; writes rows of `out`.
+    q [T, H, D], k, v [T, Hkv, D]: the batch's tokens (their K/V also stored in the caches).
+
+    A chunk without a cached prefix (mask None) attends over its own new K/V, read from `k` /
+    `v`; consecutive such chunks of one length (a batch of fresh prompts) form one batched
+    causal SDPA call. A chunk after a cached prefix gathers its context from the caches."""
+    i = 0
+    while i < len(segments):
+        seg = segments[i]
         rows = slice(seg.token_start, seg.token_start + seg.num_new)
-        keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)  # [1, Hkv, C, D]
-        values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
-        queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        out[rows] = (
-            F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=seg.mask,
-                is_causal=seg.mask is None,
-                enable_gqa=True,
+        if seg.mask is not None:
+            keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)  # [1, Hkv, C, D]
+            values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
+            queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=seg.mask, enable_gqa=True
             )
-            .squeeze(0)
-            .transpose(0, 1)
+            out[rows] = attended.squeeze(0).transpose(0, 1)
+            i += 1
+            continue
+        j = i + 1  # the run [i, j) of adjacent prefix-free chunks of seg's length
+        while (
+            j < len(segments)
+            and segments[j].mask is None
+            and segments[j].num_new == seg.num_new
+            and segments[j].token_start == seg.token_start + (j - i) * seg.num_new
+        ):
+            j += 1
+        count, n = j - i, seg.num_new
+        rows = slice(seg.token_start, seg.token_start + count * n)
+        queries, keys, values = (_chunks(x[rows], count) for x in (q, k, v))
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, is_causal=True, enable_gqa=True
         )
+        out[rows] = attended.transpose(1, 2).flatten(0, 1)
+        i = j
+
+
+def _chunks(x: torch.Tensor, count: int) -> torch.Tensor:
+    """[count * n, heads, D] rows of `count` equal chunks -> [count, heads, n, D] (a view)."""
+    return x.unflatten(0, (count, -1)).transpose(1, 2)
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -56,5 +56,5 @@ class TritonAttention:
                 block_n=self.block_n,
                 chunk_tokens=self.chunk_tokens,
             )
-        prefill_attention(q, k_cache, v_cache, meta.prefill, out)
+        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out)
         return out

@@ -194,27 +194,48 @@ def test_prefill_segment_is_causal_over_cached_prefix():
     torch.testing.assert_close(pool.k[0][:, new_slots].transpose(0, 1), k)  # new K/V were stored
 
 
-def test_prefill_segment_without_a_prefix_is_plain_causal():
-    """A chunk with no cached prefix (mask None, as `ModelRunner.prepare` gives it) attends
-    causally over itself: each query sees the keys up to its own, GQA heads sharing a KV head."""
+def test_prefill_chunks_without_a_prefix_are_plain_causal():
+    """Chunks with no cached prefix (mask None, as `ModelRunner.prepare` gives them) attend
+    causally over their own new tokens; adjacent ones of one length run as one batched call.
+    Mixed here with a chunk after a cached prefix (masked) and one of another length; each
+    query checked against attention over exactly the keys it may see."""
     g = torch.Generator().manual_seed(2)
     pool = KVPool(
         num_layers=1,
-        num_pages=16,
+        num_pages=32,
         page_size=1,
         num_kv_heads=2,
         head_dim=8,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    slots = torch.tensor([5, 0, 11, 3, 8])
-    meta = AttentionMetadata(slots, None, (PrefillSegment(0, 5, slots, None),))
-    q = torch.randn(5, 4, 8, generator=g)
-    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    cached = torch.tensor([30, 31])  # the masked chunk's prefix, already in the pool
+    pool.k[0][:, cached] = torch.randn(2, 2, 8, generator=g)
+    pool.v[0][:, cached] = torch.randn(2, 2, 8, generator=g)
+    lengths, prefixed = [3, 3, 3, 2, 4], 3  # chunk 3 follows the cached prefix
+    slots = torch.randperm(28, generator=g)[: sum(lengths)]
+    segments, starts = [], [0]
+    for c, n in enumerate(lengths):
+        own = slots[starts[-1] : starts[-1] + n]
+        if c == prefixed:
+            context = torch.cat([cached, own])
+            mask = torch.arange(2 + n).unsqueeze(0) <= torch.arange(2, 2 + n).unsqueeze(-1)
+            segments.append(PrefillSegment(starts[-1], n, context, mask))
+        else:
+            segments.append(PrefillSegment(starts[-1], n, own, None))
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(slots, None, tuple(segments))
+    q = torch.randn(len(slots), 4, 8, generator=g)
+    k, v = torch.randn(len(slots), 2, 8, generator=g), torch.randn(len(slots), 2, 8, generator=g)
     out = TorchAttention(pool).forward(0, q, k, v, meta)
-    for i in range(5):
-        want = naive_attention(q[i], k[: i + 1], v[: i + 1])
-        torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+    for c, seg in enumerate(segments):
+        keys = pool.k[0][:, seg.context_slots].transpose(0, 1)
+        values = pool.v[0][:, seg.context_slots].transpose(0, 1)
+        before = 2 if c == prefixed else 0
+        for i in range(seg.num_new):
+            visible = before + i + 1
+            want = naive_attention(q[seg.token_start + i], keys[:visible], values[:visible])
+            torch.testing.assert_close(out[seg.token_start + i], want, atol=1e-5, rtol=1e-5)
 
 
 def in_order_case(page_size, seed, dtype=torch.float64):
