@@ -62,11 +62,18 @@ class SamplingBatch(NamedTuple):
     def of(cls, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in seqs]
         # Greedy rows draw too, so a generator's stream advances one draw per token whatever
-        # the temperature (keeps seeded streams simple to reason about).
-        uniforms = torch.tensor([s.uniforms.draw() for s in seqs], dtype=torch.float64)
+        # the temperature (keeps seeded streams simple to reason about). (Through numpy: a
+        # float64 array from Python floats, then shared with torch, costs less than
+        # torch.tensor of the list.)
+        draws = np.array([s.uniforms.draw() for s in seqs], dtype=np.float64)
+        uniforms = torch.from_numpy(draws)
         # Requests share parameter objects (the samples of one request, often the requests of
         # one call): compare the settings of the distinct objects only.
-        distinct = list({id(p): p for p in params}.values())
+        first = params[0] if params else None
+        if all(p is first for p in params):  # one object (one request, or one call's params)
+            distinct = params[:1]
+        else:
+            distinct = list({id(p): p for p in params}.values())
         settings = {(p.temperature, p.top_p, p.min_p, p.top_k) for p in distinct}
         if len(settings) == 1:  # one setting for all (the RL case)
             ((temperature, top_p, min_p, top_k),), rows = settings, len(params)
