@@ -87,36 +87,46 @@ static inline __attribute__((always_inline)) void scores(
 }
 
 
-/* Row r of s (L scores) -> unnormalised probabilities e^(s - max) in place; returns their sum. */
-static inline float exp_row(float *sr, int64_t L) {
-  float m = -INFINITY, sum = 0.f;
+/* Largest of s[0..L) (-inf if L == 0). */
+static inline float row_max(const float *s, int64_t L) {
+  float m = -INFINITY;
   int64_t j = 0;
 #if HAVE_AVX2
   float lane[8];
   __m256 vm = _mm256_set1_ps(-INFINITY);
-  for (; j + 8 <= L; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sr + j));
+  for (; j + 8 <= L; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
   _mm256_storeu_ps(lane, vm);
   for (int i = 0; i < 8; i++) m = lane[i] > m ? lane[i] : m;
 #endif
-  for (int64_t t = j; t < L; t++) m = sr[t] > m ? sr[t] : m;
-  j = 0;
+  for (; j < L; j++) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+/* s[0..L) -> e^(s - m) in place; returns their sum. */
+static inline float exp_sum(float *s, int64_t L, float m) {
+  float sum = 0.f;
+  int64_t j = 0;
 #if HAVE_AVX2
+  float lane[8];
   __m256 vmax = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
   for (; j + 8 <= L; j += 8) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vmax));
-    _mm256_storeu_ps(sr + j, e);
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+    _mm256_storeu_ps(s + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }
   _mm256_storeu_ps(lane, vsum);
   for (int i = 0; i < 8; i++) sum += lane[i];
 #endif
-  for (int64_t t = j; t < L; t++) {
-    float e = sr[t] == -INFINITY ? 0.f : expf(sr[t] - m);
-    sr[t] = e;
+  for (; j < L; j++) {
+    float e = s[j] == -INFINITY ? 0.f : expf(s[j] - m);
+    s[j] = e;
     sum += e;
   }
   return sum;
 }
+
+/* Row r of s (L scores) -> unnormalised probabilities e^(s - max) in place; returns their sum. */
+static inline float exp_row(float *sr, int64_t L) { return exp_sum(sr, L, row_max(sr, L)); }
 
 #if HAVE_AVX2
 /* acc0 += p0[t] V[t], acc1 += p1[t] V[t] over n rows of V [n, Dh]: two query rows share each V
@@ -345,43 +355,6 @@ static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, cons
     }
 }
 
-/* Largest of s[0..L) (-inf if L == 0). */
-static inline float row_max(const float *s, int64_t L) {
-  float m = -INFINITY;
-  int64_t j = 0;
-#if HAVE_AVX2
-  float lane[8];
-  __m256 vm = _mm256_set1_ps(-INFINITY);
-  for (; j + 8 <= L; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
-  _mm256_storeu_ps(lane, vm);
-  for (int i = 0; i < 8; i++) m = lane[i] > m ? lane[i] : m;
-#endif
-  for (; j < L; j++) m = s[j] > m ? s[j] : m;
-  return m;
-}
-
-/* s[0..L) -> e^(s - m) in place; returns their sum. */
-static inline float exp_sum(float *s, int64_t L, float m) {
-  float sum = 0.f;
-  int64_t j = 0;
-#if HAVE_AVX2
-  float lane[8];
-  __m256 vmax = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-  for (; j + 8 <= L; j += 8) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
-    _mm256_storeu_ps(s + j, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  _mm256_storeu_ps(lane, vsum);
-  for (int i = 0; i < 8; i++) sum += lane[i];
-#endif
-  for (; j < L; j++) {
-    float e = s[j] == -INFINITY ? 0.f : expf(s[j] - m);
-    s[j] = e;
-    sum += e;
-  }
-  return sum;
-}
 
 /* One group item: the rows of n members (sequences mem[0..n)) of one group for KV head h. The
    prefix scores of all n * R rows come from one pass over the group's prefix K (transposed

@@ -159,17 +159,22 @@ def test_flash_equals_matmul_in_float64(seed):
     torch.testing.assert_close(flash, matmul, atol=1e-13, rtol=1e-13)
 
 
-def test_prefill_segment_is_causal_over_cached_prefix():
-    g = torch.Generator().manual_seed(1)
-    pool = KVPool(
+def slot_pool(num_slots: int, num_kv_heads: int, head_dim: int) -> KVPool:
+    """A one-layer float32 CPU pool of one-slot pages (prefill tests)."""
+    return KVPool(
         num_layers=1,
-        num_pages=16,
+        num_pages=num_slots,
         page_size=1,
-        num_kv_heads=1,
-        head_dim=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+
+
+def test_prefill_segment_is_causal_over_cached_prefix():
+    g = torch.Generator().manual_seed(1)
+    pool = slot_pool(16, num_kv_heads=1, head_dim=4)
     attn = TorchAttention(pool)
     cached = torch.tensor([3, 7, 1])  # prefix already in the pool
     pool.k[0][:, cached] = torch.randn(1, 3, 4, generator=g)
@@ -200,15 +205,7 @@ def test_prefill_chunks_without_a_prefix_are_plain_causal():
     Mixed here with a chunk after a cached prefix (masked) and one of another length; each
     query checked against attention over exactly the keys it may see."""
     g = torch.Generator().manual_seed(2)
-    pool = KVPool(
-        num_layers=1,
-        num_pages=32,
-        page_size=1,
-        num_kv_heads=2,
-        head_dim=8,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    pool = slot_pool(32, num_kv_heads=2, head_dim=8)
     cached = torch.tensor([30, 31])  # the masked chunk's prefix, already in the pool
     pool.k[0][:, cached] = torch.randn(2, 2, 8, generator=g)
     pool.v[0][:, cached] = torch.randn(2, 2, 8, generator=g)
