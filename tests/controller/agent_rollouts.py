@@ -50,17 +50,19 @@ async def three_turns_across_updates(ctx, problem):
     the first (version >= 1) waits, as a slow tool would, for the next weight update before its
     second turn: its group is open with tokens at that update (continued across it, staleness 1
     when trained) and its trajectory holds tokens of two versions, whatever the relative speed
-    of engine and trainer. Groups drawn under the initial weights never wait, so the batches
-    that make the updates happen always complete."""
+    of engine and trainer. Groups drawn under the initial weights never wait, so the first
+    batches always complete. A group drawn late (the producer not ahead: its own batch makes
+    the awaited update) cannot get that update; it goes on after `UPDATE_WAIT_S`, unmixed."""
     return await _three_turns(ctx, problem, wait_for_update=True)
 
 
-UPDATE_WAIT_S = 120.0
+# Longer than a train step and weight sync on a loaded CI box; the cost of a late group.
+UPDATE_WAIT_S = 20.0
 
 
-async def next_update(ctx, token_ids: list[int], j: int, version: int) -> int:
+async def next_update(ctx, token_ids: list[int], j: int, version: int) -> int | None:
     """Polls the engine with one-token calls (their tokens are discarded) until it samples with
-    weights newer than `version`; returns that version."""
+    weights newer than `version`; returns that version, or None after `UPDATE_WAIT_S`."""
     poll = dataclasses.replace(ctx.sampling(j), max_new_tokens=1)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + UPDATE_WAIT_S
@@ -69,7 +71,7 @@ async def next_update(ctx, token_ids: list[int], j: int, version: int) -> int:
         if min(g.versions or (g.weight_version,)) > version:
             return g.weight_version
         await asyncio.sleep(0.02)
-    raise TimeoutError(f"no weight update after version {version} within {UPDATE_WAIT_S} s")
+    return None
 
 
 async def _three_turns(ctx, problem, wait_for_update: bool):
