@@ -145,7 +145,7 @@ class ModelRunner:
         # and their query counts: consecutive one-query steps of a steady batch reuse it (the
         # engine's runner; a draft model's sequences carry no epochs).
         reuse = plan is not None and not drafting
-        key = ([s.kv_epoch for s in batch_seqs], list(order)) if reuse else None
+        key = (plan.epochs, list(order)) if reuse else None
         if reuse and self._steady is not None and self._steady[0] == key:
             layout = self._steady[1]
         else:

@@ -64,6 +64,7 @@ class LanePlan:
     )  # [num decode tokens, batch order] flat (lane * capacity + offset) to mirror into
     width: int  # suffix width attention reads (whole pages, as the gather path)
     computed: list[int]  # computed[i]: suffix tokens of decode sequence i already in its lane
+    epochs: list[int]  # epochs[i]: kv_epoch of decode sequence i
     in_order: bool  # order == lane_of == range(len): lane i holds decode sequence i
 
 
@@ -201,7 +202,7 @@ class SuffixLanes:
         else:  # one token each
             write = [lane * capacity + c for lane, c in zip(lane_of, computed)]
         write_index = torch.tensor(write, dtype=torch.int64, device=self.pool.device)
-        return LanePlan(order, lane_of, write_index, width, computed, in_order)
+        return LanePlan(order, lane_of, write_index, width, computed, epochs, in_order)
 
     def _assign(self, seqs: list[Sequence], starts: list[int], computed: list[int]) -> list[int]:
         """Lanes of this step's decode sequences (see `plan`): kept, moved down, or filled."""
