@@ -1,15 +1,16 @@
 """Agent sessions over the OpenAI-compatible endpoint: cache-aware routing vs round-robin, and
 many concurrent clients on one replica (CPU or GPU). Prints one JSON object.
 
-Two engine servers (`python -m rollout.serve`, one process each) on a random-init tiny Qwen2.
+Two engine servers (`python -m rollout.serving.server`, one process each) on a random-init
+tiny Qwen2.
 
 1. Sessions: `--sessions` concurrent sessions of `--turns` turns through the router's HTTP front
-   (`rollout.router_app`); each turn's prompt = the previous prompt + its completion + a new user
-   chunk (random token ids), with the session id in `X-Session-Id`. The prefix-cache hit rate on
-   turns >= 2 is the engines' own count (`usage.prompt_tokens_details.cached_tokens` over
+   (`rollout.serving.router_app`); each turn's prompt = the previous prompt + its completion + a new
+   user chunk (random token ids), with the session id in `X-Session-Id`. The prefix-cache hit rate
+   on turns >= 2 is the engines' own count (`usage.prompt_tokens_details.cached_tokens` over
    `usage.prompt_tokens`), cache-aware vs round-robin in the same run, on the same servers (each
-   policy's sessions use their own random tokens, and the KV pool holds both policies' sessions,
-   so neither policy inherits the other's cache).
+   policy's sessions use their own random tokens, and the KV pool holds both policies' sessions, so
+   neither policy inherits the other's cache).
 2. Load: `--clients` concurrent clients for `--seconds` s against one replica directly; every
    request must answer 200 with exactly `max_tokens` tokens (no error, no lost request);
    latency p50 / p99.
@@ -39,9 +40,9 @@ sys.path.insert(0, str(REPO))
 
 # Run as a script: the repository's packages import only once it is on sys.path (above).
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
-from rollout.router import Router, RouterConfig  # noqa: E402
-from rollout.router_app import build_router_app  # noqa: E402
-from rollout.serve import start_server  # noqa: E402
+from rollout.serving.router import Router, RouterConfig  # noqa: E402
+from rollout.serving.router_app import build_router_app  # noqa: E402
+from rollout.serving.server import start_server  # noqa: E402
 
 
 def free_port() -> int:
@@ -57,7 +58,7 @@ def launch_replica(model_dir: str, args) -> tuple[subprocess.Popen, str]:
         [
             sys.executable,
             "-m",
-            "rollout.serve",
+            "rollout.serving.server",
             model_dir,
             "--port",
             str(port),

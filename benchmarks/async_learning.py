@@ -1,7 +1,7 @@
 """Does the long-tailed chain recipe learn as well fully asynchronously as synchronously, in
 less wall time? (issue 14, acceptance). Prints one JSON object.
 
-The real controller (`miles_like.loop.run`, one local Ray with 2 CPU slots: one engine and one
+The real controller (`miles_like.run.loop.run`, one local Ray with 2 CPU slots: one engine and one
 trainer rank, disaggregated, `cluster.cpu_threads=1`) on `recipes/tiny_chain_learn_grpo.yaml`
 (the long-tailed chain task tuned to learn visibly in 60 steps; `--recipe` runs another), in two
 modes that differ only in the loop:
@@ -94,8 +94,8 @@ def run_once(
     import ray
 
     from miles_like.errors import RunFailed
-    from miles_like.loop import run
-    from miles_like.recipe import load_recipe
+    from miles_like.recipe.sections import load_recipe
+    from miles_like.run.loop import run
 
     recipe = load_recipe(recipe_path, [*overrides, f"tracking.output_dir={out}"])
     for attempt in (1, 2):

@@ -19,7 +19,7 @@ moment the round's batch is complete (plain: its last sample; over-sampled: the 
 time: the round's wall time. Medians over the rounds of each mode; the goal is a >= 3x shorter
 tail.
 
-`async_vs_sync` (issue 14 item 6): the real controller (`miles_like.loop.run`, one local Ray
+`async_vs_sync` (issue 14 item 6): the real controller (`miles_like.run.loop.run`, one local Ray
 with 2 CPU slots: one engine + one trainer rank, disaggregated) on the long-tailed chain recipe
 (`recipes/tiny_chain_grpo.yaml`, its cached warm start), synchronous on-policy
 (`off_policy_steps: 0`) and fully asynchronous (`cluster.fully_async`, `max_staleness: 1`)
@@ -267,8 +267,8 @@ def async_vs_sync(args) -> dict:
     """Trained samples per second, fully async (max_staleness 1) vs sync, alternating runs."""
     import ray
 
-    from miles_like.loop import run
-    from miles_like.recipe import load_recipe
+    from miles_like.recipe.sections import load_recipe
+    from miles_like.run.loop import run
 
     recipe_path = REPO / "recipes" / "tiny_chain_grpo.yaml"
     common = [

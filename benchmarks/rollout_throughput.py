@@ -22,7 +22,8 @@ max_new_tokens = L). HF's static batch decodes every row to the longest drawn le
 tokens/s counts only the drawn lengths (the useful tokens). For each engine the JSON also has
 the timed call's tail (`_tail_s`: from 90% of the samples finished to the last), its share
 (`_tail_frac`), the share of the call in forward passes (`_busy_frac`) and the time-weighted
-batch occupancy over its peak (`_occupancy`), from the engine's activity log (`miles_like.busy`).
+batch occupancy over its peak (`_occupancy`), from the engine's activity log
+(`miles_like.run.busy`).
 
     .venv/bin/python benchmarks/rollout_throughput.py --lengths pareto:1.2 --skip-hf
 """
@@ -223,11 +224,11 @@ class EngineRun(NamedTuple):
     generated: int
     stats: dict
     full: bool  # every sample exactly its max_new_tokens long
-    activity: dict  # miles_like.busy.rollout_metrics over the call
+    activity: dict  # miles_like.run.busy.rollout_metrics over the call
 
 
 def run_engine(engine, prompts, params) -> EngineRun:
-    from miles_like.busy import Span, rollout_metrics
+    from miles_like.run.busy import Span, rollout_metrics
     from rollout.activity import ActivityLog
 
     if not isinstance(params, list):

@@ -1,5 +1,9 @@
-"""The controller: recipe schema (`recipe.py`, `schema.py`), the configs it maps onto
-(`build_configs.py`), the CLI (`cli.py`, `python -m miles_like.train`), rewards (`rewards.py`,
-`reward_shaping.py`), advantage estimators (`advantages.py`), tokenizers (`tokenizer.py`: the
-built-in models' character vocabulary and `HFTokenizer`), built-in tiny models
-(`builtin_models.py`) and synthetic tasks (`tasks/`)."""
+"""The controller: `recipe/` (the recipe's sections, rules and CLI), `run/` (the RL loops, the
+Ray actors, weight pushes, checkpoints), `rollouts/` (rollout functions, trajectories, tools,
+over-sampling, the asynchronous producer), `scoring/` (rewards, shaping, advantages, the
+trainer's batch), `models/` (built-in tiny models, tokenizers, the model store), `data.py` (the
+prompt source) and `tasks/` (synthetic tasks)."""
+
+from miles_like import moved_modules
+
+moved_modules.install()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles_like.schema import RecipeError
+from miles_like.recipe.schema import RecipeError
 
 __all__ = ["RecipeError", "RolloutFailed", "RunFailed"]
 

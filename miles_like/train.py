@@ -11,6 +11,6 @@ uses.
 if __name__ == "__main__":
     import sys
 
-    from miles_like.cli import main
+    from miles_like.recipe.cli import main
 
     sys.exit(main())

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 from typing import NamedTuple
 
-from miles_like.trajectory import TrajectoryBuilder
+from miles_like.rollouts.trajectory import TrajectoryBuilder
 from rollout import chat
 
 TURNS = 3

@@ -12,9 +12,9 @@ import ray
 from safetensors.torch import load_file
 from tp_slices import digest, expected_slice
 
-from miles_like.cli import main
-from miles_like.loop import run
-from miles_like.runtime import Runtime
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
+from miles_like.run.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 

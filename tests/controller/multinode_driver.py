@@ -14,8 +14,8 @@ import sys
 def _record_then_shutdown(report_path: str):
     import ray
 
-    from miles_like.calls import each, gather
-    from miles_like.runtime import Runtime
+    from miles_like.run.calls import each, gather
+    from miles_like.run.runtime import Runtime
 
     real_shutdown = Runtime.shutdown
 
@@ -41,9 +41,9 @@ def _record_then_shutdown(report_path: str):
 if __name__ == "__main__":
     # imported here: the run's spawned reward workers import this module again as their
     # __main__ (`miles_like/train.py` says why that must stay light)
-    from miles_like.cli import main
-    from miles_like.loop import run
-    from miles_like.runtime import Runtime
+    from miles_like.recipe.cli import main
+    from miles_like.run.loop import run
+    from miles_like.run.runtime import Runtime
 
     recipe, report, *overrides = sys.argv[1:]
     Runtime.shutdown = _record_then_shutdown(report)

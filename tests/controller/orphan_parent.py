@@ -8,8 +8,8 @@ import sys
 import threading
 import time
 
-from miles_like.reward_pool import RewardPool
-from miles_like.tools import ToolPool, load_tools
+from miles_like.rollouts.tools import ToolPool, load_tools
+from miles_like.scoring.reward_pool import RewardPool
 
 
 def main(kind: str) -> None:

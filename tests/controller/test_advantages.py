@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles_like import advantages as A
+from miles_like.scoring import advantages as A
 
 
 def close(actual, expected, tol=1e-6):

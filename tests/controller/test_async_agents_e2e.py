@@ -33,8 +33,8 @@ from test_async_e2e import (
 )
 from test_resume_e2e import RECIPE
 
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
 
 pytestmark = pytest.mark.slow
 

@@ -20,9 +20,9 @@ import pytest
 from killed_run import killed_run
 from test_resume_e2e import RECIPE, is_timing, rows_of
 
-from miles_like import checkpoint
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run import checkpoint
+from miles_like.run.loop import run
 
 pytestmark = pytest.mark.slow
 

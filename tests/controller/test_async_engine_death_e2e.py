@@ -28,8 +28,8 @@ from test_async_e2e import ASYNC, BASE, LONG, check_accounting
 from test_fault_tolerance_e2e import in_background, new_actor
 from test_resume_e2e import RECIPE, rows_of
 
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
 
 pytestmark = pytest.mark.slow
 

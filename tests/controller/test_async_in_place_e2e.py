@@ -23,9 +23,9 @@ from killed_run import killed_run
 from test_async_e2e import ASYNC, BASE, LONG, PROMPTS, check_accounting, run_in_process
 from test_resume_e2e import RECIPE
 
-from miles_like import checkpoint
-from miles_like.async_rollouts import AsyncProducer
-from miles_like.runtime import Runtime
+from miles_like.rollouts.async_producer import AsyncProducer
+from miles_like.run import checkpoint
+from miles_like.run.runtime import Runtime
 
 pytestmark = pytest.mark.slow
 

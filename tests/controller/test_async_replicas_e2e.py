@@ -32,8 +32,8 @@ from test_async_engine_death_e2e import kill_after_rows
 from test_fault_tolerance_e2e import in_background
 from test_resume_e2e import RECIPE, rows_of
 
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from miles_like.batch import samples_batch, with_advantages
 from miles_like.data import Problem
-from miles_like.recipe import AlgorithmSection
-from miles_like.rollout_manager import Group
-from miles_like.trajectory import TrajectoryBuilder, single_turn
-from miles_like.workers import _mini_batches
+from miles_like.recipe.sections import AlgorithmSection
+from miles_like.rollouts.manager import Group
+from miles_like.rollouts.trajectory import TrajectoryBuilder, single_turn
+from miles_like.run.workers import _mini_batches
+from miles_like.scoring.batch import samples_batch, with_advantages
 
 
 def group(prompt_ids, responses, rewards):

@@ -1,4 +1,4 @@
-"""The busy / idle arithmetic of `miles_like.busy` against brute-force references: unions of
+"""The busy / idle arithmetic of `miles_like.run.busy` against brute-force references: unions of
 intervals measured on an integer grid, the tail read off sorted completion times by counting,
 occupancy in closed form."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miles_like.busy import (
+from miles_like.run.busy import (
     Span,
     occupancy,
     rollout_metrics,

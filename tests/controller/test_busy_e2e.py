@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
 
 import user_rewards
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from miles_like import checkpoint
-from miles_like.cli import main
-from miles_like.recipe import load_recipe
-from miles_like.schema import RecipeError
-from miles_like.tracking import REQUIRED_KEYS, Tracker
+from miles_like.recipe.cli import main
+from miles_like.recipe.schema import RecipeError
+from miles_like.recipe.sections import load_recipe
+from miles_like.run import checkpoint
+from miles_like.run.tracking import REQUIRED_KEYS, Tracker
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "tiny_arith_grpo.yaml")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles_like.cli import EXIT_USER_ERROR, main
-from miles_like.recipe import Recipe, RecipeError, load_recipe
-from miles_like.schema import describe
+from miles_like.recipe.cli import EXIT_USER_ERROR, main
+from miles_like.recipe.schema import describe
+from miles_like.recipe.sections import Recipe, RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = "model:\n  builtin: tiny-qwen2\ndata:\n  synthetic: arith\n"
@@ -106,13 +106,13 @@ def test_module_entry_point_no_traceback(tmp_path):
 
 
 def test_readme_lists_every_recipe_field_as_generated():
-    from miles_like.cli import fields_markdown
+    from miles_like.recipe.cli import fields_markdown
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("<!-- recipe-fields:start")
     body = readme[readme.index("\n", start) + 1 : readme.index("<!-- recipe-fields:end -->")]
     assert body.strip() == fields_markdown().strip(), (
-        "README's field table is stale: paste miles_like.cli.fields_markdown() into it"
+        "README's field table is stale: paste miles_like.recipe.cli.fields_markdown() into it"
     )
 
 

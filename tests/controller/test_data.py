@@ -7,10 +7,10 @@ import json
 import pytest
 
 from miles_like.data import PromptSource
-from miles_like.recipe import DataSection
-from miles_like.schema import RecipeError
+from miles_like.models.tokenizer import builtin_tokenizer
+from miles_like.recipe.schema import RecipeError
+from miles_like.recipe.sections import DataSection
 from miles_like.tasks import arith
-from miles_like.tokenizer import builtin_tokenizer
 
 TOK = builtin_tokenizer()
 

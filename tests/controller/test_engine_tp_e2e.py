@@ -18,7 +18,7 @@ import time
 import pytest
 from engine_tp_runs import assert_ranks_hold_slices, run_tp_recipe
 
-from miles_like.runtime import Runtime
+from miles_like.run.runtime import Runtime
 
 pytestmark = pytest.mark.slow
 

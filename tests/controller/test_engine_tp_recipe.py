@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.build_configs import engine_config
-from miles_like.placement import plan
-from miles_like.recipe import RecipeError, load_recipe
+from miles_like.recipe.build_configs import engine_config
+from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.run.placement import plan
 
 MINIMAL = "model:\n  builtin: tiny-qwen2\ndata:\n  synthetic: arith\n"  # 4 heads, 2 KV heads
 

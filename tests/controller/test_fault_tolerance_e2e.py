@@ -18,10 +18,10 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from miles_like import checkpoint
-from miles_like.calls import ActorDied, CallTimeout, call, gather
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run import checkpoint
+from miles_like.run.calls import ActorDied, CallTimeout, call, gather
+from miles_like.run.loop import run
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "tiny_arith_grpo.yaml")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.cli import main
-from miles_like.loop import run
-from miles_like.tracking import REQUIRED_KEYS
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
+from miles_like.run.tracking import REQUIRED_KEYS
 
 from wandb_log import history
 

@@ -20,16 +20,16 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_like import tool_loop
-from miles_like.build_configs import engine_config
 from miles_like.data import Problem, PromptSource
-from miles_like.model_store import base_model_dir, copy_model_files
-from miles_like.recipe import load_recipe
-from miles_like.rewards import resolve_reward
-from miles_like.rollout_functions import resolve_rollout_function
-from miles_like.rollout_manager import RolloutManager
-from miles_like.tokenizer import load_tokenizer
-from miles_like.workers import EngineWorker
+from miles_like.models.store import base_model_dir, copy_model_files
+from miles_like.models.tokenizer import load_tokenizer
+from miles_like.recipe.build_configs import engine_config
+from miles_like.recipe.sections import load_recipe
+from miles_like.rollouts import tool_loop
+from miles_like.rollouts.functions import resolve_rollout_function
+from miles_like.rollouts.manager import RolloutManager
+from miles_like.run.workers import EngineWorker
+from miles_like.scoring.rewards import resolve_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "tiny_arith_grpo.yaml")

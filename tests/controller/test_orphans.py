@@ -1,4 +1,4 @@
-"""No worker process outlives its controller (`miles_like/orphans.py`).
+"""No worker process outlives its controller (`miles_like/run/orphans.py`).
 
 A controller killed with SIGKILL runs no cleanup at all; a reward or tool worker idle at that
 moment sees its pipe close and exits, but one stuck in a user function that never returns
@@ -127,7 +127,7 @@ def test_a_sigterm_inside_a_blocking_ray_call_still_exits_143(ray_local):
 
     import ray
 
-    from miles_like import orphans
+    from miles_like.run import orphans
 
     @ray.remote(num_cpus=0)
     def sleeper():

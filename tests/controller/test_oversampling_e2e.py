@@ -18,9 +18,9 @@ import pytest
 from killed_run import killed_run
 from test_resume_e2e import COMMON, RECIPE, is_timing, rows_of
 
-from miles_like.cli import main
-from miles_like.loop import run
-from miles_like.rewards import compute_rewards, resolve_reward
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
+from miles_like.scoring.rewards import compute_rewards, resolve_reward
 
 pytestmark = pytest.mark.slow
 

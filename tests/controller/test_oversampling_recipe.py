@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.oversampling import launched, quotas
-from miles_like.recipe import RecipeError, load_recipe
-from miles_like.rollout_manager import _split
+from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.rollouts.manager import _split
+from miles_like.rollouts.oversampling import launched, quotas
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_arith_grpo.yaml"

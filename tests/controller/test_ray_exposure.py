@@ -7,8 +7,8 @@ import psutil
 import ray
 import shared_ray
 
-from miles_like.placement import plan, start_ray
-from miles_like.recipe import ClusterSection
+from miles_like.recipe.sections import ClusterSection
+from miles_like.run.placement import plan, start_ray
 
 
 def test_local_ray_dashboard_is_off_and_on_loopback():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles_like.build_configs import engine_config, sampling_params, trainer_config
-from miles_like.recipe import (
+from miles_like.recipe.build_configs import engine_config, sampling_params, trainer_config
+from miles_like.recipe.sections import (
     Recipe,
     RecipeError,
     apply_overrides,
@@ -291,7 +291,7 @@ def test_existing_paths_pass(tmp_path):
 
 
 def test_sections_validate_when_built_in_code():
-    from miles_like.recipe import RolloutSection
+    from miles_like.recipe.sections import RolloutSection
 
     with pytest.raises(RecipeError, match="rollout.prompts_per_step"):
         RolloutSection(prompts_per_step=0)

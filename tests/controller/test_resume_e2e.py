@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from killed_run import killed_run
 
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "recipes" / "tiny_arith_grpo.yaml")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.cli import main
-from miles_like.loop import run
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_arith_grpo.yaml"
 pytestmark = pytest.mark.slow

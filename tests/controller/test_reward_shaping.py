@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_like.reward_shaping import informative_groups, overlong_penalty
+from miles_like.scoring.shaping import informative_groups, overlong_penalty
 
 
 def test_overlong_penalty_piecewise_linear():

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from miles_like import reward_pool
-from miles_like.rewards import (
+from miles_like.scoring import reward_pool
+from miles_like.scoring.rewards import (
     BUILTIN_REWARDS,
     RecipeError,
     compute_rewards,

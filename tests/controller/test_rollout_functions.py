@@ -13,18 +13,18 @@ import agent_rollouts
 import pytest
 import ray
 
-from miles_like.build_configs import engine_config
 from miles_like.data import PromptSource
 from miles_like.errors import RolloutFailed
-from miles_like.http_front import HttpFront
-from miles_like.model_store import base_model_dir
-from miles_like.recipe import RecipeError, load_recipe
-from miles_like.rewards import resolve_reward
-from miles_like.rollout_functions import resolve_rollout_function
-from miles_like.rollout_manager import RolloutManager
-from miles_like.tokenizer import load_tokenizer
-from miles_like.trajectory import NOT_SAMPLED, Trajectory, TrajectoryBuilder
-from miles_like.workers import EngineWorker
+from miles_like.models.store import base_model_dir
+from miles_like.models.tokenizer import load_tokenizer
+from miles_like.recipe.build_configs import engine_config
+from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.rollouts.functions import resolve_rollout_function
+from miles_like.rollouts.manager import RolloutManager
+from miles_like.rollouts.trajectory import NOT_SAMPLED, Trajectory, TrajectoryBuilder
+from miles_like.run.http_front import HttpFront
+from miles_like.run.workers import EngineWorker
+from miles_like.scoring.rewards import resolve_reward
 from rollout import chat
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from miles_like.schema import RecipeError, Section, describe, from_dict, setting, to_plain
+from miles_like.recipe.schema import RecipeError, Section, describe, from_dict, setting, to_plain
 
 
 @dataclass(frozen=True)

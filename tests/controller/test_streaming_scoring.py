@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import miles_like.oversampling as oversampling
+import miles_like.rollouts.oversampling as oversampling
 from miles_like.data import Problem
-from miles_like.dispatch import Dispatch
-from miles_like.oversampling import OpenGroup, OverSampledRollout
-from miles_like.recipe import load_recipe
-from miles_like.rewards import compute_rewards, exact_match
-from miles_like.rollout_manager import RolloutManager
-from miles_like.tokenizer import HFTokenizer
+from miles_like.models.tokenizer import HFTokenizer
+from miles_like.recipe.sections import load_recipe
+from miles_like.rollouts.manager import RolloutManager
+from miles_like.rollouts.oversampling import OpenGroup, OverSampledRollout
+from miles_like.rollouts.replica_batcher import Dispatch
+from miles_like.scoring.rewards import compute_rewards, exact_match
 from rollout import EngineConfig, SamplingParams
 
 from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
@@ -35,20 +35,22 @@ from user_rewards import SLOW_EXACT_S as SLOW
 from user_rewards import slow_exact_match as slow_exact
 
 ROOT = Path(__file__).resolve().parents[2]
-LENGTHS = [4, 4, 4, 480, 4, 4, 4, 4]  # the long group outlasts the short ones' scoring
+LENGTHS = [4, 4, 4, 960, 4, 4, 4, 4]  # the long group outlasts the short ones' scoring
 N = 2
 
 
 def test_streamed_scores_equal_scoring_at_the_end_and_overlap_generation(
     ray_local, tmp_path, monkeypatch
 ):
-    from miles_like.workers import EngineWorker
+    from miles_like.run.workers import EngineWorker
 
     tok = save_bpe_tokenizer(tmp_path, ["one two three four five six"] * 20, vocab_size=280)
-    save_hf_model(make_hf_model("qwen2", vocab_size=len(tok)), tmp_path)
+    save_hf_model(
+        make_hf_model("qwen2", vocab_size=len(tok), max_position_embeddings=1024), tmp_path
+    )
     worker = EngineWorker.remote(
         EngineConfig(
-            model_path=str(tmp_path), kv_cache_tokens=4096, page_size=4, max_model_len=512
+            model_path=str(tmp_path), kv_cache_tokens=4096, page_size=4, max_model_len=1024
         ),
         1,
     )

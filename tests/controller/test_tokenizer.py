@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_like.builtin_models import BUILTIN_MODELS, hf_config
-from miles_like.tokenizer import (
+from miles_like.models.builtin import BUILTIN_MODELS, hf_config
+from miles_like.models.tokenizer import (
     FIRST_BYTE_ID,
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
@@ -97,8 +97,8 @@ def test_a_model_directory_loads_the_same_tokenizer(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from miles_like import model_store
-    from miles_like.recipe import ModelSection
+    from miles_like.models import store as model_store
+    from miles_like.recipe.sections import ModelSection
 
     monkeypatch.setenv("MILES_LIKE_CACHE", str(tmp_path))
     directory = model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0)
@@ -142,8 +142,8 @@ def test_builtin_config_carries_the_tokenizer_fields():
 def test_model_store_key_follows_the_tokenizer(tmp_path, monkeypatch):
     """The built-in model's cache key hashes the tokenizer's serialization: a model built for
     another vocabulary or template is never reused."""
-    from miles_like import model_store
-    from miles_like.recipe import ModelSection
+    from miles_like.models import store as model_store
+    from miles_like.recipe.sections import ModelSection
 
     monkeypatch.setenv("MILES_LIKE_CACHE", str(tmp_path))
     first = model_store.base_model_dir(ModelSection(builtin="tiny-qwen2"), seed=0)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from miles_like.data import Problem
-from miles_like.recipe import RecipeError, load_recipe
+from miles_like.models.tokenizer import builtin_tokenizer
+from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.rollouts.tool_loop import demonstration
+from miles_like.rollouts.tools import load_tools
+from miles_like.run.warm_start import demonstrations, sft_batch
 from miles_like.tasks import calc
-from miles_like.tokenizer import builtin_tokenizer
-from miles_like.tool_loop import demonstration
-from miles_like.tools import load_tools
-from miles_like.warm_start import demonstrations, sft_batch
 from rollout import chat
 
 RECIPE = "recipes/tiny_calc_agent_grpo.yaml"
@@ -100,8 +100,8 @@ def test_recipe_rules_of_the_tool_loop(override, fragment):
 def test_the_e2e_replay_accepts_a_true_conversation_and_rejects_a_corrupted_one():
     from test_tool_loop_e2e import replay
 
-    from miles_like.tools import ToolPool
-    from miles_like.trajectory import Trajectory
+    from miles_like.rollouts.tools import ToolPool
+    from miles_like.rollouts.trajectory import Trajectory
 
     p = problem("347*28=", "9716")
     t = demonstration(TOK, p, calc.demonstration(p.prompt, p.answer, ("calculator",)), None)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.batch import samples_batch, with_advantages
-from miles_like.recipe import load_recipe
-from miles_like.runtime import Runtime
+from miles_like.recipe.sections import load_recipe
+from miles_like.rollouts.tools import ToolPool, load_tools
+from miles_like.run.runtime import Runtime
+from miles_like.scoring.batch import samples_batch, with_advantages
 from miles_like.tasks import arith, calc
-from miles_like.tools import ToolPool, load_tools
 from rollout import chat
 
 ROOT = Path(__file__).resolve().parents[2]

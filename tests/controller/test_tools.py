@@ -1,4 +1,4 @@
-"""Tools in worker processes (`miles_like/tools.py`): schemas from signatures, argument
+"""Tools in worker processes (`miles_like/rollouts/tools.py`): schemas from signatures, argument
 validation, and every way a tool can misbehave (raise, hang, crash, flood, bad arguments,
 unknown name) turning into an error string and a counted kind, never into a stalled caller.
 Every misbehaviour test bounds its own wall time."""
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from miles_like.schema import RecipeError
-from miles_like.tools import ToolPool, ToolResult, function_schema, load_tool, load_tools
+from miles_like.recipe.schema import RecipeError
+from miles_like.rollouts.tools import ToolPool, ToolResult, function_schema, load_tool, load_tools
 
 TIMEOUT_S = 1.0
 SPECS = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles_like import warm_start
-from miles_like.recipe import load_recipe
+from miles_like.recipe.sections import load_recipe
+from miles_like.run import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,10 +17,10 @@ def test_the_key_covers_the_trainer_the_task_and_the_batches():
         "trainer/objective.py",
         "trainer/losses.py",
         "trainer/optim.py",
-        "miles_like/warm_start.py",
+        "miles_like/run/warm_start.py",
         "miles_like/data.py",
         "miles_like/tasks/arith.py",
-        "miles_like/tokenizer.py",
+        "miles_like/models/tokenizer.py",
     } <= names
 
 

@@ -11,8 +11,8 @@ import ray
 import shared_ray
 import torch
 
-from miles_like.placement import create_trainers, plan, release, reserve, start_ray
-from miles_like.recipe import ClusterSection
+from miles_like.recipe.sections import ClusterSection
+from miles_like.run.placement import create_trainers, plan, release, reserve, start_ray
 
 
 def test_trainer_ranks_run_at_normal_priority_with_the_recipes_threads():

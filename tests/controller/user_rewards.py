@@ -37,7 +37,7 @@ def slow_exact_match(prompt: str, response: str, answer: str) -> float:
     """The built-in exact_match, taking SLOW_EXACT_S seconds (test_streaming_scoring)."""
     import time
 
-    from miles_like.rewards import exact_match
+    from miles_like.scoring.rewards import exact_match
 
     time.sleep(SLOW_EXACT_S)
     return exact_match(prompt, response, answer)

@@ -1,5 +1,6 @@
-"""Smoke test of `benchmarks/agent_sessions.py --quick`: two `python -m rollout.serve` replica
-processes, the router front, sessions and the load phase, end to end, printing one JSON object.
+"""Smoke test of `benchmarks/agent_sessions.py --quick`: two `python -m rollout.serving.server`
+replica processes, the router front, sessions and the load phase, end to end, printing one JSON
+object.
 Hit rates and latencies are the benchmark's to measure; asserted here is what follows from the
 workload: every request answered, and sessions served whole by one replica cache-aware."""
 

@@ -43,7 +43,7 @@ CALC = {
 
 @pytest.fixture(scope="module")
 def char_tok():
-    from miles_like.tokenizer import build_char_tokenizer
+    from miles_like.models.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -273,7 +273,7 @@ def test_delta_errors(char_tok):
     with pytest.raises(ValueError, match="messages is empty"):
         delta_ids(char_tok, [], [{"role": "user", "content": "x"}])
     # a template whose history changes once more messages follow cannot give exact deltas
-    from miles_like.tokenizer import build_char_tokenizer
+    from miles_like.models.tokenizer import build_char_tokenizer
 
     odd = build_char_tokenizer()
     odd.chat_template = (

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from miles_like.busy import Span, completions, rollout_metrics
+from miles_like.run.busy import Span, completions, rollout_metrics
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.activity import ActivityLog
 

@@ -13,9 +13,9 @@ import pytest
 
 from rollout import Engine, EngineConfig
 from rollout.async_engine import AsyncEngine
-from rollout.router import PrefixTree, Router, RouterConfig
-from rollout.router_app import build_router_app
-from rollout.serve import build_app, start_server
+from rollout.serving.router import PrefixTree, Router, RouterConfig
+from rollout.serving.router_app import build_router_app
+from rollout.serving.server import build_app, start_server
 
 from tiny_hf import make_hf_model, save_hf_model
 

@@ -18,7 +18,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import AsyncEngine
-from rollout.serve import build_app, chat_message, load_tokenizer, start_server
+from rollout.serving.server import build_app, chat_message, load_tokenizer, start_server
 
 from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
 

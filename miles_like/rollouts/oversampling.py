@@ -1,0 +1,338 @@
+"""Over-sampled single-turn rollouts, partial carry-over and streaming scoring
+(`rollout.over_sampling`, `rollout.partial`, `rollout.stream_scoring`).
+
+A step launches ceil(prompts_per_step x over_sampling) groups: the groups carried over from the
+previous step first (oldest first), then fresh prompts. Groups spread over the replicas in
+contiguous shares; replica i must complete quota_i groups (share i of prompts_per_step, split
+the same way) and its engine aborts the rest at the step its quota is met
+(`AsyncEngine.submit_many(quota=)`). **The batch** is, on every replica, the groups complete
+within its quota: carried groups already complete first (by group index), then by the engine
+step that completed them (ties by group index); it is trained in launch order. Nothing in it
+depends on timing, so a resumed run (same carried groups, same data position, same seeds)
+makes the same batch and cuts the same tokens.
+
+Every group is scored as soon as its samples are all finished, on a thread of the rollout loop,
+while the engines still generate the others (streaming; the same scores as scoring at the end).
+
+The launched groups outside the batch (`rollout.partial`):
+
+* abort: dropped and counted (`rollout/aborted_groups`). Their prompts count as consumed: the
+  data source has moved past them and does not draw them again (as with a group dynamic
+  sampling drops).
+* retract: carried to the next step (`rollout/carried_groups`): finished samples as they are,
+  unfinished ones with the tokens, engine log-probs and weight versions they have. The engine
+  dropped their KV when it aborted them; the next step prefills prompt + tokens again under
+  the new weights and samples on (seed from the new step), up to `rollout.max_new_tokens` in
+  all. So a trajectory's tokens may come from several weight versions, each token with the
+  log-prob of the version that sampled it: the loss's importance correction (TIS / MIS) uses
+  exactly those behaviour log-probs.
+* in_place (disaggregated engines only): carried as with retract, but the engine keeps their
+  K/V across the weight update instead of dropping it: their requests carry
+  `SamplingParams.park_kv`, so an aborted sample's K/V is parked in the engine and the next
+  step's continuation (prompt + tokens, the same request retract sends) adopts it and computes
+  only its pending token: the tokens before the update keep the K/V the old weights computed
+  (as in AReaL), the new weights sample on. Parked K/V gives way to memory pressure, and is
+  gone after an engine restart or a resume; that continuation then prefills, as retract does
+  (`rollout/in_place_reused_tokens` counts the tokens that were not prefilled again).
+  In the synchronous loop the carried requests wait parked while the trainer trains rather
+  than decode on: how far they got would depend on timing, and the batch must not.
+
+`rollout.max_carry_versions` bounds the carry-over: a group is carried across at most that
+many weight updates (one a step: its oldest tokens are then that many versions old when it
+continues); one that would be carried again is dropped and counted (`rollout/stale_dropped_
+groups` / `_samples`).
+
+Carried groups are part of a checkpoint (`to_state` / `from_state`, in state.json). An async
+loop (issue 14, item 6) can reuse all of it: `OpenGroup` is the unit its buffer would hold, the
+quota the moment a batch is ready, and `carried` what goes back to the engines after a weight
+update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from miles_like.data import Problem
+from miles_like.rollouts.replica_batcher import Dispatch, Generation
+from miles_like.rollouts.trajectory import Trajectory
+from miles_like.scoring.rewards import compute_rewards
+from miles_like.scoring.shaping import overlong_penalty
+
+ABORTED = "abort"  # finish_reason of a sample the engine stopped (unfinished)
+
+
+class Partial(NamedTuple):
+    """One sample of an open group, as far as it got."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]  # the weight version that sampled each token
+    finish_reason: str  # ABORTED while unfinished
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason != ABORTED
+
+    def extended(self, g: Generation) -> Partial:
+        return Partial(
+            self.token_ids + tuple(g.token_ids),
+            self.logprobs + tuple(g.logprobs),
+            self.versions + (g.versions or (g.weight_version,) * len(g.token_ids)),
+            g.finish_reason,
+        )
+
+
+class OpenGroup(NamedTuple):
+    """A group being generated, possibly over several steps."""
+
+    problem: Problem
+    samples: tuple[Partial, ...]  # () until its first request returns
+    rollouts: int = 0  # the rollouts it has been part of before this one
+
+    @property
+    def done(self) -> bool:
+        return bool(self.samples) and all(s.done for s in self.samples)
+
+
+EMPTY = Partial((), (), (), ABORTED)
+
+
+class Outcome(NamedTuple):
+    """What one over-sampled rollout made."""
+
+    batch: list  # rollout_manager.Group, in launch order
+    carried: list[OpenGroup]  # to continue next step (retract)
+    tallies: Counter
+    metrics: dict[str, float]
+
+
+def quotas(batch: int, shares: Sequence[range]) -> list[int]:
+    """Replica i's quota: its contiguous share of `batch`, split as the groups are."""
+    from miles_like.rollouts.manager import _split
+
+    return [len(r) for r in _split(batch, len(shares))]
+
+
+def launched(prompts_per_step: int, over_sampling: float) -> int:
+    return math.ceil(prompts_per_step * over_sampling - 1e-9)
+
+
+def to_state(groups: Sequence[OpenGroup]) -> list[dict]:
+    """JSON-ready (floats round-trip exactly through json)."""
+    return [
+        {
+            "prompt": g.problem.prompt,
+            "prompt_ids": list(g.problem.prompt_ids),
+            "answer": g.problem.answer,
+            "rollouts": g.rollouts,
+            "samples": [
+                {
+                    "token_ids": list(s.token_ids),
+                    "logprobs": list(s.logprobs),
+                    "versions": list(s.versions),
+                    "finish_reason": s.finish_reason,
+                }
+                for s in g.samples
+            ],
+        }
+        for g in groups
+    ]
+
+
+def from_state(rows: Sequence[dict]) -> list[OpenGroup]:
+    return [
+        OpenGroup(
+            Problem(r["prompt"], list(r["prompt_ids"]), r["answer"]),
+            tuple(
+                Partial(
+                    tuple(s["token_ids"]),
+                    tuple(float(x) for x in s["logprobs"]),
+                    tuple(s["versions"]),
+                    s["finish_reason"],
+                )
+                for s in r["samples"]
+            ),
+            r["rollouts"],
+        )
+        for r in rows
+    ]
+
+
+class OverSampledRollout:
+    """One step's over-sampled rollout, run on the manager's loop (`run`)."""
+
+    def __init__(self, manager, groups: list[OpenGroup], params: list, dispatch: Dispatch):
+        self.m = manager
+        self.recipe = manager.recipe
+        self.groups = groups  # carried first, then fresh
+        self.params = params  # per group: the step's SamplingParams (base seed)
+        self.dispatch = dispatch
+        self.scored: dict[int, asyncio.Future] = {}
+        self.tallies: Counter = Counter()
+
+    # ------------------------------------------------------------------------------- requests
+    def _requests(self, g: int) -> list[tuple[list[int], object, list[int]]]:
+        """(prompt ids, params, sample indices) of group g's requests: one of n samples for a
+        fresh group, one per unfinished sample (n = 1) for a carried one."""
+        group, params = self.groups[g], self.params[g]
+        if self.recipe.rollout.partial == "in_place":
+            params = dataclasses.replace(params, park_kv=True)
+        if not group.samples:
+            return [(list(group.problem.prompt_ids), params, list(range(params.n)))]
+        out = []
+        for j, s in enumerate(group.samples):
+            if s.done:
+                continue
+            p = dataclasses.replace(
+                params,
+                n=1,
+                seed=params.seed + j,
+                max_new_tokens=self.recipe.rollout.max_new_tokens - len(s.token_ids),
+            )
+            out.append((list(group.problem.prompt_ids) + list(s.token_ids), p, [j]))
+        return out
+
+    async def run(self) -> Outcome:
+        from miles_like.rollouts.manager import _split
+
+        r = self.recipe.rollout
+        shares = _split(len(self.groups), len(self.m.engines))
+        batch_ids: list[int] = []
+        calls = []
+        for i, (share, quota) in enumerate(zip(shares, quotas(r.prompts_per_step, shares))):
+            ready = [g for g in share if self.groups[g].done]
+            for g in ready:
+                self._score_soon(g)
+            batch_ids += ready[:quota]
+            if quota > len(ready):
+                rest = [g for g in share if g not in ready]
+                calls.append(self._replica(i, rest, quota - len(ready)))
+        for complete in await asyncio.gather(*calls):
+            batch_ids += complete
+        if self.dispatch.failure is not None:
+            raise self.dispatch.failure
+        batch_ids.sort()
+        chosen = set(batch_ids)
+        batch = []
+        for g in batch_ids:
+            group, counts = await self.scored[g]
+            batch.append(group)
+            self.tallies.update(counts)
+        rest = [g for g in range(len(self.groups)) if g not in chosen]
+        keep = r.partial in ("retract", "in_place")
+        carried = [self.groups[g]._replace(rollouts=self.groups[g].rollouts + 1) for g in rest]
+        stale = []
+        if r.max_carry_versions is not None:  # rollouts, this one counted = updates crossed
+            stale = [g for g in carried if g.rollouts > r.max_carry_versions]
+            carried = [g for g in carried if g.rollouts <= r.max_carry_versions]
+        self.tallies.update(self.dispatch.tallies)
+        metrics = self._metrics(batch_ids, rest, keep) if r.over_sampling > 1 else {}
+        if keep and r.max_carry_versions is not None:
+            metrics["stale_dropped_groups"] = float(len(stale))
+            metrics["stale_dropped_samples"] = float(
+                sum(not s.done for g in stale for s in g.samples)
+            )
+            metrics["carried_groups"] -= len(stale)
+            metrics["carried_samples"] -= metrics["stale_dropped_samples"]
+        if r.partial == "in_place":
+            metrics["in_place_reused_tokens"] = float(self.tallies["parked_reused_tokens"])
+        return Outcome(batch, carried if keep else [], self.tallies, metrics)
+
+    async def _replica(self, i: int, ids: list[int], quota: int) -> list[int]:
+        prompts, params, groups, owners = [], [], [], []
+        for g in ids:
+            for prompt, p, js in self._requests(g):
+                prompts.append(prompt)
+                params.append(p)
+                groups.append(g)
+                owners.append((g, js))
+
+        def on_result(k: int, samples: list[Generation]) -> None:
+            g, js = owners[k]
+            group = self.groups[g]
+            now = list(group.samples) or [EMPTY] * len(js)
+            for j, s in zip(js, samples):
+                now[j] = now[j].extended(s)
+            self.groups[g] = group._replace(samples=tuple(now))
+            if self.groups[g].done:
+                self._score_soon(g)
+
+        return await self.dispatch.stream(i, prompts, params, groups, quota, on_result)
+
+    # -------------------------------------------------------------------------------- scoring
+    def _score_soon(self, g: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.scored[g] = loop.run_in_executor(None, self._score, self.groups[g])
+
+    def _score(self, group: OpenGroup):
+        return score_group(self.m, group)
+
+    # -------------------------------------------------------------------------------- metrics
+    def _metrics(self, batch_ids: list[int], rest: list[int], keep: bool) -> dict[str, float]:
+        """Staleness in weight versions over the batch's tokens (the newest version this
+        rollout saw minus the version that sampled the token), and the carry-over counts."""
+        versions = [v for g in batch_ids for s in self.groups[g].samples for v in s.versions]
+        newest = max(versions, default=0)
+        lag = [newest - v for v in versions]
+        unfinished = sum(not s.done for g in rest for s in self.groups[g].samples)
+        return {
+            "staleness_mean": sum(lag) / max(len(lag), 1),
+            "staleness_max": float(max(lag, default=0)),
+            "launched_groups": float(len(self.groups)),
+            "continued_groups": float(sum(self.groups[g].rollouts > 0 for g in batch_ids)),
+            "carried_groups": float(len(rest) if keep else 0),
+            "carried_samples": float(unfinished if keep else 0),
+            "aborted_groups": float(0 if keep else len(rest)),
+            "aborted_samples": float(0 if keep else unfinished),
+        }
+
+
+def score_group(manager, group: OpenGroup):
+    """A complete group's trajectories, scores and shaped rewards, and the reward function's
+    failure counts (as `RolloutManager._score`, one group at a time; `manager` the run's
+    RolloutManager)."""
+    from miles_like.rollouts.manager import Group
+
+    r, p = manager.recipe, group.problem
+    tok = manager.tokenizer.tok
+    trajectories = [
+        Trajectory(
+            tuple(p.prompt_ids) + s.token_ids,
+            len(p.prompt_ids),
+            (1,) * len(s.token_ids),
+            s.logprobs,
+            s.versions,
+            response_text=tok.decode(list(s.token_ids), skip_special_tokens=True),
+            finish_reason=s.finish_reason,
+            metrics={"turns": 1.0},
+        )
+        for s in group.samples
+    ]
+    result = compute_rewards(
+        manager.reward_fn,
+        [p.prompt] * len(trajectories),
+        [t.response_text for t in trajectories],
+        [p.answer] * len(trajectories),
+        max_workers=r.reward.max_workers,
+        timeout_s=r.reward.timeout_s,
+    )
+    penalty = overlong_penalty(
+        torch.tensor([t.sampled_tokens for t in trajectories]),
+        r.rollout.max_new_tokens,
+        r.algorithm.overlong_buffer,
+        r.algorithm.overlong_penalty,
+    )
+    counts = {
+        "reward_errors": result.num_errors,
+        "reward_nan": result.num_nan,
+        "reward_timeouts": result.num_timeouts,
+    }
+    rewards = [s + float(penalty[j]) for j, s in enumerate(result.scores)]
+    return Group(p, trajectories, list(result.scores), rewards), counts

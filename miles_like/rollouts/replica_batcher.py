@@ -1,0 +1,212 @@
+"""Requests of the rollout functions -> batched `EngineWorker.generate` calls on the replicas.
+
+All rollout functions of a rollout run on one asyncio loop. A request is queued on its
+replica; the replica's queue is sent as one `generate` call as soon as the replica is idle, once
+every task that was ready when the request arrived has run (`call_soon`). So the first turns of
+all groups leave in one call per replica, in the order of the groups, which is exactly the call
+the single-turn rollout always made; later turns that become ready together travel together.
+Batching by the engine's own step loop is what makes concurrent sessions cheap.
+
+A call holds only first turns or only later turns (a request extending an earlier one of its
+group), so the engine's prefix-cache counters of the call say how well later turns reuse the
+KV of the earlier ones (`rollout/prefix_cache_hit_rate_turn2plus`).
+
+An engine that dies is replaced by `replace(i, died, requests)` (awaited; the controller does it
+on its own thread) and the lost call is sent again, with the same seeds, to the replacement. A call
+that outlives `timeout_s`, or an engine that dies with no `replace`, fails every waiting request
+and is kept in `failure`, which the controller raises whatever the rollout functions did with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
+
+from miles_like.run.calls import ActorDied, Call, CallTimeout, is_death
+
+COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
+
+
+class Generation(NamedTuple):
+    """One sample the engine returned for a request."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int  # the engine's weight version when it finished
+    # The version that sampled each token, where an update landed while it ran (in-place
+    # updates); () when `weight_version` sampled every token.
+    versions: tuple[int, ...] = ()
+
+
+class _Request(NamedTuple):
+    prompt_ids: list[int]
+    params: Any  # rollout.SamplingParams
+    later_turn: bool
+    future: asyncio.Future  # -> list[Generation], one per sample of params.n
+
+
+class Dispatch:
+    """`engines` is read at every call (the owner replaces a dead engine in it)."""
+
+    def __init__(
+        self,
+        engines: list,
+        timeout_s: float,
+        replace: Callable[[int, ActorDied, int], Awaitable[None]] | None = None,
+    ):
+        self.engines = engines
+        self.timeout_s = timeout_s
+        self.replace = replace
+        self.tallies: Counter = Counter()  # COUNTERS (+ "_turn2plus"), generated_tokens, ...
+        self.failure: BaseException | None = None
+        self.last_progress = time.monotonic()
+        self._queues: list[list[_Request]] = [[] for _ in engines]
+        self._busy = [False] * len(engines)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def generate(
+        self, replica: int, prompt_ids: Sequence[int], params, later_turn: bool
+    ) -> list[Generation]:
+        if self.failure is not None:
+            raise self.failure
+        future = asyncio.get_running_loop().create_future()
+        self._queues[replica].append(_Request(list(prompt_ids), params, later_turn, future))
+        if len(self._queues[replica]) == 1 and not self._busy[replica]:
+            asyncio.get_running_loop().call_soon(self._flush, replica)
+        return await future
+
+    def _flush(self, i: int) -> None:
+        if self._busy[i] or not self._queues[i]:
+            return
+        batch, self._queues[i] = self._queues[i], []
+        self._busy[i] = True
+        task = asyncio.get_running_loop().create_task(self._send_all(i, batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_all(self, i: int, batch: list[_Request]) -> None:
+        try:
+            for later in (False, True):
+                part = [r for r in batch if r.later_turn == later]
+                if part:
+                    await self._send(i, part)
+        finally:
+            self._busy[i] = False
+            if self._queues[i]:
+                self._flush(i)
+
+    async def _send(self, i: int, part: list[_Request]) -> None:
+        try:
+            outs, counters = await self._call(
+                i, [r.prompt_ids for r in part], [r.params for r in part]
+            )
+        except BaseException as e:
+            self.failure = self.failure or e
+            for r in part:
+                if not r.future.done():
+                    r.future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        self.last_progress = time.monotonic()
+        version = int(counters["weight_version"])
+        suffix = "_turn2plus" if part[0].later_turn else ""
+        for k in COUNTERS:
+            self.tallies[k] += counters[k]
+            if suffix:
+                self.tallies[k + suffix] += counters[k]
+        for r, samples in zip(part, outs):
+            self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
+            if not r.future.done():  # a cancelled waiter (its group failed) takes nothing
+                r.future.set_result(
+                    [
+                        Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version)
+                        for s in samples
+                    ]
+                )
+
+    async def stream(
+        self,
+        i: int,
+        prompts: list[list[int]],
+        params: list,
+        groups: list[int],
+        quota: int | None,
+        on_result: Callable[[int, list[Generation]], None],
+    ) -> list[int]:
+        """One `generate_stream` call on engine i (over-sampled rollouts): `on_result(index,
+        samples)` as each request finishes, on this loop; returns the groups complete within
+        `quota` in completion order. An engine that dies is replaced and the whole call sent
+        again (same seeds, same outcome); what was already delivered is not delivered twice."""
+        delivered: set[int] = set()
+        while True:
+            gen = self.engines[i].generate_stream.remote(prompts, params, groups, quota)
+            try:
+                while True:
+                    try:
+                        ref = await asyncio.wait_for(gen.__anext__(), self.timeout_s)
+                    except StopAsyncIteration:
+                        raise RuntimeError(
+                            f"engine {i} generate_stream ended without its counters"
+                        ) from None
+                    item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+                    self.last_progress = time.monotonic()
+                    if isinstance(item, dict):
+                        break
+                    k, samples, version, sample_versions = item
+                    if k not in delivered:
+                        delivered.add(k)
+                        self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
+                        on_result(
+                            k,
+                            [
+                                Generation(
+                                    list(s.token_ids),
+                                    list(s.logprobs),
+                                    s.finish_reason,
+                                    version,
+                                    tuple(v) if set(v) - {version} else (),
+                                )
+                                for s, v in zip(samples, sample_versions)
+                            ],
+                        )
+            except TimeoutError:
+                raise CallTimeout(
+                    [Call(f"engine {i}", "generate_stream", None)], self.timeout_s
+                ) from None
+            except Exception as e:
+                if not is_death(e):
+                    raise
+                died = ActorDied(f"engine {i}", "generate_stream", e)
+                if self.replace is None:
+                    raise died from None
+                await self.replace(i, died, len(prompts))
+                self.last_progress = time.monotonic()
+                self.tallies["engine_restarts"] += 1
+                continue
+            for k in COUNTERS:
+                self.tallies[k] += item[k]
+            self.tallies["parked_reused_tokens"] += item.get("parked_reused_tokens", 0)
+            return list(item["complete"])
+
+    async def _call(self, i: int, prompts: list[list[int]], params: list):
+        """One `generate` on engine i, sent again to its replacement if it dies."""
+        while True:
+            ref = self.engines[i].generate.remote(prompts, params)
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+            except TimeoutError:
+                raise CallTimeout([Call(f"engine {i}", "generate", ref)], self.timeout_s) from None
+            except Exception as e:
+                if not is_death(e):
+                    raise
+                died = ActorDied(f"engine {i}", "generate", e)
+                if self.replace is None:
+                    raise died from None
+                await self.replace(i, died, len(prompts))
+                self.last_progress = time.monotonic()
+                self.tallies["engine_restarts"] += 1

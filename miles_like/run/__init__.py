@@ -1,0 +1,2 @@
+"""Running a recipe: the RL loops, bring-up of the Ray actors, weight pushes, checkpoints,
+timing and tracking."""

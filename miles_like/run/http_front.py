@@ -1,0 +1,55 @@
+"""`rollout.serve_http`: the engines as one OpenAI-compatible service for agent code.
+
+Every replica serves `rollout.serving.server` on 127.0.0.1 (`EngineWorker.serve`); in front, in the
+controller's process, the cache-aware router (`rollout.serving.router_app`) sends a session to the
+replica holding its prefix and records the exact token ids and log-probs of every turn served
+under a session id (`sessions`), which is how external agent code's turns become trajectories.
+Rollout functions get `base_url` (`ctx.base_url`). Replicas answer 503 outside the rollout window
+(`EngineWorker.open` / `close`), so no request sees half-updated weights.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import ray
+
+from miles_like.run.calls import call, gather
+
+
+class HttpFront:
+    def __init__(self, engines: list, tokenizer, timeout_s: float):
+        from rollout.serving.router import Router
+        from rollout.serving.router_app import Sessions
+
+        self.timeout_s = timeout_s
+        self.tokenizer = tokenizer
+        self.urls = gather(
+            [call(f"engine {i}", e, "serve") for i, e in enumerate(engines)], timeout_s
+        )
+        self.router, self.sessions = Router(len(self.urls)), Sessions()
+        self._server = None
+        self._start(port=0)
+
+    def _start(self, port: int) -> None:
+        from rollout.serving.router_app import build_router_app
+        from rollout.serving.server import start_server
+
+        app = build_router_app(
+            self.urls, self.router, self.tokenizer, self.sessions, timeout_s=self.timeout_s
+        )
+        self._server = start_server(app, "127.0.0.1", port)
+        self.base_url = f"{self._server.url}/v1"
+
+    def replace(self, index: int, engine) -> None:
+        """Engine `index` was replaced: serve from the new one; the router restarts on the same
+        port with the same routing state and sessions."""
+        self.urls[index] = ray.get(engine.serve.remote(), timeout=self.timeout_s)
+        port = urlparse(self._server.url).port
+        self._server.stop()
+        self._start(port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None

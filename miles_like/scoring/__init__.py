@@ -1,0 +1,1 @@
+"""Scoring: rewards (in worker processes), reward shaping, advantages and the trainer's batch."""

@@ -1,0 +1,196 @@
+"""The router's HTTP front: one OpenAI-compatible URL in front of several engine endpoints.
+
+`POST /v1/completions` and `/v1/chat/completions` are tokenized here (the prompt's token ids choose
+the replica: `rollout.serving.router.Router`) and proxied with httpx to the chosen replica's
+`rollout.serving.server` endpoint; its answer (or its error, e.g. 503 while weights update) goes
+back unchanged. With a session id (body field `session_id` or header `X-Session-Id`) every call's
+exact prompt token ids, completion token ids, log-probs and weight version are recorded: `GET
+/v1/sessions/{id}` (or `Sessions.get` in-process) returns them. That is how turns of external agent
+code become training data without re-tokenizing anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rollout.serving.router import Router
+from rollout.serving.server import error_response
+
+
+class SessionTurn(NamedTuple):
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the completion, exactly as sampled
+    logprobs: list[float]  # the engine's, one per completion token
+    weight_version: int
+    finish_reason: str
+    replica: int
+
+
+class Sessions:
+    """Every served turn of every session, in arrival order (thread-safe)."""
+
+    def __init__(self):
+        self._turns: dict[str, list[SessionTurn]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, session_id: str, turns: Sequence[SessionTurn]) -> None:
+        with self._lock:
+            self._turns.setdefault(session_id, []).extend(turns)
+
+    def get(self, session_id: str) -> list[SessionTurn] | None:
+        with self._lock:
+            turns = self._turns.get(session_id)
+            return list(turns) if turns is not None else None
+
+    def pop(self, session_id: str) -> list[SessionTurn] | None:
+        with self._lock:
+            return self._turns.pop(session_id, None)
+
+
+def _prompt_ids(path: str, body: dict[str, Any], tokenizer) -> list[int]:
+    """The token ids the replica will see, as far as the router can tell (routing only: the
+    recorded ids are the replica's own). Unknown shapes route as an empty prompt."""
+    try:
+        if path == "chat/completions":
+            if tokenizer is None:
+                return []
+            return list(
+                tokenizer.apply_chat_template(
+                    body["messages"],
+                    tools=body.get("tools"),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt, add_special_tokens=False) if tokenizer else []
+        if prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        return []  # a batch of prompts: route by nothing
+    except Exception:  # noqa: BLE001 -- a malformed body is the replica's to reject, by name
+        return []
+
+
+def _logprobs_of(path: str, choice: dict[str, Any]) -> list[float]:
+    lp = choice.get("logprobs") or {}
+    if path == "chat/completions":
+        return [t["logprob"] for t in lp.get("content") or []]
+    return list(lp.get("token_logprobs") or [])
+
+
+def build_router_app(
+    urls: Sequence[str],
+    router: Router,
+    tokenizer=None,
+    sessions: Sessions | None = None,
+    timeout_s: float = 600.0,
+) -> FastAPI:
+    """The front over replicas `urls` (base URLs of `rollout.serving.server` endpoints)."""
+    if len(urls) != router.num_replicas:
+        raise ValueError(f"{len(urls)} replica URLs for a router over {router.num_replicas}")
+    urls = [u.rstrip("/") for u in urls]
+    sessions = sessions if sessions is not None else Sessions()
+    app = FastAPI(title="miles_like router")
+    app.state.sessions, app.state.router = sessions, router
+    client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=None))
+
+    async def proxy(path: str, request: Request):
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        session_id = body.pop("session_id", None) or request.headers.get("x-session-id")
+        if session_id is not None and not isinstance(session_id, str):
+            return error_response(400, "session_id must be a string", "session_id")
+        asked_logprobs = body.get("logprobs")
+        if session_id is not None:  # sessions record the engine's log-probs of every turn
+            body["logprobs"] = True if path == "chat/completions" else 0
+        replica = router.choose(_prompt_ids(path, body, tokenizer), session_id)
+        router.started(replica)
+        try:
+            upstream = await client.post(f"{urls[replica]}/v1/{path}", json=body)
+        except httpx.HTTPError as exc:
+            return error_response(
+                502, f"replica {replica} ({urls[replica]}) failed: {exc!r}", type="upstream_error"
+            )
+        finally:
+            router.finished(replica)
+        try:
+            out = upstream.json()
+        except ValueError:
+            return error_response(
+                502,
+                f"replica {replica} answered {upstream.status_code} without a JSON body",
+                type="upstream_error",
+            )
+        if upstream.status_code != 200:
+            return JSONResponse(status_code=upstream.status_code, content=out)
+        turns = []
+        for choice in out["choices"]:
+            router.record(replica, choice["prompt_token_ids"] + choice["token_ids"])
+            turns.append(
+                SessionTurn(
+                    choice["prompt_token_ids"],
+                    choice["token_ids"],
+                    _logprobs_of(path, choice),
+                    out["weight_version"],
+                    choice["finish_reason"],
+                    replica,
+                )
+            )
+            if session_id is not None and (asked_logprobs is None or asked_logprobs is False):
+                choice["logprobs"] = None
+        if session_id is not None:
+            sessions.add(session_id, turns)
+            out["session_id"] = session_id
+        out["replica"] = replica
+        return out
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await proxy("chat/completions", request)
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session(session_id: str):
+        turns = sessions.get(session_id)
+        if turns is None:
+            return error_response(
+                404,
+                f"no session {session_id!r} was recorded",
+                "session_id",
+                code="session_not_found",
+            )
+        return {"session_id": session_id, "turns": [t._asdict() for t in turns]}
+
+    @app.get("/v1/models")
+    async def models():
+        return (await client.get(f"{urls[0]}/v1/models")).json()
+
+    @app.get("/health")
+    async def health():
+        codes = []
+        for url in urls:
+            try:
+                codes.append((await client.get(f"{url}/health")).status_code)
+            except httpx.HTTPError:
+                codes.append(None)
+        ok = sum(c == 200 for c in codes)
+        return JSONResponse(
+            status_code=200 if ok else 503, content={"healthy_replicas": ok, "replicas": len(urls)}
+        )
+
+    return app
