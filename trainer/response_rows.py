@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from trainer.sdpa_attention import _GatherRows
+from trainer.row_gather import gather_rows
 
 _ROWS = "_miles_like_rows"  # attribute of the last layer: the selected rows, or None
 
@@ -54,7 +54,7 @@ def install(model: torch.nn.Module) -> bool:
             return out
         if out.dim() != 2:  # [t, heads * d]: the packed (thd) layout, the only one selected
             raise ValueError("selected rows need packed sequences (qkv_format 'thd')")
-        return _GatherRows.apply(out, rows)
+        return gather_rows(out, rows)
 
     attention.forward = attend_selected
     bias_dropout_add = layer.self_attn_bda
@@ -65,7 +65,7 @@ def install(model: torch.nn.Module) -> bool:
         def add_selected(x_with_bias, residual, prob):
             rows = getattr(layer, _ROWS)
             if rows is not None:  # residual [t, 1, h] -> the selected [n, 1, h]
-                residual = _GatherRows.apply(residual, rows)
+                residual = gather_rows(residual, rows)
             return add(x_with_bias, residual, prob)
 
         return add_selected

@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer import shared_prompts
 from trainer.packing import SharedPrompts
+from trainer.row_gather import gather_rows, scatter_rows
 
 
 class SDPACoreAttention(MegatronModule):
@@ -116,39 +117,6 @@ def causal_attention(q, k, v, scale: float):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
-class _GatherRows(torch.autograd.Function):
-    """x[index] along dim 0 for an `index` without repeats. Its backward writes each gradient
-    row to its one source row (`_ScatterRows`), where `index_select`'s backward is a
-    scatter-add (atomic-style accumulation, the step's largest cost on mixed lengths)."""
-
-    @staticmethod
-    def forward(ctx, x, index):
-        ctx.save_for_backward(index)
-        ctx.rows = x.size(0)
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        return _ScatterRows.apply(grad, index, ctx.rows), None
-
-
-class _ScatterRows(torch.autograd.Function):
-    """Rows of x written to rows `index` (no repeats) of a zero tensor of `rows` rows; the
-    adjoint of `_GatherRows`."""
-
-    @staticmethod
-    def forward(ctx, x, index, rows: int):
-        ctx.save_for_backward(index)
-        out = x.new_zeros(rows, *x.shape[1:])
-        return out.index_copy_(0, index, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        return _GatherRows.apply(grad, index), None, None
-
-
 class _Bucket(NamedTuple):
     start: int  # first row of the bucket in the padded layout
     size: int  # B sequences
@@ -209,9 +177,7 @@ def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
     is exactly 0. No mask beyond the causal one is needed."""
     plan = _packing_plan(cu_seqlens, query.device)
     if plan.dest is not None:
-        query, key, value = (
-            _ScatterRows.apply(x, plan.dest, plan.rows) for x in (query, key, value)
-        )
+        query, key, value = (scatter_rows(x, plan.dest, plan.rows) for x in (query, key, value))
     pieces = []
     for b in plan.buckets:
         end = b.start + b.size * b.longest
@@ -222,7 +188,7 @@ def packed_causal_attention(query, key, value, cu_seqlens, scale: float):
         out = causal_attention(q, k, v, scale).transpose(1, 2)  # [B, L, heads, d]
         pieces.append(out.reshape(-1, *out.shape[2:]))
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return out if plan.dest is None else _GatherRows.apply(out, plan.dest)
+    return out if plan.dest is None else gather_rows(out, plan.dest)
 
 
 def shared_prompt_attention(query, key, value, layout: SharedPrompts, scale: float):
@@ -235,4 +201,4 @@ def shared_prompt_attention(query, key, value, layout: SharedPrompts, scale: flo
     through their keys and values, which the expansion's backward sums into the prompt's rows."""
     q, k, v = (x.index_select(0, layout.expand) for x in (query, key, value))
     out = packed_causal_attention(q, k, v, layout.cu_seqlens, scale)
-    return _GatherRows.apply(out, layout.pick)
+    return gather_rows(out, layout.pick)

@@ -22,7 +22,7 @@ from weight_sync.colocated import (
     BucketReceiver,
     SyncReport,
     WeightReceiver,
-    _timed,
+    timed_iteration,
 )
 from weight_sync.group import SyncGroup
 
@@ -68,7 +68,7 @@ class BroadcastSender:
             if src != self.rank:
                 _drain(src, self.group, self._receive_buffers, self.device)
                 continue
-            packed = self.packer.pack(_timed(iter(named_tensors), export_clock))
+            packed = self.packer.pack(timed_iteration(iter(named_tensors), export_clock))
             while True:
                 t0, e0 = time.perf_counter(), export_clock[0]
                 item = next(packed, None)

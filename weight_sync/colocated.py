@@ -70,7 +70,7 @@ class WeightReceiver(Protocol):
     def commit_weights(self) -> None: ...
 
 
-def _timed(iterator: Iterator, clock: list[float]) -> Iterator:
+def timed_iteration(iterator: Iterator, clock: list[float]) -> Iterator:
     """Yield from `iterator`, adding the time spent inside it to clock[0]."""
     while True:
         start = time.perf_counter()
@@ -105,7 +105,7 @@ class ColocatedSender:
         acks: list[LoadAck] = []
         buckets = 0
         pack_s = wait_s = 0.0
-        stream = _timed(iter(named_tensors), export_clock)
+        stream = timed_iteration(iter(named_tensors), export_clock)
         packed = self.packer.pack(stream)
         while True:
             # The packer is about to reuse the buffer of the bucket sent two deliveries ago
