@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from model_spec import ModelSpec
 from rollout.attention import TorchAttention
 from rollout.kv_pool import KVPool, write_page_slots
 from rollout.model import CausalLM
-from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
@@ -67,7 +67,7 @@ class DraftModelProposer:
                 f"EngineConfig.speculative_draft_model_path={model_dir!r} is not a directory; "
                 "give the local Hugging Face directory of the draft model"
             )
-        self.model_config = mc = ModelConfig.from_dir(path)
+        self.model_config = mc = ModelSpec.from_dir(path)
         if mc.vocab_size != vocab_size:
             raise ValueError(
                 f"EngineConfig.speculative_draft_model_path: the draft model's vocab_size "

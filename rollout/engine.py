@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from model_spec import ModelSpec
 from rollout.activity import ActivityLog, ForwardPass
 from rollout.attention import TorchAttention
 from rollout.compiled import compile_model
@@ -27,7 +28,6 @@ from rollout.decode_graphs import DecodeGraphs
 from rollout.draft_model import DraftModelProposer
 from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
-from rollout.model_config import ModelConfig
 from rollout.model_runner import ModelRunner, execute
 from rollout.native import layers as native_layers
 from rollout.parallel_layers import Shard, check_divisible, shard_spec
@@ -40,7 +40,7 @@ from rollout.weights import iter_safetensors, load_weights
 
 
 class LoadedModel(NamedTuple):
-    model_config: ModelConfig
+    model_config: ModelSpec
     max_model_len: int
     model: CausalLM  # this rank's shard under tensor parallelism
     shards: dict[str, Shard]  # how each sliced parameter comes from the full tensor ({} without TP)
@@ -54,7 +54,7 @@ def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
             f"EngineConfig.model_path={config.model_path!r} is not a "
             "directory; give a local Hugging Face model directory"
         )
-    mc = ModelConfig.from_dir(model_dir)
+    mc = ModelSpec.from_dir(model_dir)
     if tp is not None:
         check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, tp.size)
     max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -77,7 +77,7 @@ def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
     return LoadedModel(mc, max_model_len, model, shards)
 
 
-def kv_pages(config: EngineConfig, mc: ModelConfig, max_model_len: int, tp: TPGroup | None) -> int:
+def kv_pages(config: EngineConfig, mc: ModelSpec, max_model_len: int, tp: TPGroup | None) -> int:
     """Pages of the KV pool. Every rank of a TP replica gets the same count (the smallest any
     rank can hold), since rank 0's scheduler allocates for all of them."""
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)

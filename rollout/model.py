@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_spec import ModelSpec
 from rollout.attention import AttentionMetadata, TorchAttention
 from rollout.config import accum_dtype
-from rollout.model_config import ModelConfig
 from rollout.parallel_layers import column, embedding, lm_head, row
 from rollout.rope import RotaryEmbedding
 from rollout.tp_group import TPGroup
@@ -82,7 +82,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelSpec, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
         k = tp.size if tp is not None else 1
         self.layer_idx = layer_idx
@@ -139,7 +139,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelSpec, tp: TPGroup | None = None):
         super().__init__()
         self.gate_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.up_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
@@ -156,7 +156,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelSpec, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, tp)
         self.mlp = MLP(cfg, tp)
@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelSpec, tp: TPGroup | None = None):
         super().__init__()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
@@ -190,7 +190,7 @@ class CausalLM(nn.Module):
     """`model.*` + `lm_head`, as in HF's *ForCausalLM. With tied embeddings `lm_head.weight`
     *is* `model.embed_tokens.weight` (one Parameter, listed once under the embedding's name)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None):
+    def __init__(self, cfg: ModelSpec, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -212,7 +212,7 @@ class CausalLM(nn.Module):
     @classmethod
     def build(
         cls,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device,

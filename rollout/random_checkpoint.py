@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from model_spec import ModelSpec
 from rollout.model import CausalLM
-from rollout.model_config import ModelConfig
 
 # A Qwen2.5-style layout shrunk to run anywhere.
 TINY_QWEN2: dict[str, Any] = dict(
@@ -61,7 +61,7 @@ def write_random_checkpoint(
     """Draw weights N(0, std) (norm weights 1) with HF names and save them with the config."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = ModelSpec.from_hf(hf_config)
     with torch.device("meta"):
         names = {n: tuple(p.shape) for n, p in CausalLM(cfg, max_positions=1).named_parameters()}
     g = torch.Generator().manual_seed(seed)

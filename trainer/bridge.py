@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors import safe_open
 
-from trainer.hf_config import HFArch
+from model_spec import ModelSpec
 from trainer.megatron_model import ModelLayout
 
 _LAYER_PREFIX = "decoder.layers."
@@ -50,7 +50,7 @@ class _Slot(NamedTuple):
     hf_names: tuple[str, ...]
 
 
-def _layer_slot(arch: HFArch, local_name: str, hf_layer: int) -> _Slot | None:
+def _layer_slot(arch: ModelSpec, local_name: str, hf_layer: int) -> _Slot | None:
     p = f"model.layers.{hf_layer}."
     attn = p + "self_attn."
     table = {
@@ -80,7 +80,7 @@ def _layer_slot(arch: HFArch, local_name: str, hf_layer: int) -> _Slot | None:
     return table.get(local_name)
 
 
-def slot_for(arch: HFArch, layout: ModelLayout, megatron_name: str) -> _Slot:
+def slot_for(arch: ModelSpec, layout: ModelLayout, megatron_name: str) -> _Slot:
     """The HF tensors behind one megatron parameter name of this rank's model."""
     if megatron_name.startswith(_LAYER_PREFIX):
         index, rest = megatron_name[len(_LAYER_PREFIX) :].split(".", 1)
@@ -115,7 +115,7 @@ def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 # HF -> megatron
 
 
-def _qkv_full(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _qkv_full(arch: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """HF q/k/v (rows = heads x head_dim) -> megatron's per-group interleave (rows first)."""
     g, d = arch.num_kv_heads, arch.head_dim
     per = arch.num_heads // g
@@ -127,7 +127,7 @@ def _qkv_full(arch: HFArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 def _shard(
-    arch: HFArch, layout: ModelLayout, slot: _Slot, hf: list[torch.Tensor], tp: int, rank: int
+    arch: ModelSpec, layout: ModelLayout, slot: _Slot, hf: list[torch.Tensor], tp: int, rank: int
 ) -> torch.Tensor:
     if slot.kind == "replicated":
         return hf[0]
@@ -179,7 +179,7 @@ class HFCheckpoint:
 
 def load_hf_weights(
     model: torch.nn.Module,
-    arch: HFArch,
+    arch: ModelSpec,
     layout: ModelLayout,
     source: HFCheckpoint | dict[str, torch.Tensor],
     skip_prefixes: tuple[str, ...] = (),
@@ -216,7 +216,7 @@ def _gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _to_hf(arch: HFArch, slot: _Slot, local: torch.Tensor) -> list[torch.Tensor]:
+def _to_hf(arch: ModelSpec, slot: _Slot, local: torch.Tensor) -> list[torch.Tensor]:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if slot.kind == "replicated":
         return [local]
@@ -239,7 +239,7 @@ def _to_hf(arch: HFArch, slot: _Slot, local: torch.Tensor) -> list[torch.Tensor]
 
 
 def export_hf_weights(
-    model: torch.nn.Module, arch: HFArch, layout: ModelLayout
+    model: torch.nn.Module, arch: ModelSpec, layout: ModelLayout
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for the parameters this PP stage holds, one at a time.
 
@@ -258,7 +258,7 @@ def export_hf_weights(
 
 
 def gather_hf_state_dict(
-    model: torch.nn.Module, arch: HFArch, layout: ModelLayout
+    model: torch.nn.Module, arch: ModelSpec, layout: ModelLayout
 ) -> dict[str, torch.Tensor]:
     """The full HF state dict on every rank (collects PP stages). For tests and checkpoints;
     the weight-sync path streams `export_hf_weights` instead."""
@@ -324,7 +324,7 @@ def _layouts_agree(vocab: int, tp: int, held: int) -> bool:
 
 
 def export_engine_shards(
-    model: torch.nn.Module, arch: HFArch, layout: ModelLayout
+    model: torch.nn.Module, arch: ModelSpec, layout: ModelLayout
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) for an engine with this trainer's TP size: the tensors engine TP
     rank r loads, computed on trainer TP rank r from its own shard, never gathered.

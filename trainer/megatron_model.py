@@ -1,4 +1,4 @@
-"""Build a megatron-core `GPTModel` (this rank's TP shard and PP stage) from an `HFArch`.
+"""Build a megatron-core `GPTModel` (this rank's TP shard and PP stage) from a `ModelSpec`.
 
 The layer spec is megatron's local one (`get_gpt_layer_local_spec`: ColumnParallelLinear /
 RowParallelLinear, RMSNorm) with the core attention swapped for `SDPACoreAttention`, because
@@ -7,9 +7,9 @@ installed, `use_te=True` selects megatron's TE spec instead (its attention packs
 
 RoPE: megatron's `RotaryEmbedding` knows the default formula and llama3 scaling with fixed
 low/high-frequency factors and an 8192 original context; HF configs carry their own values.
-We therefore compute the inverse frequencies with HF's formula (`RopeSpec.inv_freq`) and install
-them in megatron's rotary module before the first forward, which covers default / linear /
-llama3 exactly; other rope types are rejected in `hf_config`.
+We therefore install the shared parser's inverse frequencies (`model_spec.RopeSpec.inv_freq`,
+HF's formula, the engine's too) in megatron's rotary module before the first forward, which
+covers default / linear / llama3 exactly; `model_spec` refuses the other rope types.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from model_spec import ModelSpec, UnsupportedModelError
 from trainer import compiled, cpu_compat, packed_rope
-from trainer.hf_config import HFArch
 from trainer.sdpa_attention import SDPACoreAttention
 
 
@@ -62,8 +62,15 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
 
 
 def transformer_config(
-    arch: HFArch, *, params_dtype: torch.dtype = torch.float32, fused_swiglu: bool = False
+    arch: ModelSpec, *, params_dtype: torch.dtype = torch.float32, fused_swiglu: bool = False
 ) -> TransformerConfig:
+    if arch.o_bias or arch.mlp_bias:
+        # megatron's add_bias_linear biases every linear at once; only q/k/v have their own flag
+        key, what = ("attention_bias", "o_proj") if arch.o_bias else ("mlp_bias", "the MLP")
+        raise UnsupportedModelError(
+            f"config.json {key}=true with {arch.model_type} biases {what}, which the megatron "
+            "trainer cannot build; use the deepspeed backend (trainer.backend: deepspeed)"
+        )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if arch.num_heads % tp or arch.num_kv_heads % tp:
@@ -118,7 +125,7 @@ def transformer_config(
     )
 
 
-def layer_spec(arch: HFArch, use_te: bool = False):
+def layer_spec(arch: ModelSpec, use_te: bool = False):
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -157,7 +164,7 @@ def _mark_tensor_parallel_shards(model: torch.nn.Module) -> None:
 
 
 def build_gpt_model(
-    arch: HFArch,
+    arch: ModelSpec,
     *,
     params_dtype: torch.dtype = torch.float32,
     vocab_multiple: int = 128,

@@ -33,10 +33,10 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from model_spec import ModelSpec
 from trainer import shared_prompts
 from trainer.bridge import HFCheckpoint, load_hf_weights
 from trainer.config import RLBatch, TrainerConfig
-from trainer.hf_config import arch_from_hf_config
 from trainer.megatron_model import build_gpt_model
 from trainer.offload import move_optimizer_state, move_params, synchronize
 from trainer.optim import clip_grads_, grad_norm, load_optimizer_state, lr_at
@@ -152,7 +152,7 @@ class MegatronModel:
     def __init__(self, cfg: TrainerConfig, *, trainable: bool, value_head: bool = False):
         self.cfg = cfg
         ckpt = HFCheckpoint(cfg.model_path)
-        self.arch = arch_from_hf_config(ckpt.config())
+        self.arch = ModelSpec.from_hf(ckpt.config())
         arch = self.arch
         if value_head:  # a critic never ties its (replaced) output layer to the embedding
             import dataclasses

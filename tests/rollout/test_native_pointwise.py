@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from native_builds import builds
 
+from model_spec import RopeSpec
 from rollout import native
 from rollout.model import RMSNorm
-from rollout.model_config import RopeConfig
 from rollout.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(
@@ -51,7 +51,7 @@ def test_rms_norm_matches_the_module(build, tokens, hidden):
 def test_rotary_equals_the_module_bitwise(build, head_dim):
     """x1 c - x2 s, x2 c + x1 s with no fused multiply-add: exactly torch's x * cos +
     rotate_half(x) * sin, in place over the q and k heads of a fused q/k/v output."""
-    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 512)
+    rope = RotaryEmbedding(RopeSpec(theta=10000.0), head_dim, 512)
     heads, kv_heads, tokens = 6, 2, 37
     qkv = _randn(tokens, heads + 2 * kv_heads, head_dim, seed=head_dim)
     positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(3))
@@ -64,7 +64,7 @@ def test_rotary_equals_the_module_bitwise(build, head_dim):
 
 
 def test_rotary_refuses_a_position_outside_the_tables():
-    rope = RotaryEmbedding(RopeConfig(theta=10000.0), 8, 16)
+    rope = RotaryEmbedding(RopeSpec(theta=10000.0), 8, 16)
     x = _randn(3, 2, 8)
     before = x.clone()
     with pytest.raises(IndexError, match="outside the tables' 16 rows"):

@@ -1,4 +1,5 @@
-"""Unit checks: vocab-parallel log-probs (TP=1 path), packing, HF config parsing, LR schedule."""
+"""Unit checks: vocab-parallel log-probs (TP=1 path), packing, the configs megatron cannot
+build, LR schedule."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import math
 import pytest
 import torch
 
+from model_spec import ModelSpec, UnsupportedModelError
 from trainer.config import OptimConfig
-from trainer.hf_config import UnsupportedModelError, arch_from_hf_config
+from trainer.megatron_model import transformer_config
 from trainer.optim import lr_at
 from trainer.packing import pack, pack_all, plan_micro_batches
 
@@ -67,75 +69,9 @@ def test_pack_layout():
     assert [m.sample_indices for m in pack_all(tokens, [2, 1], 4)] == [(0,), (1,)]
 
 
-def test_arch_reads_both_rope_layouts():
-    base = dict(
-        model_type="qwen2",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=97,
-    )
-    old = arch_from_hf_config({**base, "rope_theta": 12345.0})
-    new = arch_from_hf_config(
-        {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 12345.0}}
-    )
-    assert old.rope == new.rope and old.rope.theta == 12345.0
-    scaled_old = arch_from_hf_config(
-        {
-            **base,
-            "rope_theta": 5e5,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        }
-    )
-    assert scaled_old.rope.rope_type == "llama3" and scaled_old.rope.theta == 5e5
-    assert old.qkv_bias and not old.qk_norm and old.head_dim == 16
-
-
-@pytest.mark.parametrize("rope", ["default", "linear", "llama3"])
-def test_inv_freq_matches_transformers(rope):
-    import transformers
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = {"rope_type": rope, "rope_theta": 50000.0}
-    if rope == "linear":
-        params["factor"] = 4.0
-    if rope == "llama3":
-        params.update(
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        )
-    cfg = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        max_position_embeddings=512,
-        rope_parameters=params,
-    )
-    hf = transformers.LlamaConfig(**cfg)
-    arch = arch_from_hf_config({"model_type": "llama", **cfg})
-    if rope == "default":
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        ref = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)[0]
-    else:
-        ref = ROPE_INIT_FUNCTIONS[rope](hf, "cpu")[0]
-    torch.testing.assert_close(arch.rope.inv_freq(arch.head_dim), ref.float(), atol=0, rtol=1e-6)
-
-
-def test_unsupported_configs_name_the_field():
+def test_megatron_refuses_the_biases_it_cannot_build():
+    """megatron biases every linear or none (q/k/v apart): an o_proj or MLP bias, which the
+    engine runs, is refused naming the config.json key (before any parallel state is needed)."""
     base = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -144,18 +80,14 @@ def test_unsupported_configs_name_the_field():
         num_key_value_heads=2,
         vocab_size=97,
     )
-    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'"):
-        arch_from_hf_config({**base, "model_type": "gpt2"})
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
-        arch_from_hf_config(
-            {
-                **base,
-                "model_type": "llama",
-                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
-            }
-        )
-    with pytest.raises(UnsupportedModelError, match="hidden_act"):
-        arch_from_hf_config({**base, "model_type": "llama", "hidden_act": "gelu"})
+    for family, key in [
+        ("llama", "attention_bias"),
+        ("qwen3", "attention_bias"),
+        ("llama", "mlp_bias"),
+    ]:
+        spec = ModelSpec.from_hf({**base, "model_type": family, key: True})
+        with pytest.raises(UnsupportedModelError, match=f"config.json {key}=true with {family}"):
+            transformer_config(spec)
 
 
 def test_lr_schedule_closed_form():
