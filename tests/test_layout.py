@@ -85,8 +85,7 @@ def test_package_arrows():
         f"{m}:{line} imports {t}"
         for m, edges in GRAPH.items()
         for t, _, line in edges
-        if t.split(".")[0] != m.split(".")[0]
-        and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]
+        if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]
     ]
     assert not wrong, "\n".join(wrong)
 
