@@ -65,21 +65,27 @@ def demonstrations(recipe) -> tuple[Callable | None, list[dict] | None]:
 
 def code_files() -> list[Path]:
     """The source a warm start's weights depend on besides the recipe: the trainer package (the
-    backends, the objective, the optimizer), this file (the SFT batches), the prompt stream, the
-    tasks, the tokenizer, the tool loop's demonstrations (and the tool schemas they render) and
-    the trainer configuration built from the recipe."""
+    backends, the objective, the optimizer) and the config.json parser it builds from
+    (`model_spec`), this file (the SFT batches), the prompt stream, the tasks, the tokenizer,
+    the tool loop's demonstrations (and the tool schemas they render) and the trainer
+    configuration built from the recipe."""
+    import model_spec
     import trainer
     from miles_like import data, tasks
     from miles_like.models import tokenizer
     from miles_like.recipe import build_configs
-    from miles_like.rollouts import tools
+    from miles_like.rollouts import tool_schema, tools
 
     return sorted(
         [
             *Path(trainer.__file__).parent.rglob("*.py"),
+            *Path(model_spec.__file__).parent.rglob("*.py"),
             *Path(tasks.__file__).parent.rglob("*.py"),
             Path(__file__),
-            *(Path(m.__file__) for m in (data, tokenizer, build_configs, tool_loop, tools)),
+            *(
+                Path(m.__file__)
+                for m in (data, tokenizer, build_configs, tool_loop, tools, tool_schema)
+            ),
         ]
     )
 

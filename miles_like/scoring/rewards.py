@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from miles_like.recipe.schema import RecipeError, closest
-from miles_like.scoring.reward_pool import shared_pool
+from miles_like.scoring.reward_pool import RewardResult, shared_pool
 from miles_like.tasks import arith, chain
 from miles_like.user_code import SPEC_RE, import_spec
 
@@ -55,7 +54,7 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
     from math_verify import parse, verify
 
     # math-verify's own timeouts (SIGALRM) are on: scoring runs on a worker process's main
-    # thread (`reward_pool.py`), where they work. They cut a slow parse or comparison short
+    # thread (`worker_pool.py`), where they work. They cut a slow parse or comparison short
     # (scored 0) long before the pool's per-call timeout would kill the worker.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     if "####" in answer:
@@ -100,13 +99,6 @@ def resolve_reward(spec: str) -> RewardFn:
             "fn(prompt, response, answer) -> float"
         )
     return obj
-
-
-class RewardResult(NamedTuple):
-    scores: list[float]  # one per sample, in input order; 0.0 where the function failed
-    num_errors: int  # calls that raised, returned something not a number, or crashed
-    num_nan: int  # calls that returned NaN, +-inf or beyond +-MAX_ABS_REWARD
-    num_timeouts: int = 0  # calls that outlived timeout_s (their worker killed and replaced)
 
 
 def spec_of(fn: RewardFn) -> str:
@@ -155,6 +147,7 @@ def compute_rewards(
         raise ValueError(f"compute_rewards: max_workers={max_workers}; use >= 1")
     if not prompts:
         return RewardResult([], 0, 0, 0)
-    spec = spec_of(fn)
-    pool = shared_pool(spec, max_workers, timeout_s, _PRELOAD.get(spec))
-    return RewardResult(*pool.score(prompts, responses, answers))
+    name = spec_of(fn)
+    path = f"{fn.__module__}:{fn.__qualname__}"  # what the workers import (spec_of checked it)
+    pool = shared_pool(path, max_workers, timeout_s, _PRELOAD.get(name))
+    return pool.score(prompts, responses, answers)

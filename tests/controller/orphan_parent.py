@@ -16,14 +16,12 @@ def main(kind: str) -> None:
     if kind == "reward":
         pool = RewardPool("unruly_rewards:by_response", size=1, timeout_s=3600.0)
         call = lambda: pool.score(["p"], ["hang"], [""])  # noqa: E731
-        pid = lambda: pool._workers[0].proc.pid  # noqa: E731
     else:
         pool = ToolPool(load_tools(["user_tools:hang"]), workers=1, timeout_s=3600.0)
         call = lambda: pool.call("hang", {})  # noqa: E731
-        pid = lambda: next(iter(pool._all)).process.pid  # noqa: E731
     threading.Thread(target=call, daemon=True).start()
     time.sleep(1.0)  # the call has reached the worker (it hangs there)
-    print(pid(), flush=True)
+    print(pool.pids()[0], flush=True)
     time.sleep(3600.0)
 
 

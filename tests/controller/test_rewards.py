@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from miles_like.scoring import reward_pool
@@ -129,13 +130,21 @@ def test_a_reward_that_kills_its_worker_scores_zero():
     assert after.scores == [4.0] * 4
 
 
+def dead(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until `pid` has exited (a zombie: the pool, its parent, reaps it)."""
+    deadline = time.monotonic() + timeout_s
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"{pid} still running"
+        time.sleep(0.05)
+
+
 def test_workers_killed_while_idle_are_replaced():
     """Workers killed from outside between batches (the OOM killer, a stray kill) cost nothing:
     the next batch is scored in full on their replacements."""
     first, _ = misbehaving(["ab", "abc"])
-    for w in reward_pool._pool._workers:
-        os.kill(w.proc.pid, signal.SIGKILL)
-        w.proc.join(timeout=10)
+    for pid in reward_pool.current_pool().pids():
+        os.kill(pid, signal.SIGKILL)
+        dead(pid)
     after, _ = misbehaving(["ab", "abc", "abcd"])
     assert first.scores == [2.0, 3.0] and after.scores == [2.0, 3.0, 4.0]
     assert after.num_errors == 0
@@ -146,7 +155,7 @@ def test_scoring_runs_on_a_bounded_pool_of_worker_processes():
     res = compute_rewards(
         unruly_rewards.pid_after, ["p"] * 9, ["0.3"] * 9, ["a"] * 9, max_workers=workers
     )
-    pool_pids = {float(w.proc.pid) for w in reward_pool._pool._workers}
+    pool_pids = {float(pid) for pid in reward_pool.current_pool().pids()}
     assert len(pool_pids) == workers and os.getpid() not in pool_pids
     assert 2 <= len(set(res.scores)) and set(res.scores) <= pool_pids  # concurrent, bounded
     assert res.num_errors == 0

@@ -1,13 +1,16 @@
-"""Tools in worker processes (`miles_like/rollouts/tools.py`): schemas from signatures, argument
-validation, and every way a tool can misbehave (raise, hang, crash, flood, bad arguments,
-unknown name) turning into an error string and a counted kind, never into a stalled caller.
-Every misbehaviour test bounds its own wall time."""
+"""Tools in worker processes (`miles_like/rollouts/`: `tools.py`, `tool_schema.py`,
+`tool_pool.py`): schemas from signatures, argument validation, and every way a tool can
+misbehave (raise, hang, crash, flood, bad arguments, unknown name) turning into an error string
+and a counted kind, never into a stalled caller. Every misbehaviour test bounds its own wall
+time."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import jsonschema
+import psutil
 import pytest
 
 from miles_like.recipe.schema import RecipeError
@@ -37,17 +40,18 @@ def pool():
 
 
 def test_schema_from_signature_and_docstring():
+    """transformers' schema (`get_json_schema`): the whole description before `Args:`, every
+    argument's description, the return's, an optional argument `nullable`."""
     import user_tools
 
     assert function_schema(user_tools.add) == {
         "type": "function",
         "function": {
             "name": "add",
-            "description": "Add two integers.",
+            "description": "Add two integers.\n\nThen multiply by a scale.",
             "parameters": {
                 "type": "object",
                 "required": ["a", "b"],
-                "additionalProperties": False,
                 "properties": {
                     "a": {"type": "integer", "description": "the first addend"},
                     "b": {
@@ -57,14 +61,47 @@ def test_schema_from_signature_and_docstring():
                     "scale": {"type": "number", "description": "a factor applied to the sum"},
                 },
             },
+            "return": {"type": "string", "description": "The scaled sum, as text."},
         },
     }
     shout = function_schema(user_tools.shout)["function"]["parameters"]["properties"]
     assert shout == {
-        "word": {"type": "string"},
-        "style": {"enum": ["upper", "title"]},
-        "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        "word": {"type": "string", "description": "the word"},
+        "style": {"type": "string", "enum": ["upper", "title"], "description": "how to write it"},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string"},
+            "nullable": True,
+            "description": "labels returned with it",
+        },
     }
+
+
+def test_the_chat_template_renders_the_schema_transformers_renders_for_the_function():
+    """`apply_chat_template(tools=[fn])` derives the schema itself (`get_json_schema`); ours
+    renders the same prompt, token for token."""
+    import user_tools
+
+    from miles_like.models.tokenizer import builtin_tokenizer
+
+    tok = builtin_tokenizer().tok
+    messages = [{"role": "user", "content": "add 2 and 3"}]
+    for fn in (user_tools.add, user_tools.shout, user_tools.flood):
+        assert tok.apply_chat_template(messages, tools=[function_schema(fn)], tokenize=False) == (
+            tok.apply_chat_template(messages, tools=[fn], tokenize=False)
+        )
+
+
+def test_arguments_are_checked_as_json_schema():
+    """A nullable argument may be null, an enum holds, the signature's arguments are all."""
+    tool = load_tool("user_tools:shout")
+    validator = jsonschema.Draft202012Validator(tool.arguments)
+    assert validator.is_valid({"word": "a", "tags": None})
+    assert validator.is_valid({"word": "a", "style": "title", "tags": ["x"]})
+    assert not validator.is_valid({"word": "a", "style": "bold"})
+    assert not validator.is_valid({"word": "a", "tags": [1]})
+    assert not validator.is_valid({"word": "a", "colour": "red"})
+    assert not validator.is_valid({"tags": None})
 
 
 def test_explicit_schema_attribute_wins():
@@ -82,6 +119,7 @@ def test_explicit_schema_attribute_wins():
         ("user_tools:missing", "has no 'missing'"),
         ("user_tools:untyped", "untyped(x): annotate"),
         ("user_tools:star", "named arguments only"),
+        ("user_tools:undocumented", "no description for the argument 'x'"),
     ],
 )
 def test_bad_tool_specs_are_one_line_recipe_errors(spec, message):
@@ -102,6 +140,9 @@ def test_calls_return_the_tools_output(pool):
         '{"word": "Hi", "tags": []}'
     )
     assert pool.call("echo", {"text": "a"}) == ToolResult("[('text', 'a')]")
+    assert pool.call("shout", {"word": "hi", "tags": None}) == ToolResult(
+        '{"word": "HI", "tags": []}'
+    )
 
 
 @pytest.mark.parametrize(
@@ -204,7 +245,7 @@ def test_a_hang_does_not_stall_concurrent_calls(pool):
 
 def test_close_ends_every_worker():
     pool = ToolPool(load_tools(["user_tools:pid"]), workers=2, timeout_s=TIMEOUT_S)
-    processes = [w.process for w in pool._all]
-    assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    processes = [psutil.Process(pid) for pid in pool.pids()]
+    assert len(processes) == 2 and all(p.is_running() for p in processes)
     pool.close()
-    assert not any(p.is_alive() for p in processes)
+    assert not any(p.is_running() for p in processes)

@@ -21,6 +21,9 @@ def test_the_key_covers_the_trainer_the_task_and_the_batches():
         "miles_like/data.py",
         "miles_like/tasks/arith.py",
         "miles_like/models/tokenizer.py",
+        "model_spec/rope.py",
+        "model_spec/spec.py",
+        "miles_like/rollouts/tool_schema.py",
     } <= names
 
 

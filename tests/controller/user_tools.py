@@ -34,7 +34,13 @@ def pid() -> int:
 def shout(
     word: str, style: Literal["upper", "title"] = "upper", tags: list[str] | None = None
 ) -> dict:
-    """Return the word in a style (a non-string result is sent as JSON)."""
+    """Return the word in a style (a non-string result is sent as JSON).
+
+    Args:
+        word: the word
+        style: how to write it
+        tags: labels returned with it
+    """
     return {"word": word.upper() if style == "upper" else word.title(), "tags": tags or []}
 
 
@@ -54,7 +60,11 @@ echo.schema = {
 
 
 def hang(seconds: float = 3600.0) -> str:
-    """Sleep far longer than any timeout."""
+    """Sleep far longer than any timeout.
+
+    Args:
+        seconds: how long
+    """
     time.sleep(seconds)
     return "woke up"
 
@@ -66,7 +76,11 @@ def spin() -> str:
 
 
 def exit_hard(code: int = 3) -> str:
-    """End the process without any cleanup."""
+    """End the process without any cleanup.
+
+    Args:
+        code: its exit code
+    """
     os._exit(code)
 
 
@@ -76,7 +90,11 @@ def segfault() -> str:
 
 
 def flood(n: int) -> str:
-    """Return n characters."""
+    """Return n characters.
+
+    Args:
+        n: how many
+    """
     return "x" * n
 
 
@@ -99,8 +117,23 @@ def leave() -> str:
 
 
 def untyped(x) -> str:
+    """No annotation.
+
+    Args:
+        x: anything
+    """
     return str(x)
 
 
 def star(*args: int) -> str:
+    """Positional arguments.
+
+    Args:
+        args: numbers
+    """
     return str(args)
+
+
+def undocumented(x: int) -> str:
+    """An argument without a description."""
+    return str(x)
