@@ -13,92 +13,17 @@ import threading
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from model_spec import ModelSpec
 from rollout.activity import ActivityLog, ForwardPass
-from rollout.attention import TorchAttention
-from rollout.compiled import compile_model
-from rollout.config import EngineConfig, SamplingParams, accum_dtype
-from rollout.decode_graphs import DecodeGraphs
-from rollout.draft_model import DraftModelProposer
-from rollout.kv_pool import KVPool
-from rollout.model import CausalLM
-from rollout.model_runner import ModelRunner, execute
-from rollout.native import layers as native_layers
-from rollout.parallel_layers import Shard, check_divisible, shard_spec
-from rollout.scheduler import Scheduler
+from rollout.build import build_parts, replica_group
+from rollout.config import EngineConfig, SamplingParams
+from rollout.model_runner import execute
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
-from rollout.speculative import Proposer
-from rollout.suffix_lanes import SuffixLanes
-from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop, TPGroup
-from rollout.weights import iter_safetensors, load_weights
-
-
-class LoadedModel(NamedTuple):
-    model_config: ModelSpec
-    max_model_len: int
-    model: CausalLM  # this rank's shard under tensor parallelism
-    shards: dict[str, Shard]  # how each sliced parameter comes from the full tensor ({} without TP)
-
-
-def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
-    """The model (or this TP rank's shard of it) with the checkpoint's weights loaded."""
-    model_dir = Path(config.model_path)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(
-            f"EngineConfig.model_path={config.model_path!r} is not a "
-            "directory; give a local Hugging Face model directory"
-        )
-    mc = ModelSpec.from_dir(model_dir)
-    if tp is not None:
-        check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, tp.size)
-    max_model_len = config.max_model_len or mc.max_position_embeddings
-    if max_model_len > mc.max_position_embeddings:
-        raise ValueError(
-            f"EngineConfig.max_model_len={max_model_len} exceeds the model's "
-            f"max_position_embeddings={mc.max_position_embeddings}; lower it"
-        )
-    model = CausalLM.build(
-        mc, max_model_len, getattr(torch, config.dtype), torch.device(config.device), tp
-    )
-    shards = shard_spec(model)
-    load_weights(
-        model,
-        iter_safetensors(model_dir),
-        tied_embeddings=mc.tie_word_embeddings,
-        require_all=True,
-        shards=shards,
-    )
-    return LoadedModel(mc, max_model_len, model, shards)
-
-
-def kv_pages(config: EngineConfig, mc: ModelSpec, max_model_len: int, tp: TPGroup | None) -> int:
-    """Pages of the KV pool. Every rank of a TP replica gets the same count (the smallest any
-    rank can hold), since rank 0's scheduler allocates for all of them."""
-    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
-    if config.kv_cache_tokens is not None:
-        tokens = config.kv_cache_tokens
-    else:
-        kv_heads = mc.num_kv_heads // (tp.size if tp is not None else 1)
-        per_token = KVPool.bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, dtype)
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-        # No point holding more than every running sequence at full length.
-        tokens = min(
-            int(config.kv_memory_fraction * free) // per_token,
-            config.max_running_requests * max_model_len,
-        )
-    pages = max(1, -(-tokens // config.page_size))
-    return tp.min_int(pages, device) if tp is not None else pages
+from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop
+from rollout.weights import WeightStatus, load_weights
 
 
 class Engine:
@@ -106,106 +31,19 @@ class Engine:
         """`tensor_parallel_size` > 1: this process is rank 0 of the replica's `tp_group` (default:
         the whole torch.distributed world); the other ranks run `rollout.tp_follower`."""
         self.config = config
-        self.tp = TPGroup(tp_group) if config.tensor_parallel_size > 1 else None
-        if self.tp is not None and (self.tp.size, self.tp.rank) != (config.tensor_parallel_size, 0):
-            raise ValueError(
-                f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: "
-                "the Engine is rank 0 of a group of that size, got rank "
-                f"{self.tp.rank} of {self.tp.size}; start every rank with "
-                "rollout.tp_follower.run_rank"
-            )
-        loaded = load_model(config, self.tp)
-        self.model_config, self.max_model_len, self.model, self._shards = loaded
-        if config.compile:
-            compile_model(self.model)  # compiles lazily, at the first forward of each shape kind
-        elif native_layers.applies(self.model):
-            native_layers.use_native_pieces(self.model)
-        self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
-        eos = (
-            config.eos_token_ids
-            if config.eos_token_ids is not None
-            else self.model_config.eos_token_ids
-        )
-        self.eos_token_ids = frozenset(eos)
+        self.tp = replica_group(config, tp_group)
+        parts = build_parts(config, self.tp)  # rollout.build: where the switches meet
+        self.model_config, self.max_model_len, self.model = parts[:3]
+        self._shards = parts.shards
+        self.device, self.dtype = torch.device(config.device), getattr(torch, config.dtype)
+        self.eos_token_ids = parts.eos_token_ids
+        self.pool, self.scheduler, self.runner = parts.pool, parts.scheduler, parts.runner
+        self.draft_model = parts.draft_model  # None unless speculative_method="draft"
+        self.suffix_lanes, self.decode_graphs = parts.suffix_lanes, parts.decode_graphs
 
         self.weight_version = 0
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
-        # None: every weight is valid. A set: weights became invalid (released, or an update
-        # failed midway) and these are the names loaded since; generation waits for all of them.
-        self._weights_reloaded: set[str] | None = None
-        self._uncommitted_update = False
-
-        use_graphs = (
-            config.decode_graphs
-            if config.decode_graphs is not None
-            else self.device.type == "cuda" and config.attention_backend == "triton"
-        )
-        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's, under TP
-        self.pool = KVPool(
-            num_layers=self.model_config.num_layers,
-            num_pages=kv_pages(config, self.model_config, self.max_model_len, self.tp),
-            page_size=config.page_size,
-            num_kv_heads=local_kv_heads,
-            head_dim=self.model_config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            scratch_page=use_graphs,
-        )
-        self.draft_model = self._draft_model()  # None unless speculative_method="draft"
-        proposer = self.draft_model or (
-            Proposer(
-                config.speculative_method,
-                config.speculative_ngram_min,
-                config.speculative_ngram_max,
-            )
-            if config.speculative_method
-            else None
-        )
-        self.scheduler = Scheduler(
-            pool=self.pool,
-            max_running_requests=config.max_running_requests,
-            max_prefill_tokens=config.max_prefill_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_cache=config.enable_prefix_cache,
-            eos_token_ids=self.eos_token_ids,
-            proposer=proposer,
-            num_speculative_tokens=config.num_speculative_tokens,
-            speculative_min_acceptance=config.speculative_min_acceptance,
-        )
-        if self.tp is not None:
-            self.pool.copy_log = []
-        self.suffix_lanes: SuffixLanes | None = None
-        if config.attention_backend == "triton":
-            from rollout.kernels import (
-                TritonAttention,
-            )  # lazy: triton decides interpret vs compile at import
-
-            attention = TritonAttention(self.pool)
-        else:
-            # Static steps would not update lanes; under TP their bookkeeping would need
-            # replaying on every rank.
-            if config.decode_suffix_lanes and not use_graphs and self.tp is None:
-                # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in model
-                # dtype).
-                lane_bytes = torch.empty((), dtype=accum_dtype(self.dtype)).element_size()
-                max_tokens = self.pool.num_slots * self.pool.k.element_size() // lane_bytes
-                self.suffix_lanes = SuffixLanes(self.pool, max_tokens)
-            attention = TorchAttention(self.pool, self.suffix_lanes)
-        self.runner = ModelRunner(
-            self.model, attention, self.scheduler.slot_table, config.page_size
-        )
-        self.decode_graphs = (
-            DecodeGraphs(
-                self.model,
-                attention,
-                self.pool,
-                self.scheduler.slot_table,
-                config.max_running_requests,
-            )
-            if use_graphs
-            else None
-        )
+        self._weights = WeightStatus(self._param_shapes)  # generation waits while invalid
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()
@@ -216,38 +54,11 @@ class Engine:
         self.forward_passes = 0
         self.activity: ActivityLog | None = None
 
-    # -- construction --------------------------------------------------------------------------
-    def _draft_model(self) -> DraftModelProposer | None:
-        cfg = self.config
-        if cfg.speculative_method != "draft":
-            return None
-        return DraftModelProposer(
-            cfg.speculative_draft_model_path,
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            max_sequences=cfg.max_running_requests,
-            kv_tokens=cfg.speculative_draft_kv_tokens or self.pool.num_slots,
-            page_size=cfg.page_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-
     # -- requests ------------------------------------------------------------------------------
     def _check_ready(self) -> None:
         if not self.pool.allocated:
             raise RuntimeError("engine memory is released; call resume_memory() before generating")
-        self._check_weights()
-
-    def _check_weights(self) -> None:
-        if self._weights_reloaded is not None:
-            raise RuntimeError(
-                "engine weights are incomplete (released, or an update failed midway); "
-                "call update_weights() with every weight before generating"
-            )
-        if self._uncommitted_update:
-            raise RuntimeError(
-                "a weight update was loaded but not committed; call commit_weights()"
-            )
+        self._weights.check()
 
     def add_request(
         self,
@@ -305,7 +116,7 @@ class Engine:
         for request_id in aborts:
             self.scheduler.abort(request_id)
         if self.scheduler.running or self.scheduler.waiting:
-            self._check_weights()
+            self._weights.check()
         self.scheduler.weight_version = self.weight_version
         batch = self.scheduler.schedule()
         if not batch.empty:
@@ -397,7 +208,7 @@ class Engine:
                 "tensor parallelism: the followers' own shards would land during a forward "
                 "pass; send full tensors (all_ranks=True) or finish the requests first"
             )
-        self._uncommitted_update = True
+        self._weights.uncommitted = True
         if self.tp is not None and all_ranks:  # every rank takes its slice of the same tensors
             named_tensors = list(named_tensors)
             self.tp.send(LoadWeights(named_tensors))
@@ -410,12 +221,9 @@ class Engine:
                 shards=self._shards,
             )
         except BaseException:
-            self._weights_reloaded = set()
+            self._weights.invalidate()
             raise
-        if self._weights_reloaded is not None:
-            self._weights_reloaded |= loaded
-            if self._weights_reloaded >= self._param_shapes.keys():
-                self._weights_reloaded = None
+        self._weights.record(loaded)
 
     def commit_weights(self) -> None:
         """Finish an update: flush the prefix cache (retire it while requests run:
@@ -427,7 +235,7 @@ class Engine:
             s.num_computed for s in self.scheduler.running
         )
         self.weight_version += 1
-        self._uncommitted_update = False
+        self._weights.uncommitted = False
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix and parked K/V (nothing may be in flight). Returns the pages
@@ -443,7 +251,7 @@ class Engine:
         the device. Returns the bytes released."""
         self._require_idle("release_memory")
         if self.tp is not None:
-            self.tp.send(Release(weights and self._weights_reloaded is None))
+            self.tp.send(Release(weights and self._weights.complete))
             self.tp.barrier()  # returns once every rank has freed it too
         released = 0
         if self.pool.allocated:
@@ -458,12 +266,9 @@ class Engine:
             released += self.draft_model.release()
         if self.decode_graphs is not None:  # graphs hold the addresses of what is freed here
             self.decode_graphs.reset()
-        if weights and self._weights_reloaded is None:
-            for p in self.model.parameters():
-                released += p.numel() * p.element_size()
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self.model.fuse_projections()  # the fused tensors must not keep the storage alive
-            self._weights_reloaded = set()
+        if weights and self._weights.complete:
+            released += self.model.release_storage()
+            self._weights.invalidate()
         return released
 
     def resume_memory(self) -> None:
@@ -478,13 +283,7 @@ class Engine:
             self.pool.allocate()
         if self.draft_model is not None:
             self.draft_model.resume()
-        recreated = False
-        for name, p in self.model.named_parameters():
-            if p.numel() == 0 and len(self._param_shapes[name]):
-                p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=p.device)
-                recreated = True
-        if recreated:  # else the parameters (and the fused tensors) keep their addresses
-            self.model.fuse_projections()
+        self.model.restore_storage(self._param_shapes)
 
     def close(self) -> None:
         """Under tensor parallelism: tell the other ranks to stop serving (their `run_rank`

@@ -256,6 +256,28 @@ class CausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             _lay_out(self.lm_head, column_major)
 
+    def release_storage(self) -> int:
+        """Free every parameter's storage (the device goes to the trainer); returns the bytes
+        freed. `restore_storage` brings it back."""
+        released = 0
+        for p in self.parameters():
+            released += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.fuse_projections()  # the fused tensors must not keep the storage alive
+        return released
+
+    def restore_storage(self, shapes: dict[str, torch.Size]) -> None:
+        """Re-create, uninitialised, the storage `release_storage` freed (`shapes`: each
+        parameter's, by name); the next weight update fills it. Parameters that kept their
+        storage (and then the fused tensors) keep their addresses."""
+        recreated = False
+        for name, p in self.named_parameters():
+            if p.numel() == 0 and len(shapes[name]):
+                p.data = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
+                recreated = True
+        if recreated:
+            self.fuse_projections()
+
     def tie_weights(self) -> None:
         """Re-establish tying; needed again after conversions that rebuild parameters."""
         if self.config.tie_word_embeddings:

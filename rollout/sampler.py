@@ -26,28 +26,6 @@ if TYPE_CHECKING:
     from rollout.sequence import Sequence
 
 
-class UniformStream:
-    """One sequence's uniforms in [0, 1): the draws of a `torch.Generator` seeded with `seed`,
-    taken `BLOCK` at a time. torch's CPU generator fills a float64 tensor element by element, so
-    the numbers and their order are exactly those of one `torch.rand((), generator=g,
-    dtype=torch.float64)` per draw (`test_sampler.py` checks it), at a fraction of the per-call
-    cost: a decode step draws one per sequence. Seeded on CPU whatever the model's device."""
-
-    BLOCK = 64
-
-    def __init__(self, seed: int):
-        self.generator = torch.Generator().manual_seed(seed)
-        self._block = iter(())  # the current block's remaining draws
-
-    def draw(self) -> float:
-        try:
-            return next(self._block)
-        except StopIteration:
-            block = torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64)
-            self._block = iter(block.tolist())
-            return next(self._block)
-
-
 class SamplingBatch(NamedTuple):
     temperature: torch.Tensor  # [R] float, 0 = greedy
     top_p: torch.Tensor  # [R] float in (0, 1]
@@ -123,6 +101,23 @@ def truncation_mask(
     keep_sorted &= sorted_probs >= min_p.unsqueeze(-1) * sorted_probs[:, :1]
     keep_sorted[:, 0] = True
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def draw_from_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One inverse-CDF draw per row: `cdf` [R, V] is the running sum of a row's non-negative
+    weights in vocabulary order (they need not be normalised), `uniforms` [R] in [0, 1). The
+    draw is the first token whose cumulative mass exceeds u * total (right=True skips
+    zero-weight tokens, whose cdf equals their predecessor's). The one draw of the sampler and
+    of speculative verification and drafting."""
+    threshold = uniforms.to(dtype=cdf.dtype) * cdf[:, -1]
+    choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
+    # Rounding can put the threshold at the total (choice == V); then take the last token of
+    # positive mass. Otherwise cdf[choice] > threshold >= cdf[choice - 1], so the choice has
+    # positive mass already: only the overflowing rows need the (full-row) search.
+    overflow = (choice == cdf.shape[-1]).nonzero().squeeze(-1)
+    if overflow.numel():
+        choice[overflow] = (cdf[overflow] < cdf[overflow, -1:]).sum(dim=-1)
+    return choice
 
 
 def _truncating(top_k, top_p, min_p, vocab: int) -> torch.Tensor:
@@ -204,17 +199,7 @@ def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
             rows = truncating.nonzero().squeeze(-1)
             keep = truncation_mask(probs[rows], top_k[rows], top_p[rows], min_p[rows])
             probs[rows] = probs[rows] * keep
-        # Inverse CDF in vocabulary order: the first token whose cumulative mass exceeds u * total
-        # (right=True skips zero-probability tokens, whose cdf equals their predecessor's).
-        cdf = probs.cumsum_(dim=-1)
-        threshold = batch.uniforms.to(device=device, dtype=cdf.dtype)[sampled] * cdf[:, -1]
-        choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
-        # Rounding can put the threshold at the total (choice == V); then take the last token of
-        # positive mass. Otherwise cdf[choice] > threshold >= cdf[choice - 1], so the choice has
-        # positive mass already: only the overflowing rows need the (full-row) search.
-        overflow = (choice == cdf.shape[-1]).nonzero().squeeze(-1)
-        if overflow.numel():
-            choice[overflow] = (cdf[overflow] < cdf[overflow, -1:]).sum(dim=-1)
-        tokens[sampled] = choice
+        # The weights are a temporary: their cumulative sum is taken in place.
+        tokens[sampled] = draw_from_cdf(probs.cumsum_(dim=-1), batch.uniforms.to(device)[sampled])
     logprobs = shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
     return tokens, logprobs

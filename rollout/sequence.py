@@ -12,8 +12,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.radix_cache import RadixCache, TreeNode
-from rollout.sampler import UniformStream
-from rollout.speculative import DraftBackoff
+from rollout.uniform_stream import UniformStream
 
 # Process-wide and monotonic, so an epoch is never reused, not even by another engine.
 _kv_epochs = itertools.count()
@@ -58,9 +57,10 @@ class Request:
     versions: list[list[int]] = field(init=False)  # per sample: see RequestOutput
     aborted: bool = False
     cached_tokens: int | None = None  # set when its first sequence is admitted
-    # Set by `Scheduler.add`, read for every sampled token: the ids that end a sample with
-    # "stop" (EOS unless ignored, and `stop_token_ids`), and the length (prompt + generated)
-    # at which it ends with "length" (max_new_tokens, or the engine's max_model_len).
+    # Set by `set_limits` (when the scheduler takes the request), read for every sampled token:
+    # the ids that end a sample with "stop" (EOS unless ignored, and `stop_token_ids`), and the
+    # length (prompt + generated) at which it ends with "length" (max_new_tokens, or the
+    # engine's max_model_len).
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
     end_len: int = field(init=False, default=0)
 
@@ -68,9 +68,32 @@ class Request:
         self.samples = [None] * self.params.n
         self.versions = [[] for _ in range(self.params.n)]
 
+    def set_limits(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        params = self.params
+        eos = eos_token_ids if not params.ignore_eos else frozenset()
+        self.stop_ids = eos | frozenset(params.stop_token_ids)
+        self.end_len = min(len(self.prompt) + params.max_new_tokens, max_model_len)
+
     @property
     def done(self) -> bool:
         return all(s is not None for s in self.samples)
+
+    def record(self, seq: Sequence, reason: str) -> None:
+        """`seq` ended: its output, and empty ones for the forks it still stood for."""
+        out = SampleOutput(seq.token_ids[seq.prompt_len :], list(seq.logprobs), reason)
+        self.versions[seq.sample_index] = list(seq.versions)
+        for j in range(seq.sample_index, seq.sample_index + seq.num_forks):
+            self.samples[j] = out if j == seq.sample_index else SampleOutput([], [], reason)
+
+    def output(self) -> RequestOutput:
+        """What the engine returns once every sample is recorded (`done`)."""
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(self.samples),
+            self.cached_tokens or 0,
+            tuple(self.versions),
+        )
 
 
 @dataclass(eq=False)
@@ -103,7 +126,6 @@ class Sequence:
     extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
     draft: list[int] = field(default_factory=list)  # speculated tokens verified this step
     draft_probs: torch.Tensor | None = None  # what `draft` was drawn from; None = point mass
-    backoff: DraftBackoff | None = None  # drafting pause after failed drafts (scheduler's)
     uniforms: UniformStream = field(init=False)  # this sample's random stream
     # Names one lifetime of this sequence's page table: changes whenever pages are taken,
     # replaced or released otherwise than by appending (admit, prefix-cache insert, preempt,
@@ -122,6 +144,27 @@ class Sequence:
     def new_kv_epoch(self) -> None:
         """Call whenever the page table changes other than by appending pages."""
         self.kv_epoch = next(_kv_epochs)
+
+    def append(self, tokens: list[int], logprobs: list[float], version: int) -> str | None:
+        """Append sampled tokens up to the first that ends the sample; returns why it ended, if
+        it did."""
+        for token, logprob in zip(tokens, logprobs):
+            self.token_ids.append(token)
+            self.logprobs.append(logprob)
+            self.versions.append(version)
+            if (reason := self.finish_reason(token)) is not None:
+                return reason
+        return None
+
+    def finish_reason(self, token: int) -> str | None:
+        """Whether `token`, just appended, ends this sample, and why: the one place that decides
+        ("stop": a stop id or the stop check; "length": the request's `end_len`)."""
+        request = self.request
+        if token in request.stop_ids:
+            return "stop"
+        if request.stop_check is not None and request.stop_check(self.token_ids[self.prompt_len :]):
+            return "stop"
+        return "length" if len(self.token_ids) >= request.end_len else None
 
     @property
     def order(self) -> tuple[int, int]:

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from rollout.attention import TorchAttention
+from rollout.build import kv_pages, load_model
 from rollout.config import EngineConfig
-from rollout.engine import Engine, kv_pages, load_model
+from rollout.engine import Engine
 from rollout.kv_pool import KVPool
 from rollout.model_runner import execute
 from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop, TPGroup
@@ -86,22 +87,12 @@ class EngineFollower:
             elif isinstance(command, Release):
                 self.pool.free_memory()
                 if command.weights:
-                    for p in self.model.parameters():
-                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                    self.model.fuse_projections()
+                    self.model.release_storage()
                 self.tp.barrier()  # rank 0 waits until every rank has done it
             elif isinstance(command, Resume):
                 if not self.pool.allocated:
                     self.pool.allocate()
-                recreated = False
-                for name, p in self.model.named_parameters():
-                    if p.numel() == 0 and len(self._param_shapes[name]):
-                        p.data = torch.empty(
-                            self._param_shapes[name], dtype=p.dtype, device=p.device
-                        )
-                        recreated = True
-                if recreated:
-                    self.model.fuse_projections()
+                self.model.restore_storage(self._param_shapes)
                 self.tp.barrier()
             elif isinstance(command, Stop):
                 return

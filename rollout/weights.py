@@ -89,3 +89,40 @@ def load_weights(
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
     return loaded
+
+
+class WeightStatus:
+    """Whether the engine's weights may serve generation: every one valid, and the last update
+    committed. Releasing the weights' storage, or an update failing midway (the model is then a
+    mix of old and new weights), makes them all invalid; the names loaded since are counted
+    until every weight has arrived again."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = frozenset(names)
+        self.reloaded: set[str] | None = None  # None: every weight is valid
+        self.uncommitted = False  # loaded, `Engine.commit_weights` not yet called
+
+    @property
+    def complete(self) -> bool:
+        return self.reloaded is None
+
+    def invalidate(self) -> None:
+        self.reloaded = set()
+
+    def record(self, loaded: set[str]) -> None:
+        if self.reloaded is not None:
+            self.reloaded |= loaded
+            if self.reloaded >= self.names:
+                self.reloaded = None
+
+    def check(self) -> None:
+        """Raise, saying what to call, unless generation may run."""
+        if self.reloaded is not None:
+            raise RuntimeError(
+                "engine weights are incomplete (released, or an update failed midway); "
+                "call update_weights() with every weight before generating"
+            )
+        if self.uncommitted:
+            raise RuntimeError(
+                "a weight update was loaded but not committed; call commit_weights()"
+            )

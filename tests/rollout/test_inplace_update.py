@@ -141,7 +141,7 @@ def test_prefix_cache_never_serves_pre_update_pages(model64):
     engine.update_weights(new.items(), keep_running=True)
     engine.check_integrity()
     assert engine.scheduler.cache.cached_pages == 0  # a fresh tree; the unlocked pages freed
-    assert engine.scheduler.retired_caches == [old] and old.evictable_pages == 0
+    assert engine.scheduler.allocator.retired_caches == [old] and old.evictable_pages == 0
     # Pages that still hold old-weight K/V: the running request's (freed ones get rewritten).
     old_pages = {p for n in old._nodes() for p in n.pages}
     old_pages |= {p for s in engine.scheduler.running for p in s.pages}
@@ -160,7 +160,7 @@ def test_prefix_cache_never_serves_pre_update_pages(model64):
     assert engine.stats()["prefix_cache_hit_tokens"] == hit_before
     # The running request finished without offering its mixed-weight K/V to the new cache,
     # and the retired tree's pages went back to the pool.
-    assert all(t.cached_pages == 0 for t in engine.scheduler.retired_caches)
+    assert all(t.cached_pages == 0 for t in engine.scheduler.allocator.retired_caches)
     tokens = PROMPTS[0] + outs[running].samples[0].token_ids
     probe = engine.add_request(tokens, SamplingParams(max_new_tokens=1))
     while engine.has_unfinished():

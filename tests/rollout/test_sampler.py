@@ -4,7 +4,8 @@ of positive mass (never a zero-probability token)."""
 
 import torch
 
-from rollout.sampler import SamplingBatch, UniformStream, sample, truncation_mask
+from rollout.sampler import SamplingBatch, sample, truncation_mask
+from rollout.uniform_stream import UniformStream
 
 
 def reference_draw(probs: torch.Tensor, u: float) -> int:

@@ -8,7 +8,7 @@ the sequence kept, so rejected drafts are rolled back by forgetting positions, n
 
 Drafts are *sampled* from the draft model's distribution q at the request's temperature and
 truncation (greedy requests: its argmax), with the sequence's own generator, and q travels with
-the draft so that `rollout.speculative.verify` applies the exact rule min(1, p / q).
+the draft so that `rollout.speculative.verify.verify` applies the exact rule min(1, p / q).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from rollout.model import CausalLM
 from rollout.model_runner import ModelRunner
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
-from rollout.speculative import NO_DRAFT, Draft, draw, draw_uniform, sampling_distribution
+from rollout.speculative.drafting import NO_DRAFT, Draft
+from rollout.speculative.verify import draw, draw_uniform, sampling_distribution
 from rollout.weights import iter_safetensors, load_weights
 
 
