@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rollout.serving.openai_api import error_response
 from rollout.serving.router import Router
-from rollout.serving.server import error_response
 
 
 class SessionTurn(NamedTuple):
@@ -86,6 +86,16 @@ def _logprobs_of(path: str, choice: dict[str, Any]) -> list[float]:
     return list(lp.get("token_logprobs") or [])
 
 
+class RouterFront(NamedTuple):
+    """What the router's routes work with (`request.app.state.front`)."""
+
+    urls: list[str]  # the replicas' base URLs, by replica index
+    router: Router
+    tokenizer: Any  # for routing by prompt tokens; None: route token-id prompts only
+    sessions: Sessions
+    client: httpx.AsyncClient
+
+
 def build_router_app(
     urls: Sequence[str],
     router: Router,
@@ -96,101 +106,120 @@ def build_router_app(
     """The front over replicas `urls` (base URLs of `rollout.serving.server` endpoints)."""
     if len(urls) != router.num_replicas:
         raise ValueError(f"{len(urls)} replica URLs for a router over {router.num_replicas}")
-    urls = [u.rstrip("/") for u in urls]
     sessions = sessions if sessions is not None else Sessions()
-    app = FastAPI(title="miles_like router")
-    app.state.sessions, app.state.router = sessions, router
     client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=None))
-
-    async def proxy(path: str, request: Request):
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            return error_response(400, f"request body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        session_id = body.pop("session_id", None) or request.headers.get("x-session-id")
-        if session_id is not None and not isinstance(session_id, str):
-            return error_response(400, "session_id must be a string", "session_id")
-        asked_logprobs = body.get("logprobs")
-        if session_id is not None:  # sessions record the engine's log-probs of every turn
-            body["logprobs"] = True if path == "chat/completions" else 0
-        replica = router.choose(_prompt_ids(path, body, tokenizer), session_id)
-        router.started(replica)
-        try:
-            upstream = await client.post(f"{urls[replica]}/v1/{path}", json=body)
-        except httpx.HTTPError as exc:
-            return error_response(
-                502, f"replica {replica} ({urls[replica]}) failed: {exc!r}", type="upstream_error"
-            )
-        finally:
-            router.finished(replica)
-        try:
-            out = upstream.json()
-        except ValueError:
-            return error_response(
-                502,
-                f"replica {replica} answered {upstream.status_code} without a JSON body",
-                type="upstream_error",
-            )
-        if upstream.status_code != 200:
-            return JSONResponse(status_code=upstream.status_code, content=out)
-        turns = []
-        for choice in out["choices"]:
-            router.record(replica, choice["prompt_token_ids"] + choice["token_ids"])
-            turns.append(
-                SessionTurn(
-                    choice["prompt_token_ids"],
-                    choice["token_ids"],
-                    _logprobs_of(path, choice),
-                    out["weight_version"],
-                    choice["finish_reason"],
-                    replica,
-                )
-            )
-            if session_id is not None and (asked_logprobs is None or asked_logprobs is False):
-                choice["logprobs"] = None
-        if session_id is not None:
-            sessions.add(session_id, turns)
-            out["session_id"] = session_id
-        out["replica"] = replica
-        return out
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await proxy("completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await proxy("chat/completions", request)
-
-    @app.get("/v1/sessions/{session_id}")
-    async def session(session_id: str):
-        turns = sessions.get(session_id)
-        if turns is None:
-            return error_response(
-                404,
-                f"no session {session_id!r} was recorded",
-                "session_id",
-                code="session_not_found",
-            )
-        return {"session_id": session_id, "turns": [t._asdict() for t in turns]}
-
-    @app.get("/v1/models")
-    async def models():
-        return (await client.get(f"{urls[0]}/v1/models")).json()
-
-    @app.get("/health")
-    async def health():
-        codes = []
-        for url in urls:
-            try:
-                codes.append((await client.get(f"{url}/health")).status_code)
-            except httpx.HTTPError:
-                codes.append(None)
-        ok = sum(c == 200 for c in codes)
-        return JSONResponse(
-            status_code=200 if ok else 503, content={"healthy_replicas": ok, "replicas": len(urls)}
-        )
-
+    app = FastAPI(title="miles_like router")
+    app.state.front = RouterFront(
+        [u.rstrip("/") for u in urls], router, tokenizer, sessions, client
+    )
+    app.state.sessions, app.state.router = sessions, router
+    app.include_router(front_routes)
     return app
+
+
+def router_front(request: Request) -> RouterFront:
+    return request.app.state.front
+
+
+Front = Annotated[RouterFront, Depends(router_front)]
+front_routes = APIRouter()
+
+
+@front_routes.post("/v1/completions")
+async def completions(request: Request, front: Front):
+    return await proxy(front, "completions", request)
+
+
+@front_routes.post("/v1/chat/completions")
+async def chat_completions(request: Request, front: Front):
+    return await proxy(front, "chat/completions", request)
+
+
+@front_routes.get("/v1/sessions/{session_id}")
+async def session(session_id: str, front: Front):
+    turns = front.sessions.get(session_id)
+    if turns is None:
+        return error_response(
+            404,
+            f"no session {session_id!r} was recorded",
+            "session_id",
+            code="session_not_found",
+        )
+    return {"session_id": session_id, "turns": [t._asdict() for t in turns]}
+
+
+@front_routes.get("/v1/models")
+async def models(front: Front):
+    return (await front.client.get(f"{front.urls[0]}/v1/models")).json()
+
+
+@front_routes.get("/health")
+async def health(front: Front):
+    codes = []
+    for url in front.urls:
+        try:
+            codes.append((await front.client.get(f"{url}/health")).status_code)
+        except httpx.HTTPError:
+            codes.append(None)
+    ok = sum(c == 200 for c in codes)
+    return JSONResponse(
+        status_code=200 if ok else 503,
+        content={"healthy_replicas": ok, "replicas": len(front.urls)},
+    )
+
+
+async def proxy(front: RouterFront, path: str, request: Request):
+    """Send the request to the replica the router chooses; record the turns of a session."""
+    router, urls = front.router, front.urls
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        return error_response(400, f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object")
+    session_id = body.pop("session_id", None) or request.headers.get("x-session-id")
+    if session_id is not None and not isinstance(session_id, str):
+        return error_response(400, "session_id must be a string", "session_id")
+    asked_logprobs = body.get("logprobs")
+    if session_id is not None:  # sessions record the engine's log-probs of every turn
+        body["logprobs"] = True if path == "chat/completions" else 0
+    replica = router.choose(_prompt_ids(path, body, front.tokenizer), session_id)
+    router.started(replica)
+    try:
+        upstream = await front.client.post(f"{urls[replica]}/v1/{path}", json=body)
+    except httpx.HTTPError as exc:
+        return error_response(
+            502, f"replica {replica} ({urls[replica]}) failed: {exc!r}", type="upstream_error"
+        )
+    finally:
+        router.finished(replica)
+    try:
+        out = upstream.json()
+    except ValueError:
+        return error_response(
+            502,
+            f"replica {replica} answered {upstream.status_code} without a JSON body",
+            type="upstream_error",
+        )
+    if upstream.status_code != 200:
+        return JSONResponse(status_code=upstream.status_code, content=out)
+    turns = []
+    for choice in out["choices"]:
+        router.record(replica, choice["prompt_token_ids"] + choice["token_ids"])
+        turns.append(
+            SessionTurn(
+                choice["prompt_token_ids"],
+                choice["token_ids"],
+                _logprobs_of(path, choice),
+                out["weight_version"],
+                choice["finish_reason"],
+                replica,
+            )
+        )
+        if session_id is not None and (asked_logprobs is None or asked_logprobs is False):
+            choice["logprobs"] = None
+    if session_id is not None:
+        front.sessions.add(session_id, turns)
+        out["session_id"] = session_id
+    out["replica"] = replica
+    return out

@@ -18,7 +18,8 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import AsyncEngine
-from rollout.serving.server import build_app, chat_message, load_tokenizer, start_server
+from rollout.serving.openai_api import chat_message
+from rollout.serving.server import build_app, load_tokenizer, start_server
 
 from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
 
