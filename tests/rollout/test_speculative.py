@@ -1,11 +1,13 @@
 """Speculative decoding is exact.
 
-* T = 1 (and T = 0.8 with top-k): the joint distribution of the first three generated tokens
-  with speculation matches the target model's, computed exactly with HF transformers from the
-  same weights, by a chi-square test over >= 20k samples (reject at p < 0.01), per proposer;
-  the drafts are really exercised (accepted and rejected drafts both counted). The draft model
-  is another random model with the same vocabulary, so its q differs from the target's p and both
-  branches of min(1, p/q) and the residual max(0, p - q) are taken.
+* The joint distribution of the first three generated tokens with speculation matches the
+  target model's, computed exactly from HF transformers' logits of the same weights with the
+  sampling filter written out in the test (`truncated`), by a chi-square test over >= 20k
+  samples (reject at p < P_MIN = 0.01), per proposer (n-gram, group-aware lookup, draft model):
+  at T = 1; with top-k; with top-p; with min-p. The drafts are really exercised (accepted and
+  rejected drafts both counted), and the filters really bite (outcomes they remove are never
+  sampled). The draft model is another random model with the same vocabulary, so its q differs
+  from the target's p and both branches of min(1, p/q) and the residual max(0, p - q) are taken.
 * T = 0: output equals the output without speculation token for token, and logprobs agree.
 * The suffix index proposes what followed the latest occurrence of the longest matching n-gram.
 """
@@ -48,16 +50,42 @@ def spec_config(method: str, draft_dir: str | None, **kwargs) -> EngineConfig:
     return EngineConfig(speculative_method=method, **kwargs)
 
 
+# A filter parameter this close to a token's cut-off would make the kept set depend on float
+# rounding (the engine samples in float32): the reference refuses it.
+MARGIN = 1e-4
+
+
+def truncated(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """`probs` with the sampling filters in Hugging Face's order, renormalised: top-k keeps the
+    k most likely tokens; top-p then the smallest set of the most likely whose mass within the
+    top-k distribution reaches top_p (a token is kept while the mass before it is < top_p);
+    min-p then the tokens with prob >= min_p * the most likely's."""
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        keep &= probs >= probs.topk(top_k).values[-1]
+    if top_p < 1:
+        within = probs * keep / (probs * keep).sum()
+        ordered, order = within.sort(descending=True)
+        before = ordered.cumsum(0) - ordered  # mass of the more likely tokens
+        assert (before - top_p).abs().min() > MARGIN, f"top_p={top_p} is on a cut-off"
+        keep[order[before >= top_p]] = False
+    if min_p > 0:
+        ratio = probs / probs.max()
+        assert (ratio - min_p).abs().min() > MARGIN, f"min_p={min_p} is on a cut-off"
+        keep &= ratio >= min_p
+    kept = probs * keep
+    return kept / kept.sum()
+
+
 @torch.inference_mode()
-def target_joint(model, temperature: float, top_k: int) -> dict[tuple[int, ...], float]:
-    """Exact p(x1, x2, x3 | PROMPT) under temperature and top-k, from HF logits."""
+def target_joint(
+    model, temperature: float, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+) -> dict[tuple[int, ...], float]:
+    """Exact p(x1, x2, x3 | PROMPT) under temperature and the filters, from HF logits."""
 
     def next_probs(prefix):
-        logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double() / temperature
-        if top_k > 0:
-            kth = logits.topk(top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.softmax(logits, -1)
+        logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double()
+        return truncated(torch.softmax(logits / temperature, -1), top_k, top_p, min_p)
 
     joint = {}
     p1 = next_probs(())
@@ -90,17 +118,25 @@ def chi_square_p(counts: dict, joint: dict, total: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "method, temperature, top_k",
+    "method, temperature, top_k, top_p, min_p",
     [
-        ("ngram", 1.0, -1),
-        ("group", 1.0, -1),
-        ("group", 0.8, 4),
-        ("draft", 1.0, -1),
-        ("draft", 0.8, 4),
+        ("ngram", 1.0, -1, 1.0, 0.0),
+        ("group", 1.0, -1, 1.0, 0.0),
+        ("group", 0.8, 4, 1.0, 0.0),
+        ("draft", 1.0, -1, 1.0, 0.0),
+        ("draft", 0.8, 4, 1.0, 0.0),
+        # top-p: each context keeps 1 to 4 of the 6 tokens
+        ("ngram", 1.0, -1, 0.75, 0.0),
+        ("group", 0.8, -1, 0.85, 0.0),
+        ("draft", 1.0, -1, 0.75, 0.0),
+        # min-p: each context keeps 1 to 5 of the 6 tokens
+        ("ngram", 0.8, -1, 1.0, 0.5),
+        ("group", 1.0, -1, 1.0, 0.4),
+        ("draft", 0.8, -1, 1.0, 0.5),
     ],
 )
 def test_speculative_sampling_matches_target_distribution(
-    tiny_vocab_model, tiny_vocab_draft, method, temperature, top_k
+    tiny_vocab_model, tiny_vocab_draft, method, temperature, top_k, top_p, min_p
 ):
     model, directory = tiny_vocab_model
     # Back-off off: every step drafts, so the test sees the verify rule on every position.
@@ -120,7 +156,13 @@ def test_speculative_sampling_matches_target_distribution(
     outs = engine.generate(
         [PROMPT] * requests,
         SamplingParams(
-            n=n, temperature=temperature, top_k=top_k, max_new_tokens=3, ignore_eos=True
+            n=n,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            max_new_tokens=3,
+            ignore_eos=True,
         ),
     )
     counts: dict[tuple[int, ...], int] = {}
@@ -133,7 +175,10 @@ def test_speculative_sampling_matches_target_distribution(
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], (
         stats
     )  # ... and rejected some
-    p = chi_square_p(counts, target_joint(model, temperature, top_k), requests * n)
+    joint = target_joint(model, temperature, top_k, top_p, min_p)
+    if (top_k, top_p, min_p) != (-1, 1.0, 0.0):  # the filter removes outcomes
+        assert sum(p == 0.0 for p in joint.values()) > VOCAB**3 // 3
+    p = chi_square_p(counts, joint, requests * n)
     assert p > P_MIN, (
         f"chi-square p={p:.4g} <= {P_MIN}: speculative samples do not follow the target"
     )
