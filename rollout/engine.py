@@ -33,8 +33,8 @@ class Engine:
         self.config = config
         self.tp = replica_group(config, tp_group)
         parts = build_parts(config, self.tp)  # rollout.build: where the switches meet
-        self.model_config, self.max_model_len, self.model = parts[:3]
-        self._shards = parts.shards
+        self.model, self.model_config = parts.model, parts.model_config
+        self.max_model_len, self._shards = parts.max_model_len, parts.shards
         self.device, self.dtype = torch.device(config.device), getattr(torch, config.dtype)
         self.eos_token_ids = parts.eos_token_ids
         self.pool, self.scheduler, self.runner = parts.pool, parts.scheduler, parts.runner

@@ -16,8 +16,10 @@ from rollout.sequence import Sequence
 
 
 class PageAllocator:
-    """The slot table maps (row, position) -> KV slot for every admitted sequence: the model
-    runner reads attention indices from it, so per-step metadata is a few tensor gathers."""
+    """The pool's pages and the slot table's rows for the scheduler's sequences, and the prefix
+    cache their pages go to. The slot table maps (row, position) -> KV slot for every admitted
+    sequence: the model runner reads attention indices from it, so per-step metadata is a few
+    tensor gathers."""
 
     def __init__(
         self,
