@@ -94,7 +94,7 @@ def run_once(
     import ray
 
     from miles_like.errors import RunFailed
-    from miles_like.recipe.sections import load_recipe
+    from miles_like.recipe import load_recipe
     from miles_like.run.loop import run
 
     recipe = load_recipe(recipe_path, [*overrides, f"tracking.output_dir={out}"])

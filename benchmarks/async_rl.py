@@ -267,7 +267,7 @@ def async_vs_sync(args) -> dict:
     """Trained samples per second, fully async (max_staleness 1) vs sync, alternating runs."""
     import ray
 
-    from miles_like.recipe.sections import load_recipe
+    from miles_like.recipe import load_recipe
     from miles_like.run.loop import run
 
     recipe_path = REPO / "recipes" / "tiny_chain_grpo.yaml"

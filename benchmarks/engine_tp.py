@@ -86,7 +86,7 @@ def _config(model_dir: str, device: str, tp: int):
         kv_cache_tokens=NUM_PROMPTS * 128,
         max_model_len=256,
         attention_backend="torch",
-        tensor_parallel_size=tp,
+        tp=tp,
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from miles_like.recipe.schema import RecipeError
+from miles_like.errors import RecipeError
 from miles_like.tasks import arith, chain
 
 

@@ -1,10 +1,15 @@
-"""Errors that end a run with one line on stderr and no traceback (see `cli.main`)."""
+"""Errors that end a run with one line on stderr and no traceback (see `recipe/cli.py`)."""
 
 from __future__ import annotations
 
-from miles_like.recipe.schema import RecipeError
+from config_schema import ConfigError
 
 __all__ = ["RecipeError", "RolloutFailed", "RunFailed"]
+
+
+class RecipeError(ConfigError):
+    """A user error in a recipe, an override or a file it names (exit code 2): one line that
+    names the dotted field and the fix."""
 
 
 class RunFailed(RuntimeError):

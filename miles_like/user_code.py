@@ -7,7 +7,7 @@ import importlib
 import re
 from typing import Any
 
-from miles_like.recipe.schema import RecipeError
+from miles_like.errors import RecipeError
 
 DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 # `module:attr`, both dotted names: what recipes write for user code

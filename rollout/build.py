@@ -67,13 +67,13 @@ class EngineParts(NamedTuple):
 
 
 def replica_group(config: EngineConfig, group: dist.ProcessGroup | None) -> TPGroup | None:
-    """The TP group whose rank 0 this engine is (`tensor_parallel_size` > 1), or None."""
-    if config.tensor_parallel_size == 1:
+    """The TP group whose rank 0 this engine is (`tp` > 1), or None."""
+    if config.tp == 1:
         return None
     tp = TPGroup(group)
-    if (tp.size, tp.rank) != (config.tensor_parallel_size, 0):
+    if (tp.size, tp.rank) != (config.tp, 0):
         raise ValueError(
-            f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: "
+            f"EngineConfig.tp={config.tp}: "
             "the Engine is rank 0 of a group of that size, got rank "
             f"{tp.rank} of {tp.size}; start every rank with "
             "rollout.tp_follower.run_rank"

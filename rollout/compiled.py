@@ -31,7 +31,7 @@ def compile_model(model: CausalLM) -> None:
     """Replace the model's pieces with compiled versions (in place; idempotent)."""
     if model.tp is not None:
         raise ValueError(
-            "EngineConfig.compile=True is not supported with tensor_parallel_size > 1 "
+            "EngineConfig.compile=True is not supported with EngineConfig.tp > 1 "
             "(the row-parallel all-reduce sits inside the compiled pieces); set compile=False"
         )
     eager = LayerPieces(

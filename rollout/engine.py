@@ -28,7 +28,7 @@ from rollout.weights import WeightStatus, load_weights
 
 class Engine:
     def __init__(self, config: EngineConfig, tp_group: dist.ProcessGroup | None = None):
-        """`tensor_parallel_size` > 1: this process is rank 0 of the replica's `tp_group` (default:
+        """`tp` > 1: this process is rank 0 of the replica's `tp_group` (default:
         the whole torch.distributed world); the other ranks run `rollout.tp_follower`."""
         self.config = config
         self.tp = replica_group(config, tp_group)

@@ -139,6 +139,6 @@ def check_divisible(
     ):
         if value % tp_size:
             raise ValueError(
-                f"EngineConfig.tensor_parallel_size={tp_size} must divide the model's "
+                f"EngineConfig.tp={tp_size} must divide the model's "
                 f"{what}={value}; choose a divisor of it"
             )

@@ -29,7 +29,7 @@ from rollout.weights import load_weights
 def run_rank(config: EngineConfig, tp_group: dist.ProcessGroup | None = None) -> Engine | None:
     """Rank 0 of `tp_group` (default: the world): the replica's `Engine`. Any other rank: serve
     rank 0's commands until it closes the engine, then return None."""
-    if config.tensor_parallel_size > 1 and dist.is_initialized() and dist.get_rank(tp_group) != 0:
+    if config.tp > 1 and dist.is_initialized() and dist.get_rank(tp_group) != 0:
         EngineFollower(config, tp_group).serve()
         return None
     return Engine(config, tp_group)
@@ -38,9 +38,9 @@ def run_rank(config: EngineConfig, tp_group: dist.ProcessGroup | None = None) ->
 class EngineFollower:
     def __init__(self, config: EngineConfig, tp_group: dist.ProcessGroup | None = None):
         self.tp = TPGroup(tp_group)
-        if self.tp.size != config.tensor_parallel_size or self.tp.rank == 0:
+        if self.tp.size != config.tp or self.tp.rank == 0:
             raise ValueError(
-                f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: a follower is "
+                f"EngineConfig.tp={config.tp}: a follower is "
                 f"rank 1..k-1 of a group of that size, got rank {self.tp.rank} of {self.tp.size}"
             )
         self.device = torch.device(config.device)

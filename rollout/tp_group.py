@@ -68,7 +68,7 @@ class TPGroup:
     def __init__(self, group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
             raise RuntimeError(
-                "EngineConfig.tensor_parallel_size > 1 needs torch.distributed initialised "
+                "EngineConfig.tp > 1 needs torch.distributed initialised "
                 "(one process per rank; gloo on CPU, NCCL on GPU) before the engine is built"
             )
         self.group = group if group is not None else dist.group.WORLD

@@ -1,8 +1,8 @@
 """The package layout's rules (DESIGN.md, docs/architecture.md), checked on the source:
 
 * the arrows between packages: `miles_like` may import the others; `rollout` and `trainer`
-  never import each other; `weight_sync` imports none of them; the leaves `native_build` and
-  `model_spec` import nothing of ours;
+  never import each other; `weight_sync` imports none of them; the leaves `native_build`,
+  `model_spec` and `config_schema` import nothing of ours;
 * no import cycle between modules, counting imports inside functions (they hide cycles, they do
   not remove them);
 * no module imports another module's `_private` name;
@@ -17,14 +17,30 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("miles_like", "rollout", "trainer", "weight_sync", "native_build", "model_spec")
+PACKAGES = (
+    "miles_like",
+    "rollout",
+    "trainer",
+    "weight_sync",
+    "native_build",
+    "model_spec",
+    "config_schema",
+)
 MAY_IMPORT = {
-    "miles_like": {"rollout", "trainer", "weight_sync", "native_build", "model_spec"},
-    "rollout": {"native_build", "model_spec"},
-    "trainer": {"native_build", "model_spec"},
+    "miles_like": {
+        "rollout",
+        "trainer",
+        "weight_sync",
+        "native_build",
+        "model_spec",
+        "config_schema",
+    },
+    "rollout": {"native_build", "model_spec", "config_schema"},
+    "trainer": {"native_build", "model_spec", "config_schema"},
     "weight_sync": {"native_build"},
     "native_build": set(),
     "model_spec": set(),  # leaf: the config.json parser the engine and the trainer share
+    "config_schema": set(),  # leaf: the validator every config is declared with
 }
 MAX_CLASS_LINES = 300
 

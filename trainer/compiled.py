@@ -11,7 +11,7 @@ multiplies, attention and the loss stay as they are.
   compiled `F.rms_norm` on its input viewed as [rows, width]; all norms share it (weight and
   eps are its inputs). A strided input (q/k-norms of head views) stays eager.
 * Rotary (packed sequences): `packed_rope`'s rotation and its transpose as one compiled
-  expression each (`packed_rope.rotate_fused`), for the models marked by `mark_rotary`.
+  expression each (`packed_rope.rotation_of`), for the models marked by `mark_rotary`.
 * SwiGLU: megatron's own fused path (`bias_activation_fusion`: `SwiGLUFunction`, whose forward
   and hand-written backward megatron wraps in `torch.compile`), switched on in
   `megatron_model.transformer_config`; `compile_swiglu` re-wraps the same two functions with
@@ -89,7 +89,6 @@ def compile_norms(model: torch.nn.Module) -> int:
 
 # a TransformerConfig attribute: the rotary path sees the layer's config, not the model
 _ROTARY_FLAG = "miles_like_compiled_rotary"
-_compiled_rotation = None
 
 
 def mark_rotary(config) -> None:
@@ -97,16 +96,9 @@ def mark_rotary(config) -> None:
     setattr(config, _ROTARY_FLAG, True)
 
 
-def rotation_of(config):
-    """The compiled rotation for a config marked by `mark_rotary`, else None (eager)."""
-    global _compiled_rotation
-    if not getattr(config, _ROTARY_FLAG, False):
-        return None
-    if _compiled_rotation is None:
-        from trainer.packed_rope import rotate_fused
-
-        _compiled_rotation = torch.compile(rotate_fused, dynamic=True, fullgraph=True)
-    return _compiled_rotation
+def rotary_marked(config) -> bool:
+    """Whether `mark_rotary` marked `config` (`packed_rope.rotation_of` then compiles)."""
+    return getattr(config, _ROTARY_FLAG, False)
 
 
 def compile_swiglu() -> None:

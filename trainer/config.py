@@ -1,114 +1,119 @@
-"""Trainer configuration (the `trainer:` section of a recipe) and the batch it trains on."""
+"""Trainer configuration (`TrainerConfig`, with its `OptimConfig` and `LossConfig`) and the batch
+it trains on (`RLBatch`).
+
+The configs are frozen configs (`config_schema`): each field's type, range and choices are
+declared with it and checked on construction, the rules between fields in `check`; a bad value
+raises one `ConfigError` line (a `ValueError`) naming the field and the fix. Their fields have
+the recipe's names (`tp`, `kl_type`, `loss_agg`, ...).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
+from pydantic import Field
 
-from trainer.losses import AGG_MODES, KL_KINDS
+from config_schema import Config, Renamed, config
+from trainer.losses import KLType, LossAgg
 from trainer.tensor_lists import pack, unpack
 
+Namer = Callable[[str], str]
 
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
+
+@config
+class OptimConfig(Config):
+    lr: float = Field(1e-6, ge=0.0)
+    min_lr: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0  # max global grad norm; None disables clipping
+    eps: float = Field(1e-8, gt=0.0)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Max global grad norm; None disables clipping."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 1000  # cosine decays from lr to min_lr at this step
-
-    def __post_init__(self):
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(
-                f"trainer.optim.lr_schedule={self.lr_schedule!r}; use 'constant' or 'cosine'"
-            )
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError("trainer.optim.warmup_steps must be >= 0 and total_steps >= 1")
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int = Field(1000, ge=1)
+    """Cosine decays from lr to min_lr at this step."""
 
 
-@dataclass(frozen=True)
-class LossConfig:
+@config
+class LossConfig(Config):
+    RENAMED = {"kl_kind": Renamed("kl_type"), "agg_mode": Renamed("loss_agg")}
     policy_loss: Literal["ppo", "gspo", "sft"] = "ppo"
-    # PPO ratio clip range [1 - clip_low, 1 + clip_high]; > clip_low is DAPO's clip-higher.
-    # GSPO's sequence ratios need a far smaller range (the paper uses 3e-4 / 4e-4).
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None  # e.g. 3.0
-    agg_mode: str = "token-mean"  # token-mean | seq-mean | seq-mean-token-sum
-    kl_coef: float = 0.0  # KL to the reference model as a loss term
-    kl_kind: str = "low-var-kl"  # k1 | k2 | k3 | low-var-kl
-    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
-    is_correction: Literal["tis", "mis"] | None = None  # engine-vs-trainer importance correction
-    is_cap: float = 2.0
-    is_floor: float = 0.0  # mis only: drop tokens with weight below this
-    temperature: float = 1.0  # logprobs are of logits / temperature (match sampling)
-
-    def __post_init__(self):
-        if self.policy_loss not in ("ppo", "gspo", "sft"):
-            raise ValueError(f"trainer.loss.policy_loss={self.policy_loss!r}; use ppo, gspo or sft")
-        if self.agg_mode not in AGG_MODES:
-            raise ValueError(f"trainer.loss.agg_mode={self.agg_mode!r}; use one of {AGG_MODES}")
-        if self.kl_kind not in KL_KINDS:
-            raise ValueError(f"trainer.loss.kl_kind={self.kl_kind!r}; use one of {KL_KINDS}")
-        if self.is_correction not in (None, "tis", "mis"):
-            raise ValueError(
-                f"trainer.loss.is_correction={self.is_correction!r}; use tis, mis or null"
-            )
-        if self.temperature <= 0:
-            raise ValueError(f"trainer.loss.temperature={self.temperature} must be > 0")
+    """ppo: a clipped ratio per token; gspo: one ratio per sequence; sft: the negative
+    log-likelihood of the response tokens (a warm start)."""
+    clip_low: float = Field(0.2, ge=0.0)
+    """PPO ratio clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
+    clip-higher. GSPO's sequence ratios need a far smaller range (the paper: 3e-4 / 4e-4)."""
+    clip_high: float = Field(0.2, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    """e.g. 3.0: the loss of a negative advantage is bounded by dual_clip x |advantage|."""
+    loss_agg: LossAgg = "token-mean"
+    kl_coef: float = Field(0.0, ge=0.0)
+    """KL to the reference model as a loss term."""
+    kl_type: KLType = "low-var-kl"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus (subtracted from the loss)."""
+    is_correction: Literal["tis", "mis"] | None = None
+    """Engine-vs-trainer importance correction."""
+    is_cap: float = Field(2.0, gt=0.0)
+    is_floor: float = Field(0.0, ge=0.0)
+    """mis only: drop tokens with weight below this."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Log-probs are of logits / temperature (match sampling)."""
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
+@config
+class TrainerConfig(Config):
+    RENAMED = {
+        "tensor_model_parallel_size": Renamed("tp"),
+        "pipeline_model_parallel_size": Renamed("pp"),
+    }
     model_path: str
     backend: Literal["megatron", "deepspeed"] = "megatron"
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    max_tokens_per_micro_batch: int = 4096
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size (megatron)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel size (megatron)."""
+    max_tokens_per_micro_batch: int = Field(4096, ge=1)
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    use_reference: bool = False  # keep a frozen copy for KL (needed when kl_coef > 0)
-    reference_path: str | None = None  # the reference's HF directory; None: model_path
-    reference_on_cpu: bool = False  # reference weights live in host memory between uses
-    zero_stage: int = 2  # deepspeed backend only
-    vocab_pad_multiple: int = 128  # megatron pads the vocab to a multiple of this x TP
-    # megatron backend on GPU: Transformer Engine layer specs instead of the local spec + SDPA
-    # attention (both compute the same function; TE is faster). Untested in CI (no GPU).
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    use_reference: bool = False
+    """Keep a frozen copy for KL (needed when kl_coef > 0)."""
+    reference_path: str | None = None
+    """The reference's HF directory; None: model_path."""
+    reference_on_cpu: bool = False
+    """Reference weights live in host memory between uses."""
+    zero_stage: int = Field(2, ge=1, le=3)
+    """deepspeed backend only."""
+    vocab_pad_multiple: int = Field(128, ge=1)
+    """megatron pads the vocab to a multiple of this x TP."""
     use_transformer_engine: bool = False
-    # megatron backend: torch.compile the element-wise pieces (RMSNorm, SwiGLU; `compiled`)
+    """megatron backend on GPU: Transformer Engine layer specs instead of the local spec + SDPA
+    attention (both compute the same function; TE is faster). Untested in CI (no GPU)."""
     compile: bool = False
-    # megatron backend: a prompt shared by samples of a micro-batch (a GRPO group) is computed
-    # once, its responses attending to it as in their own sequences (`packing`)
+    """megatron backend: torch.compile the element-wise pieces (RMSNorm, SwiGLU; `compiled`)."""
     share_prompts: bool = True
+    """megatron backend: a prompt shared by samples of a micro-batch (a GRPO group) is computed
+    once, its responses attending to it as in their own sequences (`packing`)."""
 
-    def __post_init__(self):
-        if self.backend not in ("megatron", "deepspeed"):
-            raise ValueError(f"trainer.backend={self.backend!r}; use 'megatron' or 'deepspeed'")
-        if self.dtype not in ("float32", "bfloat16", "float64"):
-            raise ValueError(
-                f"trainer.dtype={self.dtype!r}; use 'float32', 'bfloat16' or 'float64'"
-            )
+    def check(self, name: Namer) -> None:
         if self.dtype == "float64" and self.backend != "megatron":
             raise ValueError(
-                "trainer.dtype='float64' runs on trainer.backend='megatron' only; "
+                f"{name('dtype')}='float64' runs on {name('backend')}='megatron' only; "
                 "use float32 with deepspeed"
             )
         if self.compile and self.backend != "megatron":
             raise ValueError(
-                "trainer.compile=true runs on trainer.backend='megatron' only; set it to false"
+                f"{name('compile')}=true runs on {name('backend')}='megatron' only; set it to false"
             )
-        if self.max_tokens_per_micro_batch < 1:
-            raise ValueError("trainer.max_tokens_per_micro_batch must be >= 1")
         if self.loss.kl_coef > 0 and not self.use_reference:
             raise ValueError(
-                "trainer.loss.kl_coef > 0 needs a reference model: set trainer.use_reference: true"
+                f"{name('loss')}.kl_coef > 0 needs a reference model: set "
+                f"{name('use_reference')}: true"
             )
 
     @property

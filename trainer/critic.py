@@ -16,7 +16,7 @@ from trainer import losses, objective
 from trainer.config import RLBatch, TrainerConfig
 from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
 from trainer.packing import MicroBatch
-from trainer.parallel import ParallelConfig, init_parallel
+from trainer.parallel import init_parallel
 
 CRITIC_METRIC_KEYS = ("value_loss", "value_mean", "value_clipfrac")
 
@@ -43,9 +43,7 @@ def explained_variance(
 
 class MegatronCritic:
     def __init__(self, cfg: TrainerConfig, *, value_clip: float | None = 0.2):
-        init_parallel(
-            ParallelConfig(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
-        )
+        init_parallel(cfg.tp, cfg.pp)
         self.cfg = cfg
         self.value_clip = value_clip
         self.model = MegatronModel(cfg, trainable=True, value_head=True)
@@ -82,7 +80,7 @@ class MegatronCritic:
                 per_token,
                 data.mask,
                 data.seq_ids,
-                self.cfg.loss.agg_mode,
+                self.cfg.loss.loss_agg,
                 total_tokens=norm.tokens,
                 total_seqs=norm.seqs,
             )

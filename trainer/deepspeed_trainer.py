@@ -49,10 +49,10 @@ class DeepSpeedTrainer:
 
         if cfg.backend != "deepspeed":
             raise ValueError(f"DeepSpeedTrainer got trainer.backend={cfg.backend!r}")
-        if cfg.tensor_model_parallel_size != 1 or cfg.pipeline_model_parallel_size != 1:
+        if cfg.tp != 1 or cfg.pp != 1:
             raise ValueError(
-                "trainer.backend: deepspeed is data parallel only; set "
-                "tensor_model_parallel_size and pipeline_model_parallel_size to 1"
+                "trainer.backend: deepspeed is data parallel only; set trainer.tp and "
+                "trainer.pp to 1"
             )
         if cfg.zero_stage not in (1, 2, 3):
             raise ValueError(

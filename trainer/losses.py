@@ -12,14 +12,15 @@ and sum the per-micro-batch results.
 
 from __future__ import annotations
 
+import typing
 from typing import Literal, NamedTuple
 
 import torch
 
-AggMode = Literal["token-mean", "seq-mean", "seq-mean-token-sum"]
-KLKind = Literal["k1", "k2", "k3", "low-var-kl"]
-AGG_MODES = ("token-mean", "seq-mean", "seq-mean-token-sum")
-KL_KINDS = ("k1", "k2", "k3", "low-var-kl")
+LossAgg = Literal["token-mean", "seq-mean", "seq-mean-token-sum"]
+KLType = Literal["k1", "k2", "k3", "low-var-kl"]
+LOSS_AGGS = typing.get_args(LossAgg)
+KL_TYPES = typing.get_args(KLType)
 
 
 def _seq_sums(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -32,7 +33,7 @@ def aggregate(
     values: torch.Tensor,
     mask: torch.Tensor,
     seq_ids: torch.Tensor,
-    mode: AggMode,
+    mode: LossAgg,
     *,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
@@ -46,8 +47,8 @@ def aggregate(
 
     `total_tokens` / `total_seqs` default to this call's own counts (masked tokens; sequences
     present in `seq_ids`)."""
-    if mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode={mode!r}; expected one of {AGG_MODES}")
+    if mode not in LOSS_AGGS:
+        raise ValueError(f"loss_agg={mode!r}; expected one of {LOSS_AGGS}")
     mask = mask.to(values.dtype)
     v = values * mask
     local_seqs = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
@@ -134,7 +135,7 @@ def gspo_policy_loss(
     return PolicyLoss(loss, s.detach(), took_clip)
 
 
-def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind) -> torch.Tensor:
+def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
 
     k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r with log r = logp - ref_logp;
@@ -147,7 +148,7 @@ def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKi
     if kind in ("k3", "low-var-kl"):
         k3 = torch.exp(-log_r) - 1.0 + log_r
         return k3.clamp(-10.0, 10.0) if kind == "low-var-kl" else k3
-    raise ValueError(f"kl estimator {kind!r}; expected one of {KL_KINDS}")
+    raise ValueError(f"kl_type={kind!r}; expected one of {KL_TYPES}")
 
 
 def importance_weights(

@@ -52,7 +52,7 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
     if num_layers < pp:
         raise ValueError(
             f"num_hidden_layers={num_layers} is smaller than "
-            f"pipeline_model_parallel_size={pp}; use at most {num_layers} stages"
+            f"TrainerConfig.pp={pp}; use at most {num_layers} stages"
         )
     per = num_layers // pp
     first = num_layers - (pp - 1) * per
@@ -76,13 +76,13 @@ def transformer_config(
     if arch.num_heads % tp or arch.num_kv_heads % tp:
         raise ValueError(
             f"num_attention_heads={arch.num_heads} and num_key_value_heads="
-            f"{arch.num_kv_heads} must both be divisible by tensor_model_parallel_size"
-            f"={tp}; choose a smaller TP size"
+            f"{arch.num_kv_heads} must both be divisible by TrainerConfig.tp={tp}; choose a "
+            "smaller TP size"
         )
     if arch.intermediate_size % tp:
         raise ValueError(
             f"intermediate_size={arch.intermediate_size} is not divisible by "
-            f"tensor_model_parallel_size={tp}"
+            f"TrainerConfig.tp={tp}; choose a divisor of it"
         )
     first_stage_layers = stage_layers(arch.num_layers, pp, 0)[1]
     uneven = pp > 1 and arch.num_layers % pp != 0

@@ -30,7 +30,7 @@ from trainer.megatron_runner import (
 from trainer.mismatch import mismatch_metrics
 from trainer.offload import move_params
 from trainer.packing import MicroBatch
-from trainer.parallel import ParallelConfig, init_parallel
+from trainer.parallel import init_parallel
 
 
 class MegatronTrainer:
@@ -38,9 +38,7 @@ class MegatronTrainer:
         if cfg.backend != "megatron":
             raise ValueError(f"MegatronTrainer got trainer.backend={cfg.backend!r}")
         self.cfg = cfg
-        init_parallel(
-            ParallelConfig(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
-        )
+        init_parallel(cfg.tp, cfg.pp)
         self.policy = MegatronModel(cfg, trainable=True)
         self.reference = None
         if cfg.use_reference:

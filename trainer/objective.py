@@ -128,7 +128,7 @@ def micro_batch_objective(
             values,
             data.mask,
             data.seq_ids,
-            cfg.agg_mode,
+            cfg.loss_agg,
             total_tokens=norm.tokens,
             total_seqs=norm.seqs,
         )
@@ -187,7 +187,7 @@ def micro_batch_objective(
     if cfg.kl_coef > 0:
         if data.ref_logprobs is None:
             raise ValueError("trainer.loss.kl_coef > 0 needs reference log-probs")
-        kl_tok = losses.kl_divergence(logprobs, data.ref_logprobs, cfg.kl_kind)
+        kl_tok = losses.kl_divergence(logprobs, data.ref_logprobs, cfg.kl_type)
         loss = loss + cfg.kl_coef * agg(kl_tok)
         kl = token_mean(kl_tok)
     if cfg.entropy_coef:

@@ -28,6 +28,7 @@ from trainer import compiled, shared_prompts
 from trainer.compiled import call
 
 _original = None
+_compiled_rotation = None
 # ((freqs, its version, cu_seqlens, its version, dtype), (cos, sin) [t, 1, d]) of the packed
 # micro-batch being computed; holding the tensors keeps their identities from being reused
 _last: tuple | None = None
@@ -79,6 +80,17 @@ def rotate_fused(x, cos, sin, sign: float):
     return torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), dim=-1)
 
 
+def rotation_of(config):
+    """`rotate_fused` compiled (one for every model) for a config marked by
+    `compiled.mark_rotary`, else None (eager)."""
+    global _compiled_rotation
+    if not compiled.rotary_marked(config):
+        return None
+    if _compiled_rotation is None:
+        _compiled_rotation = torch.compile(rotate_fused, dynamic=True, fullgraph=True)
+    return _compiled_rotation
+
+
 def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype):
     global _last
     if _last is not None:
@@ -127,7 +139,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
             )
         return _original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
     cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype)
-    return _Rotate.apply(t, cos, sin, compiled.rotation_of(config))
+    return _Rotate.apply(t, cos, sin, rotation_of(config))
 
 
 def install() -> None:

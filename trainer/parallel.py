@@ -7,19 +7,12 @@ world of size 1, because megatron-core's parallel layers always ask for their gr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from trainer import cpu_compat
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
 
 
 def init_distributed(store: dist.Store | None = None) -> None:
@@ -47,17 +40,16 @@ def init_distributed(store: dist.Store | None = None) -> None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def init_parallel(config: ParallelConfig = ParallelConfig()) -> None:
-    """Initialize torch.distributed and megatron's model-parallel groups.
-    DP size is world_size / (TP * PP)."""
+def init_parallel(tp: int = 1, pp: int = 1) -> None:
+    """Initialize torch.distributed and megatron's model-parallel groups (`TrainerConfig.tp`,
+    `TrainerConfig.pp`). DP size is world_size / (TP * PP)."""
     cpu_compat.apply()
     init_distributed()
     world = dist.get_world_size()
-    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     if world % (tp * pp):
         raise ValueError(
-            f"world size {world} is not divisible by tensor_model_parallel_size * "
-            f"pipeline_model_parallel_size = {tp} * {pp}"
+            f"world size {world} is not divisible by TrainerConfig.tp x TrainerConfig.pp = "
+            f"{tp} x {pp}"
         )
     if parallel_state.model_parallel_is_initialized():
         if (

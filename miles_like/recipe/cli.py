@@ -2,8 +2,9 @@
 
 User errors (a bad recipe, a bad override, a missing file) print one line to stderr and exit
 with code 2; a run stopped by a dead or hung actor prints one line (what failed, how to resume)
-and exits with code 1; no traceback. `--help` lists every recipe field with its type, default
-and doc, generated from the dataclasses in `recipe.py`.
+and exits with code 1; no traceback. A deprecated recipe field still accepted prints one
+`warning:` line. `--help` lists every recipe field with its type, default and doc, generated
+from the declarations in `sections.py`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable, Sequence
 
-from miles_like.errors import RunFailed
-from miles_like.recipe.schema import describe
-from miles_like.recipe.sections import Recipe, RecipeError, load_recipe, recipe_to_yaml
+from config_schema import describe
+from miles_like.errors import RecipeError, RunFailed
+from miles_like.recipe.load import load_recipe, recipe_to_yaml
+from miles_like.recipe.recipe import Recipe
 from miles_like.run.orphans import terminate_gracefully
 
 EXIT_USER_ERROR = 2
@@ -86,10 +89,18 @@ def main(argv: Sequence[str] | None = None, run: Callable[[Recipe], int] | None 
     code. `run` is the RL loop (`loop.run` unless a caller passes another)."""
     # intermixed: overrides may come before and after flags (RECIPE --dry-run rollout.n=4)
     args = build_parser().parse_intermixed_args(argv)
-    try:
-        recipe = load_recipe(args.recipe, args.overrides, check_paths_exist=not args.no_path_check)
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)  # a deprecated field, every time
+        try:
+            recipe = load_recipe(
+                args.recipe, args.overrides, check_paths_exist=not args.no_path_check
+            )
+        except RecipeError as e:
+            recipe, error = None, e
+    for w in caught:  # one line each, not the warnings module's file:line + source line
+        print(f"warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    if recipe is None:
+        print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     if args.dry_run:
         sys.stdout.write(recipe_to_yaml(recipe))

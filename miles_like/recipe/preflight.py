@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from miles_like.recipe.schema import RecipeError
+from miles_like.errors import RecipeError
 
 
 def check_model_weights(field: str, path: str, *, sharded_names: tuple[str, ...]) -> None:

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from miles_like.recipe.schema import RecipeError
+from miles_like.errors import RecipeError
 from miles_like.user_code import SPEC_RE, import_spec
 
 SPEC_FIELD = "rollout.function"

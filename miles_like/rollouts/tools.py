@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import jsonschema
 
-from miles_like.recipe.schema import RecipeError
+from miles_like.errors import RecipeError
 from miles_like.rollouts.tool_pool import ERROR_KINDS, ToolPool, ToolResult
 from miles_like.rollouts.tool_schema import Tool, arguments_schema, function_schema
 from miles_like.user_code import DOTTED, import_spec

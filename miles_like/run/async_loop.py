@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from miles_like.recipe.sections import Recipe
+from miles_like.recipe import Recipe
 from miles_like.rollouts.async_producer import AsyncProducer, batch_metrics
 from miles_like.run import checkpoint, rng_state
 from miles_like.run.busy import BusyAccounting

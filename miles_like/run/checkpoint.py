@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_like.recipe.schema import RecipeError
+from miles_like.errors import RecipeError
 
 STATE_FILE = "state.json"
 CONTROLLER_FILE = "controller.pt"

@@ -25,9 +25,9 @@ import ray
 import torch
 from tqdm import tqdm
 
+from config_schema import to_plain
 from miles_like.errors import RunFailed
-from miles_like.recipe.schema import to_plain
-from miles_like.recipe.sections import Recipe, recipe_to_yaml
+from miles_like.recipe import Recipe, recipe_to_yaml
 from miles_like.run import checkpoint, rng_state
 from miles_like.run.busy import BusyAccounting
 from miles_like.run.calls import ActorDied, CallTimeout

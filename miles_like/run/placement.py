@@ -78,7 +78,7 @@ def plan(cluster, engine_tp: int = 1) -> Layout:
     if cluster.pin_cpus and accelerator == "cpu":
         mine = sorted(os.sched_getaffinity(0))
         if d * threads > len(mine):
-            from miles_like.recipe.sections import RecipeError
+            from miles_like.errors import RecipeError
 
             raise RecipeError(
                 f"cluster.pin_cpus=true needs cluster.devices x cpu_threads = {d * threads} "

@@ -16,11 +16,10 @@ from pathlib import Path
 import ray
 
 from miles_like.data import PromptSource
-from miles_like.errors import RunFailed
+from miles_like.errors import RecipeError, RunFailed
 from miles_like.models.store import base_model_dir, read_model_files, write_model_files
 from miles_like.models.tokenizer import load_tokenizer
 from miles_like.recipe.build_configs import critic_config, engine_config, trainer_config
-from miles_like.recipe.schema import RecipeError
 from miles_like.rollouts.functions import resolve_rollout_function
 from miles_like.rollouts.manager import RolloutManager
 from miles_like.run import checkpoint, placement

@@ -145,7 +145,7 @@ def warm_start(
         cfg = dataclasses.replace(
             cfg,
             use_reference=False,
-            loss=LossConfig(policy_loss="sft", agg_mode="token-mean"),
+            loss=LossConfig(policy_loss="sft", loss_agg="token-mean"),
             optim=OptimConfig(lr=sft.lr, grad_clip=cfg.optim.grad_clip, total_steps=sft.steps),
         )
         gather(each("trainer rank", trainers, "build", cfg), timeout_s)

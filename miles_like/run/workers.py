@@ -508,7 +508,7 @@ class EngineWorker:
         self._server = None
         self._waves: dict[int, list] = {}  # generate_wave's futures by wave, while it runs
         self.engine = self.follower = None
-        if engine_cfg.tensor_parallel_size == 1:
+        if engine_cfg.tp == 1:
             self._build_engine()
 
     def _build_engine(self) -> None:
@@ -561,7 +561,7 @@ class EngineWorker:
             _backend(),
             store=store,
             rank=self.tp_rank,
-            world_size=self.cfg.tensor_parallel_size,
+            world_size=self.cfg.tp,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         if self.tp_rank == 0:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from miles_like.recipe.schema import RecipeError, closest
+from config_schema import closest
+from miles_like.errors import RecipeError
 from miles_like.scoring.reward_pool import RewardResult, shared_pool
 from miles_like.tasks import arith, chain
 from miles_like.user_code import SPEC_RE, import_spec

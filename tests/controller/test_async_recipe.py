@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_arith_grpo.yaml"

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from miles_like.data import PromptSource
 from miles_like.models.tokenizer import builtin_tokenizer
-from miles_like.recipe.schema import RecipeError
+from miles_like.recipe import RecipeError
 from miles_like.recipe.sections import DataSection
 from miles_like.scoring.rewards import BUILTIN_REWARDS
 from miles_like.tasks.chain import ChainSpec, problems, score
@@ -100,7 +100,7 @@ def test_prompt_source_streams_chain_problems():
     ],
 )
 def test_bad_fields_name_themselves(kwargs, message):
-    from miles_like.recipe.sections import load_recipe
+    from miles_like.recipe import load_recipe
 
     overrides = [f"data.{k}={v}" for k, v in kwargs.items()]
     with pytest.raises(RecipeError, match=re.escape(message)):

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_like.recipe import RecipeError, load_recipe
 from miles_like.recipe.cli import main
-from miles_like.recipe.schema import RecipeError
-from miles_like.recipe.sections import load_recipe
 from miles_like.run import checkpoint
 from miles_like.run.tracking import REQUIRED_KEYS, Tracker
 

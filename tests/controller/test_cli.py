@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from config_schema import describe
+from miles_like.recipe import Recipe, RecipeError, load_recipe
 from miles_like.recipe.cli import EXIT_USER_ERROR, main
-from miles_like.recipe.schema import describe
-from miles_like.recipe.sections import Recipe, RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = "model:\n  builtin: tiny-qwen2\ndata:\n  synthetic: arith\n"
@@ -126,3 +126,11 @@ def test_the_entry_module_imports_nothing_heavy():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_a_deprecated_field_prints_one_warning_line(recipe_file, capsys):
+    assert main([str(recipe_file), "algorithm.gspo=true", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert yaml.safe_load(captured.out)["algorithm"]["policy_loss"] == "gspo"
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: algorithm.gspo is deprecated; write")

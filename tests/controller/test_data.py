@@ -8,7 +8,7 @@ import pytest
 
 from miles_like.data import PromptSource
 from miles_like.models.tokenizer import builtin_tokenizer
-from miles_like.recipe.schema import RecipeError
+from miles_like.recipe import RecipeError
 from miles_like.recipe.sections import DataSection
 from miles_like.tasks import arith
 

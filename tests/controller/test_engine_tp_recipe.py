@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_like.recipe import RecipeError, load_recipe
 from miles_like.recipe.build_configs import engine_config
-from miles_like.recipe.sections import RecipeError, load_recipe
 from miles_like.run.placement import plan
 
 MINIMAL = "model:\n  builtin: tiny-qwen2\ndata:\n  synthetic: arith\n"  # 4 heads, 2 KV heads
@@ -23,7 +23,7 @@ def recipe(tmp_path: Path, *overrides: str, text: str = MINIMAL):
 def test_rollout_tp_maps_onto_the_engine_and_the_placement(tmp_path):
     r = recipe(tmp_path, "rollout.tp=2", "trainer.tp=2", "cluster.devices=4")
     cfg = engine_config(r, "/m", "cpu")
-    assert cfg.tensor_parallel_size == 2 and cfg.attention_backend == "torch"
+    assert cfg.tp == 2 and cfg.attention_backend == "torch"
     # auto on CUDA is the Triton backend, but engine TP runs the torch one
     assert engine_config(r, "/m", "cuda").attention_backend == "torch"
     assert engine_config(recipe(tmp_path), "/m", "cuda").attention_backend == "triton"

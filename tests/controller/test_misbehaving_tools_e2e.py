@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 from miles_like.data import Problem, PromptSource
 from miles_like.models.store import base_model_dir, copy_model_files
 from miles_like.models.tokenizer import load_tokenizer
+from miles_like.recipe import load_recipe
 from miles_like.recipe.build_configs import engine_config
-from miles_like.recipe.sections import load_recipe
 from miles_like.rollouts import tool_loop
 from miles_like.rollouts.functions import resolve_rollout_function
 from miles_like.rollouts.manager import RolloutManager

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.recipe import RecipeError, load_recipe
 from miles_like.rollouts.manager import _split
 from miles_like.rollouts.oversampling import launched, quotas
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.recipe import RecipeError, load_recipe
 from miles_like.run import placement
 
 ROOT = Path(__file__).resolve().parents[2]

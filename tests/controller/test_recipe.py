@@ -9,15 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from miles_like.recipe import Recipe, RecipeError, load_recipe, recipe_to_yaml
 from miles_like.recipe.build_configs import engine_config, sampling_params, trainer_config
-from miles_like.recipe.sections import (
-    Recipe,
-    RecipeError,
-    apply_overrides,
-    load_recipe,
-    parse_overrides,
-    recipe_to_yaml,
-)
+from miles_like.recipe.overrides import apply_overrides, parse_overrides
 
 MINIMAL = "model:\n  builtin: tiny-qwen2\ndata:\n  synthetic: arith\n"
 
@@ -85,7 +79,7 @@ def test_trainer_mapping(tmp_path):
             "algorithm.clip_high=0.28",
             "algorithm.kl_coef=0.01",
             "algorithm.kl_type=k3",
-            "algorithm.gspo=true",
+            "algorithm.policy_loss=gspo",
             "algorithm.is_correction=tis",
             "rollout.temperature=0.7",
             "model.dtype=bfloat16",
@@ -94,11 +88,11 @@ def test_trainer_mapping(tmp_path):
     )
     cfg = trainer_config(r, "/m")
     assert cfg.model_path == "/m" and cfg.backend == "deepspeed" and cfg.dtype == "bfloat16"
-    assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 1
+    assert cfg.tp == 2 and cfg.pp == 1
     assert cfg.optim.lr == 2e-5 and cfg.optim.lr_schedule == "cosine"
     assert cfg.optim.total_steps == 20  # steps x updates_per_rollout optimizer steps
     assert cfg.loss.policy_loss == "gspo" and cfg.loss.clip_high == 0.28
-    assert cfg.loss.kl_coef == 0.01 and cfg.loss.kl_kind == "k3" and cfg.use_reference
+    assert cfg.loss.kl_coef == 0.01 and cfg.loss.kl_type == "k3" and cfg.use_reference
     assert cfg.loss.is_correction == "tis" and cfg.loss.temperature == 0.7
     no_kl = trainer_config(load_recipe(write(tmp_path, MINIMAL)), "/m")
     assert no_kl.loss.policy_loss == "ppo" and not no_kl.use_reference
@@ -153,7 +147,7 @@ MALFORMED = {
     "out of range (sampling)": (
         MINIMAL,
         ["rollout.max_new_tokens=0"],
-        ["rollout.max_new_tokens", ">= 1"],
+        ["rollout.max_new_tokens", "[1, inf)"],
     ),
     "zero temperature": (MINIMAL, ["rollout.temperature=0"], ["rollout.temperature", "(0.0"]),
     "bad enum": (MINIMAL, ["algorithm.advantage=ppo"], ["algorithm.advantage", "gae"]),
@@ -339,3 +333,22 @@ def test_trainer_compile_reaches_the_trainer_config_megatron_only(tmp_path):
     assert trainer_config(load_recipe(write(tmp_path, MINIMAL)), "/m").compile is False
     with pytest.raises(RecipeError, match="trainer.compile.*megatron"):
         load_recipe(write(tmp_path, MINIMAL), ["trainer.compile=true", "trainer.backend=deepspeed"])
+
+
+def test_renamed_field_is_accepted_for_one_release_with_a_warning(tmp_path):
+    """`algorithm.gspo` (a bool) became `algorithm.policy_loss: ppo | gspo`: the old spelling
+    still loads, warns in one line, and maps onto the new field."""
+    path = write(tmp_path, MINIMAL)
+    warning = r"^algorithm\.gspo is deprecated; write algorithm\.policy_loss: gspo instead"
+    with pytest.warns(FutureWarning, match=warning) as caught:
+        r = load_recipe(path, ["algorithm.gspo=true"])
+    assert all("\n" not in str(w.message) for w in caught)
+    assert r.algorithm.policy_loss == "gspo" and trainer_config(r, "/m").loss.policy_loss == "gspo"
+    assert "gspo" not in yaml.safe_load(recipe_to_yaml(r))["algorithm"]  # written the new way
+    with pytest.warns(FutureWarning, match=r"write algorithm\.policy_loss: ppo instead"):
+        assert load_recipe(path, ["algorithm.gspo=false"]).algorithm.policy_loss == "ppo"
+    both = ["algorithm.gspo=true", "algorithm.policy_loss=gspo"]
+    with pytest.raises(RecipeError, match=r"^algorithm\.gspo is the former name of algorithm\."):
+        load_recipe(path, both)
+    with pytest.raises(RecipeError, match=r"^algorithm\.gspo=3: expected true or false"):
+        load_recipe(path, ["algorithm.gspo=3"])

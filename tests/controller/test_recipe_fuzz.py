@@ -13,8 +13,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from miles_like.recipe.schema import describe
-from miles_like.recipe.sections import Recipe, RecipeError, load_recipe
+from config_schema import describe
+from miles_like.recipe import Recipe, RecipeError, load_recipe
 
 FIELDS = [name for name, *_ in describe(Recipe)]
 SECTIONS = sorted({f.split(".")[0] for f in FIELDS if "." in f})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_like.recipe import RecipeError, load_recipe
 from miles_like.recipe.cli import main
-from miles_like.recipe.sections import RecipeError, load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 NAMES = [p.name for p in RECIPES]

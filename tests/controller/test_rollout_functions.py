@@ -17,8 +17,8 @@ from miles_like.data import PromptSource
 from miles_like.errors import RolloutFailed
 from miles_like.models.store import base_model_dir
 from miles_like.models.tokenizer import load_tokenizer
+from miles_like.recipe import RecipeError, load_recipe
 from miles_like.recipe.build_configs import engine_config
-from miles_like.recipe.sections import RecipeError, load_recipe
 from miles_like.rollouts.functions import resolve_rollout_function
 from miles_like.rollouts.manager import RolloutManager
 from miles_like.rollouts.trajectory import NOT_SAMPLED, Trajectory, TrajectoryBuilder

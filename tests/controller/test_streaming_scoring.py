@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import miles_like.rollouts.oversampling as oversampling
 from miles_like.data import Problem
 from miles_like.models.tokenizer import HFTokenizer
-from miles_like.recipe.sections import load_recipe
+from miles_like.recipe import load_recipe
 from miles_like.rollouts.manager import RolloutManager
 from miles_like.rollouts.oversampling import OpenGroup, OverSampledRollout
 from miles_like.rollouts.replica_batcher import Dispatch

@@ -9,7 +9,7 @@ import torch
 
 from miles_like.data import Problem
 from miles_like.models.tokenizer import builtin_tokenizer
-from miles_like.recipe.sections import RecipeError, load_recipe
+from miles_like.recipe import RecipeError, load_recipe
 from miles_like.rollouts.tool_loop import demonstration
 from miles_like.rollouts.tools import load_tools
 from miles_like.run.warm_start import demonstrations, sft_batch

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_like.recipe.sections import load_recipe
+from miles_like.recipe import load_recipe
 from miles_like.rollouts.tools import ToolPool, load_tools
 from miles_like.run.runtime import Runtime
 from miles_like.scoring.batch import samples_batch, with_advantages

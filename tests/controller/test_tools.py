@@ -13,7 +13,7 @@ import jsonschema
 import psutil
 import pytest
 
-from miles_like.recipe.schema import RecipeError
+from miles_like.recipe import RecipeError
 from miles_like.rollouts.tools import ToolPool, ToolResult, function_schema, load_tool, load_tools
 
 TIMEOUT_S = 1.0

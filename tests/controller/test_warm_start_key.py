@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles_like.recipe.sections import load_recipe
+from miles_like.recipe import load_recipe
 from miles_like.run import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -84,4 +84,4 @@ def test_compiled_engine_equals_eager(tiny_hf_checkpoints, dtype, bound):
 
 def test_compile_is_refused_under_tensor_parallelism():
     with pytest.raises(ValueError, match="EngineConfig.compile=True is not supported"):
-        EngineConfig(model_path="unused", tensor_parallel_size=2, compile=True)
+        EngineConfig(model_path="unused", tp=2, compile=True)

@@ -50,9 +50,7 @@ DEADLINE_S = 900
 
 
 def _config(directory: str, dtype: str, tp: int) -> EngineConfig:
-    return EngineConfig(
-        model_path=directory, dtype=dtype, kv_cache_tokens=512, page_size=4, tensor_parallel_size=tp
-    )
+    return EngineConfig(model_path=directory, dtype=dtype, kv_cache_tokens=512, page_size=4, tp=tp)
 
 
 def _outputs(engine: Engine, prompts, params) -> list[list[tuple[list[int], list[float]]]]:
@@ -210,9 +208,9 @@ def test_tp_refusals_are_one_line():
         ({"attention_backend": "triton", "device": "cuda"}, "attention_backend"),
         ({"decode_graphs": True}, "decode_graphs"),
         ({"speculative_method": "ngram"}, "speculative_method"),
-        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"tp": 0}, "tp"),
     ):
-        overrides.setdefault("tensor_parallel_size", 2)
+        overrides.setdefault("tp", 2)
         with pytest.raises(ValueError, match=f"EngineConfig.{field}=") as error:
             EngineConfig(model_path="m", **overrides)
         assert "\n" not in str(error.value)
@@ -223,7 +221,7 @@ def test_tp_refusals_are_one_line():
     # without a group of the right size (earlier tests in this process may have made a world of 1)
     if torch.distributed.is_initialized():
         with pytest.raises(ValueError, match="the Engine is rank 0 of a group of that size, got"):
-            Engine(EngineConfig(model_path="m", tensor_parallel_size=2))
+            Engine(EngineConfig(model_path="m", tp=2))
     else:
         with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
-            Engine(EngineConfig(model_path="m", tensor_parallel_size=2))
+            Engine(EngineConfig(model_path="m", tp=2))

@@ -33,8 +33,8 @@ def fixed_batch(vocab_size: int) -> RLBatch:
 def trainer_config(model_dir: str, tp: int = 1, pp: int = 1, **kw) -> TrainerConfig:
     base = dict(
         model_path=str(model_dir),
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        tp=tp,
+        pp=pp,
         max_tokens_per_micro_batch=20,
         # eps well above the smallest grads keeps Adam's first step ~linear in the
         # grad, so layouts can be compared at 1e-5 while weights still move ~1e-3.

@@ -105,7 +105,7 @@ def test_first_step_kl_zero_with_reference_then_positive(tiny_hf_checkpoints):
         directory,
         use_reference=True,
         reference_on_cpu=True,
-        loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_kind="low-var-kl"),
+        loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_type="low-var-kl"),
     )
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
     ref = trainer.compute_ref_logprobs(batch)

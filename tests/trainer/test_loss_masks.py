@@ -25,7 +25,7 @@ def loss_config() -> LossConfig:
         clip_high=0.28,
         entropy_coef=ENT_COEF,
         kl_coef=KL_COEF,
-        kl_kind="k3",
+        kl_type="k3",
         is_correction="tis",
         is_cap=CAP,
     )

@@ -65,7 +65,7 @@ def test_first_step_ratio_one_and_kl_zero(tiny_hf_checkpoints):
         directory,
         use_reference=True,
         reference_on_cpu=True,
-        loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_kind="k3", entropy_coef=0.0),
+        loss=LossConfig(policy_loss="ppo", kl_coef=0.1, kl_type="k3", entropy_coef=0.0),
     )
     trainer = MegatronTrainer(cfg)
     batch = scenarios.fixed_batch(hf_model.config.vocab_size)
@@ -127,7 +127,7 @@ def test_micro_batch_split_does_not_change_the_step(tiny_hf_checkpoints):
         cfg = scenarios.trainer_config(
             directory,
             max_tokens_per_micro_batch=budget,
-            loss=LossConfig(policy_loss="ppo", agg_mode="seq-mean", entropy_coef=0.01),
+            loss=LossConfig(policy_loss="ppo", loss_agg="seq-mean", entropy_coef=0.01),
         )
         trainer = MegatronTrainer(cfg)
         trainer.train_step(batch)

@@ -42,7 +42,7 @@ def _run(directory, dtype: str, compile: bool):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_compiled_step_matches_eager(dtype, tiny_hf_checkpoints):
-    from trainer import compiled
+    from trainer import compiled, packed_rope
 
     _, directory = tiny_hf_checkpoints("qwen3")  # q/k-norms too: every kind of RMSNorm
     _, lp_e, ent_e, m_e, g_e = _run(directory, dtype, compile=False)
@@ -56,7 +56,7 @@ def test_compiled_step_matches_eager(dtype, tiny_hf_checkpoints):
     from megatron.core.fusions import fused_bias_swiglu
 
     assert getattr(fused_bias_swiglu.swiglu, "_miles_like_dynamic", False)
-    assert compiled.rotation_of(trainer.policy.config) is not None
+    assert packed_rope.rotation_of(trainer.policy.config) is not None
 
     lp_bound, grad_rel = BOUNDS[dtype]
     assert lp_c[0].dtype == lp_e[0].dtype
@@ -84,13 +84,13 @@ def test_compiled_step_matches_eager(dtype, tiny_hf_checkpoints):
 def test_wrong_compiled_rotation_is_caught(tiny_hf_checkpoints, monkeypatch):
     """The comparison above can fail: a compiled rotation with the transposed sign (the
     backward's formula used forward) gives log-probs far outside the float32 bound."""
-    from trainer import compiled, packed_rope
+    from trainer import packed_rope
 
     def transposed(x, cos, sin, sign: float):
         return packed_rope.rotate_fused(x, cos, sin, -sign)
 
     _, directory = tiny_hf_checkpoints("qwen2")
     _, lp_e, _, _, _ = _run(directory, "float32", compile=False)
-    monkeypatch.setattr(compiled, "_compiled_rotation", torch.compile(transposed, dynamic=True))
+    monkeypatch.setattr(packed_rope, "_compiled_rotation", torch.compile(transposed, dynamic=True))
     _, lp_c, _, _, _ = _run(directory, "float32", compile=True)
     assert max_abs_diff(lp_c, lp_e) > 1e-3

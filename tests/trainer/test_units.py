@@ -102,9 +102,9 @@ def test_lr_schedule_closed_form():
         OptimConfig(lr_schedule="linear")
 
 
-@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "sft"])
-def test_micro_batch_shares_sum_to_the_batch_objective(agg_mode, policy_loss):
+def test_micro_batch_shares_sum_to_the_batch_objective(loss_agg, policy_loss):
     """The invariant the backends rely on: objectives of any split of the batch into
     micro-batches, normalized globally, sum to the objective of the batch in one piece."""
     from trainer import objective
@@ -131,11 +131,11 @@ def test_micro_batch_shares_sum_to_the_batch_objective(agg_mode, policy_loss):
     entropy = [x.abs() for x in rand()]
     cfg = LossConfig(
         policy_loss=policy_loss,
-        agg_mode=agg_mode,
+        loss_agg=loss_agg,
         clip_low=0.2,
         clip_high=0.3,
         kl_coef=0.1,
-        kl_kind="k3",
+        kl_type="k3",
         entropy_coef=0.01,
         is_correction=None if policy_loss == "sft" else "tis",
     )
