@@ -23,13 +23,14 @@ is a section of defaults.
 A leaf package (it imports nothing of ours), so `rollout`, `trainer` and `miles_like` all use it.
 """
 
-from config_schema.base import Config, ConfigError, Renamed, config, field_namer, validate
+from config_schema.base import Config, ConfigError, Namer, Renamed, config, field_namer, validate
 from config_schema.describe import describe, to_plain, type_name, yaml_repr
 from config_schema.messages import closest
 
 __all__ = [
     "Config",
     "ConfigError",
+    "Namer",
     "Renamed",
     "closest",
     "config",

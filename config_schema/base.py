@@ -23,6 +23,8 @@ from config_schema.describe import bare, is_config, yaml_repr
 from config_schema.messages import WRONG_TYPE, display_name, one_line
 
 C = TypeVar("C")
+# `name(field)`: a field's name in error messages (`field_namer`)
+Namer = Callable[[str], str]
 
 # Lax mode (a mapping becomes a nested config, a list a tuple, "1e-6" a float), with what lax mode
 # would read into a value the user did not write refused by `as_written`; NaN and infinities are
@@ -51,7 +53,7 @@ def prefix_of(cls: type) -> str:
     return cls.PREFIX if cls.PREFIX is not None else cls.__name__
 
 
-def _namer(cls: type, info: ValidationInfo | None) -> Callable[[str], str]:
+def _namer(cls: type, info: ValidationInfo | None) -> Namer:
     context = (info.context if info is not None else None) or {}
     if context.get("config") is not cls:  # a nested config names its fields itself
         context = {}
@@ -59,7 +61,7 @@ def _namer(cls: type, info: ValidationInfo | None) -> Callable[[str], str]:
     return functools.partial(display_name, prefix=prefix, names=context.get("names", {}))
 
 
-def field_namer(config: Any, info: ValidationInfo | None = None) -> Callable[[str], str]:
+def field_namer(config: Any, info: ValidationInfo | None = None) -> Namer:
     """`name(field)`: how errors of `config` name its field. By default `PREFIX.field`; a config
     built by `validate(..., prefix=, names=)` names them as its builder says (the recipe names
     `EngineConfig.tp` `rollout.tp` and `EngineConfig.dtype` `model.dtype`)."""
@@ -167,7 +169,7 @@ class Config:
     RENAMED: ClassVar[dict[str, Renamed]] = {}
     DEPRECATION: ClassVar[type[Warning]] = DeprecationWarning
 
-    def check(self, name: Callable[[str], str]) -> None:
+    def check(self, name: Namer) -> None:
         """Rules across fields, run after every field has passed its own checks: raise
         ValueError with one line naming the fields with `name(field)` and saying the fix."""
 

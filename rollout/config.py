@@ -9,13 +9,12 @@ is touched.
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable
 from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
 
-from config_schema import Config, Renamed, config
+from config_schema import Config, Namer, Renamed, config
 
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
 DTYPES = typing.get_args(Dtype)
@@ -97,7 +96,7 @@ class EngineConfig(Config):
     k must divide the attention heads, KV heads and intermediate size. Under TP the engine runs
     the torch attention backend without suffix lanes, decode graphs or speculation."""
 
-    def check(self, name: Callable[[str], str]) -> None:
+    def check(self, name: Namer) -> None:
         if not self.model_path:
             raise ValueError(
                 f"{name('model_path')}: give the local directory holding config.json and "

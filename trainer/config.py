@@ -9,18 +9,15 @@ the recipe's names (`tp`, `kl_type`, `loss_agg`, ...).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from config_schema import Config, Renamed, config
+from config_schema import Config, Namer, Renamed, config
 from trainer.losses import KLType, LossAgg
 from trainer.tensor_lists import pack, unpack
-
-Namer = Callable[[str], str]
 
 
 @config

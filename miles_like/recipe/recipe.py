@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from config_schema import config
+from config_schema import Namer, config
 from miles_like.recipe.build_configs import check_configs
 from miles_like.recipe.rules import check_sections
 from miles_like.recipe.sections import (
@@ -25,7 +25,6 @@ from miles_like.recipe.sections import (
     ClusterSection,
     DataSection,
     ModelSection,
-    Namer,
     RewardSection,
     RolloutSection,
     Section,

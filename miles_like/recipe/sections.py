@@ -9,12 +9,11 @@ fields. Rules across sections are in `rules.py`, the `Recipe` that holds the sec
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field
 
-from config_schema import Config, Renamed, config
+from config_schema import Config, Namer, Renamed, config
 from miles_like.errors import RecipeError
 from miles_like.models.builtin import BUILTIN_MODELS
 from miles_like.tasks.arith import ArithSpec
@@ -24,8 +23,6 @@ from miles_like.tasks.chain import ChainSpec
 # step by step (tasks/chain.py), long-tailed lengths
 SYNTHETIC_TASKS = ("arith", "calc", "chain")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-Namer = Callable[[str], str]
 
 
 @config
