@@ -68,7 +68,9 @@ def check_algorithm(rollout: RolloutSection, alg: AlgorithmSection) -> None:
         )
 
 
-def check_devices(rollout: RolloutSection, trainer: TrainerSection, cluster: ClusterSection):
+def check_devices(
+    rollout: RolloutSection, trainer: TrainerSection, cluster: ClusterSection
+) -> None:
     """The trainer's TP x PP and the engine's TP fit the devices each side gets."""
     model_parallel = trainer.tp * trainer.pp
     if cluster.colocate and cluster.devices % model_parallel:
