@@ -131,11 +131,21 @@ def test_a_reward_that_kills_its_worker_scores_zero():
 
 
 def dead(pid: int, timeout_s: float = 10.0) -> None:
-    """Wait until `pid` has exited (a zombie: the pool, its parent, reaps it)."""
+    """Wait until `pid` has exited: a zombie whose threads have all ended, which the pool (its
+    parent) can reap. A killed multi-threaded process shows as a zombie while its other threads
+    are still being torn down, and until then `waitpid` (so `Process.is_alive`) sees it alive."""
     deadline = time.monotonic() + timeout_s
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+
+    def exiting() -> bool:
+        try:
+            proc = psutil.Process(pid)
+            return proc.status() != psutil.STATUS_ZOMBIE or proc.num_threads() > 1
+        except psutil.NoSuchProcess:
+            return False
+
+    while exiting():
         assert time.monotonic() < deadline, f"{pid} still running"
-        time.sleep(0.05)
+        time.sleep(0.01)
 
 
 def test_workers_killed_while_idle_are_replaced():
