@@ -3,6 +3,7 @@
 Tensors are packed into same-dtype buckets with a manifest (names, shapes, offsets, checksums),
 moved either through shared buffers (colocated: shared memory on CPU, CUDA IPC on GPU) or by
 broadcast over a process group (disaggregated), verified on arrival, and loaded in place.
+Colocated senders and receivers are paired by (node, GPU UUID) identity (`pair_colocated`).
 """
 
 from weight_sync.buckets import BucketPacker, Manifest, TensorEntry, unpack
@@ -14,9 +15,11 @@ from weight_sync.colocated import (
     Done,
     LoadAck,
     SyncReport,
-    WeightSyncError,
 )
+from weight_sync.device_ops import DeviceOps
+from weight_sync.errors import WeightSyncError
 from weight_sync.group import SyncGroup
+from weight_sync.identity import DeviceIdentity, device_identity, pair_colocated
 
 __all__ = [
     "BucketPacker",
@@ -34,4 +37,8 @@ __all__ = [
     "LoadAck",
     "SyncReport",
     "WeightSyncError",
+    "DeviceOps",
+    "DeviceIdentity",
+    "device_identity",
+    "pair_colocated",
 ]

@@ -65,8 +65,10 @@ class BucketPacker:
         num_buffers: int = 2,
         allocator=None,
         verify: bool = True,
+        algorithm: str | None = None,
     ):
         self.verify = verify
+        self.algorithm = algorithm  # None: by the buffer's device (checksum.algorithm_for)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
         self.bucket_bytes = bucket_bytes
@@ -90,6 +92,11 @@ class BucketPacker:
             buffers[index] = self._allocate(numel, dtype)
         return buffers[index]
 
+    def release(self) -> None:
+        """Drop every buffer (the allocator frees them); the next `pack` allocates afresh."""
+        self._buffers.clear()
+        self._next.clear()
+
     def pack(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[torch.Tensor, Manifest]]:
@@ -112,7 +119,7 @@ class BucketPacker:
         element = torch.empty((), dtype=dtype).element_size()
         total = sum(t.numel() for _, t in items)
         buffer = self._buffer(dtype, max(total, self.bucket_bytes // element))
-        algorithm = algorithm_for(buffer) if self.verify else "none"
+        algorithm = (self.algorithm or algorithm_for(buffer)) if self.verify else "none"
         pairs, offsets, offset = [], [], 0
         for _, tensor in items:
             pairs.append((buffer[offset : offset + tensor.numel()], tensor))

@@ -11,9 +11,13 @@ manifest so both sides compute the same one:
   independent numpy implementation.
 * ``xxh3`` (CPU tensors without the native kernel): XXH3-64 of the raw bytes via python-xxhash,
   ~9-14 GB/s on one core here, computed in a separate pass after the copy.
-* ``wsum64`` (GPU tensors): sum(w_i * (i mod 65521 + 1)) + sum(w_i) over the 16-bit words w_i,
-  in int64 arithmetic that wraps identically everywhere; position sensitive, so swapped or
-  shifted words change it, and it runs at device bandwidth without a copy to the host.
+* ``wsum64`` (GPU tensors): sum(w_i * (i mod 65521 + 2)) over the signed 16-bit words w_i,
+  mod 2^64; position sensitive, so swapped or shifted words change it, and it runs on the device
+  without a copy to the host. Each product fits int32 exactly (|w_i| <= 2^15, weight <= 65522,
+  product < 2^31), so the device multiplies int16 words by a cached int32 weight vector (no
+  modulo, no int64 copies of the words: about 7 bytes of memory traffic per weight byte) and
+  sums in int64. A bucket's tensors are summed on the device and read back together: one host
+  sync per bucket, however many tensors it holds.
 
 wxh64, exactly: the bytes are read as little-endian 64-bit words w_j (the last one zero-padded),
 j = 0, 1, ...; with all arithmetic mod 2^64,
@@ -39,8 +43,11 @@ import xxhash
 
 from weight_sync import native
 
-_CHUNK = 1 << 24  # words per step: bounds the int64 temporaries
 _PRIME = 65521
+# wsum64 words per step: bounds the int32 temporaries, and is a multiple of the weights' period
+# so that one cached weight vector serves every chunk of every tensor.
+_CHUNK = 32 * _PRIME
+_word_weights: dict[torch.device, torch.Tensor] = {}
 
 P1, M1, M2, P4 = 0x9E3779B97F4A7C15, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F165667C5
 _MASK64 = (1 << 64) - 1
@@ -73,12 +80,15 @@ def checksum(tensor: torch.Tensor, algorithm: str | None = None) -> int:
             flat = flat.cpu()
         return xxhash.xxh3_64_intdigest(memoryview(flat.view(torch.uint8).numpy()))
     if algorithm == "wsum64":
-        return _weighted_word_sum(flat)
+        return _weighted_word_sums([flat])[0]
     raise ValueError(f"unknown checksum algorithm {algorithm!r}")
 
 
 def checksums(tensors: list[torch.Tensor], algorithm: str) -> list[int]:
-    """checksum(t, algorithm) for each tensor; for wxh64, one multi-threaded pass over them all."""
+    """checksum(t, algorithm) for each tensor; for wxh64, one multi-threaded pass over them all;
+    for wsum64, one read back from the device for them all."""
+    if algorithm == "wsum64":
+        return _weighted_word_sums([t.detach().reshape(-1) for t in tensors])
     if algorithm != "wxh64":
         return [checksum(t, algorithm) for t in tensors]
     flats = [_cpu_contiguous(t) for t in tensors]
@@ -95,11 +105,12 @@ def copy_with_checksums(
     """dst.copy_(src) for each (dst, src), dst a 1-D tensor of src's numel and dtype, and the
     checksum of the bytes copied (0 for algorithm "none"). On CPU with the native kernel: one pass
     over the bytes (hashed as they stream, stored past the cache: the receiver reads them next,
-    not this core), all pairs in one multi-threaded job. Elsewhere: copy, then hash the copy."""
+    not this core), all pairs in one multi-threaded job. Elsewhere: copy, then hash the copies
+    (`checksums`: on a GPU, one host sync for all of them)."""
     on_cpu = algorithm in ("wxh64", "none") and any(dst.device.type == "cpu" for dst, _ in pairs)
     lib = native.kernel() if on_cpu else None  # GPU buffers: the torch copy + wsum64, as before
     results: list[int] = [0] * len(pairs)
-    segments, slots = [], []
+    segments, slots, copied = [], [], []
     for i, (dst, src) in enumerate(pairs):
         if (
             lib is not None
@@ -114,7 +125,10 @@ def copy_with_checksums(
         else:
             dst.copy_(src.reshape(-1))
             if algorithm != "none":
-                results[i] = checksum(dst, algorithm)
+                copied.append(i)
+    if copied:
+        for i, value in zip(copied, checksums([pairs[i][0] for i in copied], algorithm)):
+            results[i] = value
     if segments:
         sums = _native_job(segments)
         if algorithm == "wxh64":
@@ -217,15 +231,33 @@ def wxh64_reference(data) -> int:
     return _finalize(int(d.sum(dtype=np.uint64)), nbytes)
 
 
-def _weighted_word_sum(flat: torch.Tensor) -> int:
-    words = flat.view(torch.uint8)
-    if words.numel() % 2:
-        raise TypeError(f"wsum64 expects 16/32/64-bit elements, got {flat.dtype}")
-    words = words.view(torch.int16)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    positions = torch.arange(_CHUNK, dtype=torch.int64, device=flat.device)
-    for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start : start + _CHUNK].to(torch.int64)
-        weights = (positions[: chunk.numel()] + start) % _PRIME + 1
-        total += (chunk * weights).sum() + chunk.sum()
-    return int(total)
+def _weights(device: torch.device, n: int) -> torch.Tensor:
+    """(k mod 65521) + 2 for k < n <= _CHUNK, int32 on `device`, cached (grown on demand)."""
+    cached = _word_weights.get(device)
+    if cached is None or cached.numel() < n:
+        k = torch.arange(n, dtype=torch.int64, device=device)
+        cached = _word_weights[device] = (k % _PRIME + 2).to(torch.int32)
+    return cached[:n]
+
+
+def _weighted_word_sums(flats: list[torch.Tensor]) -> list[int]:
+    """wsum64 of each 1-D tensor, all on one device: summed there, read back once."""
+    if not flats:
+        return []
+    sums = []
+    for flat in flats:
+        words = flat.view(torch.uint8)
+        if words.numel() % 2:
+            raise TypeError(f"wsum64 expects 16/32/64-bit elements, got {flat.dtype}")
+        words = words.view(torch.int16)
+        weights = _weights(flat.device, min(words.numel(), _CHUNK))
+        # chunks start at multiples of _CHUNK, a multiple of the weights' period
+        parts = [
+            torch.mul(chunk, weights[: chunk.numel()]).sum()  # int16 * int32 -> int32, sum int64
+            for chunk in words.split(_CHUNK)
+        ]
+        if not parts:
+            sums.append(torch.zeros((), dtype=torch.int64, device=flat.device))
+        else:
+            sums.append(parts[0] if len(parts) == 1 else torch.stack(parts).sum())
+    return torch.stack(sums).tolist()  # the one host sync

@@ -9,6 +9,12 @@ receiver loads bucket k the sender packs bucket k+1.
 `deliver(handle, manifest)` is the one seam between the two: it must start the receiver's
 `load` (in another process, an actor call, or directly) and return something with `.result()`
 that yields the receiver's `LoadAck`.
+
+Ordering across the two processes (`device_ops`): the sender's fill of a bucket has finished
+before its handle leaves, and the receiver's copies out of it have finished before its ack. A
+handle only reaches a receiver on the sender's own GPU (`identity.pair_colocated`; the opener
+refuses any other). `release` frees the sender's buffers (the trainer's offload, so that the
+engine gets that memory back); the next `send` allocates them again.
 """
 
 from __future__ import annotations
@@ -21,13 +27,11 @@ from typing import NamedTuple, Protocol
 import torch
 
 from weight_sync.buckets import BucketPacker, Manifest, corrupted_tensors, unpack
+from weight_sync.device_ops import DeviceOps
+from weight_sync.errors import WeightSyncError
 from weight_sync.shared_buffers import BufferHandle, BufferOpener, SharedBufferAllocator
 
 DEFAULT_BUCKET_BYTES = 512 << 20
-
-
-class WeightSyncError(RuntimeError):
-    pass
 
 
 class LoadAck(NamedTuple):
@@ -91,12 +95,20 @@ class ColocatedSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | str = "cpu",
         verify: bool = True,
+        algorithm: str | None = None,
+        ops: DeviceOps | None = None,
     ):
         self.allocator = SharedBufferAllocator(device)
         self.packer = BucketPacker(
-            bucket_bytes, device, num_buffers=2, allocator=self.allocator, verify=verify
+            bucket_bytes,
+            device,
+            num_buffers=2,
+            allocator=self.allocator,
+            verify=verify,
+            algorithm=algorithm,
         )
         self.deliver = deliver
+        self.ops = ops or DeviceOps()
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         start = time.perf_counter()
@@ -120,6 +132,7 @@ class ColocatedSender:
             if item is None:
                 break
             buffer, manifest = item
+            self.ops.synchronize(buffer.device)  # the fill is done before the handle leaves
             in_flight.append(self.deliver(self.allocator.handle(buffer), manifest))
             buckets += 1
         t = time.perf_counter()
@@ -139,18 +152,29 @@ class ColocatedSender:
             time.perf_counter() - start,
         )
 
-    def close(self) -> None:
-        self.packer = None  # drop buffer views before unlinking
-        self.allocator.close()
+    def release(self) -> None:
+        """Free the bucket buffers (between syncs: every delivery has been acknowledged). The
+        next `send` allocates them again."""
+        self.packer.release()  # drop the packer's views before the allocator frees them
+        self.allocator.release()
+
+    close = release
 
 
 class BucketReceiver:
     """Engine side of both transports: verify a bucket, load it in place, acknowledge."""
 
-    def __init__(self, engine: WeightReceiver, verify: bool = True):
+    def __init__(
+        self,
+        engine: WeightReceiver,
+        verify: bool = True,
+        opener: BufferOpener | None = None,
+        ops: DeviceOps | None = None,
+    ):
         self.engine = engine
         self.verify = verify
-        self.opener = BufferOpener()
+        self.opener = opener or BufferOpener()
+        self.ops = ops or DeviceOps()
 
     def load_buffer(self, buffer: torch.Tensor, manifest: Manifest) -> LoadAck:
         t0 = time.perf_counter()
@@ -163,10 +187,13 @@ class BucketReceiver:
                 )
         t1 = time.perf_counter()
         self.engine.load_weights(unpack(buffer, manifest))
+        self.ops.synchronize(buffer.device)  # the copies are done before the ack
         t2 = time.perf_counter()
         return LoadAck(len(manifest.entries), manifest.nbytes, t1 - t0, t2 - t1)
 
     def load(self, handle: BufferHandle, manifest: Manifest) -> LoadAck:
+        """Map the sender's buffer, verify, load, acknowledge. A CUDA buffer's mapping is
+        dropped on return (after the copies finished), so the sender's `release` frees it."""
         return self.load_buffer(self.opener.open(handle), manifest)
 
     def commit(self) -> None:
