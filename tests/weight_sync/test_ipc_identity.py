@@ -120,9 +120,8 @@ def test_pairing_feeds_each_engine_from_the_trainer_rank_on_its_gpu():
     trainers = {r: _gpu("n0" if r < 4 else "n1", r % 4) for r in range(8)}
     engines = {f"engine{e}": _gpu("n1" if e < 4 else "n0", e % 4) for e in range(8)}
     routes = pair_colocated(trainers, engines)
-    assert routes == {
-        r: (f"engine{(r + 4) % 8}",) for r in range(8)
-    }  # engine e sits on node n1 for e < 4
+    # engine e sits on node n1 for e < 4, so the rank on GPU g of node n0 feeds engine g + 4
+    assert routes == {r: (f"engine{(r + 4) % 8}",) for r in range(8)}
 
 
 def test_pairing_refuses_an_engine_on_a_gpu_without_a_sender():
