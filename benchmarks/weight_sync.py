@@ -112,6 +112,7 @@ def run_colocated(
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_colocated_engine, args=(model_dir, child, verify, device))
     proc.start()
+    child.close()  # the engine's end: were it kept open here, recv() would hang if it dies
     assert parent.recv() == "ready"
 
     def deliver(handle, manifest):
