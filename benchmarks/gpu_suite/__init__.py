@@ -6,6 +6,10 @@ with Python 3.12, its own torch, no package registry and no Ray, in at most 5 mi
                                               # and to $OUT/gpu_suite.jsonl, logs to gpu_suite.log
     benchmarks/gpu_suite.sh --dry-run         # on CPU: tiny sizes, Triton interpreted
 
+With the device tool: `run(command="benchmarks/gpu_suite.sh", carry=[".gpu_wheels"],
+timeout_s=330)`; the JSON lines come back in $OUT/gpu_suite.jsonl, the sections' output in
+$OUT/gpu_suite.log.
+
 The harness (`harness.py`, standard library only) prints the plan with each section's budget,
 installs the carried wheels, preflights every import a section needs (a missing one skips that
 section with the reason), then runs each section (`sections/`) in its own process group with its

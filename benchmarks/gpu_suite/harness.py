@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 JSONL_NAME = "gpu_suite.jsonl"
@@ -71,15 +71,14 @@ class SuiteOptions:
     not_covered: tuple[str, ...] = ()
 
 
-class SectionRun:
+class SectionRun(NamedTuple):
     """How one section process ended."""
 
-    def __init__(self, returncode: int | None, timed_out: bool, seconds: float, log: str, result):
-        self.returncode = returncode
-        self.timed_out = timed_out
-        self.seconds = seconds
-        self.log = log
-        self.result = result  # the child's result file (dict) or None
+    returncode: int | None  # None: killed at its timeout
+    timed_out: bool
+    seconds: float
+    log: str  # its stdout and stderr
+    result: dict | None  # its result file, if it wrote one
 
 
 class Emitter:

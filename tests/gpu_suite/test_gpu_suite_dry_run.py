@@ -56,8 +56,10 @@ def test_dry_run_prints_the_plan_and_one_line_per_section(tmp_path):
         assert {f"kv_store_{tag}", f"paged_decode_graph_width_{tag}", f"cascade_q4_{tag}"} <= (
             kernels
         )
-    graphs = {c["name"] for c in by_name["decode_graphs"]["checks"]}
-    assert {"graphs_equal_eager_after_update", "graphs_equal_eager_after_release_resume"} <= graphs
+    graphs = {c["name"]: c for c in by_name["decode_graphs"]["checks"]}
+    for stage in ("as_loaded", "after_update", "after_release_resume"):
+        check = graphs[f"graphs_equal_eager_{stage}"]
+        assert check["identical_samples"] == check["samples"] == 24 and check["static_steps"] > 0
     colocation = {c["name"] for c in by_name["colocation"]["checks"]}
     assert {"synced_weights_bitwise_equal", "generations_equal_fresh_engine"} <= colocation
     megatron = {c["name"]: c for c in by_name["megatron"]["checks"]}

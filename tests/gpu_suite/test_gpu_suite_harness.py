@@ -169,6 +169,7 @@ def test_carried_wheels_are_installed_and_importable(tmp_path):
     wheels.mkdir()
     make_wheel(wheels, "gpu_suite_probe", "1.0", "py3-none-any", 7)
     make_wheel(wheels, "gpu_suite_other", "1.0", "cp27-cp27-manylinux1_x86_64", 0)
+    make_wheel(wheels, "PyYAML", "0.1", "py3-none-any", 0)  # older than the one installed
     code, lines = run(
         [section("probe", "imports_probe", requires=("gpu_suite_probe",))],
         tmp_path,
@@ -177,6 +178,7 @@ def test_carried_wheels_are_installed_and_importable(tmp_path):
     installed = lines[1]["wheels"]
     assert installed["installed"] == ["gpu-suite-probe==1.0"]
     assert installed["unfit"] == ["gpu_suite_other-1.0-cp27-cp27-manylinux1_x86_64.whl"]
+    assert list(installed["present"]) == ["pyyaml"]
     assert lines[1]["imports"] == {"gpu_suite_probe": None}
     assert lines[2]["status"] == "ok" and lines[2]["result"] == {"probe": 7}
     assert code == 0
