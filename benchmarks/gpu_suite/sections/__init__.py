@@ -20,7 +20,7 @@ SECTIONS: tuple[Section, ...] = (
         "Triton KV store and decode attention vs the torch reference (fp32, fp16, bf16; head_dim"
         " 64 and 128; GQA 7:1 and 1:1; the decode graphs' full-width page table); decode "
         "attention GB/s against the HBM peak",
-        budget_s=40,
+        budget_s=50,
         requires=(*ROLLOUT, *TRITON),
         cpu=True,
     ),
@@ -65,7 +65,7 @@ SECTIONS: tuple[Section, ...] = (
         "benchmarks.gpu_suite.sections.speculation:run",
         "greedy output with group / draft speculation equals no speculation; tokens/s and"
         " accepted length at batch 8",
-        budget_s=25,
+        budget_s=30,
         requires=(*ROLLOUT, *TRITON),
         cpu=True,
     ),
@@ -73,7 +73,7 @@ SECTIONS: tuple[Section, ...] = (
         "throughput",
         "benchmarks.gpu_suite.sections.throughput:run",
         "engine vs HF generate tokens/s on a Qwen2.5-0.5B-shaped bf16 model (GRPO workload)",
-        budget_s=25,
+        budget_s=20,
         requires=(*ROLLOUT, *TRITON, "transformers"),
         cpu=True,
     ),
@@ -82,7 +82,7 @@ SECTIONS: tuple[Section, ...] = (
         "benchmarks.gpu_suite.sections.compiled_decode:run",
         "EngineConfig.compile (inductor inside the decode graphs) vs eager: greedy tokens equal, "
         "log-probs within 1e-4; compile seconds",
-        budget_s=30,
+        budget_s=20,
         requires=(*ROLLOUT, *TRITON, "rollout.compiled"),
     ),
 )
