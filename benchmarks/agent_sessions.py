@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # Run as a script: the repository's packages import only once it is on sys.path (above).
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.serving.router import Router, RouterConfig  # noqa: E402
 from rollout.serving.router_app import build_router_app  # noqa: E402
@@ -207,6 +208,7 @@ async def run_load(url: str, args, vocab: int) -> dict:
 
 
 def main() -> None:
+    record = RunRecord.start("agent_sessions")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
@@ -222,6 +224,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    add_output_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.sessions, args.turns, args.first_tokens, args.completion_tokens = 4, 2, 48, 8
@@ -269,6 +272,7 @@ def main() -> None:
         result["cache_aware"]["hit_rate_turns_ge_2"] - result["round_robin"]["hit_rate_turns_ge_2"]
     )
     result["load_average_end"] = os.getloadavg()
+    record.finish(result, args)
     print(json.dumps(result, indent=2))
 
 

@@ -1,5 +1,5 @@
 """Does the long-tailed chain recipe learn as well fully asynchronously as synchronously, in
-less wall time? (issue 14, acceptance). Prints one JSON object.
+less wall time? Prints one JSON object.
 
 The real controller (`miles_like.run.loop.run`, one local Ray with 2 CPU slots: one engine and one
 trainer rank, disaggregated, `cluster.cpu_threads=1`) on `recipes/tiny_chain_learn_grpo.yaml`
@@ -61,6 +61,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny_chain_learn_grpo.yaml"
 COMMON = (
@@ -218,6 +220,7 @@ def finite(x) -> float | None:
 
 
 def main() -> None:
+    record = RunRecord.start("async_learning")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds (runs per mode), >= 2")
     ap.add_argument(
@@ -242,6 +245,7 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="recipe override for both modes (repeatable)",
     )
+    add_output_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.steps, args.k = 2, 2, 1
@@ -318,6 +322,7 @@ def main() -> None:
         "failed_attempts_rerun": failures,
         "runs": runs,
     }
+    record.finish(out, args)
     print(json.dumps(out, indent=2))
 
 

@@ -1,5 +1,5 @@
 """The rollout tail on a long-tailed workload: over-sampling + partial rollouts vs a plain
-rollout (issue 14, acceptance). Prints one JSON object.
+rollout. Prints one JSON object.
 
 One engine (`AsyncEngine` on a random-init tiny Qwen2, CPU or GPU), one process. Each round is
 one RL step's rollout of `--prompts` groups of `--n` samples; the length of every group is drawn
@@ -19,7 +19,7 @@ moment the round's batch is complete (plain: its last sample; over-sampled: the 
 time: the round's wall time. Medians over the rounds of each mode; the goal is a >= 3x shorter
 tail.
 
-`async_vs_sync` (issue 14 item 6): the real controller (`miles_like.run.loop.run`, one local Ray
+`async_vs_sync`: the real controller (`miles_like.run.loop.run`, one local Ray
 with 2 CPU slots: one engine + one trainer rank, disaggregated) on the long-tailed chain recipe
 (`recipes/tiny_chain_grpo.yaml`, its cached warm start), synchronous on-policy
 (`off_policy_steps: 0`) and fully asynchronous (`cluster.fully_async`, `max_staleness: 1`)
@@ -60,6 +60,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.async_engine import AsyncEngine  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
@@ -134,6 +135,7 @@ def tail(sample_times: list[float], batch_s: float) -> float:
 
 
 def main() -> None:
+    record = RunRecord.start("async_rl")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6, help="rounds per mode (alternating)")
     ap.add_argument("--prompts", type=int, default=16, help="groups per batch")
@@ -163,6 +165,7 @@ def main() -> None:
         help="async_vs_sync: cluster.take_ahead of the async runs, one run of each per round "
         "(comma-separated: on, off; off modes are named *_no_take_ahead)",
     )
+    add_output_args(ap)
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,6 +192,7 @@ def main() -> None:
     out["async_vs_sync"] = (
         async_vs_sync(args) if args.train_runs else {"measured": False, "why": "--train-runs 0"}
     )
+    record.finish(out, args)
     print(json.dumps(out, indent=2))
 
 

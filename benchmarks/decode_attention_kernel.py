@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import native_build  # noqa: E402
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from rollout import native  # noqa: E402
 
 SOURCE = ROOT / "rollout" / "native" / "cascade_decode.c"
@@ -55,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--suffix-lens", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--warm", action="store_true", help="no cache eviction between calls")
+    add_output_args(ap)
     return ap.parse_args(argv)
 
 
@@ -101,6 +103,7 @@ def input_set(
 
 
 def main(argv=None) -> dict:
+    record = RunRecord.start("decode_attention_kernel", argv)
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"old": baseline_library(args.baseline, Path(tmp)), "new": native.attention()}
@@ -140,6 +143,7 @@ def main(argv=None) -> dict:
                 )
     finally:
         torch.set_num_threads(before)
+    record.finish(result, args)
     print(json.dumps(result))
     return result
 

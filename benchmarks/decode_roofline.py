@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.kv_pool import KVPool  # noqa: E402
 from rollout.random_checkpoint import QWEN25_05B, TINY_QWEN2, write_random_checkpoint  # noqa: E402
@@ -54,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--peak-gbps", type=float, default=None, help="peak memory bandwidth (GB/s) of the device"
     )
     ap.add_argument("--quick", action="store_true", help="CPU, tiny model, small sizes")
+    add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.device, args.dtype, args.preset, args.batch, args.context, args.steps = (
@@ -144,6 +146,7 @@ def measure(model_dir: str, args, batch: int) -> dict:
 
 
 def main(argv=None) -> dict:
+    record = RunRecord.start("decode_roofline", argv)
     args = parse_args(argv)
     report = {
         "device": args.device,
@@ -160,6 +163,7 @@ def main(argv=None) -> dict:
         )
         for batch in args.batch:
             report["rows"].append(measure(model_dir, args, batch))
+    record.finish(report, args)
     return report
 
 

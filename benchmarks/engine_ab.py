@@ -2,7 +2,7 @@
 
 Two worker processes, one importing `rollout` from this tree and one from a temporary git
 worktree of `--baseline`, each hold a warm engine on the same model (the vocab-512 / 8-head one
-of issue 15 by default: 32 prompts x 8 samples x 128 new tokens, radix on, float32, 2 threads).
+by default: 32 prompts x 8 samples x 128 new tokens, radix on, float32, 2 threads).
 They take turns, one `generate()` each per round, alternating which goes first, so a noisy
 machine slows both alike; the figure is the median of the per-round time ratios baseline / this
 tree (> 1: this tree is faster). Prints one JSON object.
@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 
 WORKER = r"""
 import json, sys, time
@@ -51,6 +54,7 @@ for line in sys.stdin:
 
 
 def main(argv=None) -> dict:
+    record = RunRecord.start("engine_ab", argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, help="git revision to compare against")
     ap.add_argument("--rounds", type=int, default=12)
@@ -62,6 +66,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
+    add_output_args(ap)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import rollout_throughput
@@ -120,7 +125,7 @@ def main(argv=None) -> dict:
                 capture_output=True,
             )
     ratios = [b / t for b, t in zip(seconds["baseline"], seconds["this"])]
-    return dict(
+    result = dict(
         baseline=args.baseline,
         workload=cfg,
         threads=args.threads,
@@ -130,6 +135,8 @@ def main(argv=None) -> dict:
         speedup_per_round=[round(x, 4) for x in ratios],
         load_average_after=os.getloadavg(),
     )
+    record.finish(result, args)
+    return result
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
+
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 32
 QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512)
 
@@ -39,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--quick", action="store_true", help="a smaller model, 4 prompts, 4 tokens (dry runs)"
     )
+    add_output_args(ap)
     return ap.parse_args(argv)
 
 
@@ -109,6 +112,7 @@ def _rank(rank: int, port: int, model_dir: str, device: str, quick: bool, out: s
 
 
 def main(argv=None) -> dict:
+    record = RunRecord.start("engine_tp", argv)
     args = parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         return {"skipped": f"engine TP=2 needs 2 CUDA devices; {torch.cuda.device_count()} here"}
@@ -136,7 +140,7 @@ def main(argv=None) -> dict:
     diff = max(
         abs(x - y) for a, b in zip(single["logprobs"], tp2["logprobs"]) for x, y in zip(a, b)
     )
-    return {
+    result = {
         "ok": same == len(single["tokens"]) and diff < 1e-4,
         "device": args.device,
         "backend": "nccl" if args.device == "cuda" else "gloo",
@@ -146,6 +150,8 @@ def main(argv=None) -> dict:
         "tp1_tokens_per_s": round(single["tokens_per_s"], 1),
         "tp2_tokens_per_s": round(tp2["tokens_per_s"], 1),
     }
+    record.finish(result, args)
+    return result
 
 
 if __name__ == "__main__":

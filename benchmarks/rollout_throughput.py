@@ -1,6 +1,6 @@
 """Rollout throughput: our engine vs HF transformers `generate` on the same weights.
 
-GRPO-shaped workload (issue 2): P prompts of L random tokens, n samples each, N new tokens,
+GRPO-shaped workload: P prompts of L random tokens, n samples each, N new tokens,
 temperature 1, EOS ignored. One process; torch uses all cores unless --threads says otherwise.
 The same random-init Qwen2-architecture model is built with HF transformers, saved to a
 temporary directory and loaded by the engine, so both sides compute the same function.
@@ -15,7 +15,7 @@ engine with the radix cache off, the ratios to HF, the engine's stats over the t
 load average before and after (figures from a loaded machine mean little: see
 benchmarks/RESULTS.md).
 
-Long-tailed lengths (issue 14): `--lengths pareto:ALPHA` draws each prompt's length from a
+Long-tailed lengths: `--lengths pareto:ALPHA` draws each prompt's length from a
 Pareto distribution, L = min(new_tokens, floor(x_m / U^(1 / ALPHA))) with x_m = new_tokens / 8
 (at least 1), and generates exactly L tokens for each of its samples (EOS ignored,
 max_new_tokens = L). HF's static batch decodes every row to the longest drawn length; its
@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from rollout.random_checkpoint import QWEN25_05B  # noqa: E402
 
 STAT_KEYS = (
@@ -132,6 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="timed rounds, each running every system once (interleaved, so load from other "
         "processes hits all alike); the fastest round of each system is reported",
     )
+    add_output_args(ap)
     args = ap.parse_args(argv)
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
@@ -252,6 +254,7 @@ def run_engine(engine, prompts, params) -> EngineRun:
 
 
 def main(argv=None) -> dict:
+    record = RunRecord.start("rollout_throughput", argv)
     args = parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     import transformers
@@ -391,6 +394,7 @@ def main(argv=None) -> dict:
         result["kv_cache_tokens"] = kv_tokens
     result["repeats"] = max(1, args.repeats)
     result["load_average_after"] = os.getloadavg()
+    record.finish(result, args)
     return result
 
 

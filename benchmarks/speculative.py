@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import save_file  # noqa: E402
 
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.random_checkpoint import QWEN25_05B, TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.weights import iter_safetensors  # noqa: E402
@@ -124,6 +125,7 @@ def run_once(
 
 
 def main(argv=None) -> dict:
+    record = RunRecord.start("speculative", argv)
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -148,6 +150,7 @@ def main(argv=None) -> dict:
         "(the box is shared)",
     )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    add_output_args(parser)
     args = parser.parse_args(argv)
     config = PRESETS[args.preset]
     g = torch.Generator().manual_seed(0)
@@ -157,7 +160,8 @@ def main(argv=None) -> dict:
     params = SamplingParams(
         n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=0
     )
-    report = {"workload": vars(args), "torch_num_threads": torch.get_num_threads(), "models": {}}
+    workload = {k: v for k, v in vars(args).items() if k not in ("out", "save")}
+    report = {"workload": workload, "torch_num_threads": torch.get_num_threads(), "models": {}}
     for std in args.weight_std:
         with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as draft_dir:
             write_random_checkpoint(
@@ -170,6 +174,7 @@ def main(argv=None) -> dict:
         for row in rows.values():
             row["speedup"] = row["tokens_per_s"] / base
         report["models"][f"weight_std={std}"] = rows
+    record.finish(report, args)
     return report
 
 

@@ -11,7 +11,7 @@ response R tokens, packed into micro-batches of at most `--micro-batch-tokens` t
 grad-norm clipping and torch AdamW - the simplest correct train step.
 
     .venv/bin/python benchmarks/train_throughput.py            # default workload
-    .venv/bin/python benchmarks/train_throughput.py --rl       # issue 15's 64 x 256-token batch
+    .venv/bin/python benchmarks/train_throughput.py --rl       # 8 prompts x 8 samples x 256 tokens
     .venv/bin/python benchmarks/train_throughput.py --quick    # seconds; used by a smoke test
     .venv/bin/python benchmarks/train_throughput.py --rl --backends megatron,megatron_compiled,hf
 
@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 
 
 def build_model(directory: Path, args) -> None:
@@ -139,9 +141,12 @@ def measure(trainers: dict, batch, steps: int) -> dict:
 
 
 def main() -> None:
+    record = RunRecord.start("train_throughput")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--rl", action="store_true", help="issue 15's batch: 64 x (128 + 128) tokens")
+    p.add_argument(
+        "--rl", action="store_true", help="an RL batch: 8 prompts x 8 samples x (128 + 128) tokens"
+    )
     p.add_argument(
         "--backends",
         default="megatron,deepspeed,hf",
@@ -165,10 +170,11 @@ def main() -> None:
         "--group-size",
         type=int,
         default=0,
-        help="samples per prompt (a GRPO group); 0: 8 with --rl (issue 15's 8 prompts x 8), else 1",
+        help="samples per prompt (a GRPO group); 0: 8 with --rl (8 prompts x 8 samples), else 1",
     )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
+    add_output_args(p)
     args = p.parse_args()
     if args.rl:
         args.hidden, args.layers, args.heads, args.kv_heads, args.vocab = 256, 4, 8, 2, 512
@@ -190,7 +196,9 @@ def main() -> None:
     # Keep stdout pure JSON: DeepSpeed and megatron log to stdout while loading.
     with contextlib.redirect_stdout(sys.stderr):
         results = run(args)
-    print(json.dumps(report(args, results), indent=2))
+    result = report(args, results)
+    record.finish(result, args)
+    print(json.dumps(result, indent=2))
 
 
 def run(args) -> dict:

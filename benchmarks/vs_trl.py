@@ -39,6 +39,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
+
 PAD, EOS = "<pad>", "<eos>"
 EOS_PROB = 0.03  # variable workload: the EOS probability per token (geometric lengths)
 
@@ -345,6 +349,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def main() -> None:
+    record = RunRecord.start("vs_trl")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--hidden", type=int, default=256)
@@ -386,6 +391,7 @@ def main() -> None:
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--fixed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variable", action="store_true", help=argparse.SUPPRESS)
+    add_output_args(p)
     args = p.parse_args()
     if args.trl_worker:
         with contextlib.redirect_stdout(sys.stderr):
@@ -398,6 +404,7 @@ def main() -> None:
     # Keep stdout pure JSON: DeepSpeed (imported by trl) logs to stdout.
     with contextlib.redirect_stdout(sys.stderr):
         result = run(args)
+    record.finish(result, args)
     print(json.dumps(result, indent=2))
 
 

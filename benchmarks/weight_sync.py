@@ -5,7 +5,7 @@ Measures, in one run:
 * `colocated`: ColocatedSender -> shared memory -> BucketReceiver -> the engine's parameters;
 * `broadcast`: BroadcastSender -> gloo broadcast -> BroadcastReceiver -> the engine's parameters;
 each with checksums on (the default) and, for colocated, off, to report verification's cost.
-Prints one JSON object. Goal (issue): colocated <= 3x the copy time on CPU.
+Prints one JSON object. Goal: colocated <= 3x the copy time on CPU.
 
     python benchmarks/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--bucket-mb 512]
                                      [--syncs 3] [--skip-broadcast]
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from rollout import Engine, EngineConfig  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.weights import iter_safetensors  # noqa: E402
@@ -177,6 +178,7 @@ def run_broadcast(model_dir: str, bucket_bytes: int) -> dict:
 
 
 def main(argv=None) -> dict:
+    record = RunRecord.start("weight_sync", argv)
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--device", default="cpu", help="cpu, or cuda: CUDA IPC buckets between the processes"
@@ -196,6 +198,7 @@ def main(argv=None) -> dict:
         action="store_true",
         help="skip the gloo broadcast (CPU only: NCCL needs a GPU per rank)",
     )
+    add_output_args(parser)
     args = parser.parse_args(argv)
     device = args.device
     skip_broadcast = args.skip_broadcast or torch.device(device).type == "cuda"
@@ -232,7 +235,7 @@ def main(argv=None) -> dict:
         best_copy = min(copy_s)
         broadcast = None if skip_broadcast else run_broadcast(model_dir, bucket_bytes)
     gb = nbytes / 1e9
-    return {
+    result = {
         "device": device,
         "params": params,
         "bytes": nbytes,
@@ -260,6 +263,8 @@ def main(argv=None) -> dict:
             "x_copy": broadcast["total_s"] / best_copy,
         },
     }
+    record.finish(result, args)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,16 +1,36 @@
 """Smoke test of `benchmarks/rollout_throughput.py --quick`: it runs end to end in a subprocess
-and prints one JSON object with the documented keys. Speed is not asserted here (the full run
-is the benchmark); the token counts are, since they follow from the workload."""
+and prints one JSON object with the documented keys, and `--out` writes the same result with the
+run's date, machine, load average and command (`benchmarks/run_record.py`). Speed is not asserted
+here (the full run is the benchmark); the token counts are, since they follow from the
+workload."""
 
 from __future__ import annotations
+
+import datetime
+import json
+import os
 
 from benchmark_runs import benchmark_process, run_benchmark
 
 SCRIPT = "rollout_throughput.py"
 
 
-def test_quick_benchmark_prints_json():
-    out = run_benchmark(SCRIPT, "--quick")
+def test_quick_benchmark_prints_json(tmp_path):
+    before = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    out = run_benchmark(SCRIPT, "--quick", "--out", str(tmp_path / "run.json"))
+
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["benchmark"] == "rollout_throughput" and record["result"] == out
+    assert (
+        before
+        <= datetime.datetime.fromisoformat(record["date"])
+        <= datetime.datetime.now(datetime.UTC)
+    )
+    assert record["command"] == (
+        f"python benchmarks/{SCRIPT} --quick --out {tmp_path / 'run.json'}"
+    )
+    assert record["machine"]["cores"] == os.cpu_count() and record["machine"]["torch"]
+    assert all(len(record["load_avg"][k]) == 3 for k in ("start", "end"))
 
     w = out["workload"]
     assert (w["prompts"], w["prompt_len"], w["n"], w["new_tokens"], w["quick"]) == (
