@@ -63,8 +63,8 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("engine vs HF `generate`, radix cache off", "ratio_engine_no_radix_vs_hf", "{:.2f}x"),
     ),
     "train_throughput": _figures(
-        ("RL train step, megatron vs plain HF", "megatron_over_hf", "{:.2f}x"),
-        ("RL train step, megatron vs DeepSpeed", "megatron_over_deepspeed", "{:.2f}x"),
+        ("PPO train step, megatron vs plain HF", "megatron_over_hf", "{:.2f}x"),
+        ("PPO train step, megatron vs DeepSpeed", "megatron_over_deepspeed", "{:.2f}x"),
     ),
     "vs_trl": _figures(
         ("RL step vs TRL `GRPOTrainer`, fixed lengths", "fixed/speedup_s_per_step", "{:.2f}x"),
@@ -119,8 +119,9 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("broadcast weight sync time / plain copy", "broadcast/x_copy", "{:.2f}x"),
     ),
     "decode_roofline": _figures(
+        ("decode step memory bandwidth, first batch size", "rows/0/achieved_gbps", "{:.1f} GB/s"),
         (
-            "decode step share of the bandwidth roofline, first batch",
+            "decode step share of the bandwidth roofline, first batch size",
             "rows/0/frac_of_roofline",
             "{:.2f}",
         ),
