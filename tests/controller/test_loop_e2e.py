@@ -9,9 +9,11 @@ checkpoints loadable, the warm start cached, the critic learning.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from miles_like.recipe.cli import main
 from miles_like.run.loop import run
@@ -213,9 +215,17 @@ def test_ppo_critic_value_loss_falls(ray_local, cache, tmp_path, monkeypatch):
     assert rows[0]["train/critic_explained_var"] == 0.0
 
 
-def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):
-    """The GPU recipe, unchanged but for paths and sizes, on a random-init Qwen2 with a local BPE
-    tokenizer and chat template, GSM8K-style rows and the math reward."""
+def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path, monkeypatch):
+    """The GPU recipe, unchanged but for paths, sizes and its reward, on a random-init Qwen2 with
+    a local BPE tokenizer and chat template, GSM8K-style rows. A random model never earns the
+    math reward (every advantage 0: nothing is learned), so the reward is one it earns by
+    construction, the response's length, which differs within every group: each step takes a
+    real bf16 update. At the recipe's learning rate (1e-6 after a 10-step warmup) an update
+    moves the fp32 master weights by ~1e-7, which changes a bf16 weight only where that crosses
+    a bf16 rounding step (the smallest weights): the model stays the near-uniform one the
+    mismatch bounds were measured on, and after the second update its bf16 weights differ."""
+    from safetensors.torch import load_file
+
     from rollout.random_checkpoint import write_random_checkpoint
 
     from tiny_hf import save_bpe_tokenizer
@@ -252,6 +262,7 @@ def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):
         ),
         seed=0,
     )
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
     out = tmp_path / "qwen"
     got = train(
         "qwen2.5-0.5b-gsm8k-grpo.yaml",
@@ -268,6 +279,8 @@ def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):
         "cluster.devices=1",
         "cluster.accelerator=cpu",
         "reward.max_workers=2",
+        "reward.function=user_rewards:length_score",
+        "checkpoint.every_steps=2",
         "tracking.wandb_project=null",
     )
     assert len(got) == 2 and all(set(REQUIRED_KEYS) <= r.keys() for r in got)
@@ -280,9 +293,21 @@ def test_real_model_recipe_on_a_scaled_down_model(ray_local, cache, tmp_path):
         assert 0 < r["train/mismatch_kl"] <= 2.5e-7
         # the recipe's TIS: weights pi_trainer / pi_engine this close to 1 are never cut
         assert abs(r["train/is_weight_mean"] - 1.0) <= 1.5e-4 and r["train/is_clipped_frac"] == 0
-        # every reward is 0 (a random model never answers): zero advantages, a policy that
-        # equals its bf16 reference bitwise, so the recipe's KL term is exactly 0
-        assert r["train/kl"] == 0.0 and r["train/grad_norm"] == 0.0
+        # rewards that differ within the groups: a real, finite gradient every step
+        assert r["rollout/reward_group_std_mean"] > 0
+        assert math.isfinite(r["train/grad_norm"]) and r["train/grad_norm"] > 0
+        assert r["train/update_skipped"] == 0
+    # the first step's policy is its bf16 reference bitwise: the recipe's KL term is exactly 0
+    assert got[0]["train/kl"] == 0.0
+    # the two updates changed some of the bf16 matrices the run ends with, compared in bf16
+    # (the run loaded the initial weights rounded to it; the norms it keeps in float32)
+    initial = load_file(model / "model.safetensors")
+    final = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
+    assert initial.keys() == final.keys()
+    bf16 = [k for k, t in final.items() if t.dtype == torch.bfloat16]
+    assert len(bf16) >= 2 * 4  # q, k, v, o, gate, up, down per layer, the embedding
+    changed = sum(int((initial[k].to(torch.bfloat16) != final[k]).sum()) for k in bf16)
+    assert 0 < changed < 0.5 * sum(final[k].numel() for k in bf16)  # the smallest weights only
 
 
 def test_run_time_user_errors_are_one_line(ray_local, cache, tmp_path, capsys):
