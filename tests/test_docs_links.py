@@ -24,6 +24,8 @@ TOP = (
     "rollout",
     "trainer",
     "weight_sync",
+    "model_spec",
+    "native_build",
     "scripts",
 )
 LINK = re.compile(r"\]\(([^)\s]+)\)")
