@@ -1,5 +1,5 @@
 """The command line: --help from the dataclasses, --dry-run, one-line errors with exit code 2,
-and the explicit not-implemented exit of a real run."""
+the hook a run is handed to, and the field table of docs/recipes.md, generated."""
 
 from __future__ import annotations
 
