@@ -49,7 +49,8 @@ def fields_help(width: int = 100) -> str:
 
 
 def fields_markdown() -> str:
-    """Every recipe field as a Markdown table (the README embeds it; a test keeps them equal)."""
+    """Every recipe field as a Markdown table (docs/recipes.md embeds it; a test keeps them
+    equal: `python scripts/render_recipe_fields.py` rewrites it)."""
     lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for name, type_text, default, doc in describe(Recipe):
         cell = doc.replace("|", "\\|")
