@@ -1,7 +1,7 @@
 """Multi-turn rollout functions in fully asynchronous training (`cluster.fully_async` with a
 `rollout.function` other than single_turn: `tool_loop`, or a user's `async def fn(ctx,
 problem)`): each drawn prompt's function runs as a task on the manager's loop, driven by the
-producer (`async_rollouts.AsyncProducer`) like a single-turn group.
+producer (`async_producer.AsyncProducer`) like a single-turn group (`AgentGroups`).
 
 * **Engine calls** (`ctx.generate`, `ctx.generate_group`) go through `AgentCalls`, the group's
   `dispatch`: each call is one `EngineWorker.generate_wave` on the group's replica (its
@@ -34,10 +34,10 @@ import random
 from collections.abc import Sequence
 
 from miles_like.data import Problem
-from miles_like.errors import RolloutFailed
-from miles_like.rollouts.context import RolloutContext
-from miles_like.rollouts.oversampling import EMPTY, Partial
+from miles_like.rollouts.functions import function_failed
+from miles_like.rollouts.partial import EMPTY, OpenGroup, Partial
 from miles_like.rollouts.replica_batcher import Generation
+from miles_like.rollouts.shares import replica_of
 from miles_like.rollouts.trajectory import Trajectory
 
 
@@ -55,10 +55,11 @@ class AgentGroup:
 
 
 class AgentCalls:
-    """The `dispatch` of one agent group's RolloutContext (`Dispatch.generate`'s contract)."""
+    """The `dispatch` of one agent group's RolloutContext (`ReplicaBatcher.generate`'s
+    contract): each call is a wave of the producer's (`AgentGroups.wave`)."""
 
-    def __init__(self, producer, group: AgentGroup):
-        self.p = producer
+    def __init__(self, groups: AgentGroups, group: AgentGroup):
+        self.groups = groups
         self.group = group
 
     async def generate(
@@ -68,12 +69,12 @@ class AgentCalls:
         g.calls += 1
         call = g.calls
         parts: list[Partial] = [EMPTY] * params.n
-        last = self.p.version
+        last = self.groups.flow.version
         while True:
             requests = self._requests(list(prompt_ids), params, parts, call)
             if not requests:
                 break
-            delivered = await self.p.agent_wave(replica, requests)
+            delivered = await self.groups.wave(replica, requests)
             for k, samples, version, versions in delivered:
                 last = version
                 for n, (s, j) in enumerate(zip(samples, requests[k][2])):
@@ -104,7 +105,7 @@ class AgentCalls:
             if s.done:
                 continue
             rng = random.Random(
-                f"{self.p.recipe.seed}/async-agent/{self.group.index}/{call}/{j}/{len(s.token_ids)}"
+                f"{self.groups.seed}/async-agent/{self.group.index}/{call}/{j}/{len(s.token_ids)}"
             )
             p = dataclasses.replace(
                 params,
@@ -119,58 +120,79 @@ class AgentCalls:
         return out
 
 
-def context(producer, group: AgentGroup) -> RolloutContext:
-    """The group's RolloutContext: the synchronous loop's, with `AgentCalls` as its dispatch."""
-    m, r = producer.m, producer.recipe.rollout
-    return RolloutContext(
-        problem=group.problem,
-        params=producer._first_params(group.index),
-        dispatch=AgentCalls(producer, group),
-        replica=group.replica,
-        tokenizer=m.tokenizer.tok,
-        context_len=m.context_len,
-        vocab_size=m.vocab_size,
-        reward_fn=m.reward_fn,
-        reward_timeout_s=producer.recipe.reward.timeout_s,
-        reward_workers=producer.recipe.reward.max_workers,
-        tools=r.tools,
-        max_turns=r.max_turns,
-        base_url=None,
-        tool_pool=m.tool_pool,
-        settings=r,
-    )
+class AgentGroups:
+    """The producer's open groups when the rollout function is multi-turn: each a task running
+    the function (`ledger.agents`), its engine calls waves on its replica (`wave`), its
+    trajectories buffered when it returns (`buffer.complete_agent`)."""
 
+    def __init__(self, manager, ledger, flow, replicas, buffer, params):
+        self.manager = manager
+        self.seed = manager.recipe.seed
+        self.per_step = manager.recipe.rollout.prompts_per_step
+        self.ledger, self.flow, self.replicas, self.buffer = ledger, flow, replicas, buffer
+        self.params = params  # the synchronous loop's SamplingParams of a data position
 
-async def run_group(producer, group: AgentGroup) -> None:
-    """The group's rollout function, then its trajectories to the producer's buffer; a failure
-    of the function (or of an engine) becomes the producer's `failure`, raised by `take`."""
-    from miles_like.rollouts.manager import _where
+    def group(self, index: int, problem: Problem) -> AgentGroup:
+        """Group `index`, on its replica: its place in its batch's contiguous shares."""
+        replica = replica_of(index % self.per_step, self.per_step, len(self.replicas.engines))
+        return AgentGroup(index, problem, replica)
 
-    m = producer.m
-    ctx = context(producer, group)
-    try:
-        out = await m.rollout_fn(ctx, group.problem)
-        m._check_group(out, ctx.n)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
-        if producer.failure is None:
-            producer.failure = RolloutFailed(
-                f"{m._failure(group.problem)}: {_where(e)}{type(e).__name__}: {e}"
-            )
-        producer._changed.set()
-        return
-    producer.agent_finished(group, out, ctx.tallies)
+    def start(self) -> None:
+        """Start the groups not running yet (index order) and wake the calls waiting."""
+        loop = asyncio.get_running_loop()
+        for i in sorted(self.ledger.agents):
+            group = self.ledger.agents[i]
+            if group.task is None:
+                group.task = loop.create_task(self._run(group))
+        self.flow.wake.set()
 
+    async def wave(self, replica: int, requests: list) -> list:
+        """One agent call's requests (input ids, params, sample indices) as a wave on
+        `replica`, once work is accepted and the replica is alive: what came back (aborted
+        requests with the tokens they have); nothing when the window was closed or the replica
+        died (the call sends its requests again). A non-death failure raises."""
+        flow = self.flow
+        while not flow.accepting or replica in self.replicas.dead:
+            if flow.failure is not None:
+                raise flow.failure
+            flow.wake.clear()
+            await flow.wake.wait()
+        task = flow.track(asyncio.get_running_loop().create_task(self._wave(replica, requests)))
+        got = await task
+        if flow.failure is not None:
+            raise flow.failure
+        return got
 
-def score_trajectories(manager, problem: Problem, trajectories: list[Trajectory], tallies):
-    """(rollout_manager.Group, failure counts) of a finished agent group, scored as the
-    synchronous loop scores one (a trajectory's own reward stands, the others are scored on
-    their text; DAPO's overlong penalty), with its function's own `ctx.reward` counts."""
-    (group,), counts = manager._score([problem], [trajectories])
-    for k, v in tallies.items():
-        counts[k] = counts.get(k, 0) + v
-    return group, counts
+    async def _wave(self, replica: int, requests: list) -> list:
+        wave = self.replicas.next_wave_id()
+        got = []
+        try:
+            prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+            failure = await self.replicas.stream_wave(replica, prompts, params, wave, got.append)
+            self.flow.failure = self.flow.failure or failure
+        finally:
+            self.flow.changed.set()
+        return got
+
+    async def _run(self, group: AgentGroup) -> None:
+        """The group's rollout function, then its trajectories to the buffer; a failure of the
+        function (or of an engine) becomes the producer's `failure`, raised by `take`."""
+        m = self.manager
+        ctx = m.context_for(
+            group.problem, self.params(group.index), AgentCalls(self, group), group.replica
+        )
+        try:
+            out = await m.run_function(ctx, group.problem)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
+            if self.flow.failure is None:
+                self.flow.failure = function_failed(m.spec, group.problem.prompt, e)
+            self.flow.changed.set()
+            return
+        del self.ledger.agents[group.index]
+        problem = OpenGroup(group.problem, (), group.rollouts)
+        self.buffer.complete_agent(group.index, problem, out, ctx.tallies, group.oldest)
 
 
 def trajectory_to_state(t: Trajectory) -> dict:

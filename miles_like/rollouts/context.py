@@ -4,9 +4,9 @@
 
 turns one prompt into its group of `ctx.n` trajectories (`trajectory.py`). The controller runs
 the functions of every prompt of a step concurrently on one asyncio loop, so their requests
-are batched by the engines (`dispatch.py`). Built-ins: `single_turn` (the default: one request
-of n samples per prompt). A user function is `module:function`, importable from the run's
-working directory or PYTHONPATH (`rollout_functions.py`).
+are batched per replica (`replica_batcher.py`) and by the engines' step loops. Built-ins:
+`single_turn` (the default: one request of n samples per prompt). A user function is
+`module:function`, importable from the run's working directory or PYTHONPATH (`functions.py`).
 
 Seeds: the controller draws one base seed per prompt from (run seed, step, round), so a run and
 its resume sample the same tokens whatever the replicas' split. `ctx.sampling(j, turn)` is
@@ -24,16 +24,25 @@ import asyncio
 import dataclasses
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from miles_like.data import Problem
-from miles_like.rollouts.replica_batcher import Dispatch, Generation
+from miles_like.rollouts.replica_batcher import Generation
 from miles_like.rollouts.trajectory import Trajectory
 from miles_like.scoring.rewards import DEFAULT_TIMEOUT_S, RewardFn, compute_rewards
 
 __all__ = ["Generation", "RolloutContext", "RolloutFn"]
 
 RolloutFn = Callable[["RolloutContext", Problem], Awaitable[list[Trajectory]]]
+
+
+class EngineRequests(Protocol):
+    """Where a context's engine requests go: `ReplicaBatcher` in the synchronous loop,
+    `AgentCalls` in fully asynchronous training."""
+
+    async def generate(
+        self, replica: int, prompt_ids: Sequence[int], params, later_turn: bool
+    ) -> list[Generation]: ...
 
 
 class RolloutContext:
@@ -45,7 +54,7 @@ class RolloutContext:
         *,
         problem: Problem,
         params,
-        dispatch: Dispatch,
+        dispatch: EngineRequests,
         replica: int,
         tokenizer,
         context_len: int,

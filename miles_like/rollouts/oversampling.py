@@ -42,10 +42,7 @@ many weight updates (one a step: its oldest tokens are then that many versions o
 continues); one that would be carried again is dropped and counted (`rollout/stale_dropped_
 groups` / `_samples`).
 
-Carried groups are part of a checkpoint (`to_state` / `from_state`, in state.json). An async
-loop (issue 14, item 6) can reuse all of it: `OpenGroup` is the unit its buffer would hold, the
-quota the moment a batch is ready, and `carried` what goes back to the engines after a weight
-update.
+Carried groups are part of a checkpoint (`partial.to_state` / `from_state`, in state.json).
 """
 
 from __future__ import annotations
@@ -57,57 +54,16 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import torch
-
-from miles_like.data import Problem
-from miles_like.rollouts.replica_batcher import Dispatch, Generation
-from miles_like.rollouts.trajectory import Trajectory
-from miles_like.scoring.rewards import compute_rewards
-from miles_like.scoring.shaping import overlong_penalty
-
-ABORTED = "abort"  # finish_reason of a sample the engine stopped (unfinished)
-
-
-class Partial(NamedTuple):
-    """One sample of an open group, as far as it got."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    versions: tuple[int, ...]  # the weight version that sampled each token
-    finish_reason: str  # ABORTED while unfinished
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason != ABORTED
-
-    def extended(self, g: Generation) -> Partial:
-        return Partial(
-            self.token_ids + tuple(g.token_ids),
-            self.logprobs + tuple(g.logprobs),
-            self.versions + (g.versions or (g.weight_version,) * len(g.token_ids)),
-            g.finish_reason,
-        )
-
-
-class OpenGroup(NamedTuple):
-    """A group being generated, possibly over several steps."""
-
-    problem: Problem
-    samples: tuple[Partial, ...]  # () until its first request returns
-    rollouts: int = 0  # the rollouts it has been part of before this one
-
-    @property
-    def done(self) -> bool:
-        return bool(self.samples) and all(s.done for s in self.samples)
-
-
-EMPTY = Partial((), (), (), ABORTED)
+from miles_like.rollouts.group_scoring import Group, GroupScorer
+from miles_like.rollouts.partial import EMPTY, OpenGroup
+from miles_like.rollouts.replica_batcher import Generation, ReplicaBatcher
+from miles_like.rollouts.shares import split
 
 
 class Outcome(NamedTuple):
     """What one over-sampled rollout made."""
 
-    batch: list  # rollout_manager.Group, in launch order
+    batch: list[Group]  # in launch order
     carried: list[OpenGroup]  # to continue next step (retract)
     tallies: Counter
     metrics: dict[str, float]
@@ -115,65 +71,31 @@ class Outcome(NamedTuple):
 
 def quotas(batch: int, shares: Sequence[range]) -> list[int]:
     """Replica i's quota: its contiguous share of `batch`, split as the groups are."""
-    from miles_like.rollouts.manager import _split
-
-    return [len(r) for r in _split(batch, len(shares))]
+    return [len(r) for r in split(batch, len(shares))]
 
 
 def launched(prompts_per_step: int, over_sampling: float) -> int:
     return math.ceil(prompts_per_step * over_sampling - 1e-9)
 
 
-def to_state(groups: Sequence[OpenGroup]) -> list[dict]:
-    """JSON-ready (floats round-trip exactly through json)."""
-    return [
-        {
-            "prompt": g.problem.prompt,
-            "prompt_ids": list(g.problem.prompt_ids),
-            "answer": g.problem.answer,
-            "rollouts": g.rollouts,
-            "samples": [
-                {
-                    "token_ids": list(s.token_ids),
-                    "logprobs": list(s.logprobs),
-                    "versions": list(s.versions),
-                    "finish_reason": s.finish_reason,
-                }
-                for s in g.samples
-            ],
-        }
-        for g in groups
-    ]
-
-
-def from_state(rows: Sequence[dict]) -> list[OpenGroup]:
-    return [
-        OpenGroup(
-            Problem(r["prompt"], list(r["prompt_ids"]), r["answer"]),
-            tuple(
-                Partial(
-                    tuple(s["token_ids"]),
-                    tuple(float(x) for x in s["logprobs"]),
-                    tuple(s["versions"]),
-                    s["finish_reason"],
-                )
-                for s in r["samples"]
-            ),
-            r["rollouts"],
-        )
-        for r in rows
-    ]
-
-
 class OverSampledRollout:
-    """One step's over-sampled rollout, run on the manager's loop (`run`)."""
+    """One step's over-sampled rollout on `engines`, run on the manager's loop (`run`)."""
 
-    def __init__(self, manager, groups: list[OpenGroup], params: list, dispatch: Dispatch):
-        self.m = manager
-        self.recipe = manager.recipe
+    def __init__(
+        self,
+        recipe,
+        engines: list,
+        scorer: GroupScorer,
+        groups: list[OpenGroup],
+        params: list,
+        batcher: ReplicaBatcher,
+    ):
+        self.recipe = recipe
+        self.engines = engines
+        self.scorer = scorer
         self.groups = groups  # carried first, then fresh
         self.params = params  # per group: the step's SamplingParams (base seed)
-        self.dispatch = dispatch
+        self.batcher = batcher
         self.scored: dict[int, asyncio.Future] = {}
         self.tallies: Counter = Counter()
 
@@ -200,10 +122,8 @@ class OverSampledRollout:
         return out
 
     async def run(self) -> Outcome:
-        from miles_like.rollouts.manager import _split
-
         r = self.recipe.rollout
-        shares = _split(len(self.groups), len(self.m.engines))
+        shares = split(len(self.groups), len(self.engines))
         batch_ids: list[int] = []
         calls = []
         for i, (share, quota) in enumerate(zip(shares, quotas(r.prompts_per_step, shares))):
@@ -216,8 +136,8 @@ class OverSampledRollout:
                 calls.append(self._replica(i, rest, quota - len(ready)))
         for complete in await asyncio.gather(*calls):
             batch_ids += complete
-        if self.dispatch.failure is not None:
-            raise self.dispatch.failure
+        if self.batcher.failure is not None:
+            raise self.batcher.failure
         batch_ids.sort()
         chosen = set(batch_ids)
         batch = []
@@ -232,7 +152,7 @@ class OverSampledRollout:
         if r.max_carry_versions is not None:  # rollouts, this one counted = updates crossed
             stale = [g for g in carried if g.rollouts > r.max_carry_versions]
             carried = [g for g in carried if g.rollouts <= r.max_carry_versions]
-        self.tallies.update(self.dispatch.tallies)
+        self.tallies.update(self.batcher.tallies)
         metrics = self._metrics(batch_ids, rest, keep) if r.over_sampling > 1 else {}
         if keep and r.max_carry_versions is not None:
             metrics["stale_dropped_groups"] = float(len(stale))
@@ -264,15 +184,12 @@ class OverSampledRollout:
             if self.groups[g].done:
                 self._score_soon(g)
 
-        return await self.dispatch.stream(i, prompts, params, groups, quota, on_result)
+        return await self.batcher.stream(i, prompts, params, groups, quota, on_result)
 
     # -------------------------------------------------------------------------------- scoring
     def _score_soon(self, g: int) -> None:
         loop = asyncio.get_running_loop()
-        self.scored[g] = loop.run_in_executor(None, self._score, self.groups[g])
-
-    def _score(self, group: OpenGroup):
-        return score_group(self.m, group)
+        self.scored[g] = loop.run_in_executor(None, self.scorer.open_group, self.groups[g])
 
     # -------------------------------------------------------------------------------- metrics
     def _metrics(self, batch_ids: list[int], rest: list[int], keep: bool) -> dict[str, float]:
@@ -292,47 +209,3 @@ class OverSampledRollout:
             "aborted_groups": float(0 if keep else len(rest)),
             "aborted_samples": float(0 if keep else unfinished),
         }
-
-
-def score_group(manager, group: OpenGroup):
-    """A complete group's trajectories, scores and shaped rewards, and the reward function's
-    failure counts (as `RolloutManager._score`, one group at a time; `manager` the run's
-    RolloutManager)."""
-    from miles_like.rollouts.manager import Group
-
-    r, p = manager.recipe, group.problem
-    tok = manager.tokenizer.tok
-    trajectories = [
-        Trajectory(
-            tuple(p.prompt_ids) + s.token_ids,
-            len(p.prompt_ids),
-            (1,) * len(s.token_ids),
-            s.logprobs,
-            s.versions,
-            response_text=tok.decode(list(s.token_ids), skip_special_tokens=True),
-            finish_reason=s.finish_reason,
-            metrics={"turns": 1.0},
-        )
-        for s in group.samples
-    ]
-    result = compute_rewards(
-        manager.reward_fn,
-        [p.prompt] * len(trajectories),
-        [t.response_text for t in trajectories],
-        [p.answer] * len(trajectories),
-        max_workers=r.reward.max_workers,
-        timeout_s=r.reward.timeout_s,
-    )
-    penalty = overlong_penalty(
-        torch.tensor([t.sampled_tokens for t in trajectories]),
-        r.rollout.max_new_tokens,
-        r.algorithm.overlong_buffer,
-        r.algorithm.overlong_penalty,
-    )
-    counts = {
-        "reward_errors": result.num_errors,
-        "reward_nan": result.num_nan,
-        "reward_timeouts": result.num_timeouts,
-    }
-    rewards = [s + float(penalty[j]) for j, s in enumerate(result.scores)]
-    return Group(p, trajectories, list(result.scores), rewards), counts

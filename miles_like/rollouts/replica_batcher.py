@@ -11,10 +11,11 @@ A call holds only first turns or only later turns (a request extending an earlie
 group), so the engine's prefix-cache counters of the call say how well later turns reuse the
 KV of the earlier ones (`rollout/prefix_cache_hit_rate_turn2plus`).
 
-An engine that dies is replaced by `replace(i, died, requests)` (awaited; the controller does it
-on its own thread) and the lost call is sent again, with the same seeds, to the replacement. A call
-that outlives `timeout_s`, or an engine that dies with no `replace`, fails every waiting request
-and is kept in `failure`, which the controller raises whatever the rollout functions did with it.
+An engine that dies is replaced (`restarts.ask`, awaited: the controller does it on its own
+thread, `engine_deaths.py`) and the lost call is sent again, with the same seeds, to the
+replacement. A call that outlives `timeout_s`, or an engine that dies with no `restarts`, fails
+every waiting request and is kept in `failure`, which the controller raises whatever the rollout
+functions did with it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from miles_like.run.calls import ActorDied, Call, CallTimeout, is_death
+from miles_like.rollouts.engine_deaths import RestartRequests, engine_death
+from miles_like.run.calls import Call, CallTimeout
+
+T = TypeVar("T")
 
 COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
@@ -49,18 +53,14 @@ class _Request(NamedTuple):
     future: asyncio.Future  # -> list[Generation], one per sample of params.n
 
 
-class Dispatch:
-    """`engines` is read at every call (the owner replaces a dead engine in it)."""
+class ReplicaBatcher:
+    """Batches the rollout functions' requests per replica. `engines` is read at every call
+    (the owner replaces a dead engine in it)."""
 
-    def __init__(
-        self,
-        engines: list,
-        timeout_s: float,
-        replace: Callable[[int, ActorDied, int], Awaitable[None]] | None = None,
-    ):
+    def __init__(self, engines: list, timeout_s: float, restarts: RestartRequests | None = None):
         self.engines = engines
         self.timeout_s = timeout_s
-        self.replace = replace
+        self.restarts = restarts
         self.tallies: Counter = Counter()  # COUNTERS (+ "_turn2plus"), generated_tokens, ...
         self.failure: BaseException | None = None
         self.last_progress = time.monotonic()
@@ -143,7 +143,8 @@ class Dispatch:
         `quota` in completion order. An engine that dies is replaced and the whole call sent
         again (same seeds, same outcome); what was already delivered is not delivered twice."""
         delivered: set[int] = set()
-        while True:
+
+        async def attempt() -> dict:
             gen = self.engines[i].generate_stream.remote(prompts, params, groups, quota)
             try:
                 while True:
@@ -156,7 +157,7 @@ class Dispatch:
                     item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
                     self.last_progress = time.monotonic()
                     if isinstance(item, dict):
-                        break
+                        return item
                     k, samples, version, sample_versions = item
                     if k not in delivered:
                         delivered.add(k)
@@ -178,35 +179,37 @@ class Dispatch:
                 raise CallTimeout(
                     [Call(f"engine {i}", "generate_stream", None)], self.timeout_s
                 ) from None
-            except Exception as e:
-                if not is_death(e):
-                    raise
-                died = ActorDied(f"engine {i}", "generate_stream", e)
-                if self.replace is None:
-                    raise died from None
-                await self.replace(i, died, len(prompts))
-                self.last_progress = time.monotonic()
-                self.tallies["engine_restarts"] += 1
-                continue
-            for k in COUNTERS:
-                self.tallies[k] += item[k]
-            self.tallies["parked_reused_tokens"] += item.get("parked_reused_tokens", 0)
-            return list(item["complete"])
+
+        counters = await self._with_replacement(i, "generate_stream", len(prompts), attempt)
+        for k in COUNTERS:
+            self.tallies[k] += counters[k]
+        self.tallies["parked_reused_tokens"] += counters.get("parked_reused_tokens", 0)
+        return list(counters["complete"])
 
     async def _call(self, i: int, prompts: list[list[int]], params: list):
         """One `generate` on engine i, sent again to its replacement if it dies."""
-        while True:
+
+        async def attempt():
             ref = self.engines[i].generate.remote(prompts, params)
             try:
                 return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
             except TimeoutError:
                 raise CallTimeout([Call(f"engine {i}", "generate", ref)], self.timeout_s) from None
+
+        return await self._with_replacement(i, "generate", len(prompts), attempt)
+
+    async def _with_replacement(
+        self, i: int, method: str, requests: int, attempt: Callable[[], Awaitable[T]]
+    ) -> T:
+        """`attempt()`, a `method` call of `requests` requests on engine i, made again on the
+        replacement while the engine it reached dies (same seeds: the same outcome)."""
+        while True:
+            try:
+                return await attempt()
             except Exception as e:
-                if not is_death(e):
-                    raise
-                died = ActorDied(f"engine {i}", "generate", e)
-                if self.replace is None:
+                died = engine_death(i, method, e)
+                if self.restarts is None:
                     raise died from None
-                await self.replace(i, died, len(prompts))
+                await self.restarts.ask(i, died, requests)
                 self.last_progress = time.monotonic()
                 self.tallies["engine_restarts"] += 1

@@ -1,4 +1,4 @@
-"""Multi-turn rollout functions in fully asynchronous training (`async_agents.py`), end to end
+"""Multi-turn rollout functions in fully asynchronous training (`rollouts/agents.py`), end to end
 on Ray with `agent_rollouts:three_turns` (three model turns per sample, a deterministic tool
 message between them; each trajectory recorded).
 
@@ -148,4 +148,4 @@ def test_a_failing_rollout_function_stops_the_async_run(ray_local, cache, tmp_pa
     assert code == 1
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert line.startswith("error: rollout.function='agent_rollouts:bad_mask' failed on the prompt")
-    assert "ValueError: trajectory 0: loss_mask has" in line  # `RolloutManager._check_group`
+    assert "ValueError: trajectory 0: loss_mask has" in line  # `functions.check_group`

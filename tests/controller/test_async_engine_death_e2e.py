@@ -1,5 +1,5 @@
 """An engine that dies in fully asynchronous training (`cluster.fully_async`), end to end on
-Ray: it is replaced (`AsyncProducer._replace_dead`) and the run goes on, within
+Ray: it is replaced (`async_producer.replacement.Replicas.replace_dead`) and the run goes on, within
 `cluster.max_engine_restarts`.
 
 The engine actor is killed with `ray.kill` from a thread of this process, while `miles_like.

@@ -1,5 +1,5 @@
-"""`rollout.partial: in_place` in fully asynchronous training (`async_rollouts.py`), end to end
-on Ray (float64, one engine, one trainer, responses long enough to run across updates).
+"""`rollout.partial: in_place` in fully asynchronous training (`rollouts/async_producer/`), end
+to end on Ray (float64, one engine, one trainer, responses long enough to run across updates).
 
 * The weight updates keep the running requests and their K/V: some trained sample has tokens
   of two weight versions in one engine result (no abort, no second request), the K/V kept
@@ -23,7 +23,7 @@ from killed_run import killed_run
 from test_async_e2e import ASYNC, BASE, LONG, PROMPTS, check_accounting, run_in_process
 from test_resume_e2e import RECIPE
 
-from miles_like.rollouts.async_producer import AsyncProducer
+from miles_like.rollouts.async_producer.sending import Sender
 from miles_like.run import checkpoint
 from miles_like.run.runtime import Runtime
 
@@ -37,12 +37,12 @@ def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, 
     # what the engines returned, per (prompt index, sample): each result's tokens, log-probs
     # and per-token versions, in order; and what the trainer was given
     returned: dict[tuple, list] = defaultdict(list)
-    deliver = AsyncProducer._deliver
+    deliver = Sender.deliver
 
     def recording_deliver(self, owner, samples, version, versions):
         i, js = owner
-        if i in self.slots:  # (a group dropped while its requests ran is not trained)
-            prompt = tuple(self.slots[i].group.problem.prompt_ids)
+        if i in self.ledger.open:  # (a group dropped while its requests ran is not trained)
+            prompt = tuple(self.ledger.open[i].group.problem.prompt_ids)
             for k, (j, s) in enumerate(zip(js, samples)):
                 returned[prompt, i, j].append(
                     (list(s.token_ids), list(s.logprobs), list(versions[k]))
@@ -57,7 +57,7 @@ def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, 
             trained.append((list(tokens), start, lp.tolist()))
         return start_train(self, batch)
 
-    monkeypatch.setattr(AsyncProducer, "_deliver", recording_deliver)
+    monkeypatch.setattr(Sender, "deliver", recording_deliver)
     monkeypatch.setattr(Runtime, "start_train", recording_start_train)
     rows = run_in_process(
         tmp_path / "in_place",

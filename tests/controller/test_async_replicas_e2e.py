@@ -3,7 +3,7 @@ Ray: 3 CPU slots, one trainer rank and two engines (`cluster.rollout_devices=2`)
 
 * max_staleness 0 is the synchronous disaggregated run with the same two replicas: both loops
   give replica i the i-th contiguous share of a step's prompts, in data order, with the seeds
-  of their data positions (`rollout_manager._split`), so every metrics.jsonl key but the
+  of their data positions (`rollouts.shares.split`), so every metrics.jsonl key but the
   timings is equal (float64). The updates reach both replicas: a replica left with old weights
   would sample other tokens than the synchronous run's.
 * max_staleness 1 on long responses, replica 1 killed mid-run: in every step before the

@@ -6,7 +6,7 @@ scored as soon as its samples are done, so the scoring of the short groups runs 
 one still decodes:
 
 * exact: the rollout's groups (trajectories, scores, shaped rewards) equal scoring the same
-  trajectories at the end (`RolloutManager._score`, the non-streaming path);
+  trajectories at the end (`GroupScorer.groups`, the non-streaming path);
 * overlapped: every short group's scoring has finished before the long group's starts, so
   it ran while the long group still decoded (scoring at the end would start them together).
   This is an order of events, not a wall-time bound: a loaded box slows the decoding, which
@@ -18,15 +18,14 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-import miles_like.rollouts.oversampling as oversampling
 from miles_like.data import Problem
 from miles_like.models.tokenizer import HFTokenizer
 from miles_like.recipe import load_recipe
-from miles_like.rollouts.manager import RolloutManager
-from miles_like.rollouts.oversampling import OpenGroup, OverSampledRollout
-from miles_like.rollouts.replica_batcher import Dispatch
+from miles_like.rollouts.group_scoring import GroupScorer
+from miles_like.rollouts.oversampling import OverSampledRollout
+from miles_like.rollouts.partial import OpenGroup
+from miles_like.rollouts.replica_batcher import ReplicaBatcher
 from miles_like.scoring.rewards import compute_rewards, exact_match
 from rollout import EngineConfig, SamplingParams
 
@@ -72,16 +71,12 @@ def test_streamed_scores_equal_scoring_at_the_end_and_overlap_generation(
     ]
 
     def rollout(reward_fn):
-        manager = SimpleNamespace(
-            recipe=recipe,
-            engines=[worker],
-            tokenizer=HFTokenizer.load(tmp_path),
-            reward_fn=reward_fn,
-        )
+        scorer = GroupScorer(recipe, reward_fn, HFTokenizer.load(tmp_path).tok)
         groups = [OpenGroup(p, ()) for p in problems]
+        batcher = ReplicaBatcher([worker], 300.0)
         start = time.perf_counter()
         out = asyncio.run(
-            OverSampledRollout(manager, groups, params, Dispatch([worker], 300.0)).run()
+            OverSampledRollout(recipe, [worker], scorer, groups, params, batcher).run()
         )
         return out, time.perf_counter() - start
 
@@ -90,22 +85,20 @@ def test_streamed_scores_equal_scoring_at_the_end_and_overlap_generation(
     rollout(exact_match)  # the actor's start and first steps
 
     scoring = {}  # prompt -> (start, end) of its group's scoring, on the rollout's threads
-    score_group = oversampling.score_group
+    score_open_group = GroupScorer.open_group
 
-    def timed_score_group(manager, group):
+    def timed_score_open_group(scorer, group):
         start = time.perf_counter()
-        out = score_group(manager, group)
+        out = score_open_group(scorer, group)
         scoring[group.problem.prompt] = (start, time.perf_counter())
         return out
 
-    monkeypatch.setattr(oversampling, "score_group", timed_score_group)
+    monkeypatch.setattr(GroupScorer, "open_group", timed_score_open_group)
     t0 = time.perf_counter()
     streamed, wall_s = rollout(slow_exact)
 
-    at_end, counts = RolloutManager._score(
-        SimpleNamespace(recipe=recipe, reward_fn=slow_exact),
-        problems,
-        [g.trajectories for g in streamed.batch],
+    at_end, counts = GroupScorer(recipe, slow_exact).groups(
+        problems, [g.trajectories for g in streamed.batch]
     )
     assert streamed.batch == at_end
     assert [len(t.token_ids) - t.prompt_len for g in at_end for t in g.trajectories] == [

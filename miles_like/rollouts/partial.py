@@ -1,0 +1,100 @@
+"""Groups being generated, possibly across weight updates: each sample as far as it got.
+
+An unfinished sample keeps the tokens it has, with the engine log-prob and the weight version
+that sampled each; it continues as a request of its prompt + tokens (prefilled again under the
+new weights, or adopting its parked K/V). So a sample's tokens may come from several weight
+versions, and the loss's importance correction (TIS / MIS) uses exactly those behaviour
+log-probs. The over-sampled rollout carries such groups to the next step, the asynchronous
+producer holds them open across updates; both checkpoint them (`to_state` / `from_state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from miles_like.data import Problem
+from miles_like.rollouts.replica_batcher import Generation
+
+ABORTED = "abort"  # finish_reason of a sample the engine stopped (unfinished)
+
+
+class Partial(NamedTuple):
+    """One sample of an open group, as far as it got."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]  # the weight version that sampled each token
+    finish_reason: str  # ABORTED while unfinished
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason != ABORTED
+
+    def extended(self, g: Generation) -> Partial:
+        return Partial(
+            self.token_ids + tuple(g.token_ids),
+            self.logprobs + tuple(g.logprobs),
+            self.versions + (g.versions or (g.weight_version,) * len(g.token_ids)),
+            g.finish_reason,
+        )
+
+
+class OpenGroup(NamedTuple):
+    """A group being generated, possibly over several steps."""
+
+    problem: Problem
+    samples: tuple[Partial, ...]  # () until its first request returns
+    rollouts: int = 0  # the rollouts it has been part of before this one
+
+    @property
+    def done(self) -> bool:
+        return bool(self.samples) and all(s.done for s in self.samples)
+
+    def oldest(self) -> int | None:
+        """The oldest weight version of its tokens (None: no token yet)."""
+        return min((v for s in self.samples for v in s.versions), default=None)
+
+
+EMPTY = Partial((), (), (), ABORTED)
+
+
+def to_state(groups: Sequence[OpenGroup]) -> list[dict]:
+    """JSON-ready (floats round-trip exactly through json)."""
+    return [
+        {
+            "prompt": g.problem.prompt,
+            "prompt_ids": list(g.problem.prompt_ids),
+            "answer": g.problem.answer,
+            "rollouts": g.rollouts,
+            "samples": [
+                {
+                    "token_ids": list(s.token_ids),
+                    "logprobs": list(s.logprobs),
+                    "versions": list(s.versions),
+                    "finish_reason": s.finish_reason,
+                }
+                for s in g.samples
+            ],
+        }
+        for g in groups
+    ]
+
+
+def from_state(rows: Sequence[dict]) -> list[OpenGroup]:
+    return [
+        OpenGroup(
+            Problem(r["prompt"], list(r["prompt_ids"]), r["answer"]),
+            tuple(
+                Partial(
+                    tuple(s["token_ids"]),
+                    tuple(float(x) for x in s["logprobs"]),
+                    tuple(s["versions"]),
+                    s["finish_reason"],
+                )
+                for s in r["samples"]
+            ),
+            r["rollouts"],
+        )
+        for r in rows
+    ]
