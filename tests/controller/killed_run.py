@@ -33,9 +33,15 @@ class Kill:
 
 @contextmanager
 def killed_run(
-    out: Path, args: Sequence[str], marker: Path, delay_s: float = 0.0, timeout: float = 900
+    out: Path,
+    args: Sequence[str],
+    marker: Path,
+    delay_s: float = 0.0,
+    timeout: float = 900,
+    module: str = "miles_like.train",
 ) -> Iterator[Kill]:
-    """Starts `python -m miles_like.train *args tracking.output_dir=out` on entry; SIGKILLs it
+    """Starts `python -m miles_like.train *args tracking.output_dir=out` on entry (`module`:
+    another entry point taking the same arguments, e.g. one of this directory's); SIGKILLs it
     `delay_s` after `marker` appears. Leaving the block waits for the kill and asserts the
     marker was seen and nothing of the killed session survived."""
     env = dict(
@@ -49,7 +55,7 @@ def killed_run(
     kill = Kill()
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "miles_like.train", *args, f"tracking.output_dir={out}"],
+            [sys.executable, "-m", module, *args, f"tracking.output_dir={out}"],
             cwd=ROOT,
             env=env,
             stdout=log,

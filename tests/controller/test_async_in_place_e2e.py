@@ -10,7 +10,8 @@ to end on Ray (float64, one engine, one trainer, responses long enough to run ac
 * Kill -9 at an arbitrary moment, resume with checkpoint.resume=auto: the prompt accounting
   stays exact over the finished run; the groups open at the checkpoint continue on fresh
   engines without their parked K/V, as retract does (nothing reused in the first resumed
-  window).
+  window). The killed run holds one group open at every checkpoint (`held_open_train.py`), so
+  the checkpoint resumed from always has an open group with tokens, whatever the engine's lead.
 """
 
 from __future__ import annotations
@@ -103,23 +104,38 @@ DELAY_S = 0.3  # after checkpoint 3: inside step 3 or later, not at a checkpoint
 
 def test_killed_in_place_run_resumes_as_retract(ray_local, cache, tmp_path):
     out = tmp_path / "killed"
-    overrides = (f"steps={STEPS}", "checkpoint.every_steps=3", "checkpoint.keep_last=100")
+    overrides = (
+        f"steps={STEPS}",
+        "checkpoint.every_steps=3",
+        "checkpoint.keep_last=100",
+        # the default capacity (prompts_per_step x (max_staleness + 1)), and a room for the group
+        # the killed run keeps back for each checkpoint (`held_open_train.py`)
+        f"cluster.async_buffer_groups={2 * PROMPTS + 1}",
+    )
     marker = out / "checkpoints" / "step_000003" / "state.json"
-    with killed_run(out, [RECIPE, *BASE, *overrides, *IN_PLACE], marker, delay_s=DELAY_S) as kill:
+    args = [RECIPE, *BASE, *overrides, *IN_PLACE]
+    with killed_run(out, args, marker, delay_s=DELAY_S, module="held_open_train") as kill:
         pass
     assert kill.rows_at_kill and 3 <= kill.rows_at_kill[0] < STEPS, "not killed mid-run"
     resumed_from = checkpoint.complete_checkpoints(out)[-1]
-    first = json.loads((resumed_from / "state.json").read_text())["next_step"]
+    state = json.loads((resumed_from / "state.json").read_text())
+    first = state["next_step"]
     rows = run_in_process(out, *overrides, *IN_PLACE, "checkpoint.resume=auto")
     assert [r["step"] for r in rows] == list(range(STEPS))
     trained = check_accounting(rows)
     assert len(trained) == STEPS * PROMPTS
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
-    # the checkpoint held open groups with tokens; on the fresh engines they prefilled again.
-    # Whether it did is timing: an engine far ahead of the trainer (a loaded box slows the
-    # heavier trainer more) has filled the buffer and holds no open group at the checkpoint.
-    opened = json.loads((resumed_from / "state.json").read_text())["async"]["open"]
-    if not any(s["token_ids"] for g in opened for s in g["samples"]):
-        pytest.skip("no open group had tokens at the checkpoint: the engine was a buffer ahead")
+    # the checkpoint held open groups with their tokens (the killed run holds one open at every
+    # checkpoint), all sampled by the weights its update replaced (older ones are stale); on the
+    # fresh engines they prefilled again: nothing was reused in the first resumed window, and
+    # the engines reused K/V again after the first update
+    partial = [g for g in state["async"]["open"] if any(s["token_ids"] for s in g["samples"])]
+    assert partial
+    assert all(
+        len(s["token_ids"]) == len(s["logprobs"]) == len(s["versions"])
+        and set(s["versions"]) <= {state["weight_version"] - 1}
+        for g in partial
+        for s in g["samples"]
+    )
     assert rows[first][REUSED] == 0
     assert any(r[REUSED] > 0 for r in rows[first + 1 :])

@@ -1,0 +1,83 @@
+"""`python -m held_open_train RECIPE [key=value ...]`: `python -m miles_like.train` whose fully
+asynchronous producer (single-turn, `rollout.partial: in_place`) holds one group open at every
+checkpoint, so that the checkpoint always shows what a resume does with an open group's tokens.
+
+An engine faster than the trainer fills the buffer: at a checkpoint's update nothing runs, and
+no open group has tokens. Here one fresh group is kept back (drawn, not sent; it takes a room
+of the buffer, so give the run one room more than its batches need) until the update before the
+next checkpoint. There its first request samples one token per sample (`max_new_tokens=1`,
+`ignore_eos`) and comes back unfinished, as an abort leaves a sample (its finish reason is the
+abort's: the cut was this hook's, not the recipe's budget); its continuation is sent, and the
+update's abort stops it. The checkpoint then holds the group open, with tokens of the weights
+the update replaces (one version old: not stale). The engines, the tokens, their log-probs and
+versions are all real.
+
+Run as the killed run of `test_async_in_place_e2e.py` (`killed_run(..., module=...)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+
+class Hold:
+    index: int | None = None  # the group kept back
+    cut: int | None = None  # the group whose first request is cut after one token
+
+
+def install() -> None:
+    from miles_like.rollouts.async_producer import AsyncProducer
+    from miles_like.rollouts.async_producer.sending import Sender
+    from miles_like.rollouts.partial import ABORTED
+
+    waiting, requests, deliver = Sender.waiting, Sender.requests, Sender.deliver
+    pause = AsyncProducer.pause
+
+    def held_waiting(self) -> list[int]:
+        out = waiting(self)
+        if Hold.index is None:  # the lowest fresh group waiting
+            fresh = [i for i in out if not self.ledger.open[i].group.samples and i != Hold.cut]
+            Hold.index = fresh[0] if fresh else None
+        return [i for i in out if i != Hold.index]
+
+    def cut_requests(self, slot):
+        out = requests(self, slot)
+        if slot.index != Hold.cut or slot.group.samples:
+            return out
+        cut = [(p, dataclasses.replace(s, max_new_tokens=1, ignore_eos=True), j) for p, s, j in out]
+        return cut
+
+    def cut_deliver(self, owner, samples, version, versions):
+        if owner[0] == Hold.cut and not self.ledger.open[owner[0]].group.samples:
+            assert all(s.finish_reason == "length" and len(s.token_ids) == 1 for s in samples)
+            samples = [s._replace(finish_reason=ABORTED) for s in samples]
+        return deliver(self, owner, samples, version, versions)
+
+    async def release(producer: AsyncProducer) -> None:
+        """Send the held group; returns once its cut first request is back (with tokens)."""
+        assert Hold.index is not None, "no fresh group was kept back for this checkpoint"
+        i = Hold.cut = Hold.index
+        Hold.index = None  # the next fill keeps back the next checkpoint's group
+        producer.sender.fill()
+        while not producer.ledger.open[i].group.samples:
+            await asyncio.sleep(0.01)
+
+    def held_pause(self, abort: bool = True) -> None:
+        if abort:  # in_place aborts only before a checkpoint
+            self._run(release(self))
+        pause(self, abort)
+
+    Sender.waiting = held_waiting
+    Sender.requests = cut_requests
+    Sender.deliver = cut_deliver
+    AsyncProducer.pause = held_pause
+
+
+if __name__ == "__main__":
+    import sys
+
+    from miles_like.recipe.cli import main
+
+    install()
+    sys.exit(main())
