@@ -14,9 +14,9 @@ import torch
 
 from trainer import losses, objective
 from trainer.config import RLBatch, TrainerConfig
-from trainer.megatron_runner import MegatronModel, device, dp_share, reduce_metrics
+from trainer.megatron_runner import MegatronModel, dp_share, reduce_metrics
 from trainer.packing import MicroBatch
-from trainer.parallel import init_parallel
+from trainer.parallel import device, init_parallel
 
 CRITIC_METRIC_KEYS = ("value_loss", "value_mean", "value_clipfrac")
 

@@ -31,15 +31,7 @@ from trainer.mismatch import mismatch_metrics
 from trainer.offload import tensors_bytes
 from trainer.optim import lr_at
 from trainer.packing import MicroBatch, pack_all
-from trainer.parallel import init_distributed
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+from trainer.parallel import device, init_distributed
 
 
 class DeepSpeedTrainer:
@@ -103,7 +95,7 @@ class DeepSpeedTrainer:
                 attn_implementation="sdpa",
             ).eval()
             self.reference.requires_grad_(False)
-            self.reference.to("cpu" if cfg.reference_on_cpu else _device())
+            self.reference.to("cpu" if cfg.reference_on_cpu else device())
         self.sampling = None  # frozen copy of the weights the engines sample with (host)
         if not torch.cuda.is_available():
             # DeepSpeed's comm backend on CPU JIT-compiles its shared-memory all-reduce (ninja,
@@ -120,7 +112,7 @@ class DeepSpeedTrainer:
 
     def _forward(self, mb: MicroBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Response-token (logprobs, entropy) of one micro-batch, in packed order."""
-        device = _device()
+        dev = device()
         bounds = mb.cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         longest = max(lengths)
@@ -131,12 +123,12 @@ class DeepSpeedTrainer:
             ids[row, :n] = flat[a : a + n]
             attn[row, :n] = 1
         model = self.engine if model is None else model
-        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
-        packed = logits[attn.to(device).bool()]  # [t, V] in packed order (row-major)
+        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits
+        packed = logits[attn.to(dev).bool()]  # [t, V] in packed order (row-major)
         # only the read rows go through the softmax (unshared packing: each row read at most once)
         out = full_vocab_logprobs(
-            packed.index_select(0, mb.read_rows.to(device)),
-            mb.read_targets.to(device),
+            packed.index_select(0, mb.read_rows.to(dev)),
+            mb.read_targets.to(dev),
             temperature=self.cfg.loss.temperature,
         )
         return out.logprobs, out.entropy
@@ -194,7 +186,7 @@ class DeepSpeedTrainer:
         if self.reference is None:
             raise ValueError("no reference model: set trainer.use_reference: true")
         if self.cfg.reference_on_cpu:
-            self.reference.to(_device())
+            self.reference.to(device())
         try:
             return self.compute_logprobs(batch, model=self.reference)
         finally:
@@ -227,7 +219,7 @@ class DeepSpeedTrainer:
         """Log-probs under the weights `keep_sampling_weights` copied."""
         if self.sampling is None:
             raise ValueError("no sampling weights kept: call keep_sampling_weights() first")
-        self.sampling.to(_device())
+        self.sampling.to(device())
         try:
             return self.compute_logprobs(batch, model=self.sampling)
         finally:
@@ -249,7 +241,7 @@ class DeepSpeedTrainer:
         mine = self._dp_share(len(batch.tokens))
         local = batch.subset(mine)
         mbs = pack_all(local.tokens, local.prompt_lens, cfg.max_tokens_per_micro_batch)
-        device = _device()
+        dev = device()
         dp = dist.get_world_size()
         lr = lr_at(self.step_count, cfg.optim)
         for group in self.optimizer.param_groups:
@@ -261,7 +253,7 @@ class DeepSpeedTrainer:
         for j, (mb, real) in enumerate(passes):
             self.engine.set_gradient_accumulation_boundary(j == len(passes) - 1)
             lp, ent = self._forward(mb)
-            data = objective.token_data(local, mb, device)
+            data = objective.token_data(local, mb, dev)
             loss, metrics = objective.micro_batch_objective(lp, ent, data, cfg.loss, norm)
             # DeepSpeed averages over DP while our shares are meant to be summed: scale by dp.
             self.engine.backward(loss * (dp if real else 0.0))

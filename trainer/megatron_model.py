@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_spec import ModelSpec, UnsupportedModelError
 from trainer import compiled, cpu_compat, packed_rope
+from trainer.parallel import device
 from trainer.sdpa_attention import SDPACoreAttention
 
 
@@ -203,17 +204,13 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(arch.rope.theta),
     )
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    dev = device()
     if params_dtype == torch.float64:
         # megatron's torch-norm wrapper ignores params_dtype: its weights would stay float32 and
         # round the checkpoint's float64 norm weights (a 1e-7 relative error in every layer)
         model.to(dtype=params_dtype)
     _mark_tensor_parallel_shards(model)
-    model.to(device)
+    model.to(dev)
     if compile:
         compiled.compile_norms(model)
         compiled.mark_rotary(model.config)
@@ -223,5 +220,5 @@ def build_gpt_model(
     # Megatron computes the angles and cos / sin in inv_freq's dtype: fp64 for a float64 model.
     model.rotary_pos_emb.inv_freq = arch.rope.inv_freq(
         arch.head_dim, torch.promote_types(params_dtype, torch.float32)
-    ).to(device)
+    ).to(dev)
     return model, layout

@@ -41,16 +41,9 @@ from trainer.megatron_model import build_gpt_model
 from trainer.offload import move_optimizer_state, move_params, synchronize
 from trainer.optim import clip_grads_, grad_norm, load_optimizer_state, lr_at
 from trainer.packing import MicroBatch, pack_all
+from trainer.parallel import device
 from trainer.response_rows import install as install_row_selection
 from trainer.response_rows import selecting
-
-
-def device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
 
 
 def dp_share(n: int) -> list[int]:

@@ -22,7 +22,6 @@ from trainer.logprobs import vocab_parallel_logprobs
 from trainer.megatron_runner import (
     MegatronModel,
     all_gather_dicts,
-    device,
     dp_share,
     from_last_stage,
     reduce_metrics,
@@ -30,7 +29,7 @@ from trainer.megatron_runner import (
 from trainer.mismatch import mismatch_metrics
 from trainer.offload import move_params
 from trainer.packing import MicroBatch
-from trainer.parallel import init_parallel
+from trainer.parallel import device, init_parallel
 
 
 class MegatronTrainer:

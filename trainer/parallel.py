@@ -15,14 +15,25 @@ from megatron.core import parallel_state
 from trainer import cpu_compat
 
 
+def device() -> torch.device:
+    """The device this trainer process computes on: its one CUDA device (the current one), or
+    the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
 def init_distributed(store: dist.Store | None = None) -> None:
     """torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT:
     torchrun, or `TrainerWorker.set_rendezvous`), or a 1-process world when launched plainly.
 
-    `store`: where the world meets, rank 0's already listening on MASTER_PORT
-    (`workers.held_rendezvous`: the port was never let go between choosing it and this call,
-    so nothing else can take it); every rank passes one (a store given explicitly is used
-    without the prefix the environment's rendezvous adds, so the ranks cannot mix the two).
+    `store`: where the world meets, rank 0's already listening on MASTER_PORT (the
+    controller's `rendezvous.held_rendezvous`: the port was never let go between choosing it
+    and this call, so nothing else can take it); every rank passes one (a store given
+    explicitly is used without the prefix the environment's rendezvous adds, so the ranks
+    cannot mix the two).
     The 1-process world meets in an in-process store, without a port and without touching
     os.environ, so subprocesses (torchrun, benchmarks) do not inherit a RANK / MASTER_PORT
     that belongs to this process."""
