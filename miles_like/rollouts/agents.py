@@ -37,8 +37,8 @@ from miles_like.data import Problem
 from miles_like.rollouts.functions import function_failed
 from miles_like.rollouts.partial import EMPTY, OpenGroup, Partial
 from miles_like.rollouts.replica_batcher import Generation
-from miles_like.rollouts.shares import replica_of
 from miles_like.rollouts.trajectory import Trajectory
+from miles_like.shares import replica_of
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """An engine replica that dies during a rollout: naming the death, and replacing the replica.
 
-Rollouts run on the manager's asyncio loop, but a replacement (`Runtime.restart_engine`) is
+Rollouts run on the manager's asyncio loop, but a replacement (`RunActors.restart_engine`) is
 made on the controller's thread: it takes the trainer's current weights, so no trainer call
 may run meanwhile, which only the controller's thread can promise. The loop asks for it
 (`RestartRequests.ask`, awaited) and the controller's thread, waiting on the rollout, makes it

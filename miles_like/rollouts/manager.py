@@ -42,10 +42,10 @@ from miles_like.rollouts.oversampling import OverSampledRollout, launched
 from miles_like.rollouts.partial import OpenGroup, from_state, to_state
 from miles_like.rollouts.replica_batcher import ReplicaBatcher
 from miles_like.rollouts.rollout_metrics import async_batch_metrics, step_metrics
-from miles_like.rollouts.shares import split
 from miles_like.rollouts.tools import ToolPool, load_tools
 from miles_like.rollouts.trajectory import Trajectory
 from miles_like.run.calls import ActorDied
+from miles_like.shares import near_equal_shares
 
 __all__ = ["Group", "PendingRollout", "Rollout", "RolloutManager"]
 
@@ -178,7 +178,9 @@ class RolloutManager:
         params = self.sampling_params(step, round_, len(problems))
         # empty shares (fewer prompts than engines) are the last ones: share i is engine i's
         home = {
-            k: i for i, share in enumerate(split(len(problems), len(self.engines))) for k in share
+            k: i
+            for i, share in enumerate(near_equal_shares(len(problems), len(self.engines)))
+            for k in share
         }
         return self._start(
             step, problems, consumed_before, (), lambda b: self._run(problems, params, home, b)

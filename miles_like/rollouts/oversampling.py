@@ -57,7 +57,7 @@ from typing import NamedTuple
 from miles_like.rollouts.group_scoring import Group, GroupScorer
 from miles_like.rollouts.partial import EMPTY, OpenGroup
 from miles_like.rollouts.replica_batcher import Generation, ReplicaBatcher
-from miles_like.rollouts.shares import split
+from miles_like.shares import near_equal_shares
 
 
 class Outcome(NamedTuple):
@@ -71,7 +71,7 @@ class Outcome(NamedTuple):
 
 def quotas(batch: int, shares: Sequence[range]) -> list[int]:
     """Replica i's quota: its contiguous share of `batch`, split as the groups are."""
-    return [len(r) for r in split(batch, len(shares))]
+    return [len(r) for r in near_equal_shares(batch, len(shares))]
 
 
 def launched(prompts_per_step: int, over_sampling: float) -> int:
@@ -123,7 +123,7 @@ class OverSampledRollout:
 
     async def run(self) -> Outcome:
         r = self.recipe.rollout
-        shares = split(len(self.groups), len(self.engines))
+        shares = near_equal_shares(len(self.groups), len(self.engines))
         batch_ids: list[int] = []
         calls = []
         for i, (share, quota) in enumerate(zip(shares, quotas(r.prompts_per_step, shares))):

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from miles_like.run.calls import ActorDied, each, gather
+from miles_like.run.calls import ActorDied, start_on_all, wait_all
 from rollout.activity import ForwardPass
 
 TAIL_SHARE = 0.9  # the tail starts when this share of the rollout's samples is finished
@@ -116,8 +116,8 @@ class BusyAccounting:
     """The controller's side: drains the actors' logs every step and keeps what a later window
     still needs (the forwards of a rollout launched during this step)."""
 
-    def __init__(self, runtime):
-        self.rt = runtime
+    def __init__(self, actors):
+        self.actors = actors  # the run's `RunActors`
         self.forwards: dict[int, list[ForwardPass]] = {}  # by engine index (replacements too)
         # time.time() of a perf_counter() reading: the rollout manager times with the latter
         self._wall_offset = time.time() - time.perf_counter()
@@ -130,14 +130,15 @@ class BusyAccounting:
     def step_done(self, start: float, end: float, pending_started: float | None) -> dict:
         """perf/ metrics of the step in [start, end] (time.time()); `pending_started`: the
         perf_counter() launch of the rollout still running, if any."""
-        rt = self.rt
-        for i, c in enumerate(each("engine", rt.engines, "take_activity")):
+        actors = self.actors
+        for i, c in enumerate(start_on_all("engine", actors.engines, "take_activity")):
             try:
-                (forwards,) = gather([c], rt.timeout_s)
+                (forwards,) = wait_all([c], actors.timeout_s)
             except ActorDied:  # the rollout in flight replaces it (its passes are lost)
                 forwards = []
             self.forwards.setdefault(i, []).extend(forwards)
-        taken = gather(each("trainer rank", rt.trainers, "take_activity"), rt.timeout_s)
+        calls = start_on_all("trainer rank", actors.trainers, "take_activity")
+        taken = wait_all(calls, actors.timeout_s)
         per_rank = [[Span(*s) for s in spans] for spans in taken]
         per_engine = [self.forwards[i] for i in sorted(self.forwards)]
         out = step_metrics(per_engine, per_rank, Span(start, end))

@@ -1,8 +1,9 @@
-"""Waiting on actor calls. Every blocking wait of the controller goes through `gather`, which
+"""Waiting on actor calls. Every blocking wait of the controller goes through `wait_all`, which
 never waits longer than `cluster.call_timeout_s` and names the actor and method of whatever went
 wrong, so a dead or hung actor stops the run with one line instead of a hang or a traceback.
 
-    results = gather([call("trainer rank 0", t, "train", batch), ...], timeout_s)
+    results = wait_all([start_call("trainer rank 0", t, "train", batch), ...], timeout_s)
+    results = wait_all(start_on_all("trainer rank", trainers, "train", batch), timeout_s)
 
 A call whose actor died raises `ActorDied` (or, with `on_death`, is replaced by the call that
 function returns: how a dead engine's rollout share is regenerated on its replacement). An
@@ -27,14 +28,14 @@ class Call(NamedTuple):
     ref: Any  # ray.ObjectRef
 
 
-def call(actor: str, handle, method: str, *args) -> Call:
+def start_call(actor: str, handle, method: str, *args) -> Call:
     """Start `handle.method(*args)` (non-blocking)."""
     return Call(actor, method, getattr(handle, method).remote(*args))
 
 
-def each(role: str, handles: Sequence, method: str, *args) -> list[Call]:
-    """The same call on every actor of a group, labelled `{role} {index}`."""
-    return [call(f"{role} {i}", h, method, *args) for i, h in enumerate(handles)]
+def start_on_all(role: str, handles: Sequence, method: str, *args) -> list[Call]:
+    """The same call started on every actor of a group, labelled `{role} {index}`."""
+    return [start_call(f"{role} {i}", h, method, *args) for i, h in enumerate(handles)]
 
 
 class ActorDied(RuntimeError):
@@ -68,7 +69,7 @@ def is_death(error: BaseException) -> bool:
     return isinstance(error, RayActorError) and not isinstance(error, RayTaskError)
 
 
-def gather(
+def wait_all(
     calls: Sequence[Call],
     timeout_s: float,
     on_death: Callable[[int, ActorDied], Call] | None = None,

@@ -16,10 +16,13 @@ checkpoint was taken (same samples, same updates, same metrics as a run never st
                             layout, the step's metrics row, over-sampled runs' carried partial
                             groups (`oversampling.to_state`); written last
 
-It is written into `.tmp-step_000012/` and renamed: a `step_*` directory holding a `state.json`
-is complete, and resuming considers nothing else. Old checkpoints are renamed to `.del-*`
-before they are deleted, for the same reason. Every `.pt` file holds only tensors and plain
-Python values and is read with `torch.load(weights_only=True)`; weights are safetensors.
+The loops write one in three calls: `save_policy` (the trainer's side: weights, every rank's
+training state, the reference), `save_engine_weights` (off-policy runs), then `finish` (the
+controller's state.json, the rename). It is written into `.tmp-step_000012/` and renamed: a `step_*`
+directory holding a `state.json` is complete, and resuming considers nothing else. Old checkpoints
+are renamed to `.del-*` before they are deleted, for the same reason. Every `.pt` file holds only
+tensors and plain Python values and is read with `torch.load(weights_only=True)`; weights are
+safetensors.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_like.errors import RecipeError
+from miles_like.run.calls import start_call, wait_all
 
 STATE_FILE = "state.json"
 CONTROLLER_FILE = "controller.pt"
@@ -117,6 +121,23 @@ def refuse_earlier_run(output_dir: Path) -> None:
         )
 
 
+def trainer_layout(recipe, ranks: int) -> dict:
+    """What a resumed run must match for the per-rank training states to fit."""
+    tr = recipe.trainer
+    return {"trainer_ranks": ranks, "tp": tr.tp, "pp": tr.pp, "backend": tr.backend}
+
+
+def check_same_layout(recipe, state: dict, ranks: int) -> None:
+    now = trainer_layout(recipe, ranks)
+    then = {k: state[k] for k in now}
+    if now != then:
+        raise RecipeError(
+            f"checkpoint.resume: the checkpoint was written with {then}, this "
+            f"recipe gives {now}; resume with the same cluster.devices, "
+            "cluster.rollout_devices and trainer.tp / pp / backend"
+        )
+
+
 def read_state(directory: Path) -> dict[str, Any]:
     file = Path(directory) / STATE_FILE
     try:
@@ -142,6 +163,18 @@ def read_state(directory: Path) -> dict[str, Any]:
     return state
 
 
+def load_trainer_states(trainers: list, directory: Path, timeout_s: float) -> None:
+    """Every trainer rank's training state from the checkpoint (after `build` from its
+    weights)."""
+    wait_all(
+        [
+            start_call(f"trainer rank {rank}", t, "load_state", str(rank_file(directory, rank)))
+            for rank, t in enumerate(trainers)
+        ],
+        timeout_s,
+    )
+
+
 # ---------------------------------------------------------------------------------- writing
 def begin(output_dir: Path, step: int) -> Path:
     """A fresh temporary directory for the checkpoint `step_{step}` (any leftover of an
@@ -150,6 +183,41 @@ def begin(output_dir: Path, step: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def save_policy(actors, directory: Path) -> None:
+    """The trainer's side of a checkpoint (`actors`: the run's `RunActors`): the policy (HF
+    files in `directory`), every rank's training state and, with a KL term, the reference. The
+    controller's state is the loop's (`finish`)."""
+    actors.save_hf(directory)
+    wait_all(
+        [
+            start_call(f"trainer rank {rank}", t, "save_state", str(rank_file(directory, rank)))
+            for rank, t in enumerate(actors.trainers)
+        ],
+        actors.timeout_s,
+    )
+    if actors.reference_dir is not None:
+        save_reference(
+            actors.reference_dir,
+            directory / REFERENCE_DIR,
+            Path(actors.recipe.tracking.output_dir),
+        )
+
+
+def save_engine_weights(actors, directory: Path) -> None:
+    """Off-policy: the trainer's current weights, which the engines are generating the pending
+    rollout with (call it between that rollout's launch and the next train)."""
+    actors.save_hf(directory / ENGINE_DIR)
+
+
+def finish(actors, tmp: Path, state: dict[str, Any]) -> Path:
+    """Complete the checkpoint written into `tmp` (`commit`). The next one takes the reference
+    from it: the one this run started from may be deleted (keep_last)."""
+    final = commit(tmp, state, actors.recipe.checkpoint.keep_last)
+    if actors.reference_dir is not None:
+        actors.reference_dir = final / REFERENCE_DIR
+    return final
 
 
 def commit(tmp: Path, state: dict[str, Any], keep_last: int) -> Path:

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 import ray
 
-from miles_like.run.calls import call, gather
+from miles_like.run.calls import start_call, wait_all
 
 
 class HttpFront:
@@ -24,8 +24,8 @@ class HttpFront:
 
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
-        self.urls = gather(
-            [call(f"engine {i}", e, "serve") for i, e in enumerate(engines)], timeout_s
+        self.urls = wait_all(
+            [start_call(f"engine {i}", e, "serve") for i, e in enumerate(engines)], timeout_s
         )
         self.router, self.sessions = Router(len(self.urls)), Sessions()
         self._server = None

@@ -11,6 +11,7 @@ is the same.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import ray
@@ -18,9 +19,11 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles_like.recipe.build_configs import engine_config
 from miles_like.run import orphans
-from miles_like.run.calls import call, each, gather
-from miles_like.run.workers import EngineWorker, TrainerWorker
+from miles_like.run.calls import start_call, start_on_all, wait_all
+from miles_like.run.engine_worker import EngineWorker
+from miles_like.run.trainer_worker import TrainerWorker
 
 
 class Layout(NamedTuple):
@@ -34,6 +37,9 @@ class Layout(NamedTuple):
     # cluster.pin_cpus: the cores of each bundle's worker (bundle b: the b-th `threads` of the
     # cores the controller may use); () unpinned
     cpus: tuple[tuple[int, ...], ...] = ()
+    # engines and trainer take turns holding the devices' memory: colocated on GPUs. Elsewhere
+    # the loop's memory calls do nothing (on CPU there is no device memory to hand over)
+    staged_memory: bool = False
 
     @property
     def num_replicas(self) -> int:
@@ -87,11 +93,26 @@ def plan(cluster, engine_tp: int = 1) -> Layout:
             )
         cpus = tuple(tuple(mine[b * threads : (b + 1) * threads]) for b in range(d))
     if cluster.colocate:
-        return Layout(accelerator, d, list(range(d)), list(range(d)), True, threads, engine_tp)
+        return Layout(
+            accelerator,
+            d,
+            list(range(d)),
+            list(range(d)),
+            True,
+            threads,
+            engine_tp,
+            staged_memory=accelerator == "cuda",
+        )
     r = cluster.rollout_devices if cluster.rollout_devices is not None else d // 2
     return Layout(
         accelerator, d, list(range(d - r)), list(range(d - r, d)), False, threads, engine_tp, cpus
     )
+
+
+def engine_settings(recipe, layout: Layout, model_dir: Path):
+    """The `EngineConfig` of every engine rank, loading `model_dir`."""
+    device = "cuda" if layout.accelerator == "cuda" else "cpu"
+    return engine_config(recipe, str(model_dir), device)
 
 
 def start_ray(cluster, layout: Layout) -> None:
@@ -166,19 +187,19 @@ def create_trainers(layout: Layout, pg, tag: str, timeout_s: float) -> list:
         ).remote(rank, world, layout.threads)
         for rank, b in enumerate(layout.trainer_bundles)
     ]
-    gather(each("trainer rank", trainers, "ready"), timeout_s)
+    wait_all(start_on_all("trainer rank", trainers, "ready"), timeout_s)
     pin(layout, trainers, layout.trainer_bundles, "trainer rank", timeout_s)
-    ((host, port),) = gather([call("trainer rank 0", trainers[0], "rendezvous")], timeout_s)
-    gather(each("trainer rank", trainers, "set_rendezvous", host, port), timeout_s)
+    ((host, port),) = wait_all([start_call("trainer rank 0", trainers[0], "rendezvous")], timeout_s)
+    wait_all(start_on_all("trainer rank", trainers, "set_rendezvous", host, port), timeout_s)
     return trainers
 
 
 def pin(layout: Layout, actors: list, bundles: list[int], role: str, timeout_s: float) -> None:
     """cluster.pin_cpus: every thread of each actor's process onto its bundle's cores."""
     if layout.cpus:
-        gather(
+        wait_all(
             [
-                call(f"{role} {k}", a, "pin_cpus", list(layout.cpus[b]))
+                start_call(f"{role} {k}", a, "pin_cpus", list(layout.cpus[b]))
                 for k, (a, b) in enumerate(zip(actors, bundles))
             ],
             timeout_s,
@@ -217,24 +238,25 @@ def create_engines(
         for i, ranks in zip(indices, replicas)
         for rank, actor in enumerate(ranks)
     ]
-    gather([call(label, a, "ready") for label, a in labelled], timeout_s)
+    wait_all([start_call(label, a, "ready") for label, a in labelled], timeout_s)
     for i, ranks in zip(indices, replicas):
         pin(layout, ranks, layout.replica_bundles(i), f"engine {i} rank", timeout_s)
     if k == 1:
         return replicas
-    meet = gather(
-        [call(f"engine {i}", r[0], "rendezvous") for i, r in zip(indices, replicas)], timeout_s
+    meet = wait_all(
+        [start_call(f"engine {i}", r[0], "rendezvous") for i, r in zip(indices, replicas)],
+        timeout_s,
     )
-    gather(
+    wait_all(
         [
-            call(label, a, "start_tp", *meet[n // k], timeout_s)
+            start_call(label, a, "start_tp", *meet[n // k], timeout_s)
             for n, (label, a) in enumerate(labelled)
         ],
         timeout_s,
     )
-    gather(
+    wait_all(
         [
-            call(f"engine {i}", r[0], "watch_followers", [f.follow.remote() for f in r[1:]])
+            start_call(f"engine {i}", r[0], "watch_followers", [f.follow.remote() for f in r[1:]])
             for i, r in zip(indices, replicas)
         ],
         timeout_s,

@@ -23,7 +23,7 @@ from miles_like.models.store import cached_dir, content_key, copy_model_files
 from miles_like.recipe.build_configs import trainer_config
 from miles_like.rollouts import tool_loop
 from miles_like.rollouts.tools import load_tools
-from miles_like.run.calls import each, gather
+from miles_like.run.calls import start_on_all, wait_all
 from miles_like.tasks import calc
 from trainer import RLBatch
 from trainer.config import LossConfig, OptimConfig
@@ -148,7 +148,7 @@ def warm_start(
             loss=LossConfig(policy_loss="sft", loss_agg="token-mean"),
             optim=OptimConfig(lr=sft.lr, grad_clip=cfg.optim.grad_clip, total_steps=sft.steps),
         )
-        gather(each("trainer rank", trainers, "build", cfg), timeout_s)
+        wait_all(start_on_all("trainer rank", trainers, "build", cfg), timeout_s)
         source = PromptSource(
             recipe.data,
             tokenizer,
@@ -161,7 +161,8 @@ def warm_start(
             batch = ray.put(
                 sft_batch(source.next_batch(sft.batch_size), tokenizer, demonstrate, tools)
             )
-            metrics = gather(each("trainer rank", trainers, "train", batch, 1), timeout_s)[0]
+            calls = start_on_all("trainer rank", trainers, "train", batch, 1)
+            metrics = wait_all(calls, timeout_s)[0]
             losses.append(metrics["loss"])
             stop = reached_stop_loss(losses, sft.stop_loss, sft.stop_window)
             if step % max(1, sft.steps // 10) == 0 or step == sft.steps - 1 or stop:
@@ -172,7 +173,7 @@ def warm_start(
                     f"sft.stop_loss={sft.stop_loss}: stopped after {step + 1} steps"
                 )
                 break
-        gather(each("trainer rank", trainers, "save_hf", str(out)), timeout_s)
+        wait_all(start_on_all("trainer rank", trainers, "save_hf", str(out)), timeout_s)
         copy_model_files(base_dir, out)
         (out / "warm_start.json").write_text(
             json.dumps(

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from tp_slices import digest, expected_slice
 
 from miles_like.recipe.cli import main
+from miles_like.run.actors import RunActors
 from miles_like.run.loop import run
-from miles_like.run.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,16 +41,16 @@ def run_tp_recipe(tmp_path: Path, monkeypatch, *overrides: str) -> TPRun:
     """Trains `TP2_RUN` + `overrides`; just before shutdown, saves the trainer's export and reads
     every engine rank's parameter digests."""
     seen: dict = {}
-    shutdown = Runtime.shutdown
+    shutdown = RunActors.shutdown
 
     def observe_then_shutdown(self, graceful=True):
         if graceful and self.replicas:
-            self._save_hf(tmp_path / "trainer_hf")
+            self.save_hf(tmp_path / "trainer_hf")
             seen["replica"] = self.replicas[0]
             seen["digests"] = ray.get([r.weight_digests.remote() for r in self.replicas[0]])
         shutdown(self, graceful)
 
-    monkeypatch.setattr(Runtime, "shutdown", observe_then_shutdown)
+    monkeypatch.setattr(RunActors, "shutdown", observe_then_shutdown)
     out = tmp_path / "run"
     recipe = str(ROOT / "recipes" / "tiny_arith_grpo.yaml")
     code = main([recipe, f"tracking.output_dir={out}", *TP2_RUN, *overrides], run=run)

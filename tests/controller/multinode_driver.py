@@ -14,16 +14,16 @@ import sys
 def _record_then_shutdown(report_path: str):
     import ray
 
-    from miles_like.run.calls import each, gather
-    from miles_like.run.runtime import Runtime
+    from miles_like.run.actors import RunActors
+    from miles_like.run.calls import start_on_all, wait_all
 
-    real_shutdown = Runtime.shutdown
+    real_shutdown = RunActors.shutdown
 
     def shutdown(self, graceful: bool = True):
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-        trainers = gather(each("trainer rank", self.trainers, "node_id"), 60)
-        engines = gather(each("engine", self.engines, "node_id"), 60)
-        digests = gather(each("engine", self.engines, "weight_digests"), 60)
+        trainers = wait_all(start_on_all("trainer rank", self.trainers, "node_id"), 60)
+        engines = wait_all(start_on_all("engine", self.engines, "node_id"), 60)
+        digests = wait_all(start_on_all("engine", self.engines, "weight_digests"), 60)
         with open(report_path, "w") as f:
             json.dump(
                 {
@@ -42,9 +42,9 @@ if __name__ == "__main__":
     # imported here: the run's spawned reward workers import this module again as their
     # __main__ (`miles_like/train.py` says why that must stay light)
     from miles_like.recipe.cli import main
+    from miles_like.run.actors import RunActors
     from miles_like.run.loop import run
-    from miles_like.run.runtime import Runtime
 
     recipe, report, *overrides = sys.argv[1:]
-    Runtime.shutdown = _record_then_shutdown(report)
+    RunActors.shutdown = _record_then_shutdown(report)
     sys.exit(main([recipe, *overrides], run=run))

@@ -26,7 +26,7 @@ from test_resume_e2e import RECIPE
 
 from miles_like.rollouts.async_producer.sending import Sender
 from miles_like.run import checkpoint
-from miles_like.run.runtime import Runtime
+from miles_like.run.actors import RunActors
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, 
         return deliver(self, owner, samples, version, versions)
 
     trained: list[tuple[list[int], int, list[float]]] = []
-    start_train = Runtime.start_train  # every train call starts here (either loop)
+    start_train = RunActors.start_train  # every train call starts here (either loop)
 
     def recording_start_train(self, batch):
         for tokens, start, lp in zip(batch.tokens, batch.prompt_lens, batch.rollout_logprobs):
@@ -59,7 +59,7 @@ def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, 
         return start_train(self, batch)
 
     monkeypatch.setattr(Sender, "deliver", recording_deliver)
-    monkeypatch.setattr(Runtime, "start_train", recording_start_train)
+    monkeypatch.setattr(RunActors, "start_train", recording_start_train)
     rows = run_in_process(
         tmp_path / "in_place",
         "steps=6",

@@ -11,7 +11,7 @@ from miles_like.data import Problem
 from miles_like.recipe.sections import AlgorithmSection
 from miles_like.rollouts.manager import Group
 from miles_like.rollouts.trajectory import TrajectoryBuilder, single_turn
-from miles_like.run.workers import _mini_batches
+from miles_like.run.trainer_worker import mini_batches
 from miles_like.scoring.batch import samples_batch, with_advantages
 
 
@@ -87,7 +87,7 @@ def test_kl_in_reward_uses_reference_logprobs():
 
 @pytest.mark.parametrize("n,updates", [(8, 1), (8, 3), (5, 5), (10, 4)])
 def test_mini_batches_partition_in_order(n, updates):
-    parts = _mini_batches(n, updates)
+    parts = mini_batches(n, updates)
     assert len(parts) == updates and sum(parts, []) == list(range(n))
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
 

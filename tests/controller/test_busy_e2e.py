@@ -61,9 +61,8 @@ def test_idle_covers_a_sleeping_reward(ray_local, cache, tmp_path, monkeypatch):
         assert r["perf/device_idle_frac"] * r["perf/step_s"] >= sleep
         trainer_s = r["perf/trainer_busy_frac"] * r["perf/step_s"]
         assert 0 < trainer_s <= r["perf/train_s"] + r["perf/advantages_s"]
-        # the controller's own overhead is still what it was: the step outside its phases
-        phases = sum(v for k, v in r.items() if k in {f"perf/{p}_s" for p in PHASES})
-        assert r["perf/idle_s"] == pytest.approx(r["perf/step_s"] - phases, abs=1e-6)
-
-
-PHASES = ("rollout", "advantages", "train", "weight_sync", "checkpoint")
+        # the reward's sleep is inside a timed phase (the rollout's scoring): the controller's
+        # own overhead, the step outside its phases, stays well below it and small in the step
+        assert r["perf/idle_s"] < min(sleep, 0.1 * r["perf/step_s"])
+    # step 0's rollout was launched as the step began: all of its scoring is in the phase
+    assert rows[0]["perf/rollout_s"] > sleep

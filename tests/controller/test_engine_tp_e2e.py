@@ -18,7 +18,7 @@ import time
 import pytest
 from engine_tp_runs import assert_ranks_hold_slices, run_tp_recipe
 
-from miles_like.run.runtime import Runtime
+from miles_like.run.actors import RunActors
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +58,10 @@ def test_a_lost_follower_replaces_the_whole_replica(ray_local, cache, tmp_path, 
     import ray
 
     killed: list = []
-    sync = Runtime.sync_weights
+    push = RunActors.push_weights
 
-    def sync_then_kill_a_follower(self):
-        sent = sync(self)
+    def push_then_kill_a_follower(self, in_place=False):
+        sent = push(self, in_place)
         if not killed:
             killed.extend(self.replicas[0])
             rank0, rank1 = self.replicas[0]
@@ -72,7 +72,7 @@ def test_a_lost_follower_replaces_the_whole_replica(ray_local, cache, tmp_path, 
                     time.sleep(0.1)
         return sent
 
-    monkeypatch.setattr(Runtime, "sync_weights", sync_then_kill_a_follower)
+    monkeypatch.setattr(RunActors, "push_weights", push_then_kill_a_follower)
     result = run_tp_recipe(
         tmp_path,
         monkeypatch,

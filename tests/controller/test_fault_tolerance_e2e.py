@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from miles_like.recipe.cli import main
 from miles_like.run import checkpoint
-from miles_like.run.calls import ActorDied, CallTimeout, call, gather
+from miles_like.run.calls import ActorDied, CallTimeout, start_call, wait_all
 from miles_like.run.loop import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,20 +35,23 @@ class Sleeper:
         return seconds
 
 
-def test_gather_times_out_and_names_dead_actors(ray_local):
+def test_wait_all_times_out_and_names_dead_actors(ray_local):
     a, b = Sleeper.remote(), Sleeper.remote()
-    assert gather([call("a", a, "nap", 0.0), call("b", b, "nap", 0.1)], 30) == [0.0, 0.1]
+    naps = [start_call("a", a, "nap", 0.0), start_call("b", b, "nap", 0.1)]
+    assert wait_all(naps, 30) == [0.0, 0.1]
     with pytest.raises(
         CallTimeout, match=r"^b nap: no answer within 0.5 s \(cluster.call_timeout_s\)"
     ):
-        gather([call("a", a, "nap", 0.0), call("b", b, "nap", 30)], 0.5)
+        wait_all([start_call("a", a, "nap", 0.0), start_call("b", b, "nap", 30)], 0.5)
     ray.kill(b)
     with pytest.raises(ActorDied) as e:
-        gather([call("b", b, "nap", 0.0)], 30)
+        wait_all([start_call("b", b, "nap", 0.0)], 30)
     assert str(e.value) == "b died (during nap): killed by ray.kill"
     # a replacement call takes the dead one's place
-    replaced = gather(
-        [call("b", b, "nap", 0.0)], 30, on_death=lambda i, died: call("a", a, "nap", 0.2)
+    replaced = wait_all(
+        [start_call("b", b, "nap", 0.0)],
+        30,
+        on_death=lambda i, died: start_call("a", a, "nap", 0.2),
     )
     assert replaced == [0.2]
 

@@ -28,7 +28,7 @@ from miles_like.recipe.build_configs import engine_config
 from miles_like.rollouts import tool_loop
 from miles_like.rollouts.functions import resolve_rollout_function
 from miles_like.rollouts.manager import RolloutManager
-from miles_like.run.workers import EngineWorker
+from miles_like.run.engine_worker import EngineWorker
 from miles_like.scoring.rewards import resolve_reward
 
 ROOT = Path(__file__).resolve().parents[2]

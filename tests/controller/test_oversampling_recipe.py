@@ -7,7 +7,7 @@ import pytest
 
 from miles_like.recipe import RecipeError, load_recipe
 from miles_like.rollouts.oversampling import launched, quotas
-from miles_like.rollouts.shares import split
+from miles_like.shares import near_equal_shares
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_arith_grpo.yaml"
@@ -80,7 +80,7 @@ def test_launched_groups_and_quotas():
     assert launched(4, 1.5) == 6 and launched(32, 1.0) == 32 and launched(5, 1.5) == 8
     # each replica's quota fits in its share of the launched groups
     for batch, over, replicas in [(4, 1.5, 2), (5, 1.25, 3), (7, 1.01, 4), (3, 2.0, 4)]:
-        shares = split(launched(batch, over), replicas)
+        shares = near_equal_shares(launched(batch, over), replicas)
         q = quotas(batch, shares)
         assert sum(q) == batch
         assert all(k <= len(s) for k, s in zip(q, shares))

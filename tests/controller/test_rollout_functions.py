@@ -22,8 +22,8 @@ from miles_like.recipe.build_configs import engine_config
 from miles_like.rollouts.functions import resolve_rollout_function
 from miles_like.rollouts.manager import RolloutManager
 from miles_like.rollouts.trajectory import NOT_SAMPLED, Trajectory, TrajectoryBuilder
+from miles_like.run.engine_worker import EngineWorker
 from miles_like.run.http_front import HttpFront
-from miles_like.run.workers import EngineWorker
 from miles_like.scoring.rewards import resolve_reward
 from rollout import chat
 

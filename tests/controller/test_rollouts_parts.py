@@ -14,14 +14,14 @@ from miles_like.data import Problem
 from miles_like.rollouts.async_producer.ledger import BufferedGroup, GroupInProgress, Ledger
 from miles_like.rollouts.engine_deaths import RestartRequests, engine_death
 from miles_like.rollouts.partial import OpenGroup
-from miles_like.rollouts.shares import replica_of, split
 from miles_like.run.calls import ActorDied
+from miles_like.shares import near_equal_shares, replica_of
 
 
 @pytest.mark.parametrize("n", range(0, 12))
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 def test_shares_are_contiguous_near_equal_and_larger_first(n, parts):
-    shares = split(n, parts)
+    shares = near_equal_shares(n, parts)
     assert [k for share in shares for k in share] == list(range(n))
     sizes = [len(s) for s in shares]
     assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1

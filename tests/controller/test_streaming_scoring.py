@@ -41,7 +41,7 @@ N = 2
 def test_streamed_scores_equal_scoring_at_the_end_and_overlap_generation(
     ray_local, tmp_path, monkeypatch
 ):
-    from miles_like.run.workers import EngineWorker
+    from miles_like.run.engine_worker import EngineWorker
 
     tok = save_bpe_tokenizer(tmp_path, ["one two three four five six"] * 20, vocab_size=280)
     save_hf_model(

@@ -17,7 +17,7 @@ import pytest
 
 from miles_like.recipe import load_recipe
 from miles_like.rollouts.tools import ToolPool, load_tools
-from miles_like.run.runtime import Runtime
+from miles_like.run import bringup
 from miles_like.scoring.batch import samples_batch, with_advantages
 from miles_like.tasks import arith, calc
 from rollout import chat
@@ -95,10 +95,10 @@ def test_calc_agent_trajectories_are_token_exact(ray_local, cache, tmp_path):
             "model.dtype=float64",
         ],
     )
-    rt = Runtime(recipe, log=print)
+    run = bringup.start(recipe, log=print)
     try:
-        rollout = rt.rollouts.finish(rt.rollouts.launch(0))
-        tok = rt.tokenizer
+        rollout = run.rollouts.finish(run.rollouts.launch(0))
+        tok = run.tokenizer
         totals = {"calls": 0, "multi_turn": 0}
         with ToolPool(load_tools(recipe.rollout.tools)) as pool:
             for g in rollout.groups:
@@ -136,10 +136,10 @@ def test_calc_agent_trajectories_are_token_exact(ray_local, cache, tmp_path):
         )
         # trainer vs engine log-probs on the sampled tokens, before the update (float64)
         batch, _ = with_advantages(samples_batch(rollout.groups), rollout.groups, recipe.algorithm)
-        metrics = rt.train(batch)
+        metrics = run.actors.train(batch)
         assert metrics["logprob_diff_max"] <= 1e-10
     finally:
-        rt.shutdown()
+        run.shutdown()
 
 
 def test_calculator_is_what_the_recipe_names():

@@ -49,7 +49,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_worker_window_generate_one_lifecycle_and_endpoint(ray_local, model_dir):
-    from miles_like.run.workers import EngineWorker
+    from miles_like.run.engine_worker import EngineWorker
 
     cfg = EngineConfig(
         model_path=str(model_dir), kv_cache_tokens=2048, page_size=4, max_model_len=128
@@ -130,7 +130,7 @@ def test_cancel_wave_aborts_one_request_and_parks_its_kv(ray_local, model_dir):
     `rollout.partial: in_place`): the cancelled request comes back unfinished with its tokens,
     log-probs and per-token versions, the other runs to its end; with `park_kv` the cancelled
     sample's K/V is parked and its continuation (prompt + tokens) adopts it."""
-    from miles_like.run.workers import EngineWorker
+    from miles_like.run.engine_worker import EngineWorker
 
     # long enough that the cancel lands while request 0 runs
     cfg = EngineConfig(

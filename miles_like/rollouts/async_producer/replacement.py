@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from miles_like.errors import RolloutFailed
 from miles_like.rollouts.engine_deaths import RestartRequests, engine_death
 from miles_like.run.calls import ActorDied, is_death
-from miles_like.run.workers import CLOSED
+from miles_like.run.engine_worker import CLOSED
 
 
 class Replicas:

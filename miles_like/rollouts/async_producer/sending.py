@@ -21,7 +21,7 @@ from miles_like.rollouts.async_producer.ledger import Flow, GroupInProgress, Led
 from miles_like.rollouts.async_producer.replacement import Replicas
 from miles_like.rollouts.partial import EMPTY, OpenGroup
 from miles_like.rollouts.replica_batcher import Generation
-from miles_like.rollouts.shares import split
+from miles_like.shares import near_equal_shares
 
 
 class PositionParams:
@@ -81,7 +81,9 @@ class Sender:
         waiting = self.waiting()
         if not waiting:
             return
-        for replica, share in enumerate(split(len(waiting), len(self.replicas.engines))):
+        for replica, share in enumerate(
+            near_equal_shares(len(waiting), len(self.replicas.engines))
+        ):
             if share:
                 ids = [waiting[k] for k in share]
                 # marked running now, not when the task starts: a second fill before then

@@ -1,0 +1,318 @@
+"""One engine replica's rank as a Ray actor (`EngineWorker`): a rollout `Engine` behind an
+`AsyncEngine` (its step loop is the only thread that runs the engine's requests).
+
+The rollout window: `open()` admits requests (`generate_one`, the HTTP endpoint of `serve`),
+`close()` stops admitting and waits for what is in flight. Lifecycle calls (`release`, `resume`,
+`load_bucket`, `commit`, broadcasts, flushes) close the window themselves first, so no request
+is ever served by half-updated weights. The batch `generate` works either way (closed, it opens
+the window for its own duration).
+
+Ray runs `generate_one`, `generate_wave` and `cancel_wave` in the `serve` concurrency group, so
+many concurrent calls are batched together by the engine; every other method is in the default
+group, one at a time. Weight receiving is `EngineWeightReceiver`'s; the tensor-parallel ranks'
+control is `engine_tp`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import ray
+import torch
+
+from miles_like.run import engine_tp
+from miles_like.run.engine_weight_receiver import EngineWeightReceiver
+from miles_like.run.rendezvous import held_rendezvous, pin_process, start_actor_process
+from miles_like.run.rendezvous import node_id as this_node_id
+
+CLOSED = "closed"  # generate_wave: the window was closed, no request was admitted
+CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
+
+
+def _counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in keys}
+
+
+@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1})
+class EngineWorker:
+    def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
+        start_actor_process(threads)
+        self.cfg, self.tp_rank = engine_cfg, tp_rank
+        self.on_gpu = engine_cfg.device.startswith("cuda")
+        self.model_path = engine_cfg.model_path
+        self._server = None
+        self._waves: dict[int, list] = {}  # generate_wave's futures by wave, while it runs
+        self.engine = self.follower = None
+        self.followers = engine_tp.FollowerWatch()
+        if engine_cfg.tp == 1:
+            self._build_engine()
+
+    def _build_engine(self) -> None:
+        from rollout import Engine
+        from rollout.activity import ActivityLog
+        from rollout.async_engine import AsyncEngine
+
+        self.engine = Engine(self.cfg)
+        self.engine.activity = ActivityLog()  # drained every step (take_activity)
+        self.async_engine = AsyncEngine(self.engine, open=False)
+        self.weights = EngineWeightReceiver(self.engine, self.async_engine, self.close)
+
+    def ready(self) -> bool:
+        return True
+
+    def pin_cpus(self, cpus: list[int]) -> dict[int, list[int]]:
+        """cluster.pin_cpus (`placement.pin`): this process's threads onto `cpus`."""
+        return pin_process(cpus)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 of the replica's TP group and of the broadcast group (engine 0, or replica
+        0's rank r for the resharding sync's group r): they meet on this engine's node, at a
+        port this process holds until the group starts."""
+        return held_rendezvous()
+
+    def node_id(self) -> str:
+        return this_node_id()
+
+    # --------------------------------------------------------------- tensor-parallel replicas
+    def start_tp(self, host: str, port: int, timeout_s: float) -> None:
+        """Every rank of the replica at once: join its process group, then build this rank: the
+        Engine on rank 0, a follower elsewhere (`follow` then serves it)."""
+        engine_tp.join_replica_group(self.tp_rank, self.cfg.tp, host, port, timeout_s)
+        if self.tp_rank == 0:
+            self._build_engine()
+            return
+        from rollout.tp_follower import EngineFollower
+
+        self.follower = EngineFollower(self.cfg)
+        self.weights = EngineWeightReceiver(follower=self.follower, tp_rank=self.tp_rank)
+
+    @ray.method(concurrency_group="tp")
+    def follow(self) -> None:
+        """Followers: replay rank 0's commands until it stops the replica (`shutdown`)."""
+        engine_tp.serve_as_follower(self.follower, self.tp_rank)
+
+    def watch_followers(self, follow_refs: list) -> None:
+        """Rank 0: exit when a follower dies (`engine_tp.FollowerWatch`)."""
+        self.followers.watch(follow_refs)
+
+    # ------------------------------------------------------------------------ the rollout window
+    def open(self) -> None:
+        """Admit requests (after the weights of this rollout are in)."""
+        self.async_engine.resume()
+
+    def close(self, abort_running: bool = False) -> None:
+        """Stop admitting; returns once nothing is in flight (or all of it was aborted)."""
+        self.weights.end_in_place()  # a parked step loop would never drain
+        self.async_engine.pause(abort_running=abort_running)
+
+    def is_open(self) -> bool:
+        return self.async_engine.is_open
+
+    # ------------------------------------------------------------------------------ requests
+    def generate(self, prompts: list[list[int]], params: list) -> tuple[list, dict[str, int]]:
+        """Samples for every prompt, and what this call added to the engine's prefill / prefix-
+        cache counters, plus the `weight_version` that sampled them (returned with the samples:
+        no extra round trip for the hit rate; with the window open, `generate_one` calls running
+        meanwhile are counted too)."""
+        if not isinstance(params, Sequence):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                "give one or one per prompt"
+            )
+        was_open = self.async_engine.is_open
+        self.async_engine.resume()
+        try:
+            before = self.engine.stats()
+            # all at once: admitted together, as Engine.generate does (no timing in the batch)
+            futures = self.async_engine.submit_many(list(zip(prompts, params)))
+            results = [self.followers.intact(f.result) for f in futures]
+            after = self.engine.stats()
+        finally:
+            if not was_open:
+                self.async_engine.pause()
+        # the window stays open for the whole call: no update can land between its requests
+        return [r.samples for r in results], {
+            **_counters(before, after),
+            "weight_version": results[0].weight_version if results else after["weight_version"],
+        }
+
+    @ray.method(num_returns="streaming")
+    def generate_stream(
+        self, prompts: list[list[int]], params: list, groups: list[int], quota: int | None
+    ):
+        """`generate` as a stream, for over-sampled rollouts: yields `(index, samples, weight
+        version, per-sample token versions)` for each request as it finishes, then one dict:
+        the counters of `generate` and `complete`, the groups (`groups[index]`) complete within
+        `quota` in completion order (the rest of the batch was aborted once `quota` were:
+        `AsyncEngine.submit_many`). The window is open for the whole call, so every sample of
+        it has the one `weight_version` reported."""
+        import concurrent.futures
+
+        from rollout.async_engine import AsyncEngine
+
+        was_open = self.async_engine.is_open
+        self.async_engine.resume()
+        try:
+            before = self.engine.stats()
+            futures = self.async_engine.submit_many(
+                list(zip(prompts, params)), groups=groups, quota=quota
+            )
+            index = {id(f): i for i, f in enumerate(futures)}
+            version = before["weight_version"]
+            for f in concurrent.futures.as_completed(futures):
+                result = f.result()
+                version = result.weight_version
+                yield index[id(f)], result.samples, version, result.sample_versions
+            complete = AsyncEngine.complete_groups(futures).result() if futures else []
+            after = self.engine.stats()
+        finally:
+            if not was_open:
+                self.async_engine.pause()
+        yield {
+            **_counters(before, after, (*CACHE_COUNTERS, "parked_reused_tokens")),
+            "weight_version": version,
+            "complete": complete,
+        }
+
+    @ray.method(num_returns="streaming", concurrency_group="serve")
+    def generate_wave(self, prompts: list[list[int]], params: list, wave: int = 0):
+        """The fully asynchronous producer's requests (`rollouts.async_producer`): admitted
+        together, in order (as `generate`), in the serve group, so lifecycle calls (`close(
+        abort_running=True)`, the weight sync, `stats`, `cancel_wave`) run while they generate.
+        Yields `(index, samples, weight version, per-sample token versions)` as each request
+        finishes (aborted ones with the tokens they have); with the window closed it yields
+        CLOSED once and nothing else (nothing ran). `wave` names the call for `cancel_wave`."""
+        import concurrent.futures
+
+        from rollout.async_engine import EngineUnavailable
+
+        try:
+            futures = self.async_engine.submit_many(list(zip(prompts, params)))
+        except EngineUnavailable:
+            yield CLOSED
+            return
+        self._waves[wave] = futures
+        try:
+            index = {id(f): i for i, f in enumerate(futures)}
+            for f in concurrent.futures.as_completed(futures):
+                result = self.followers.intact(f.result)
+                yield index[id(f)], result.samples, result.weight_version, result.sample_versions
+        finally:
+            self._waves.pop(wave, None)
+
+    @ray.method(concurrency_group="serve")
+    def cancel_wave(self, wave: int, indices: list[int]) -> None:
+        """Abort requests `indices` of `generate_wave(..., wave)` (those still running end now
+        with the tokens they have; finished ones, or a wave that has ended, are left alone)."""
+        futures = self._waves.get(wave, ())
+        for k in indices:
+            if k < len(futures):
+                self.async_engine.cancel(futures[k])
+
+    @ray.method(concurrency_group="serve")
+    def generate_one(self, prompt_ids: list[int], params):
+        """One request, batched with every other concurrent call (the window must be open:
+        closed, it raises `EngineUnavailable`). Returns a `GenerationResult`."""
+        return self.followers.intact(self.async_engine.submit(prompt_ids, params).result)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None) -> str:
+        """Start the OpenAI-compatible HTTP endpoint (`rollout.serving.server`) in a thread of
+        this actor, on this replica's AsyncEngine (it answers 503 while the window is closed).
+        Returns its base URL. The tokenizer comes from the model directory when it has one."""
+        from rollout.serving.server import build_app, load_tokenizer, start_server
+
+        if self._server is None:
+            app = build_app(
+                self.async_engine,
+                load_tokenizer(self.model_path),
+                model_name or os.path.basename(os.path.normpath(self.model_path)),
+            )
+            self._server = start_server(app, host, port)
+        return self._server.url
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    @ray.method(concurrency_group="activity")
+    def take_activity(self) -> list:
+        """The engine's forward passes since the last call (`rollout.activity.ForwardPass`); its
+        own group, so it answers while a rollout's `generate` runs (off-policy steps)."""
+        return self.engine.activity.take()
+
+    # -------------------------------------------------------------------------------- memory
+    def release(self) -> int:
+        """Give the device to the trainer: the KV pool always; on GPU the weights too (the next
+        sync refills every one of them)."""
+        self.close()
+        return self.engine.release_memory(weights=self.on_gpu)
+
+    def resume(self) -> None:
+        self.close()
+        self.engine.resume_memory()
+
+    # ------------------------------------------------------------------- weights (the receiver)
+    def load_bucket(self, handle, manifest, own_shards: bool = False, in_place: bool = False):
+        """A bucket of full tensors (rank 0 passes them to its followers), or with `own_shards`
+        this TP rank's own shards (the resharding sync delivers to every rank)."""
+        return self.weights.load_bucket(handle, manifest, own_shards, in_place)
+
+    def load_bucket_bytes(
+        self, buffer: torch.Tensor, manifest, own_shards: bool = False, in_place: bool = False
+    ):
+        """A bucket from a sender on another node: its bytes, not a shared-memory handle."""
+        return self.weights.load_bucket_bytes(buffer, manifest, own_shards, in_place)
+
+    def commit(self, in_place: bool = False) -> int:
+        return self.weights.commit(in_place)
+
+    def join_sync_group(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        num_engines: int,
+        num_stages: int,
+        timeout_s: float,
+        own_shards: bool = False,
+    ) -> None:
+        self.weights.join_sync_group(
+            host, port, rank, num_engines, num_stages, timeout_s, own_shards
+        )
+
+    def receive_broadcast(self, in_place: bool = False) -> int:
+        return self.weights.receive_broadcast(in_place)
+
+    def flush_prefix_cache(self) -> None:
+        self.close()
+        self.engine.flush_prefix_cache()
+
+    def set_weight_version(self, version: int) -> None:
+        """Resume: the engine was built from a checkpoint holding weights of this version."""
+        self.close()
+        self.engine.weight_version = version
+
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 of every parameter's bytes, by HF name: to check a sync bitwise from outside."""
+        import hashlib
+
+        model = (self.engine or self.follower).model  # under TP: this rank's shards
+        return {
+            name: hashlib.sha256(
+                p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            ).hexdigest()
+            for name, p in model.named_parameters()
+        }
+
+    def shutdown(self) -> None:
+        """Stop the HTTP endpoint and the step loop (rank 0 of a TP replica also stops its
+        followers' `follow`)."""
+        if self.engine is None:
+            return  # a follower: its rank 0 stops it
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self.async_engine.close()
+        self.engine.close()

@@ -1,0 +1,100 @@
+"""The colocated step in the order a GPU run takes, on CPU.
+
+On CPU the loop's trainer offload / onload do nothing, so a controller that asks the offloaded
+critic for values (or the reference for log-probs) would go unseen until a GPU run. Here the
+layout stages memory as it does colocated on GPUs (`Layout.staged_memory`): the trainer ranks
+really offload and onload (their gradient buffers go and come back) and, like every rank, refuse
+to compute while offloaded (`trainer_worker.OffloadedError`). A PPO run (critic values, GAE) with
+a KL term in the reward (reference log-probs) completes only if both are asked for after the
+onload; the controller's calls come in DESIGN.md's order, every step; and after the run, with
+the trainer offloaded again, the same values call is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from miles_like.recipe.cli import main
+from miles_like.run import placement
+from miles_like.run.actors import RunActors
+from miles_like.run.loop import run
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_arith_ppo.yaml")
+pytestmark = pytest.mark.slow
+
+STEP = [  # DESIGN.md, "One step of the loop", colocated
+    "release_engines",
+    "onload_trainer",
+    "values",
+    "ref_logprobs",
+    "start_train",
+    "resume_engines",
+    "push_weights",
+    "offload_trainer",
+]
+
+
+def test_critic_and_reference_are_asked_only_onloaded(ray_local, cache, tmp_path, monkeypatch):
+    plan = placement.plan
+
+    def staged_plan(*args):
+        layout = plan(*args)
+        assert layout.colocated and not layout.staged_memory  # colocated, on CPU
+        return layout._replace(staged_memory=True)
+
+    calls: list[str] = []
+    batches: list = []
+
+    def record(name):
+        method = getattr(RunActors, name)
+
+        def recorded(self, *args, **kwargs):
+            calls.append(name)
+            if name == "values":
+                batches.append(args[0])
+            return method(self, *args, **kwargs)
+
+        monkeypatch.setattr(RunActors, name, recorded)
+
+    for name in STEP:
+        record(name)
+    refused: list[str] = []
+    shutdown = RunActors.shutdown
+
+    def ask_offloaded_then_shutdown(self, graceful=True):
+        if graceful:  # the last step offloaded the trainer
+            try:
+                self.values(batches[-1])
+            except ray.exceptions.RayTaskError as e:
+                refused.append(str(e))
+        shutdown(self, graceful)
+
+    monkeypatch.setattr(placement, "plan", staged_plan)
+    monkeypatch.setattr(RunActors, "shutdown", ask_offloaded_then_shutdown)
+    out = tmp_path / "staged"
+    code = main(
+        [
+            RECIPE,
+            f"tracking.output_dir={out}",
+            "steps=2",
+            "rollout.prompts_per_step=4",
+            "rollout.n=2",
+            "sft.steps=0",
+            "rollout.kv_cache_tokens=2048",
+            "trainer.updates_per_rollout=1",
+            "algorithm.kl_reward_coef=0.01",
+            "tracking.wandb_mode=disabled",
+        ],
+        run=run,
+    )
+    assert code == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["perf/weight_sync_bytes"] > 0 for r in rows)
+    assert calls == STEP * 2 + ["values"]
+    assert len(refused) == 1 and "OffloadedError" in refused[0], refused
+    assert "values was asked while the rank is offloaded" in refused[0]
