@@ -8,8 +8,9 @@ scheduler decides; the others follow its slot mapping). Collectives inside the f
 after row-parallel layers, all-gather of vocab-sharded logits) use the same group, in the same
 order on every rank. The caller creates the torch.distributed group (gloo on CPU, NCCL on GPU).
 
-Commands travel with `broadcast_object_list`; their tensors are sent on the CPU and moved to each
-rank's own device on arrival (a pickled CUDA tensor would land on the sender's device index).
+Commands travel pickled (`collectives.broadcast_object`); their tensors are sent on the CPU and
+moved to each rank's own device on arrival (a pickled CUDA tensor would land on the sender's
+device index).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+import collectives
 
 
 class Forward(NamedTuple):
@@ -74,7 +77,6 @@ class TPGroup:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        self._src = dist.get_global_rank(self.group, 0)
         self._cpu = dist.get_backend(self.group) == "gloo"
 
     # -- shards -------------------------------------------------------------------------------
@@ -92,8 +94,7 @@ class TPGroup:
 
     # -- collectives in the forward -----------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.group)
-        return x
+        return collectives.all_reduce(x, group=self.group)
 
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
         """[R, local vocab] logits of every rank -> [R, vocab] on every rank, vocabulary order."""
@@ -101,13 +102,11 @@ class TPGroup:
         if local.shape[-1] < chunk:  # the short last shard: pad, then drop the padding
             pad = local.new_full((local.shape[0], chunk - local.shape[-1]), float("-inf"))
             local = torch.cat([local, pad], dim=-1)
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)[:, :vocab]
+        return collectives.all_gather(local, dim=-1, group=self.group)[:, :vocab]
 
     def min_int(self, value: int, device: torch.device) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        collectives.all_reduce(t, op=collectives.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
     def barrier(self) -> None:
@@ -117,11 +116,10 @@ class TPGroup:
     # -- commands -----------------------------------------------------------------------------
     def send(self, command: NamedTuple) -> None:
         assert self.rank == 0, "only rank 0 of a replica sends commands"
-        dist.broadcast_object_list(
-            [map_tensors(command, lambda t: t.detach().cpu())], src=self._src, group=self.group
+        collectives.broadcast_object(
+            map_tensors(command, lambda t: t.detach().cpu()), src=0, group=self.group
         )
 
     def receive(self, device: torch.device) -> NamedTuple:
-        box = [None]
-        dist.broadcast_object_list(box, src=self._src, group=self.group)
-        return map_tensors(box[0], lambda t: t.to(device))
+        command = collectives.broadcast_object(None, src=0, group=self.group)
+        return map_tensors(command, lambda t: t.to(device))

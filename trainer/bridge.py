@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors import safe_open
 
+import collectives
 from model_spec import ModelSpec
 from trainer.megatron_model import ModelLayout
 
@@ -208,12 +208,13 @@ def load_hf_weights(
 
 
 def _gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
+    """The full tensor of TP shards `t`, on `t`'s device: a shard offloaded to the host (a
+    checkpoint after `offload`) is gathered on the group's device and comes back to the host."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=dim)
+    return collectives.all_gather(
+        t, dim=dim, group=parallel_state.get_tensor_model_parallel_group()
+    )
 
 
 def _to_hf(arch: ModelSpec, slot: _Slot, local: torch.Tensor) -> list[torch.Tensor]:
@@ -263,11 +264,9 @@ def gather_hf_state_dict(
     """The full HF state dict on every rank (collects PP stages). For tests and checkpoints;
     the weight-sync path streams `export_hf_weights` instead."""
     local = {k: v.cpu().clone() for k, v in export_hf_weights(model, arch, layout)}
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        return local
-    stages: list = [None] * pp
-    dist.all_gather_object(stages, local, group=parallel_state.get_pipeline_model_parallel_group())
+    stages = collectives.all_gather_object(
+        local, parallel_state.get_pipeline_model_parallel_group()
+    )
     merged: dict[str, torch.Tensor] = {}
     for part in stages:
         merged.update(part)
@@ -308,14 +307,9 @@ def _vocab_to_engine(local: torch.Tensor, vocab: int) -> torch.Tensor:
     send = torch.cat([local[lo - rank * held : lo - rank * held + n] for lo, n in send_spans])
     out_rows = [overlap(src, rank)[1] for src in range(tp)]
     out = local.new_empty((sum(out_rows),) + tuple(local.shape[1:]))
-    dist.all_to_all_single(
-        out,
-        send.contiguous(),
-        output_split_sizes=out_rows,
-        input_split_sizes=[n for _, n in send_spans],
-        group=group,
+    return collectives.all_to_all_single(
+        out, send, out_rows, [n for _, n in send_spans], group=group
     )
-    return out
 
 
 def _layouts_agree(vocab: int, tp: int, held: int) -> bool:

@@ -32,6 +32,8 @@ import types
 
 import torch
 
+import collectives
+
 # Modules whose module-level `torch` gets the CPU stand-in. Each is here because it calls
 # `torch.cuda.*` or allocates on "cuda" in a code path the trainer uses.
 _PATCHED_MODULES = (
@@ -153,7 +155,7 @@ def _wrap_tied_embedding_setup() -> None:
             and self.config.pipeline_model_parallel_size > 1
         )
         if tied_pp and torch.distributed.is_initialized() and self._is_in_embd_group():
-            torch.distributed.all_reduce(
+            collectives.all_reduce(
                 self.shared_embedding_or_output_weight().data, group=self.embd_group
             )
 

@@ -24,7 +24,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from trainer import objective
+import collectives
+from trainer import objective, step_metrics
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import full_vocab_logprobs
 from trainer.mismatch import mismatch_metrics
@@ -32,6 +33,76 @@ from trainer.offload import tensors_bytes
 from trainer.optim import lr_at
 from trainer.packing import MicroBatch, pack_all
 from trainer.parallel import device, init_distributed
+
+
+def ds_config(cfg: TrainerConfig) -> dict:
+    """DeepSpeed's configuration for `cfg`: one micro-batch per pass, ZeRO `cfg.zero_stage`,
+    torch's AdamW (the same on CPU and GPU), clipping and bf16 as the config says."""
+    o = cfg.optim
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,  # boundaries are set by hand per train_step
+        # ZeRO-3's memory-efficient linear replaces torch.nn.functional.linear for the
+        # whole process, for good: anything else in it (an engine, a reference model, a
+        # second trainer) would then compute its linears through ZeRO's autograd function
+        "zero_optimization": {"stage": cfg.zero_stage, "memory_efficient_linear": False},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": lr_at(0, o),
+                "betas": list(o.betas),
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "gradient_clipping": o.grad_clip or 0.0,
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def padded_rows(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask), both [sequences, longest]: the packed micro-batch's
+    sequences right-padded, one per row (padding is causal-invisible to the real tokens)."""
+    bounds = mb.cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attn = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    flat = mb.input_ids[0]
+    for row, (a, n) in enumerate(zip(bounds[:-1], lengths)):
+        ids[row, :n] = flat[a : a + n]
+        attn[row, :n] = 1
+    return ids, attn
+
+
+def dp_share(n: int) -> list[int]:
+    """Indices of the samples this data-parallel rank (every rank of the world) trains on."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    if n < dp:
+        raise ValueError(
+            f"batch has {n} samples but data-parallel size is {dp}; "
+            "give every DP rank at least one sample"
+        )
+    return list(range(rank, n, dp))
+
+
+def lockstep(mbs: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+    """(micro-batch, is_real) with the same length on every DP rank. ZeRO reduces grads in
+    every backward (and ZeRO-3 gathers parameters in every forward), so ranks must run the
+    same number of passes: a rank with fewer repeats its first micro-batch, marked unreal.
+    The count is agreed on the world's device (`collectives`) and read back once."""
+    count = collectives.all_reduce(torch.tensor(len(mbs)), op=collectives.ReduceOp.MAX)
+    return [(mbs[j], True) if j < len(mbs) else (mbs[0], False) for j in range(int(count))]
+
+
+def reduce_step_metrics(stored: list[dict]) -> dict[str, float]:
+    """The step's metrics from the real passes' shares: summed (`ratio_max`: maxed) over
+    passes and ranks on the world's device, read back once (`step_metrics`)."""
+    keys = objective.METRIC_KEYS
+    shares = step_metrics.stack_shares(stored, keys, collectives.group_device())
+    return step_metrics.read_metrics(step_metrics.reduce_shares(shares), keys, ("ratio_max",))
 
 
 class DeepSpeedTrainer:
@@ -60,28 +131,6 @@ class DeepSpeedTrainer:
         )
         self.vocab_size = model.config.vocab_size
         o = cfg.optim
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,  # boundaries are set by hand per train_step
-            # ZeRO-3's memory-efficient linear replaces torch.nn.functional.linear for the
-            # whole process, for good: anything else in it (an engine, a reference model, a
-            # second trainer) would then compute its linears through ZeRO's autograd function
-            "zero_optimization": {"stage": cfg.zero_stage, "memory_efficient_linear": False},
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": lr_at(0, o),
-                    "betas": list(o.betas),
-                    "eps": o.eps,
-                    "weight_decay": o.weight_decay,
-                    "torch_adam": True,
-                },
-            },
-            "gradient_clipping": o.grad_clip or 0.0,
-            "bf16": {"enabled": cfg.dtype == "bfloat16"},
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [  # as in the megatron backend: no weight decay on norms and biases
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -104,7 +153,7 @@ class DeepSpeedTrainer:
             # (module state DeepSpeed reads), the backend starts on torch.distributed alone.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=ds_config, dist_init_required=False
+            model=model, model_parameters=groups, config=ds_config(cfg), dist_init_required=False
         )  # init_distributed() above owns the process group
         self.step_count = 0
 
@@ -113,15 +162,7 @@ class DeepSpeedTrainer:
     def _forward(self, mb: MicroBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Response-token (logprobs, entropy) of one micro-batch, in packed order."""
         dev = device()
-        bounds = mb.cu_seqlens.tolist()
-        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        longest = max(lengths)
-        ids = torch.zeros(len(lengths), longest, dtype=torch.long)
-        attn = torch.zeros(len(lengths), longest, dtype=torch.long)
-        flat = mb.input_ids[0]
-        for row, (a, n) in enumerate(zip(bounds[:-1], lengths)):
-            ids[row, :n] = flat[a : a + n]
-            attn[row, :n] = 1
+        ids, attn = padded_rows(mb)
         model = self.engine if model is None else model
         logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits
         packed = logits[attn.to(dev).bool()]  # [t, V] in packed order (row-major)
@@ -133,27 +174,9 @@ class DeepSpeedTrainer:
         )
         return out.logprobs, out.entropy
 
-    def _dp_share(self, n: int) -> list[int]:
-        dp, rank = dist.get_world_size(), dist.get_rank()
-        if n < dp:
-            raise ValueError(
-                f"batch has {n} samples but data-parallel size is {dp}; "
-                "give every DP rank at least one sample"
-            )
-        return list(range(rank, n, dp))
-
-    def _lockstep(self, mbs: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
-        """(micro-batch, is_real) with the same length on every DP rank. ZeRO reduces grads in
-        every backward (and ZeRO-3 gathers parameters in every forward), so ranks must run the
-        same number of passes: a rank with fewer repeats its first micro-batch, marked unreal."""
-        count = torch.tensor(len(mbs))
-        if dist.get_world_size() > 1:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return [(mbs[j], True) if j < len(mbs) else (mbs[0], False) for j in range(int(count))]
-
     def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False, model=None):
         """Per-sample response-token log-probs (and entropy) for the whole batch, every rank."""
-        mine = self._dp_share(len(batch.tokens))
+        mine = dp_share(len(batch.tokens))
         mbs = pack_all(
             [batch.tokens[i] for i in mine],
             [batch.prompt_lens[i] for i in mine],
@@ -162,7 +185,7 @@ class DeepSpeedTrainer:
         local = {}
         self.engine.eval()
         passes = (
-            self._lockstep(mbs)
+            lockstep(mbs)
             if model is None and self.cfg.zero_stage == 3
             else [(mb, True) for mb in mbs]
         )
@@ -175,10 +198,7 @@ class DeepSpeedTrainer:
                 for i, a, b in zip(mb.sample_indices, lp.split(lengths), ent.split(lengths)):
                     local[mine[i]] = (a.cpu(), b.cpu())
         self.engine.train()
-        if dist.get_world_size() > 1:
-            parts: list = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, local)
-            local = {k: v for p in parts for k, v in p.items()}
+        local = {k: v for part in collectives.all_gather_object(local) for k, v in part.items()}
         lps = [local[i][0] for i in range(len(batch.tokens))]
         return (lps, [local[i][1] for i in range(len(batch.tokens))]) if with_entropy else lps
 
@@ -238,7 +258,7 @@ class DeepSpeedTrainer:
         fused = objective.old_from_forward(batch, cfg.loss)
         norm = objective.normalizers(batch)
         old: dict = {}
-        mine = self._dp_share(len(batch.tokens))
+        mine = dp_share(len(batch.tokens))
         local = batch.subset(mine)
         mbs = pack_all(local.tokens, local.prompt_lens, cfg.max_tokens_per_micro_batch)
         dev = device()
@@ -247,9 +267,9 @@ class DeepSpeedTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        passes = self._lockstep(mbs)  # extra passes carry weight 0
+        passes = lockstep(mbs)  # extra passes carry weight 0
         self.engine.train()
-        sums = {k: 0.0 for k in objective.METRIC_KEYS}
+        stored = []  # the real passes' metric shares, on the device
         for j, (mb, real) in enumerate(passes):
             self.engine.set_gradient_accumulation_boundary(j == len(passes) - 1)
             lp, ent = self._forward(mb)
@@ -260,26 +280,14 @@ class DeepSpeedTrainer:
             if real:
                 if fused:
                     old.update(objective.split_by_sample(lp, local, mb, mine))
-                for k, v in metrics.items():
-                    sums[k] = max(sums[k], float(v)) if k == "ratio_max" else sums[k] + float(v)
+                stored.append(metrics)
         self.engine.step()
         self.step_count += 1
 
-        totals = torch.tensor([sums[k] for k in objective.METRIC_KEYS], dtype=torch.float64)
-        j_max = objective.METRIC_KEYS.index("ratio_max")
-        if dp > 1:
-            maxes = totals[j_max].clone()
-            totals[j_max] = 0.0
-            dist.all_reduce(totals)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-            totals[j_max] = maxes
-        result = {k: float(totals[i]) for i, k in enumerate(objective.METRIC_KEYS)}
+        result = reduce_step_metrics(stored)
         old_list = None
         if fused:
-            if dp > 1:
-                parts: list = [None] * dp
-                dist.all_gather_object(parts, old)
-                old = {k: v for p in parts for k, v in p.items()}
+            old = {k: v for part in collectives.all_gather_object(old) for k, v in part.items()}
             old_list = [old[i] for i in range(len(batch.tokens))]
             batch = dataclasses.replace(batch, old_logprobs=old_list)
         norm_value = self.engine.get_global_grad_norm()

@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+import collectives
 
 
 class TokenLogProbs(NamedTuple):
@@ -55,10 +56,9 @@ def vocab_parallel_logprobs(
     neg_inf = torch.finfo(z.dtype).min
 
     m = z.detach().masked_fill(~valid, neg_inf).amax(dim=-1)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(
-            m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
-        )
+    collectives.all_reduce(
+        m, op=collectives.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+    )
     shifted = z - m.unsqueeze(-1)
     e = shifted.exp() * valid
     sum_e = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))

@@ -51,10 +51,11 @@ def aggregate(
         raise ValueError(f"loss_agg={mode!r}; expected one of {LOSS_AGGS}")
     mask = mask.to(values.dtype)
     v = values * mask
-    local_seqs = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
     if mode == "token-mean":
         denom = mask.sum() if total_tokens is None else total_tokens
         return v.sum() / max(float(denom), 1.0)
+    # read from the device only where a mode needs it (a host synchronisation)
+    local_seqs = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
     seqs = local_seqs if total_seqs is None else total_seqs
     if mode == "seq-mean-token-sum":
         return v.sum() / max(float(seqs), 1.0)

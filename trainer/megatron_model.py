@@ -205,9 +205,13 @@ def build_gpt_model(
         rotary_base=int(arch.rope.theta),
     )
     dev = device()
-    if params_dtype == torch.float64:
-        # megatron's torch-norm wrapper ignores params_dtype: its weights would stay float32 and
-        # round the checkpoint's float64 norm weights (a 1e-7 relative error in every layer)
+    if params_dtype != torch.float32:
+        # megatron's torch-norm wrapper ignores params_dtype: its weights would stay float32.
+        # In float64 that rounds the checkpoint's norm weights (a 1e-7 relative error in every
+        # layer); in bf16 the trainer would train float32 norm weights the engine, which loads
+        # bf16, never sees, and the norm would take torch's mixed-dtype composite path (no fused
+        # kernel: its rounding differs from the fused one's on a GPU). Every parameter is in
+        # params_dtype, as the engine's are.
         model.to(dtype=params_dtype)
     _mark_tensor_parallel_shards(model)
     model.to(dev)

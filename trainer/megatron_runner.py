@@ -26,15 +26,15 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+import collectives
 from model_spec import ModelSpec
-from trainer import shared_prompts
+from trainer import shared_prompts, step_metrics
 from trainer.bridge import HFCheckpoint, load_hf_weights
 from trainer.config import RLBatch, TrainerConfig
 from trainer.megatron_model import build_gpt_model
@@ -79,42 +79,27 @@ def _finalize_grads(models, num_tokens=None, **_):
 
 
 def all_gather_dicts(local: dict, group) -> dict:
-    if dist.get_world_size(group) == 1:
-        return local
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, local, group=group)
-    return {k: v for p in parts for k, v in p.items()}
+    return {k: v for part in collectives.all_gather_object(local, group) for k, v in part.items()}
 
 
 def from_last_stage(obj):
     """The last PP stage's `obj` on every stage of this pipeline."""
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        return obj
-    parts: list = [None] * pp
-    dist.all_gather_object(parts, obj, group=parallel_state.get_pipeline_model_parallel_group())
-    return parts[-1]
+    return collectives.all_gather_object(obj, parallel_state.get_pipeline_model_parallel_group())[
+        -1
+    ]
 
 
 def reduce_metrics(
     stored: list[dict], keys: Sequence[str], max_keys: Sequence[str] = ()
 ) -> dict[str, float]:
-    """Sum metric shares over micro-batches and DP ranks (max for `max_keys`); every rank of
-    the pipeline gets the last stage's result."""
-    sums = torch.zeros(len(keys), dtype=torch.float64)
-    maxes = torch.zeros(len(keys), dtype=torch.float64)
-    for m in stored:
-        for j, k in enumerate(keys):
-            if k in max_keys:
-                maxes[j] = max(maxes[j], float(m[k]))
-            else:
-                sums[j] += float(m[k])
+    """Sum metric shares over micro-batches and DP ranks (max for `max_keys`) on the device;
+    every rank of the pipeline gets the last stage's result, read back once (`step_metrics`)."""
     dp_group = parallel_state.get_data_parallel_group()
-    if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(sums, group=dp_group)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
-    merged = from_last_stage(torch.where(torch.tensor([k in max_keys for k in keys]), maxes, sums))
-    return {k: float(merged[j]) for j, k in enumerate(keys)}
+    shares = step_metrics.stack_shares(stored, keys, collectives.group_device(dp_group))
+    step_metrics.reduce_shares(shares, dp_group)
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    collectives.broadcast(shares, src=collectives.size(pp_group) - 1, group=pp_group)
+    return step_metrics.read_metrics(shares, keys, max_keys)
 
 
 class _ValueHead(torch.nn.Module):

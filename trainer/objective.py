@@ -193,7 +193,9 @@ def micro_batch_objective(
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * agg(entropy)
 
-    in_mask = data.mask > 0
+    # ratios are positive, so 0 outside the mask leaves the max of the masked ones (0 when
+    # none is), computed without reading the mask back to the host
+    masked_ratio = torch.where(data.mask > 0, ratio.detach(), 0.0)
     metrics = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
@@ -202,8 +204,6 @@ def micro_batch_objective(
         "entropy": token_mean(entropy),
         "clipfrac": token_mean(clipped),
         "ratio_mean": token_mean(ratio),
-        "ratio_max": (
-            ratio[in_mask].max() if bool(in_mask.any()) else torch.zeros((), device=logprobs.device)
-        ).detach(),
+        "ratio_max": masked_ratio.amax() if masked_ratio.numel() else masked_ratio.sum(),
     }
     return loss, metrics

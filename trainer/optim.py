@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+import collectives
 from trainer.config import OptimConfig
 
 
@@ -34,10 +34,12 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
 def grad_norm(params: list[torch.nn.Parameter], *, model_parallel: bool = True) -> float:
     """Global L2 norm of `.grad` over the whole (TP x PP sharded) model, accumulated in float64.
 
-    Each tensor's norm is one float64-accumulating reduction (`vector_norm(dtype=float64)`),
-    no float64 copy of the gradient (that copy, its square and its sum were three passes)."""
-    norms = [
-        torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).cpu()
+    On the gradients' device: every tensor's norm in one `_foreach_norm` (each a float64-
+    accumulating reduction, no float64 copy of the gradient), their squares summed there, one
+    all-reduce over the model-parallel group on its device, and one read-back: a single host
+    synchronisation per step, whatever the number of parameters."""
+    grads = [
+        p.grad.detach()
         for p in params
         if p.grad is not None
         and (
@@ -45,9 +47,14 @@ def grad_norm(params: list[torch.nn.Parameter], *, model_parallel: bool = True) 
             or (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p))
         )
     ]
-    sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
-    if model_parallel and parallel_state.get_model_parallel_group().size() > 1:
-        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    group = parallel_state.get_model_parallel_group() if model_parallel else None
+    if grads:
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
+    else:  # this rank holds no gradient; its share is 0
+        device = collectives.group_device(group) if model_parallel else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float64, device=device)
+    if model_parallel:
+        collectives.all_reduce(sq, group=group)
     return float(sq.sqrt())
 
 

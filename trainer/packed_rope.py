@@ -91,7 +91,9 @@ def rotation_of(config):
     return _compiled_rotation
 
 
-def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype):
+def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype, total: int):
+    """cos / sin of every packed row's position; `total` rows (`cu_seqlens[-1]`, which the
+    caller knows from its tensor's shape: reading it from the device would sync the host)."""
     global _last
     if _last is not None:
         f, f_version, cu, cu_version, cached_dtype = _last[0]
@@ -108,8 +110,9 @@ def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype):
     else:
         bounds = cu_seqlens.to(torch.int64)
         lengths = bounds[1:] - bounds[:-1]
-        rows = torch.arange(int(bounds[-1]), device=freqs.device)
-        starts = torch.repeat_interleave(bounds[:-1], lengths).to(freqs.device)
+        rows = torch.arange(total, device=freqs.device)
+        starts = torch.repeat_interleave(bounds[:-1], lengths, output_size=total)
+        starts = starts.to(freqs.device)
         positions = rows - starts  # each row's position within its own sequence
     packed = freqs.reshape(freqs.shape[0], -1).index_select(0, positions).unsqueeze(1)
     # as megatron computes them: (cos(freqs) * mscale).to(t.dtype), here with mscale 1
@@ -138,7 +141,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale: float = 1.0,
                 "MLA, mscale or context parallelism); set trainer.share_prompts: false"
             )
         return _original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-    cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype)
+    cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype, t.shape[0])
     return _Rotate.apply(t, cos, sin, rotation_of(config))
 
 

@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import collectives
+
 
 class SyncGroup:
     def __init__(self, process_group, rank: int, size: int, device: torch.device):
@@ -62,10 +64,7 @@ class SyncGroup:
         return cls(None, dist.get_rank(), dist.get_world_size(), device)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        if self.pg is None:
-            dist.broadcast(tensor, src=src)
-        else:
-            self.pg.broadcast(tensor, src).wait()
+        collectives.broadcast(tensor, src, group=self.pg)
 
     def broadcast_object(self, obj, src: int):
         """Pickled through two tensor broadcasts (length, then bytes); returns src's object."""

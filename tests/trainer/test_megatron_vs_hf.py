@@ -275,6 +275,10 @@ def test_bf16_mixed_precision_trains_with_fp32_master(tiny_hf_checkpoints):
     losses = [trainer.train_step(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.1, losses
     model = trainer.policy
+    # every parameter in bf16, the norms' too (megatron's torch-norm wrapper makes them float32):
+    # the engine loads bf16 norm weights, and the norm runs torch's same-dtype kernel
+    assert {p.dtype for p in model.raw.parameters()} == {torch.bfloat16}
+    assert {t.dtype for _, t in trainer.export_hf_weights()} == {torch.bfloat16}
     bf16 = [(p, m) for p, m in zip(model.params, model.master) if p.dtype == torch.bfloat16]
     assert bf16 and all(m.dtype == torch.float32 for m in model.master)
     # the model holds exactly the master weights rounded to bf16
