@@ -19,23 +19,32 @@ ReduceOp = dist.ReduceOp
 Group = dist.ProcessGroup | None
 
 
-def _backend(group: Group) -> str:
+def _backend(group: Group) -> str | None:
+    """The group's backend name, or None for a standalone group (its own store), which the
+    world's group map does not know."""
     try:
         return str(dist.get_backend(group))
-    except ValueError:  # a standalone group (its own store): not in the world's group map
-        return group.name()
+    except ValueError:
+        return None
+
+
+def _standalone(group: Group) -> bool:
+    # torch.distributed's functions run a standalone group's collectives, but their error
+    # path looks the group up in the world's map and replaces a timeout's RuntimeError with a
+    # ValueError: so its own methods are called instead
+    return group is not None and _backend(group) is None
 
 
 def group_device(group: Group = None) -> torch.device:
     """Where `group`'s collectives take their tensors: the current CUDA device when the group
     has NCCL (a world of "cpu:gloo,cuda:nccl" too: NCCL is the fast path), else the CPU."""
-    if "nccl" in _backend(group):
+    if "nccl" in (_backend(group) or group.name()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def size(group: Group = None) -> int:
-    return dist.get_world_size(group)
+    return group.size() if _standalone(group) else dist.get_world_size(group)
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -53,7 +62,12 @@ def all_reduce(
     if size(group) == 1:
         return tensor
     work = _on(tensor, group_device(group))
-    dist.all_reduce(work, op=op, group=group)
+    if _standalone(group):
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        group.allreduce([work], options).wait()
+    else:
+        dist.all_reduce(work, op=op, group=group)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -70,7 +84,10 @@ def all_gather(tensor: torch.Tensor, *, dim: int = 0, group: Group = None) -> to
     out = torch.empty((n, *local.shape), dtype=local.dtype, device=device)
     # into views of one buffer: no copy out of a list afterwards (and this form is the one
     # every torch and backend takes: gloo wants a flat output for `all_gather_into_tensor`)
-    dist.all_gather(list(out.unbind(0)), local, group=group)
+    if _standalone(group):
+        group.allgather([list(out.unbind(0))], [local]).wait()
+    else:
+        dist.all_gather(list(out.unbind(0)), local, group=group)
     if tensor.dim() == 0:  # scalars: one entry per rank
         return out.to(tensor.device)
     dim = dim % tensor.dim()
@@ -83,7 +100,10 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tens
     if size(group) == 1:
         return tensor
     work = _on(tensor, group_device(group))
-    dist.broadcast(work, group=group, group_src=src)
+    if _standalone(group):
+        group.broadcast(work, src).wait()
+    else:
+        dist.broadcast(work, group=group, group_src=src)
     if work is not tensor:
         tensor.copy_(work)
     return tensor

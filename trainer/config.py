@@ -96,6 +96,11 @@ class TrainerConfig(Config):
     share_prompts: bool = True
     """megatron backend: a prompt shared by samples of a micro-batch (a GRPO group) is computed
     once, its responses attending to it as in their own sequences (`packing`)."""
+    distributed_optimizer: bool | None = None
+    """megatron backend: the fp32 masters and Adam moments sharded over data-parallel ranks
+    (true: megatron's DistributedOptimizer) or held whole on each (false: torch AdamW); None:
+    sharded on CUDA with more than one DP rank (`megatron_optimizer`). A bool, not on / off:
+    YAML reads those as booleans."""
 
     def check(self, name: Namer) -> None:
         if self.dtype == "float64" and self.backend != "megatron":
@@ -106,6 +111,12 @@ class TrainerConfig(Config):
         if self.compile and self.backend != "megatron":
             raise ValueError(
                 f"{name('compile')}=true runs on {name('backend')}='megatron' only; set it to false"
+            )
+        if self.distributed_optimizer and (self.backend != "megatron" or self.dtype == "float64"):
+            raise ValueError(
+                f"{name('distributed_optimizer')}=true needs {name('backend')}='megatron' with "
+                f"{name('dtype')} float32 or bfloat16 (deepspeed shards with zero_stage; "
+                "megatron's distributed optimizer takes no float64); set it to false or null"
             )
         if self.loss.kl_coef > 0 and not self.use_reference:
             raise ValueError(

@@ -13,14 +13,21 @@ name: `_CpuTorch` forwards every attribute to the real torch, except that
 Why module-scoped and not a global monkey patch of `torch.cuda`: other code in the same process
 (the rollout engine, user code, torch itself) must keep seeing the truth that CUDA is absent.
 
-One megatron method needs more than a `torch` stand-in and is wrapped here:
-`LanguageModule.setup_embeddings_and_output_layer` moves the tied output weight to CUDA with
-`Tensor.cuda()` before all-reducing it across the embedding group (tied embeddings under
-PP > 1); on CPU we do that all-reduce in place. When a new megatron code path trips over CUDA,
-add its module to `_PATCHED_MODULES` (and a test that exercises it).
+Two megatron methods need more than a `torch` stand-in and are wrapped here:
+* `LanguageModule.setup_embeddings_and_output_layer` moves the tied output weight to CUDA with
+  `Tensor.cuda()` before all-reducing it across the embedding group (tied embeddings under
+  PP > 1); on CPU we do that all-reduce in place.
+* `DistributedOptimizer.__init__` sorts parameters by `Tensor.type()` strings, which name CUDA
+  types only ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor') and refuse anything else;
+  it is built with host float tensors answering their CUDA type names (the dtype is what it
+  asks; where the tensor lives it never reads there). `type()` is a method of every tensor, so
+  this one cannot be scoped to a module: it is swapped for the constructor's duration only.
+When a new megatron code path trips over CUDA, add its module to `_PATCHED_MODULES` (and a test
+that exercises it).
 
-Not covered (and not used by the trainer on CPU): megatron's optimizer and `clip_grads`
-(`trainer.optim` computes the grad norm instead), fused kernels, Transformer Engine.
+Not covered (and not used by the trainer on CPU): megatron's `clip_grads` (`trainer.optim`
+computes the grad norm instead), its optimizer's `step()` (the trainer runs the steps around
+the norm itself), fused kernels, Transformer Engine.
 
 `apply()` is idempotent and does nothing when CUDA is available: on GPUs megatron runs untouched.
 """
@@ -50,6 +57,8 @@ _PATCHED_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",  # DDP grad buffers
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.optimizer",  # mixed-precision optimizer's flags on "cuda"
+    "megatron.core.optimizer.distrib_optimizer",  # buffers on current_device()
 )
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like")
@@ -128,6 +137,7 @@ def apply() -> bool:
         if getattr(module, "torch", None) is torch:
             module.torch = _CPU_TORCH
     _wrap_tied_embedding_setup()
+    _wrap_distributed_optimizer_init()
     _applied = True
     return True
 
@@ -160,6 +170,34 @@ def _wrap_tied_embedding_setup() -> None:
             )
 
     lm.LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# host tensor types -> the CUDA type names megatron's DistributedOptimizer sorts by
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+}
+
+
+def _wrap_distributed_optimizer_init() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__init__
+    real_type = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        return _CUDA_TYPE_NAMES.get(name, name) if not args and not kwargs else name
+
+    def __init__(self, *args, **kwargs):
+        torch.Tensor.type = cuda_type_name
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = real_type
+
+    DistributedOptimizer.__init__ = __init__
 
 
 class _NoDistTorch(types.ModuleType):

@@ -4,18 +4,20 @@
 slot, and - when trainable - megatron DDP around it plus the optimizer. Micro-batches are packed
 sequences run through megatron's own pipeline schedules (`get_forward_backward_func`, which
 also covers PP = 1). Gradients accumulate over micro-batches in DDP's grad buffers and are
-all-reduced over DP once per step.
+all-reduced over DP once per step (reduce-scattered into DP shards with a distributed
+optimizer).
 
 Loss scaling: each micro-batch returns its share of the *global* loss (see `objective`), the
 schedule is told not to rescale (`calculate_per_token_loss=True`, token count 1) and DDP then
 sums rather than averages over DP. So the gradient is that of the whole batch's loss for any
 TP / PP / DP / micro-batch split.
 
-Optimizer: torch's fused AdamW with our model-parallel grad norm (`optim`), on CPU and GPU
-alike (megatron's optimizer and `clip_grads` allocate on "cuda"). With `dtype: bfloat16` the model
-computes in bf16 while AdamW updates fp32 master copies of the weights from DDP's fp32 grad
-buffers (`grad_reduce_in_fp32`), then writes them back rounded to bf16 - the standard mixed
-precision recipe, done here instead of by megatron's Float16 optimizer.
+Optimizer (`megatron_optimizer`): torch's fused AdamW with our model-parallel grad norm
+(`optim`; megatron's `clip_grads` allocates on "cuda"), over fp32 master weights held whole on
+every DP rank or sharded over DP by megatron's DistributedOptimizer. With `dtype: bfloat16` the
+model computes in bf16 while AdamW updates fp32 master copies of the weights from DDP's fp32
+grad buffers (`grad_reduce_in_fp32`), then writes them back rounded to bf16 - the standard mixed
+precision recipe.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import collectives
 from model_spec import ModelSpec
-from trainer import shared_prompts, step_metrics
+from trainer import megatron_optimizer, shared_prompts, step_metrics
 from trainer.bridge import HFCheckpoint, load_hf_weights
 from trainer.config import RLBatch, TrainerConfig
 from trainer.megatron_model import build_gpt_model
-from trainer.offload import move_optimizer_state, move_params, synchronize
-from trainer.optim import clip_grads_, grad_norm, load_optimizer_state, lr_at
+from trainer.offload import synchronize
+from trainer.optim import lr_at
 from trainer.packing import MicroBatch, pack_all
 from trainer.parallel import device
 from trainer.response_rows import install as install_row_selection
@@ -117,15 +119,6 @@ class _ValueHead(torch.nn.Module):
         return self.value(hidden), None
 
 
-def _fp32_master(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    master = torch.nn.Parameter(param.detach().float().clone())
-    # the grad norm needs to know which weights are TP shards / shared duplicates
-    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):
-        if hasattr(param, attr):
-            setattr(master, attr, getattr(param, attr))
-    return master
-
-
 class MegatronModel:
     def __init__(self, cfg: TrainerConfig, *, trainable: bool, value_head: bool = False):
         self.cfg = cfg
@@ -163,37 +156,32 @@ class MegatronModel:
             self.module = model
             return
         self.config.calculate_per_token_loss = True
+        sharded = megatron_optimizer.select(cfg)
         self.module = DistributedDataParallel(
             self.config,
             # float32 grad buffers for fp32/bf16 params; a float64 model keeps float64 grads
             DistributedDataParallelConfig(
                 grad_reduce_in_fp32=cfg.dtype != "float64",
                 overlap_grad_reduce=False,
-                use_distributed_optimizer=False,
+                # reduce-scatter the grads into DP shards, all-gather the updated weights
+                use_distributed_optimizer=sharded,
             ),
             model,
         )
         self.config.no_sync_func = self.module.no_sync
         self.config.finalize_model_grads_func = _finalize_grads
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        # fp32 / fp64 params are their own master weights; bf16 params get fp32 master copies.
-        self.master = (
-            self.params if cfg.dtype != "bfloat16" else [_fp32_master(p) for p in self.params]
+        self.optim = (
+            megatron_optimizer.ShardedAdamW(self.module, self.params, cfg)
+            if sharded
+            else megatron_optimizer.ReplicatedAdamW(self.params, cfg)
         )
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for p in self.master if p.ndim >= 2], "weight_decay": o.weight_decay},
-                # norms and biases: no weight decay
-                {"params": [p for p in self.master if p.ndim < 2], "weight_decay": 0.0},
-            ],
-            lr=lr_at(0, o),
-            betas=o.betas,
-            eps=o.eps,
-            # one fused kernel per parameter (CPU and GPU) instead of a chain of element-wise
-            # passes each: the same update, rounded differently (tests: float64 bound 1e-10)
-            fused=True,
-        )
+
+    @property
+    def master(self) -> list[torch.Tensor]:
+        """The tensors AdamW updates: fp32 masters (the params of a float32 / float64 model),
+        or with a distributed optimizer this DP rank's shards of them."""
+        return self.optim.masters
 
     # ----------------------------------------------------------------------------- running
 
@@ -290,13 +278,10 @@ class MegatronModel:
         update: the weights, the optimizer state and the LR schedule stay as they were, and
         `skipped_steps` counts it. The norm is reduced over the model-parallel group, so every
         rank makes the same decision."""
-        for p, m in zip(self.params, self.master):
-            m.grad = p.main_grad  # DDP accumulated (and DP-reduced) fp32 grads
-        norm = grad_norm(self.master)
+        norm = self.optim.grad_norm()
         lr = lr_at(self.step_count, self.cfg.optim)
         if not math.isfinite(norm):
-            for m in self.master:
-                m.grad = None
+            self.optim.discard()
             self.skipped_steps += 1
             warnings.warn(
                 f"non-finite gradient norm ({norm}); this update is skipped and the "
@@ -305,15 +290,7 @@ class MegatronModel:
                 stacklevel=2,
             )
             return norm, lr
-        clip_grads_(self.master, self.cfg.optim.grad_clip, norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                if p is not m:
-                    p.copy_(m)  # round the fp32 master to the model's dtype
-                m.grad = None
+        self.optim.step(lr, norm)
         self.step_count += 1
         return norm, lr
 
@@ -322,35 +299,29 @@ class MegatronModel:
     def train_state(self, with_params: bool) -> dict:
         """What this rank needs, beyond weights loaded at construction, to continue training
         exactly: AdamW's state, the LR-schedule position (`step_count`), `skipped_steps`, the
-        fp32 master weights when they are separate copies (bf16), and with `with_params` this
-        shard's parameters (a critic has no Hugging Face form). Tensors and plain values only,
-        so `torch.load(weights_only=True)` reads it back."""
+        fp32 master weights when they are separate copies (bf16; with a distributed optimizer
+        this DP rank's shard of both), and with `with_params` this shard's parameters (a
+        critic has no Hugging Face form). Tensors and plain values only, so
+        `torch.load(weights_only=True)` reads it back."""
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            **self.optim.state_dict(),
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
         }
-        if self.master is not self.params:
-            state["master"] = [m.detach().cpu() for m in self.master]
         if with_params:
             state["params"] = {n: p.detach().cpu() for n, p in self.raw.named_parameters()}
         return state
 
     def load_train_state(self, state: dict) -> None:
         """Inverse of `train_state` on a model built with the same layout."""
-        with torch.no_grad():
-            if "params" in state:
-                params = dict(self.raw.named_parameters())
-                if params.keys() != state["params"].keys():
-                    raise ValueError("checkpointed parameters do not match this model's")
+        if "params" in state:
+            params = dict(self.raw.named_parameters())
+            if params.keys() != state["params"].keys():
+                raise ValueError("checkpointed parameters do not match this model's")
+            with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(state["params"][name])
-            if "master" in state:
-                for m, saved in zip(self.master, state["master"], strict=True):
-                    m.copy_(saved)
-            elif self.master is not self.params:
-                raise ValueError("the checkpoint has no fp32 master weights for this bf16 model")
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.optim.load_state_dict(state)
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
 
@@ -360,10 +331,7 @@ class MegatronModel:
         """Free the grad buffers and move params and optimizer state to host memory; returns
         the bytes moved (on a CPU device nothing moves and the same count is reported)."""
         self.module.offload_grad_buffers(synchronize=False, empty_cache=False)
-        moved = move_params(self.params, torch.device("cpu"))
-        if self.master is not self.params:
-            moved += move_params(self.master, torch.device("cpu"))
-        moved += move_optimizer_state(self.optimizer, torch.device("cpu"))
+        moved = self.optim.offload()
         synchronize(device())
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -373,9 +341,6 @@ class MegatronModel:
         """Inverse of `offload` (grad buffers come back zeroed); returns the bytes moved."""
         dev = device()
         self.module.restore_grad_buffers(synchronize=False)
-        moved = move_params(self.params, dev)
-        if self.master is not self.params:
-            moved += move_params(self.master, dev)
-        moved += move_optimizer_state(self.optimizer, dev)
+        moved = self.optim.onload(dev)
         synchronize(dev)
         return moved

@@ -31,13 +31,17 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def grad_norm(params: list[torch.nn.Parameter], *, model_parallel: bool = True) -> float:
+def grad_norm(
+    params: list[torch.Tensor], *, model_parallel: bool = True, data_parallel_shards: bool = False
+) -> float:
     """Global L2 norm of `.grad` over the whole (TP x PP sharded) model, accumulated in float64.
+    `data_parallel_shards`: each DP rank holds a disjoint shard of every gradient (a
+    distributed optimizer's), so the squares are summed over DP as well.
 
     On the gradients' device: every tensor's norm in one `_foreach_norm` (each a float64-
     accumulating reduction, no float64 copy of the gradient), their squares summed there, one
-    all-reduce over the model-parallel group on its device, and one read-back: a single host
-    synchronisation per step, whatever the number of parameters."""
+    all-reduce per group on its device, and one read-back: a single host synchronisation per
+    step, whatever the number of parameters."""
     grads = [
         p.grad.detach()
         for p in params
@@ -53,6 +57,8 @@ def grad_norm(params: list[torch.nn.Parameter], *, model_parallel: bool = True) 
     else:  # this rank holds no gradient; its share is 0
         device = collectives.group_device(group) if model_parallel else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float64, device=device)
+    if data_parallel_shards:
+        collectives.all_reduce(sq, group=parallel_state.get_data_parallel_group())
     if model_parallel:
         collectives.all_reduce(sq, group=group)
     return float(sq.sqrt())

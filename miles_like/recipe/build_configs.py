@@ -117,6 +117,7 @@ def _trainer_config(
             dtype=recipe.model.dtype,
             compile=tr.compile,
             share_prompts=tr.share_prompts,
+            distributed_optimizer=tr.distributed_optimizer,
             optim=optim,
             loss=loss,
             use_reference=use_reference,

@@ -408,6 +408,13 @@ class TrainerSection(Section):
         "is computed once, its responses attending to it as in their own sequences (the same "
         "function; float32 rounds differently)",
     )
+    distributed_optimizer: bool | None = Field(
+        None,
+        description="megatron backend: true: the fp32 masters and Adam moments sharded over "
+        "data-parallel ranks (megatron's DistributedOptimizer: 1/DP of that memory each, the "
+        "same update); false: whole on every rank; null: true with CUDA, DP > 1 and float32 / "
+        "bfloat16",
+    )
 
 
 @config
