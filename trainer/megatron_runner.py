@@ -86,9 +86,8 @@ def all_gather_dicts(local: dict, group) -> dict:
 
 def from_last_stage(obj):
     """The last PP stage's `obj` on every stage of this pipeline."""
-    return collectives.all_gather_object(obj, parallel_state.get_pipeline_model_parallel_group())[
-        -1
-    ]
+    stages = collectives.all_gather_object(obj, parallel_state.get_pipeline_model_parallel_group())
+    return stages[-1]
 
 
 def reduce_metrics(
