@@ -1,4 +1,4 @@
-"""The busy / idle metrics of a real run (issue 14 item 1): Ray actors on CPU, 2 steps.
+"""The busy / idle metrics of a real run: Ray actors on CPU, 2 steps.
 
 The reward sleeps a known time per sample in one worker, with no engine or trainer computing,
 so the step's device-idle share must cover at least that sleep; the trainer's compute intervals,

@@ -1,4 +1,4 @@
-"""Engine tensor parallelism (issue 16): one replica over 2 CPU processes (gloo) against TP=1 and
+"""Engine tensor parallelism: one replica over 2 CPU processes (gloo) against TP=1 and
 HF transformers on the same weights.
 
 One spawn of 2 ranks (127.0.0.1, bounded in time) runs the same scenario script for every family

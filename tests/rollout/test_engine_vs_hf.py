@@ -1,4 +1,4 @@
-"""Acceptance tests of the rollout engine (issue 2) against Hugging Face transformers.
+"""The rollout engine against Hugging Face transformers.
 
 HF transformers is the independent reference: the tiny random-init checkpoints of
 `tests/tiny_hf.py` (Qwen2, Qwen3, Llama; fp32) are loaded both by HF and by our engine, and
