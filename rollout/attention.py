@@ -112,6 +112,10 @@ class TorchAttention:
         self.pool = pool
         self.suffix_lanes = suffix_lanes
 
+    def forget_plan(self) -> None:
+        """Nothing of a step is cached here (the suffix lanes are released with the pool); the
+        Triton backend's twin drops its decode plan."""
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

@@ -16,6 +16,7 @@ The switches interact here and nowhere else:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from model_spec import ModelSpec
+from rollout import device_memory
 from rollout.attention import TorchAttention
 from rollout.compiled import compile_model
 from rollout.config import EngineConfig, accum_dtype
@@ -64,6 +66,16 @@ class EngineParts(NamedTuple):
     suffix_lanes: SuffixLanes | None
     runner: ModelRunner
     decode_graphs: DecodeGraphs | None
+    kv_sizing: KVSizing
+
+
+class KVSizing(NamedTuple):
+    """How the KV pool was sized: the device's free memory measured just before (`time.time()`
+    of the measurement), and the pages it got."""
+
+    free_bytes: int
+    measured_at: float
+    pages: int
 
 
 def replica_group(config: EngineConfig, group: dist.ProcessGroup | None) -> TPGroup | None:
@@ -95,9 +107,10 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         if config.decode_graphs is not None
         else device.type == "cuda" and config.attention_backend == "triton"
     )
+    sizing = kv_sizing(config, mc, max_model_len, tp)
     pool = KVPool(
         num_layers=mc.num_layers,
-        num_pages=kv_pages(config, mc, max_model_len, tp),
+        num_pages=sizing.pages,
         page_size=config.page_size,
         num_kv_heads=model.model.layers[0].self_attn.num_kv_heads,  # this rank's, under TP
         head_dim=mc.head_dim,
@@ -173,6 +186,7 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         suffix_lanes,
         runner,
         decode_graphs,
+        sizing,
     )
 
 
@@ -207,25 +221,26 @@ def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
     return LoadedModel(mc, max_model_len, model, shards)
 
 
-def kv_pages(config: EngineConfig, mc: ModelSpec, max_model_len: int, tp: TPGroup | None) -> int:
-    """Pages of the KV pool. Every rank of a TP replica gets the same count (the smallest any
-    rank can hold), since rank 0's scheduler allocates for all of them."""
+def kv_sizing(
+    config: EngineConfig, mc: ModelSpec, max_model_len: int, tp: TPGroup | None
+) -> KVSizing:
+    """Pages of the KV pool: `kv_cache_tokens`, or `kv_memory_fraction` of the device's free
+    memory measured now. Every rank of a TP replica gets the same count (the smallest any rank
+    can hold), since rank 0's scheduler allocates for all of them: a collective, so every rank
+    calls it at the same point."""
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
+    free, measured_at = device_memory.free_bytes(device), time.time()
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     else:
         kv_heads = mc.num_kv_heads // (tp.size if tp is not None else 1)
         per_token = KVPool.bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, dtype)
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
         # No point holding more than every running sequence at full length.
         tokens = min(
             int(config.kv_memory_fraction * free) // per_token,
             config.max_running_requests * max_model_len,
         )
     pages = max(1, -(-tokens // config.page_size))
-    return tp.min_int(pages, device) if tp is not None else pages
+    if tp is not None:
+        pages = tp.min_int(pages, device)
+    return KVSizing(free, measured_at, pages)

@@ -35,7 +35,9 @@ class EngineConfig(Config):
     dtype: Dtype = "float32"
     kv_cache_tokens: int | None = Field(None, gt=0)
     """Size of the paged KV pool in tokens. None: `kv_memory_fraction` of free device memory."""
-    kv_memory_fraction: float = Field(0.2, gt=0.0, le=0.95)
+    kv_memory_fraction: float = Field(0.2, gt=0.0, le=1.0)
+    """`kv_cache_tokens` None: the share of the device's free memory, measured when the pool is
+    allocated (`Engine.alloc_kv`), that the pool takes."""
     page_size: int = Field(16, ge=1)
     """Tokens per KV page: the unit of allocation, of prefix sharing across requests (the radix
     cache matches whole pages) and of attention reads (whole pages gather at near-memcpy speed).
@@ -53,7 +55,7 @@ class EngineConfig(Config):
     """None: read from config.json / generation_config.json."""
     attention_backend: Literal["torch", "triton"] = "torch"
     """torch: every device; triton: the CUDA kernels for the KV store and decode
-    (`rollout/kernels`)."""
+    (`rollout/kernels`), not for float64 (they compute in float32)."""
     decode_suffix_lanes: bool = True
     """torch backend: keep each decoding sequence's private suffix K/V in a persistent float32
     buffer updated in place, instead of gathering it from the pool every step (same results;
@@ -136,6 +138,11 @@ class EngineConfig(Config):
             raise ValueError(
                 f"{name('attention_backend')}='triton' needs a CUDA device "
                 f"({name('device')}={self.device!r}); use 'torch' on CPU"
+            )
+        if self.attention_backend == "triton" and self.dtype == "float64":
+            raise ValueError(
+                f"{name('attention_backend')}='triton' computes attention in float32, not "
+                f"{name('dtype')}='float64'; use 'torch' for float64"
             )
 
 

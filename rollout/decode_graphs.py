@@ -16,8 +16,12 @@ kernel launches from Python. Elsewhere the same static-shape function runs eager
 tests compare it with the dynamic path on CPU.
 
 Invariant: captured graphs hold the addresses of the parameters, the KV pool and these buffers.
-Weight updates copy in place and keep them; `reset()` must drop the graphs whenever the pool or
-the parameters are re-allocated (`Engine.release_memory`).
+Weight updates copy in place and keep them. When the parameters are released `reset()` drops
+every bucket (`Engine.release_memory(weights=True)`); when only the pool was re-allocated,
+`revalidate()` keeps the buckets and drops a captured graph only if the pool came back at other
+addresses (the CPU path captures no address: it keeps everything). `captures` counts the buckets
+built (buffers allocated; on CUDA, graph captured), so re-captures after a release are visible
+(`Engine.stats()["graph_captures"]`).
 """
 
 from __future__ import annotations
@@ -75,7 +79,9 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda"
         self._static: dict[int, _StaticBatch] = {}
         self._mempool = None
+        self._captured_addresses: tuple[int, ...] | None = None  # of the graphs held
         self.replays = 0  # decode steps served by this path (captured or eager)
+        self.captures = 0  # buckets built: buffers allocated, and on CUDA a graph captured
 
     def accepts(self, batch: ScheduledBatch) -> bool:
         return (
@@ -101,9 +107,31 @@ class DecodeGraphs:
         return logits[: len(seqs)]
 
     def reset(self) -> None:
-        """Forget every graph and buffer (after the pool or the parameters were re-allocated)."""
+        """Forget every graph and buffer (the parameters are being released), and the attention
+        backend's cached plan, built from these buffers."""
         self._static.clear()
         self._mempool = None
+        self._captured_addresses = None
+        self.attention.forget_plan()
+
+    def revalidate(self) -> None:
+        """After the pool or the parameters came back: keep the captured graphs if everything they
+        read and write is where it was at capture, else drop the graphs (their buffers stay; each
+        bucket is captured again at its next step)."""
+        if self._captured_addresses is None or self._addresses() == self._captured_addresses:
+            return
+        for static in self._static.values():
+            static.graph = static.logits = None
+        self._mempool = None
+        self._captured_addresses = None
+        self.attention.forget_plan()
+
+    def _addresses(self) -> tuple[int, ...]:
+        """What a captured graph holds by address besides its own buffers: the pool's K/V and
+        every parameter (0 for released storage)."""
+        pool = self.pool
+        kv = (pool.k.data_ptr(), pool.v.data_ptr()) if pool.allocated else (0, 0)
+        return kv + tuple(p.data_ptr() for p in self.model.parameters())
 
     # -- buffers -------------------------------------------------------------------------------
     def _allocate(self, size: int) -> _StaticBatch:
@@ -123,6 +151,8 @@ class DecodeGraphs:
             rows=torch.arange(size, **kw),
         )
         self._static[size] = static
+        if not self.capture:  # on CUDA, counted at capture
+            self.captures += 1
         return static
 
     def _fill(self, static: _StaticBatch, seqs: list[Sequence]) -> None:
@@ -178,3 +208,5 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._mempool):
             static.logits = self._forward(static)
         static.graph = graph
+        self._captured_addresses = self._addresses()
+        self.captures += 1

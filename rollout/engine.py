@@ -17,8 +17,9 @@ from collections.abc import Sequence as Seq
 import torch
 import torch.distributed as dist
 
+from rollout import device_memory
 from rollout.activity import ActivityLog, ForwardPass
-from rollout.build import build_parts, replica_group
+from rollout.build import KVSizing, build_parts, kv_sizing, replica_group
 from rollout.config import EngineConfig, SamplingParams
 from rollout.model_runner import execute
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
@@ -38,6 +39,7 @@ class Engine:
         self.device, self.dtype = torch.device(config.device), getattr(torch, config.dtype)
         self.eos_token_ids = parts.eos_token_ids
         self.pool, self.scheduler, self.runner = parts.pool, parts.scheduler, parts.runner
+        self.kv_sizing = parts.kv_sizing  # how the KV pool was last sized
         self.draft_model = parts.draft_model  # None unless speculative_method="draft"
         self.suffix_lanes, self.decode_graphs = parts.suffix_lanes, parts.decode_graphs
 
@@ -70,30 +72,7 @@ class Engine:
         (e.g. stop strings) sees each sample's generated ids after every token it samples."""
         self._check_ready()
         prompt = [int(t) for t in prompt_token_ids]
-        vocab = self.model_config.vocab_size
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty; give at least one token")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab})")
-        total = len(prompt) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{total} exceeds max_model_len={self.max_model_len}; shorten the prompt or lower "
-                "max_new_tokens"
-            )
-        pages = -(-total // self.config.page_size)
-        if pages > self.pool.num_pages:
-            raise ValueError(
-                f"one sequence of {total} tokens needs {pages * self.config.page_size} KV slots "
-                "but "
-                f"kv_cache_tokens holds {self.pool.num_slots}; raise kv_cache_tokens"
-            )
-        if params.n > self.config.max_running_requests:
-            raise ValueError(
-                f"SamplingParams.n={params.n} exceeds max_running_requests="
-                f"{self.config.max_running_requests}; raise max_running_requests"
-            )
+        check_request(prompt, params, self)
         request_id = self._next_request_id
         self._next_request_id += 1
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
@@ -247,11 +226,14 @@ class Engine:
         return freed + self.scheduler.new_weights()
 
     def release_memory(self, weights: bool = False) -> int:
-        """Free the KV pool (and, with `weights`, the parameters' storage) so the trainer can use
-        the device. Returns the bytes released."""
+        """Free the KV pool (and, with `weights`, the parameters' storage) and hand it back to the
+        device (`device_memory.return_freed`), for the trainer's process. Returns the bytes
+        released. Static decode steps survive a KV-only release (`DecodeGraphs.revalidate`);
+        released weights drop them, re-built later (`stats()["graph_captures"]` counts)."""
         self._require_idle("release_memory")
+        weights = weights and self._weights.complete
         if self.tp is not None:
-            self.tp.send(Release(weights and self._weights.complete))
+            self.tp.send(Release(weights))
             self.tp.barrier()  # returns once every rank has freed it too
         released = 0
         if self.pool.allocated:
@@ -264,26 +246,47 @@ class Engine:
                 self.suffix_lanes.release()
         if self.draft_model is not None:
             released += self.draft_model.release()
-        if self.decode_graphs is not None:  # graphs hold the addresses of what is freed here
-            self.decode_graphs.reset()
-        if weights and self._weights.complete:
+        # Plans kept from the last steps hold their tensors (a graph capture's, too).
+        self.runner.forget_plan()
+        if weights:
+            if self.decode_graphs is not None:  # graphs hold the parameters' addresses
+                self.decode_graphs.reset()
             released += self.model.release_storage()
             self._weights.invalidate()
+        device_memory.return_freed(self.device)
         return released
 
     def resume_memory(self) -> None:
-        """Re-create what `release_memory` freed (parameters come back uninitialised: the next
-        `update_weights` fills them)."""
+        """Re-create what `release_memory` freed: `resume_weights`, then `alloc_kv`."""
+        self.resume_weights()
+        self.alloc_kv()
+
+    def resume_weights(self) -> None:
+        """The parameters' storage back, uninitialised, ready for the weight push (the next
+        `update_weights` fills it; generation waits until it has). The KV pool stays released:
+        colocated, the trainer still holds its weights until the push is done (`alloc_kv`)."""
         if self.tp is not None:
-            self.tp.send(Resume())
-            # every rank holds its memory again when this returns: a follower may be sent its
-            # own weight shards right after (resharding sync)
-            self.tp.barrier()
+            self.tp.send(Resume(weights=True, kv=False))
+            self.tp.barrier()  # every rank's too: the resharding sync may send them their shards
+        self.model.restore_storage(self._param_shapes)
+        if self.decode_graphs is not None:
+            self.decode_graphs.revalidate()
+
+    def alloc_kv(self) -> KVSizing:
+        """The KV pool (and the draft model's) back, with `kv_cache_tokens` unset sized now from
+        the free memory (colocated: what the offloaded trainer left). Returns `kv_sizing`."""
+        if self.tp is not None:
+            self.tp.send(Resume(weights=False, kv=True))
         if not self.pool.allocated:
-            self.pool.allocate()
+            self.kv_sizing = kv_sizing(self.config, self.model_config, self.max_model_len, self.tp)
+            self.pool.allocate(self.kv_sizing.pages)
         if self.draft_model is not None:
             self.draft_model.resume()
-        self.model.restore_storage(self._param_shapes)
+        if self.decode_graphs is not None:
+            self.decode_graphs.revalidate()
+        if self.tp is not None:
+            self.tp.barrier()
+        return self.kv_sizing
 
     def close(self) -> None:
         """Under tensor parallelism: tell the other ranks to stop serving (their `run_rank`
@@ -308,6 +311,7 @@ class Engine:
             busy_s=self.busy_s,
             forward_passes=self.forward_passes,
             waiting_sequences=len(self.scheduler.waiting),
+            graph_captures=self.decode_graphs.captures if self.decode_graphs is not None else 0,
         )
         return s
 
@@ -320,3 +324,30 @@ class Engine:
                 self.suffix_lanes.check(self.scheduler.running)
             if self.draft_model is not None:
                 self.draft_model.check_integrity()
+
+
+def check_request(prompt: list[int], params: SamplingParams, engine: Engine) -> None:
+    """The user errors of one request on `engine`, each one line naming what to change."""
+    vocab, page_size = engine.model_config.vocab_size, engine.config.page_size
+    if not prompt:
+        raise ValueError("prompt_token_ids is empty; give at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab})")
+    total = len(prompt) + params.max_new_tokens
+    if total > engine.max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+            f"{total} exceeds max_model_len={engine.max_model_len}; shorten the prompt or lower "
+            "max_new_tokens"
+        )
+    pages = -(-total // page_size)
+    if pages > engine.pool.num_pages:
+        raise ValueError(
+            f"one sequence of {total} tokens needs {pages * page_size} KV slots but "
+            f"kv_cache_tokens holds {engine.pool.num_slots}; raise kv_cache_tokens"
+        )
+    if params.n > engine.config.max_running_requests:
+        raise ValueError(
+            f"SamplingParams.n={params.n} exceeds max_running_requests="
+            f"{engine.config.max_running_requests}; raise max_running_requests"
+        )

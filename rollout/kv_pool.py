@@ -77,7 +77,14 @@ class KVPool:
     def allocated(self) -> bool:
         return self.k is not None
 
-    def allocate(self) -> None:
+    def allocate(self, num_pages: int | None = None) -> None:
+        """Create the K/V tensors, every page free; `num_pages` re-sizes the pool (it must be
+        released: nothing holds a page)."""
+        if num_pages is not None:
+            assert self.k is None, "re-sizing a KV pool that is allocated"
+            self.num_pages = num_pages
+            if self.scratch_page is not None:
+                self.scratch_page = num_pages
         pages = self.num_pages + (self.scratch_page is not None)
         shape = (self.num_layers, self.num_kv_heads, pages * self.page_size, self.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)

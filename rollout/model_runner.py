@@ -62,6 +62,12 @@ class ModelRunner:
         self.device = slot_table.device
         self._steady: tuple[tuple, _Layout] | None = None  # the last one-query step's layout
 
+    def forget_plan(self) -> None:
+        """Drop what is kept from the last steps (the steady decode layout, the attention's
+        decode plan): their tensors must not outlive a release of the memory they describe."""
+        self._steady = None
+        self.attention.forget_plan()
+
     @property
     def suffix_lanes(self) -> SuffixLanes | None:
         """The attention's lanes, when it reads decode suffixes from them (then the metadata

@@ -93,7 +93,7 @@ class SuffixLanes:
         """Drop the buffers and every lane (the pool is being freed)."""
         self.k = self.v = None
         self.lanes, self.lane_of_epoch = [], {}
-        self._prefix_key, self._prefix = None, {}
+        self._prefix_key, self._prefix, self._prefix_pages = None, {}, None
         self._last_epochs = None
 
     def forget(self) -> None:

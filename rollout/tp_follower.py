@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rollout import device_memory
 from rollout.attention import TorchAttention
-from rollout.build import kv_pages, load_model
+from rollout.build import kv_sizing, load_model
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.kv_pool import KVPool
@@ -44,12 +45,13 @@ class EngineFollower:
                 f"rank 1..k-1 of a group of that size, got rank {self.tp.rank} of {self.tp.size}"
             )
         self.device = torch.device(config.device)
-        self.model_config, max_model_len, self.model, self.shards = load_model(config, self.tp)
+        self.config = config
+        self.model_config, self.max_model_len, self.model, self.shards = load_model(config, self.tp)
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         # Construction order matches Engine's, so the page-count agreement pairs up.
         self.pool = KVPool(
             num_layers=self.model_config.num_layers,
-            num_pages=kv_pages(config, self.model_config, max_model_len, self.tp),
+            num_pages=self._kv_pages(),
             page_size=config.page_size,
             num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
             head_dim=self.model_config.head_dim,
@@ -57,6 +59,10 @@ class EngineFollower:
             device=self.device,
         )
         self.attention = TorchAttention(self.pool)
+
+    def _kv_pages(self) -> int:
+        """This rank's side of rank 0's pool sizing (a collective: the smallest count wins)."""
+        return kv_sizing(self.config, self.model_config, self.max_model_len, self.tp).pages
 
     def load_weights(self, named_tensors) -> set[str]:
         """Copy (hf_name, tensor) pairs into this rank's shard in place: full tensors are
@@ -88,12 +94,16 @@ class EngineFollower:
                 self.pool.free_memory()
                 if command.weights:
                     self.model.release_storage()
+                device_memory.return_freed(self.device)
                 self.tp.barrier()  # rank 0 waits until every rank has done it
             elif isinstance(command, Resume):
-                if not self.pool.allocated:
-                    self.pool.allocate()
-                self.model.restore_storage(self._param_shapes)
-                self.tp.barrier()
+                if command.weights:
+                    self.model.restore_storage(self._param_shapes)
+                    self.tp.barrier()
+                if command.kv:
+                    if not self.pool.allocated:
+                        self.pool.allocate(self._kv_pages())
+                    self.tp.barrier()
             elif isinstance(command, Stop):
                 return
             else:

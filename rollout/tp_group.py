@@ -40,7 +40,8 @@ class Release(NamedTuple):
 
 
 class Resume(NamedTuple):
-    pass
+    weights: bool  # the parameters' storage (`Engine.resume_weights`)
+    kv: bool  # the KV pool, sized again (`Engine.alloc_kv`)
 
 
 class Stop(NamedTuple):

@@ -13,6 +13,7 @@ configs' checks: building a `Recipe` runs `check_configs`, which builds them. (S
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from config_schema import validate
@@ -30,6 +31,7 @@ ENGINE_FROM = {
     "dtype": "model.dtype",
     "seed": "seed",
     "device": "cluster.accelerator",
+    "max_model_len": "trainer.max_tokens_per_micro_batch",
 }
 
 # Where a recipe is checked without a model at hand; no config reads the path on construction.
@@ -131,9 +133,6 @@ def _trainer_config(
 
 def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
     r = recipe.rollout
-    backend = r.attention_backend
-    if backend == "auto":  # engine TP runs the torch backend (rollout/parallel_layers.py)
-        backend = "triton" if device.startswith("cuda") and r.tp == 1 else "torch"
     draft = r.speculative_draft_model_path
     return validate(
         EngineConfig,
@@ -141,11 +140,15 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
             model_path=model_path,
             device=device,
             dtype=recipe.model.dtype,
-            attention_backend=backend,
+            attention_backend=attention_backend(
+                r.attention_backend, device, recipe.model.dtype, r.tp
+            ),
             decode_graphs=r.decode_graphs,
             compile=r.compile,
             tp=r.tp,
             kv_cache_tokens=r.kv_cache_tokens,
+            kv_memory_fraction=r.kv_memory_fraction,
+            max_model_len=context_len(recipe, model_path),
             page_size=r.page_size,
             max_running_requests=r.max_running_requests,
             speculative_method=r.speculative_method,
@@ -157,6 +160,31 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
         names=ENGINE_FROM,
         error=RecipeError,
     )
+
+
+def attention_backend(requested: str, device: str, dtype: str, tp: int) -> str:
+    """The engine's attention backend for `rollout.attention_backend`. "auto": the Triton kernels
+    on CUDA, except under engine TP (its layers run the torch backend: rollout/parallel_layers.py)
+    and for a float64 model (the Triton decode kernel computes in float32: a float64 pool attends
+    through torch, so engine and trainer log-probs keep agreeing to float64 rounding); torch
+    elsewhere. An explicit choice is kept (EngineConfig refuses triton with float64)."""
+    if requested != "auto":
+        return requested
+    triton = device.startswith("cuda") and tp == 1 and dtype != "float64"
+    return "triton" if triton else "torch"
+
+
+def context_len(recipe, model_dir: str | Path) -> int:
+    """The longest sequence of the run, prompt and every turn: the model's context
+    (`max_position_embeddings` in its config.json, when there is one to read) capped by
+    `trainer.max_tokens_per_micro_batch` (a longer sample could not be trained on). The engine
+    sizes its per-sequence tables and static decode buffers by it (`EngineConfig.max_model_len`),
+    not by the model's maximum."""
+    cap = recipe.trainer.max_tokens_per_micro_batch
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():  # a recipe checked without its model (PLACEHOLDER_MODEL_PATH)
+        return cap
+    return min(json.loads(config.read_text()).get("max_position_embeddings", cap), cap)
 
 
 def sampling_params(recipe, seed: int | None = None) -> SamplingParams:

@@ -163,7 +163,17 @@ class RolloutSection(Section):
         "e.g. benchmarks); false stops at the EOS",
     )
     kv_cache_tokens: int | None = Field(
-        None, description="engine KV pool size in tokens; null: a fraction of free device memory"
+        None,
+        description="engine KV pool size in tokens; null: rollout.kv_memory_fraction of the "
+        "device's free memory",
+    )
+    kv_memory_fraction: float = Field(
+        0.2,
+        description="kv_cache_tokens null: the share, in (0, 1], of the device's free memory the "
+        "engine's KV pool takes, measured when the pool is allocated (colocated: after the "
+        "trainer has offloaded and the weights are pushed, at every step)",
+        gt=0.0,
+        le=1.0,
     )
     page_size: int = Field(16, description="engine KV page size in tokens (prefix-sharing unit)")
     max_running_requests: int = Field(256, description="most sequences the engine decodes at once")
@@ -178,8 +188,8 @@ class RolloutSection(Section):
     )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
-        description="engine attention: torch (every device) | triton (CUDA kernels) | auto (triton "
-        "on CUDA with rollout.tp 1, else torch)",
+        description="engine attention: torch (every device) | triton (CUDA kernels; not for "
+        "float64) | auto (triton on CUDA with rollout.tp 1 below float64, else torch)",
     )
     decode_graphs: bool | None = Field(
         None,

@@ -23,7 +23,7 @@ from miles_like.data import PromptSource
 from miles_like.errors import RecipeError
 from miles_like.models.store import base_model_dir, read_model_files
 from miles_like.models.tokenizer import HFTokenizer, load_tokenizer
-from miles_like.recipe.build_configs import critic_config, trainer_config
+from miles_like.recipe.build_configs import context_len, critic_config, trainer_config
 from miles_like.rollouts.functions import resolve_rollout_function
 from miles_like.rollouts.manager import RolloutManager
 from miles_like.run import checkpoint, placement
@@ -85,9 +85,7 @@ def read_inputs(recipe, state: dict | None) -> Inputs:
     except ValueError as e:
         raise RecipeError(str(e)) from None
     hf = json.loads((base_dir / "config.json").read_text())
-    context = min(
-        hf.get("max_position_embeddings", 1 << 30), recipe.trainer.max_tokens_per_micro_batch
-    )
+    context = context_len(recipe, base_dir)
     rollout_fn = resolve_rollout_function(recipe.rollout.function)
     max_prompt = context - recipe.rollout.max_new_tokens
     if max_prompt < 1:

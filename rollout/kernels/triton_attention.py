@@ -35,6 +35,11 @@ class TritonAttention:
         self._plan_for: DecodeMetadata | None = None
         self._plan: tuple[list[Phase], DecodeQueries] | None = None
 
+    def forget_plan(self) -> None:
+        """Drop the cached decode plan: it holds tensors of the last step's metadata (a graph's
+        static buffers, tensors made during its capture), which must not outlive a release."""
+        self._plan_for = self._plan = None
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

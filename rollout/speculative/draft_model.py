@@ -226,6 +226,7 @@ class DraftModelProposer:
             return 0
         released = 2 * self.pool.k.numel() * self.pool.k.element_size()
         self.pool.free_memory()
+        self.runner.forget_plan()
         return released
 
     def resume(self) -> None:

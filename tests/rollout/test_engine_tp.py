@@ -17,8 +17,10 @@ shard is the short one. The parent runs the same script on a TP=1 engine and che
   are non-zero (the forks' partial last page is copied on every rank);
 * a bad update raises (every rank stays in step); update_weights with full HF tensors of
   another model: outputs follow (equal TP=1 after the same
-  update, differ from before); release_memory(weights=True) / resume_memory / update_weights back
-  to the original weights reproduce the first outputs.
+  update, differ from before); release_memory(weights=True), then resume_weights /
+  update_weights back to the original weights / alloc_kv (the colocated order) reproduce the
+  first outputs;
+* every rank's release ends in the device allocator's release hook.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ def scenarios(engine: Engine, directory: str, other_directory: str) -> dict:
     engine.update_weights(load_file(str(Path(other_directory) / "model.safetensors")).items())
     result["updated"] = _outputs(engine, PROMPTS, GREEDY)
     engine.release_memory(weights=True)
-    engine.resume_memory()
+    # the colocated order: the weights back, the push, then the KV pool (sized again)
+    engine.resume_weights()
     engine.update_weights(load_file(str(Path(directory) / "model.safetensors")).items())
+    engine.alloc_kv()
     result["resumed"] = _outputs(engine, PROMPTS, GREEDY)
     return result
 
@@ -78,9 +82,17 @@ def scenarios(engine: Engine, directory: str, other_directory: str) -> dict:
 def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from rollout import device_memory
     from rollout.tp_follower import run_rank
 
     torch.set_num_threads(1)
+    returned, return_freed = [], device_memory.return_freed  # counted, and still run
+
+    def counting(device):
+        returned.append(str(device))
+        return_freed(device)
+
+    device_memory.return_freed = counting
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     for (family, dtype), (directory, other) in dirs.items():
         engine = run_rank(_config(directory, dtype, tp=2))
@@ -90,6 +102,7 @@ def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
             engine.close()
             torch.save(result, Path(out_dir) / f"{family}_{dtype}.pt")
     dist.destroy_process_group()
+    torch.save(returned, Path(out_dir) / f"rank{rank}_returned.pt")
 
 
 def _free_port() -> int:
@@ -129,7 +142,10 @@ def tp2_results(checkpoints, tmp_path_factory) -> dict:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the TP=2 ranks did not finish within {DEADLINE_S} s")
-    return {case: torch.load(out_dir / f"{case[0]}_{case[1]}.pt") for case in CASES}
+    results = {case: torch.load(out_dir / f"{case[0]}_{case[1]}.pt") for case in CASES}
+    for rank in range(2):  # the devices each rank handed freed memory back to
+        results["returned", rank] = torch.load(out_dir / f"rank{rank}_returned.pt")
+    return results
 
 
 @pytest.fixture(autouse=True)
@@ -201,6 +217,12 @@ def test_tp2_equals_tp1_and_hf(family, dtype, checkpoints, tp2_results):
     # Weights changed: outputs follow; back to the original weights after release: outputs return.
     assert [s[0] for o in tp2["updated"] for s in o] != [s[0] for o in tp2["greedy"] for s in o]
     _assert_same(tp2["resumed"], tp2["greedy"], 0.0)
+
+
+def test_every_rank_hands_released_memory_back(tp2_results):
+    """Each `release_memory` ends in the allocator's release hook on rank 0 and on the follower
+    (`device_memory.return_freed`; on CUDA it empties torch's cache in each process)."""
+    assert tp2_results["returned", 0] == tp2_results["returned", 1] == ["cpu"] * len(CASES)
 
 
 def test_tp_refusals_are_one_line():
