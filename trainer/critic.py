@@ -15,6 +15,7 @@ import torch
 from trainer import losses, objective
 from trainer.config import RLBatch, TrainerConfig
 from trainer.megatron_runner import MegatronModel, dp_share, reduce_metrics
+from trainer.offload import OffloadPart
 from trainer.packing import MicroBatch
 from trainer.parallel import device, init_parallel
 
@@ -117,8 +118,8 @@ class MegatronCritic:
     def load_train_state(self, state: dict) -> None:
         self.model.load_train_state(state)
 
-    def offload(self) -> int:
-        return self.model.offload()
+    def offload(self, part: OffloadPart = "all") -> int:
+        return self.model.offload(part)
 
     def onload(self) -> int:
         return self.model.onload()

@@ -29,7 +29,7 @@ from trainer import objective, step_metrics
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import full_vocab_logprobs
 from trainer.mismatch import mismatch_metrics
-from trainer.offload import tensors_bytes
+from trainer.offload import OffloadPart, tensors_bytes
 from trainer.optim import lr_at
 from trainer.packing import MicroBatch, pack_all
 from trainer.parallel import device, init_distributed
@@ -368,10 +368,11 @@ class DeepSpeedTrainer:
             tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
         return tensors_bytes(tensors)
 
-    def offload(self) -> int:
-        """Move params, master weights, grads and optimizer state to host memory with
-        DeepSpeed's own `offload_states` (it re-links the model's views); returns the bytes of
-        state moved (on a CPU device nothing moves and the same count is reported)."""
+    def offload(self, part: OffloadPart = "all") -> int:
+        """Move master weights, grads and optimizer state ("optimizer") and params ("weights")
+        to host memory with DeepSpeed's own `offload_states` (it re-links the model's views);
+        returns the bytes of state moved (on a CPU device nothing moves and the same count is
+        reported)."""
         if self.cfg.zero_stage == 3:
             # DeepSpeed 0.19's ZeRO-3 offload_states requires its fused (CUDA) Adam; we run
             # torch's Adam ("torch_adam": true) so that one code path serves CPU and GPU.
@@ -379,8 +380,18 @@ class DeepSpeedTrainer:
                 "offload with trainer.zero_stage: 3 is not supported; "
                 "use zero_stage 1 or 2, or the megatron backend"
             )
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        weights = {State.lp_params}
+        include = {
+            "all": None,
+            "weights": weights,
+            "optimizer": set(State) - weights,
+        }[part]
         moved = self._state_bytes()
-        self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        flat_weights = tensors_bytes(getattr(self.optimizer, "bit16_groups_flat", None) or [])
+        moved = {"all": moved, "weights": flat_weights, "optimizer": moved - flat_weights}[part]
+        self.engine.offload_states(include=include, pin_memory=torch.cuda.is_available())
         return moved
 
     def onload(self) -> int:

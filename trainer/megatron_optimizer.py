@@ -26,7 +26,7 @@ import torch
 from megatron.core import parallel_state
 
 from trainer.config import OptimConfig, TrainerConfig
-from trainer.offload import move_optimizer_state, move_params, tensors_bytes
+from trainer.offload import OffloadPart, move_optimizer_state, move_params, tensors_bytes
 from trainer.optim import clip_grads_, grad_norm, load_optimizer_state
 
 
@@ -120,18 +120,21 @@ class ReplicatedAdamW:
                 raise ValueError("the checkpoint has no fp32 master weights for this bf16 model")
         load_optimizer_state(self.optimizer, state["optimizer"])
 
-    def offload(self) -> int:
-        """Params, separate masters and Adam state to the host; returns the bytes moved."""
-        return self._move(torch.device("cpu"))
+    def offload(self, part: OffloadPart = "all") -> int:
+        """Params ("weights"), separate masters and Adam state ("optimizer") to the host;
+        returns the bytes moved."""
+        return self._move(torch.device("cpu"), part)
 
     def onload(self, device: torch.device) -> int:
-        return self._move(device)
+        return self._move(device, "all")
 
-    def _move(self, device: torch.device) -> int:
-        moved = move_params(self.params, device)
-        if self.masters is not self.params:
-            moved += move_params(self.masters, device)
-        return moved + move_optimizer_state(self.optimizer, device)
+    def _move(self, device: torch.device, part: OffloadPart) -> int:
+        moved = move_params(self.params, device) if part != "optimizer" else 0
+        if part != "weights":
+            if self.masters is not self.params:
+                moved += move_params(self.masters, device)
+            moved += move_optimizer_state(self.optimizer, device)
+        return moved
 
 
 class ShardedAdamW:
@@ -217,12 +220,15 @@ class ShardedAdamW:
                     m.copy_(saved)
         load_optimizer_state(self.inner, state["optimizer"])
 
-    def offload(self) -> int:
-        """Weights, the separate master shards and the Adam state to the host; returns the
-        bytes moved. The weights live in DDP's param buffers (every parameter a view): each
-        buffer is copied to the host and its storage freed, so every view stays valid for
-        `onload`. That runs on a CPU device as well (a copy, freed and restored)."""
-        moved = 0
+    def offload(self, part: OffloadPart = "all") -> int:
+        """Weights ("weights"), the separate master shards and the Adam state ("optimizer") to
+        the host; returns the bytes moved. The weights live in DDP's param buffers (every
+        parameter a view): each buffer is copied to the host and its storage freed, so every view
+        stays valid for `onload`. That runs on a CPU device as well (a copy, freed and
+        restored)."""
+        moved = 0 if part == "weights" else self._move_masters(torch.device("cpu"))
+        if part == "optimizer":
+            return moved
         for buffer in self.buffers:
             if buffer.param_data_cpu is None:  # megatron would pin it, which needs CUDA
                 data = buffer.param_data
@@ -231,7 +237,7 @@ class ShardedAdamW:
                 )
             moved += tensors_bytes([buffer.param_data_cpu])
             buffer.offload_to_cpu(move_params=True, move_grads=False)
-        return moved + self._move_masters(torch.device("cpu"))
+        return moved
 
     def onload(self, device: torch.device) -> int:
         moved = 0

@@ -40,7 +40,7 @@ from trainer import megatron_optimizer, shared_prompts, step_metrics
 from trainer.bridge import HFCheckpoint, load_hf_weights
 from trainer.config import RLBatch, TrainerConfig
 from trainer.megatron_model import build_gpt_model
-from trainer.offload import synchronize
+from trainer.offload import OffloadPart, synchronize
 from trainer.optim import lr_at
 from trainer.packing import MicroBatch, pack_all
 from trainer.parallel import device
@@ -326,11 +326,13 @@ class MegatronModel:
 
     # ----------------------------------------------------------------------------- memory
 
-    def offload(self) -> int:
-        """Free the grad buffers and move params and optimizer state to host memory; returns
-        the bytes moved (on a CPU device nothing moves and the same count is reported)."""
-        self.module.offload_grad_buffers(synchronize=False, empty_cache=False)
-        moved = self.optim.offload()
+    def offload(self, part: OffloadPart = "all") -> int:
+        """Free the grad buffers and move optimizer state ("optimizer") and params ("weights") to
+        host memory; returns the bytes moved (on a CPU device nothing moves and the same count is
+        reported)."""
+        if part != "weights":
+            self.module.offload_grad_buffers(synchronize=False, empty_cache=False)
+        moved = self.optim.offload(part)
         synchronize(device())
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -27,7 +27,7 @@ from trainer.megatron_runner import (
     reduce_metrics,
 )
 from trainer.mismatch import mismatch_metrics
-from trainer.offload import move_params
+from trainer.offload import OffloadPart, move_params
 from trainer.packing import MicroBatch
 from trainer.parallel import device, init_parallel
 
@@ -201,8 +201,8 @@ class MegatronTrainer:
 
     # ----------------------------------------------------------------------------- memory
 
-    def offload(self) -> int:
-        return self.policy.offload()
+    def offload(self, part: OffloadPart = "all") -> int:
+        return self.policy.offload(part)
 
     def onload(self) -> int:
         return self.policy.onload()

@@ -8,8 +8,15 @@ machine) `.to()` is a no-op; the byte count is still measured, so the controller
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
+
+# What an `offload` moves: "optimizer" is the state a weight push does not read (gradients,
+# separate fp32 masters, optimizer moments), "weights" the rest, "all" both. Colocated on a GPU
+# the optimizer part leaves before the engines take their weights back, the weights after the
+# push (`miles_like.run.loop`).
+OffloadPart = Literal["all", "optimizer", "weights"]
 
 
 def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -3,10 +3,14 @@ them. `bringup.start` creates them.
 
 Each call is one phase of DESIGN.md's step, spelled out in the loop: the engines release the
 device (`release_engines`) and the trainer takes it (`onload_trainer`) before anything the
-trainer computes; after training the engines take it back (`resume_engines`), the weights are
-pushed (`push_weights`) and the trainer leaves it (`offload_trainer`). A memory call does
-nothing where the placement has nothing to hand over: engines release and resume only when they
-share the trainer's devices; the trainer offloads and onloads only when that is on GPUs
+trainer computes. After training the device changes hands in stages, so that the peak is never
+the whole trainer plus the whole engine: the trainer offloads its optimizer state
+(`offload_trainer_optimizer`), the engines take their weights back (`resume_engine_weights`),
+the weights are pushed (`push_weights`), the trainer offloads its weights
+(`offload_trainer_weights`), and only then do the engines allocate their KV cache
+(`alloc_engine_kv`), sized from what is free at that point. A memory call does nothing where the
+placement has nothing to hand over: engines release and resume only when they share the
+trainer's devices; the trainer offloads and onloads only when that is on GPUs
 (`Layout.staged_memory`).
 
 Every wait on the actors goes through `calls.wait_all` with `cluster.call_timeout_s`. An engine
@@ -83,15 +87,39 @@ class RunActors:
             self.on_trainers("onload")
 
     def resume_engines(self) -> None:
-        """Colocated: the engines take their memory back (a TP replica's rank 0 returns once
-        every rank of it has)."""
+        """Colocated: the engines take all their memory back at once (a TP replica's rank 0
+        returns once every rank of it has). The loop stages it instead: `resume_engine_weights`,
+        then `alloc_engine_kv`."""
         if self.layout.colocated:
             self.on_engines("resume")
 
     def offload_trainer(self) -> None:
-        """On GPUs shared with the engines: the trainer's state to host memory."""
+        """On GPUs shared with the engines: all the trainer's state to host memory (the loop
+        stages it: `offload_trainer_optimizer`, then `offload_trainer_weights`)."""
         if self.layout.staged_memory:
-            self.on_trainers("offload")
+            self.on_trainers("offload", "all")
+
+    def offload_trainer_optimizer(self) -> None:
+        """On GPUs shared with the engines: what the push does not read (gradients, fp32
+        masters, optimizer state, the critic) to host memory, before the engines' weights
+        return."""
+        if self.layout.staged_memory:
+            self.on_trainers("offload", "optimizer")
+
+    def resume_engine_weights(self) -> None:
+        """Colocated: the engines' weight storage back, for the push (no KV cache yet)."""
+        if self.layout.colocated:
+            self.on_engines("resume_weights")
+
+    def offload_trainer_weights(self) -> None:
+        """On GPUs shared with the engines: the pushed weights to host memory."""
+        if self.layout.staged_memory:
+            self.on_trainers("offload", "weights")
+
+    def alloc_engine_kv(self) -> list[dict]:
+        """Colocated: the engines' KV cache back, each sized from its device's free memory
+        now that the trainer has left it; their sizings (`Engine.alloc_kv`), [] otherwise."""
+        return self.on_engines("alloc_kv") if self.layout.colocated else []
 
     # ------------------------------------------------------------------------- trainer calls
     def values(self, batch_ref) -> list:
@@ -132,9 +160,9 @@ class RunActors:
 
     # -------------------------------------------------------------------------- engine calls
     def push_weights(self, in_place: bool = False) -> float:
-        """The trainer's weights into every engine (colocated: resumed first,
-        `resume_engines`). Returns the bytes sent; `sync_bytes_per_rank` is the most one trainer
-        rank sent. `in_place`: see `weight_push`."""
+        """The trainer's weights into every engine (colocated: their weights resumed first,
+        `resume_engine_weights`). Returns the bytes sent; `sync_bytes_per_rank` is the most one
+        trainer rank sent. `in_place`: see `weight_push`."""
         reports = self.push.push(in_place)
         self.weight_version += 1
         self.sync_bytes_per_rank = max(r["bytes"] for r in reports)

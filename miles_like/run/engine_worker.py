@@ -250,8 +250,20 @@ class EngineWorker:
         return self.engine.release_memory(weights=self.on_gpu)
 
     def resume(self) -> None:
+        """`resume_weights` and `alloc_kv` at once."""
         self.close()
         self.engine.resume_memory()
+
+    def resume_weights(self) -> None:
+        """The weights' storage back, for the push (the KV pool stays released)."""
+        self.close()
+        self.engine.resume_weights()
+
+    def alloc_kv(self) -> dict:
+        """The KV pool back, sized from the device's free memory now (after the trainer's
+        offload); returns that sizing (`rollout.build.KVSizing`, as a dict)."""
+        self.close()
+        return self.engine.alloc_kv()._asdict()
 
     # ------------------------------------------------------------------- weights (the receiver)
     def load_bucket(self, handle, manifest, own_shards: bool = False, in_place: bool = False):

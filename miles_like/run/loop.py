@@ -2,7 +2,11 @@
 
     rollout (generate + score) -> engines release the devices, the trainer onloads
     -> advantages (the critic's values, the reference's log-probs) -> train
-    -> engines resume, weights pushed, the trainer offloads -> [checkpoint] -> log
+    -> the trainer offloads its optimizer state -> engines resume their weights -> weights pushed
+    -> the trainer offloads its weights -> engines allocate their KV cache -> [checkpoint] -> log
+
+The hand-over after training is staged so that the device never holds the whole trainer and the
+whole engine at once, and the KV cache is sized from what the trainer left (`RunActors`).
 
 With `cluster.off_policy_steps: 1` (disaggregated) the rollout of step k+1 is launched right
 after step k's samples arrive (and the weights are pushed), so it runs on the engines while the
@@ -146,9 +150,11 @@ def _steps(recipe: Recipe, run: Run, tracker: Tracker, out: Path, first: int) ->
             train_metrics = actors.train(batch)
         if not off_policy:
             with timer("weight_sync"):
-                actors.resume_engines()
+                actors.offload_trainer_optimizer()
+                actors.resume_engine_weights()
                 sync_bytes = actors.push_weights()
-                actors.offload_trainer()
+                actors.offload_trainer_weights()
+                actors.alloc_engine_kv()
             if more:
                 with timer("rollout"):
                     pending = rollouts.launch(step + 1)

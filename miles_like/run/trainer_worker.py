@@ -9,7 +9,9 @@ A rank is *onloaded* (its weights and optimizer state on its device) except betw
 and `onload`: colocated on a GPU, the controller offloads it while the engines hold the device.
 Every call that computes on the weights refuses to run offloaded (`OffloadedError`): on a GPU it
 would compute on host copies, or fail deep inside a collective; on CPU, where moving memory does
-nothing, the refusal is how a test sees a controller that asks too early.
+nothing, the refusal is how a test sees a controller that asks too early. The offload comes in
+two parts around the weight push: the optimizer state first, the weights after the push (which
+refuses once they are offloaded).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from miles_like.run.rendezvous import group_store, held_rendezvous, pin_process,
 from miles_like.run.rendezvous import node_id as this_node_id
 from miles_like.run.trainer_weight_sender import TrainerWeightSender
 from miles_like.shares import near_equal_shares
+from trainer.offload import OffloadPart
 from trainer.tensor_lists import PackedTensors, pack
 
 WORLD_TIMEOUT_S = 1800.0  # the trainer world's collectives (torch.distributed's default)
@@ -60,6 +63,7 @@ class TrainerWorker:
         self.critic = None
         self.sender: TrainerWeightSender | None = None
         self.onloaded = True  # built on the device; `offload` / `onload` move it
+        self.weights_offloaded = False  # `offload("weights")` too: no push until `onload`
         self._world_store = None  # where the world meets (`set_rendezvous`), until `build`
         self._busy: list[tuple[float, float]] = []  # compute intervals, time.time() (busy.py)
 
@@ -117,15 +121,20 @@ class TrainerWorker:
         return this_node_id()
 
     # ------------------------------------------------------------------------------- memory
-    def offload(self) -> int:
-        """Weights, gradients and optimizer state (the critic's too) to host memory; returns
-        the bytes moved."""
+    def offload(self, part: OffloadPart = "all") -> int:
+        """To host memory: "optimizer" (the policy's gradients, fp32 masters and optimizer
+        state, and the whole critic: what the weight push does not read), "weights" (the policy's
+        weights, after the push), or "all". Returns the bytes moved."""
         self.onloaded = False
-        return self.policy.offload() + (self.critic.offload() if self.critic else 0)
+        self.weights_offloaded |= part != "optimizer"
+        moved = self.policy.offload(part)
+        if self.critic is not None and part != "weights":
+            moved += self.critic.offload("all")
+        return moved
 
     def onload(self) -> int:
         moved = self.policy.onload() + (self.critic.onload() if self.critic else 0)
-        self.onloaded = True
+        self.onloaded, self.weights_offloaded = True, False
         return moved
 
     # ------------------------------------------------------------------------------- training
@@ -134,6 +143,15 @@ class TrainerWorker:
             raise OffloadedError(
                 f"trainer rank {self.rank}: {what} was asked while the rank is offloaded; "
                 "the controller must onload the trainer first (controller bug)"
+            )
+
+    def _require_weights(self, what: str) -> None:
+        """The weight push: the policy's weights must be on the device (its optimizer state may
+        be offloaded already)."""
+        if self.weights_offloaded:
+            raise OffloadedError(
+                f"trainer rank {self.rank}: {what} was asked while the rank's weights are "
+                "offloaded; the controller must push before offloading them (controller bug)"
             )
 
     @contextmanager
@@ -190,7 +208,7 @@ class TrainerWorker:
     def push_colocated(
         self, engines: Sequence, engine_nodes: Sequence[str], bucket_bytes: int, timeout_s: float
     ) -> dict[str, float]:
-        self._require_onloaded("push_colocated")
+        self._require_weights("push_colocated")
         return self.sender.push_colocated(engines, engine_nodes, bucket_bytes, timeout_s)
 
     def push_colocated_shards(
@@ -200,7 +218,7 @@ class TrainerWorker:
         bucket_bytes: int,
         timeout_s: float,
     ) -> dict[str, float]:
-        self._require_onloaded("push_colocated_shards")
+        self._require_weights("push_colocated_shards")
         return self.sender.push_colocated_shards(replicas, replica_nodes, bucket_bytes, timeout_s)
 
     def join_sync_group(
@@ -217,7 +235,7 @@ class TrainerWorker:
         )
 
     def push_broadcast(self, bucket_bytes: int) -> dict[str, float]:
-        self._require_onloaded("push_broadcast")
+        self._require_weights("push_broadcast")
         return self.sender.push_broadcast(bucket_bytes)
 
     # ---------------------------------------------------------------------------- checkpoints

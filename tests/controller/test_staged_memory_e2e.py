@@ -6,13 +6,17 @@ layout stages memory as it does colocated on GPUs (`Layout.staged_memory`): the 
 really offload and onload (their gradient buffers go and come back) and, like every rank, refuse
 to compute while offloaded (`trainer_worker.OffloadedError`). A PPO run (critic values, GAE) with
 a KL term in the reward (reference log-probs) completes only if both are asked for after the
-onload; the controller's calls come in DESIGN.md's order, every step; and after the run, with
-the trainer offloaded again, the same values call is refused.
+onload; the controller's calls come in DESIGN.md's order, every step, the hand-over after
+training staged (optimizer state offloaded, engine weights back, push, trainer weights offloaded,
+then the engines' KV cache); each engine sizes its KV cache from a free-memory figure it measures
+after the trainer's weights left, at every step; and after the run, with the trainer offloaded
+again, the same values call is refused.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -32,9 +36,11 @@ STEP = [  # DESIGN.md, "One step of the loop", colocated
     "values",
     "ref_logprobs",
     "start_train",
-    "resume_engines",
+    "offload_trainer_optimizer",
+    "resume_engine_weights",
     "push_weights",
-    "offload_trainer",
+    "offload_trainer_weights",
+    "alloc_engine_kv",
 ]
 
 
@@ -48,6 +54,8 @@ def test_critic_and_reference_are_asked_only_onloaded(ray_local, cache, tmp_path
 
     calls: list[str] = []
     batches: list = []
+    weights_offloaded_at: list[float] = []
+    kv_sizings: list[list[dict]] = []
 
     def record(name):
         method = getattr(RunActors, name)
@@ -56,7 +64,12 @@ def test_critic_and_reference_are_asked_only_onloaded(ray_local, cache, tmp_path
             calls.append(name)
             if name == "values":
                 batches.append(args[0])
-            return method(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
+            if name == "offload_trainer_weights":
+                weights_offloaded_at.append(time.time())
+            if name == "alloc_engine_kv":
+                kv_sizings.append(result)
+            return result
 
         monkeypatch.setattr(RunActors, name, recorded)
 
@@ -96,5 +109,14 @@ def test_critic_and_reference_are_asked_only_onloaded(ray_local, cache, tmp_path
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["perf/weight_sync_bytes"] > 0 for r in rows)
     assert calls == STEP * 2 + ["values"]
+    # every engine measured the free memory it sized its KV cache from after the trainer's
+    # weights had left, at every step, and got the recipe's 2048 tokens
+    assert len(kv_sizings) == len(weights_offloaded_at) == 2
+    for offloaded_at, sizings in zip(weights_offloaded_at, kv_sizings):
+        assert sizings and all(s["measured_at"] > offloaded_at for s in sizings)
+        assert all(s["free_bytes"] > 0 and s["pages"] * 4 == 2048 for s in sizings)
+    assert min(s["measured_at"] for s in kv_sizings[1]) > max(
+        s["measured_at"] for s in kv_sizings[0]
+    )
     assert len(refused) == 1 and "OffloadedError" in refused[0], refused
     assert "values was asked while the rank is offloaded" in refused[0]

@@ -8,8 +8,9 @@ token, preemption, the scratch page, release/resume):
   leave padding rows in their bucket;
 * under a KV pool small enough to preempt, bookkeeping holds after every step and the scratch
   page that padding rows write to is never handed to a sequence;
-* after `release_memory` / `resume_memory` (graphs must be dropped: the pool is re-allocated) it
-  still matches.
+* after `release_memory` / `resume_memory` it still matches;
+* built buckets (captured graphs on CUDA) are kept across weight updates and KV-only releases
+  (only a release of the weights re-builds them, counted in `graph_captures`).
 """
 
 import itertools
@@ -19,6 +20,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.decode_graphs import bucket_sizes
+from rollout.weights import iter_safetensors
 
 
 def prompts_for(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -103,3 +105,33 @@ def test_bucket_sizes_cover_every_batch_with_little_padding():
         bucket = next(b for b in sizes if b >= batch)
         assert bucket - batch < max(8, batch // 4)
     assert bucket_sizes(5) == [1, 2, 4, 5]
+
+
+def test_static_buckets_survive_kv_release_and_weight_updates(tiny_hf_checkpoints):
+    """Built buckets (on CUDA: captured graphs) are kept across a weight update (copied in place:
+    no parameter moves) and a KV-only release / resume; releasing the weights drops them, and
+    their re-building shows in `graph_captures`."""
+    _, directory = tiny_hf_checkpoints("qwen3")
+    prompts = prompts_for(101, 3, seed=2)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    engine = Engine(
+        EngineConfig(model_path=str(directory), page_size=4, max_model_len=64, decode_graphs=True)
+    )
+    first = engine.generate(prompts, params)
+    built = engine.stats()["graph_captures"]
+    buckets = dict(engine.decode_graphs._static)
+    assert built == len(buckets) > 0
+    addresses = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    engine.update_weights(iter_safetensors(directory))
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == addresses
+    engine.release_memory()
+    engine.resume_memory()
+    assert engine.generate(prompts, params) == first
+    assert engine.stats()["graph_captures"] == built
+    assert all(engine.decode_graphs._static[size] is b for size, b in buckets.items())
+    engine.release_memory(weights=True)
+    engine.resume_weights()
+    engine.update_weights(iter_safetensors(directory))
+    engine.alloc_kv()
+    assert engine.generate(prompts, params) == first
+    assert engine.stats()["graph_captures"] == 2 * built
