@@ -28,7 +28,7 @@ import ray
 from miles_like.errors import RunFailed
 from miles_like.models.store import write_model_files
 from miles_like.run import placement
-from miles_like.run.calls import Call, start_call, start_on_all, wait_all
+from miles_like.run.calls import ActorDied, Call, start_call, start_on_all, wait_all
 from trainer.tensor_lists import unpack
 
 
@@ -116,10 +116,21 @@ class RunActors:
         if self.layout.staged_memory:
             self.on_trainers("offload", "weights")
 
-    def alloc_engine_kv(self) -> list[dict]:
+    def alloc_engine_kv(self) -> list[dict | None]:
         """Colocated: the engines' KV cache back, each sized from its device's free memory
-        now that the trainer has left it; their sizings (`Engine.alloc_kv`), [] otherwise."""
-        return self.on_engines("alloc_kv") if self.layout.colocated else []
+        now that the trainer has left it; their sizings (`Engine.alloc_kv`), [] otherwise.
+        An engine found dead here gets None: the next rollout finds it dead too and replaces
+        it (`restart_engine`, counted in `rollout/engine_restarts`), and a replacement sizes
+        its KV cache as it starts."""
+        if not self.layout.colocated:
+            return []
+        sizings: list[dict | None] = []
+        for call in start_on_all("engine", self.engines, "alloc_kv"):
+            try:
+                sizings.append(wait_all([call], self.timeout_s)[0])
+            except ActorDied:
+                sizings.append(None)
+        return sizings
 
     # ------------------------------------------------------------------------- trainer calls
     def values(self, batch_ref) -> list:
