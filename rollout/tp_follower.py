@@ -5,13 +5,17 @@ rank 0's. It loops on `TPGroup.receive`: a `Forward` replays rank 0's page copie
 same plan (same token ids, positions, slots) through its shard, joining the forward's
 collectives; the logits it also receives are dropped (rank 0 samples). `LoadWeights` takes this
 rank's slice of the same tensors rank 0 loads; `Release` / `Resume` free and re-create the same
-memory rank 0 does; `Stop` ends the loop.
+memory rank 0 does; `ReceiveShards` runs this rank's part of a weight push over the weight-sync
+group (`shard_receive`, set by whoever joined that group); `Stop` ends the loop. Every collective
+of a follower is issued by the thread running `serve`.
 
 `run_rank` is the one entry point for every rank: rank 0 gets the `Engine`, the others serve
 until rank 0's `Engine.close()`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +27,15 @@ from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.kv_pool import KVPool
 from rollout.model_runner import execute
-from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop, TPGroup
+from rollout.tp_group import (
+    Forward,
+    LoadWeights,
+    ReceiveShards,
+    Release,
+    Resume,
+    Stop,
+    TPGroup,
+)
 from rollout.weights import load_weights
 
 
@@ -59,6 +71,9 @@ class EngineFollower:
             device=self.device,
         )
         self.attention = TorchAttention(self.pool)
+        # the receive of this rank's own shards on the weight-sync group (`ReceiveShards`);
+        # set by the process that joined that group
+        self.shard_receive: Callable[[], None] | None = None
 
     def _kv_pages(self) -> int:
         """This rank's side of rank 0's pool sizing (a collective: the smallest count wins)."""
@@ -104,6 +119,10 @@ class EngineFollower:
                     if not self.pool.allocated:
                         self.pool.allocate(self._kv_pages())
                     self.tp.barrier()
+            elif isinstance(command, ReceiveShards):
+                if self.shard_receive is None:
+                    raise RuntimeError("ReceiveShards before this rank joined a weight-sync group")
+                self.shard_receive()
             elif isinstance(command, Stop):
                 return
             else:

@@ -48,6 +48,13 @@ class Stop(NamedTuple):
     pass
 
 
+class ReceiveShards(NamedTuple):
+    """Followers: receive this rank's own shards of one weight push on the weight-sync group
+    (the resharding sync over broadcasts; the follower's `shard_receive`). It comes as a
+    command so that the follower's one serving thread issues it between the TP group's
+    collectives: two threads each driving a communicator (NCCL) have no common order."""
+
+
 def map_tensors(obj: Any, fn) -> Any:
     """`obj` with every tensor inside (tuples, NamedTuples, lists, frozen dataclasses) mapped."""
     if isinstance(obj, torch.Tensor):

@@ -40,6 +40,7 @@ import types
 import torch
 
 import collectives
+from trainer import device_choice
 
 # Modules whose module-level `torch` gets the CPU stand-in. Each is here because it calls
 # `torch.cuda.*` or allocates on "cuda" in a code path the trainer uses.
@@ -122,7 +123,9 @@ _applied = False
 
 
 def needed() -> bool:
-    return not torch.cuda.is_available()
+    """The trainer computes on the CPU (`device_choice`: no CUDA, or the launcher chose the CPU
+    on a machine that has it)."""
+    return device_choice.current().type != "cuda"
 
 
 def apply() -> bool:

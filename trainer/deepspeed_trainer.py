@@ -146,7 +146,7 @@ class DeepSpeedTrainer:
             self.reference.requires_grad_(False)
             self.reference.to("cpu" if cfg.reference_on_cpu else device())
         self.sampling = None  # frozen copy of the weights the engines sample with (host)
-        if not torch.cuda.is_available():
+        if device().type != "cuda":
             # DeepSpeed's comm backend on CPU JIT-compiles its shared-memory all-reduce (ninja,
             # g++: minutes of CPU the first time on a machine) for its inference all-reduce
             # only, which ZeRO training never calls. Marked incompatible in the probe's dict
@@ -391,7 +391,7 @@ class DeepSpeedTrainer:
         moved = self._state_bytes()
         flat_weights = tensors_bytes(getattr(self.optimizer, "bit16_groups_flat", None) or [])
         moved = {"all": moved, "weights": flat_weights, "optimizer": moved - flat_weights}[part]
-        self.engine.offload_states(include=include, pin_memory=torch.cuda.is_available())
+        self.engine.offload_states(include=include, pin_memory=device().type == "cuda")
         return moved
 
     def onload(self) -> int:

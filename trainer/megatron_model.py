@@ -178,7 +178,7 @@ def build_gpt_model(
     Requires megatron parallel state (`trainer.parallel.init_parallel`)."""
     cpu_compat.apply()
     packed_rope.install()
-    if use_te and not torch.cuda.is_available():
+    if use_te and device().type != "cuda":
         raise ValueError("trainer.use_transformer_engine needs CUDA; set it to false on CPU")
     config = transformer_config(arch, params_dtype=params_dtype, fused_swiglu=compile)
     tp = config.tensor_model_parallel_size

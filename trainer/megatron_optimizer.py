@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 from trainer.config import OptimConfig, TrainerConfig
 from trainer.offload import OffloadPart, move_optimizer_state, move_params, tensors_bytes
 from trainer.optim import clip_grads_, grad_norm, load_optimizer_state
+from trainer.parallel import device
 
 
 def select(cfg: TrainerConfig) -> bool:
@@ -35,7 +36,7 @@ def select(cfg: TrainerConfig) -> bool:
     if cfg.distributed_optimizer is not None:
         return cfg.distributed_optimizer
     return (
-        torch.cuda.is_available()
+        device().type == "cuda"
         and parallel_state.get_data_parallel_world_size() > 1
         and cfg.dtype != "float64"
     )
@@ -233,7 +234,7 @@ class ShardedAdamW:
             if buffer.param_data_cpu is None:  # megatron would pin it, which needs CUDA
                 data = buffer.param_data
                 buffer.param_data_cpu = torch.empty(
-                    data.shape, dtype=data.dtype, pin_memory=torch.cuda.is_available()
+                    data.shape, dtype=data.dtype, pin_memory=device().type == "cuda"
                 )
             moved += tensors_bytes([buffer.param_data_cpu])
             buffer.offload_to_cpu(move_params=True, move_grads=False)

@@ -334,7 +334,7 @@ class MegatronModel:
             self.module.offload_grad_buffers(synchronize=False, empty_cache=False)
         moved = self.optim.offload(part)
         synchronize(device())
-        if torch.cuda.is_available():
+        if device().type == "cuda":
             torch.cuda.empty_cache()
         return moved
 

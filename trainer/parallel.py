@@ -1,7 +1,8 @@
 """torch.distributed + megatron parallel state (TP x PP x DP) for one trainer process.
 
-On CPU the backend is gloo, on GPU nccl. A single process (tests, laptops) still gets a
-world of size 1, because megatron-core's parallel layers always ask for their groups.
+On CPU the backend is gloo, on GPU nccl: the device the launcher chose (`device_choice`). A
+single process (tests, laptops) still gets a world of size 1, because megatron-core's parallel
+layers always ask for their groups.
 """
 
 from __future__ import annotations
@@ -12,17 +13,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from trainer import cpu_compat
+from trainer import cpu_compat, device_choice
 
 
 def device() -> torch.device:
-    """The device this trainer process computes on: its one CUDA device (the current one), or
-    the CPU."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    """The device this trainer process computes on (`device_choice`: the launcher's choice, else
+    its one CUDA device when CUDA is present, else the CPU)."""
+    return device_choice.current()
 
 
 def init_distributed(store: dist.Store | None = None) -> None:
@@ -39,9 +36,9 @@ def init_distributed(store: dist.Store | None = None) -> None:
     that belongs to this process."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if device_choice.current().type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = device_choice.backend_for(device_choice.current())
     if store is not None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
@@ -72,10 +69,10 @@ def init_parallel(tp: int = 1, pp: int = 1) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        create_gloo_process_groups=not torch.cuda.is_available(),
+        create_gloo_process_groups=device().type != "cuda",
     )
     # Seeds megatron's CUDA RNG tracker on GPU; on CPU the tracker is unused (no dropout).
-    if torch.cuda.is_available():
+    if device().type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(1234)

@@ -14,6 +14,7 @@ rollout window stays as it was. Under engine TP only full tensors, not own shard
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -65,9 +66,16 @@ class EngineWeightReceiver:
         self.engine, self.async_engine, self.close_window = engine, async_engine, close_window
         self.tp_rank = tp_rank
         self.broadcast_receiver = None  # disaggregated: after `join_sync_group`
+        self.own_shards_group = False  # that group carries this rank's own shards
+        self.timeout_s = 0.0  # the sync group's
+        self.follower = follower
+        # a follower's receives run on its serving thread (`ReceiveShards`); their outcomes
+        # come back here, to the controller's call
+        self.received: queue.Queue = queue.Queue()
         if engine is None:
             self.loader = self.receiver = None
             self.shard_receiver = BucketReceiver(OwnShards(follower.load_weights, follower_commit))
+            follower.shard_receive = self._receive_on_serving_thread
             return
         self.loader = EngineLoader(engine)
         self.receiver = BucketReceiver(self.loader)
@@ -167,16 +175,43 @@ class EngineWeightReceiver:
             group,
             sources=list(range(num_engines, num_engines + num_stages)),
         )
+        self.own_shards_group, self.timeout_s = own_shards, timeout_s
+
+    def _receive_on_serving_thread(self) -> None:
+        """A follower's `ReceiveShards`, run by its serving thread: the outcome goes to the
+        waiting `receive_broadcast`."""
+        try:
+            self.broadcast_receiver.receive()
+        except Exception as e:  # noqa: BLE001 -- the controller's call reports it
+            self.received.put(e)
+        else:
+            self.received.put(None)
 
     def receive_broadcast(self, in_place: bool) -> int:
         """Every bucket of one broadcast, then the commit; the version (-1 on a follower: its
         own shards only, rank 0 commits for the replica). `in_place`: requests keep running
-        (the step loop stays parked for the whole receive, transfers included)."""
+        (the step loop stays parked for the whole receive, transfers included).
+
+        Own shards under engine TP: one thread drives every collective of a rank, so rank 0
+        sends its followers `ReceiveShards` between its other commands, and a follower's call
+        only waits for its serving thread to have received."""
         if self.engine is None:
-            self.broadcast_receiver.receive()
+            try:
+                failed = self.received.get(timeout=self.timeout_s + 60.0)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"engine TP rank {self.tp_rank}: no weight push received within "
+                    f"{self.timeout_s + 60.0:.0f} s (rank 0 never sent ReceiveShards)"
+                ) from None
+            if failed is not None:
+                raise failed
             return -1
         if not in_place:
             self.close_window()
+            if self.own_shards_group and self.engine.tp is not None:
+                from rollout.tp_group import ReceiveShards
+
+                self.engine.tp.send(ReceiveShards())
             self.broadcast_receiver.receive()
             return self.engine.weight_version
         self.begin_in_place(own_shards=False)

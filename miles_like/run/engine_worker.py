@@ -37,9 +37,12 @@ def _counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, int]:
 @ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1})
 class EngineWorker:
     def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
-        start_actor_process(threads)
+        self.device = torch.device(engine_cfg.device)  # the recipe's accelerator
+        start_actor_process(threads, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)  # the one GPU Ray made visible to this actor
         self.cfg, self.tp_rank = engine_cfg, tp_rank
-        self.on_gpu = engine_cfg.device.startswith("cuda")
+        self.on_gpu = self.device.type == "cuda"
         self.model_path = engine_cfg.model_path
         self._server = None
         self._waves: dict[int, list] = {}  # generate_wave's futures by wave, while it runs
@@ -73,6 +76,13 @@ class EngineWorker:
 
     def node_id(self) -> str:
         return this_node_id()
+
+    def device_identity(self) -> tuple[str, str]:
+        """(node, device) of this rank, for routing the colocated push (`weight_sync.identity`:
+        the GPU's UUID, which names it in every process)."""
+        from weight_sync import device_identity
+
+        return device_identity(this_node_id(), self.device)
 
     # --------------------------------------------------------------- tensor-parallel replicas
     def start_tp(self, host: str, port: int, timeout_s: float) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import ray
-import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -75,9 +74,7 @@ def plan(cluster, engine_tp: int = 1) -> Layout:
     consecutive engine bundles per replica; the recipe checks it divides them). Colocated,
     engine rank j of replica i shares bundle i k + j with trainer rank i k + j, so trainer TP
     rank r (innermost in megatron's rank order) sits with engine TP rank r."""
-    accelerator = cluster.accelerator
-    if accelerator == "auto":
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    accelerator = cluster.device_type()
     d = cluster.devices
     threads = cluster.cpu_threads or default_threads(d)
     cpus: tuple[tuple[int, ...], ...] = ()
@@ -151,7 +148,9 @@ def start_ray(cluster, layout: Layout) -> None:
     orphans.reassert_sigterm()
 
 
-def _options(layout: Layout, pg, bundle: int):
+def actor_options(layout: Layout, pg, bundle: int):
+    """Ray options of an actor in `bundle`: colocated, trainer rank i and engine i each take
+    half of bundle i, and so share its GPU."""
     share = 0.5 if layout.colocated else 1.0
     return dict(
         num_cpus=share,
@@ -183,8 +182,8 @@ def create_trainers(layout: Layout, pg, tag: str, timeout_s: float) -> list:
     world = len(layout.trainer_bundles)
     trainers = [
         TrainerWorker.options(
-            name=f"miles_like.{tag}.trainer.{rank}", **_options(layout, pg, b)
-        ).remote(rank, world, layout.threads)
+            name=f"miles_like.{tag}.trainer.{rank}", **actor_options(layout, pg, b)
+        ).remote(rank, world, layout.threads, layout.accelerator)
         for rank, b in enumerate(layout.trainer_bundles)
     ]
     wait_all(start_on_all("trainer rank", trainers, "ready"), timeout_s)
@@ -227,7 +226,7 @@ def create_engines(
     replicas = [
         [
             EngineWorker.options(
-                name=name if rank == 0 else f"{name}.rank{rank}", **_options(layout, pg, b)
+                name=name if rank == 0 else f"{name}.rank{rank}", **actor_options(layout, pg, b)
             ).remote(engine_cfg, layout.threads, rank)
             for rank, b in enumerate(layout.replica_bundles(i))
         ]

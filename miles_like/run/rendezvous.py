@@ -13,6 +13,8 @@ from datetime import timedelta
 import ray
 import torch
 
+from trainer import device_choice
+
 _HELD_STORES: dict[int, object] = {}  # port -> the TCPStore master listening on it
 
 
@@ -81,16 +83,19 @@ def pin_process(cpus: list[int]) -> dict[int, list[int]]:
     return out
 
 
-def start_actor_process(threads: int) -> None:
-    """What every trainer and engine actor does first: talk over this node's interface, use
-    the one device Ray gave it (CUDA_VISIBLE_DEVICES names it: it is device 0 here), run torch
-    on `threads` threads."""
+def start_actor_process(threads: int, device: torch.device) -> None:
+    """What every trainer and engine actor does first: talk over this node's interface, compute
+    on `device` (the recipe's `cluster.accelerator`, never what this process happens to see:
+    `trainer.device_choice`), run torch on `threads` threads. On a GPU the worker then makes the
+    one device Ray gave it current (`CUDA_VISIBLE_DEVICES` names it: it is device 0 there); that
+    call is the worker class's, as every CUDA call under `miles_like/run/` is, so that the
+    controller, which imports this module, never touches CUDA."""
     use_node_interface()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
+    device_choice.use(device)
     torch.set_num_threads(max(1, threads))
 
 
 def collective_backend() -> str:
-    """The torch.distributed backend of the groups an actor joins."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The torch.distributed backend of the groups an actor joins: NCCL for an actor on a GPU,
+    gloo on the CPU (`start_actor_process`'s device)."""
+    return device_choice.backend_for(device_choice.current())

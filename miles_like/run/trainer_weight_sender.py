@@ -1,10 +1,12 @@
 """A trainer rank's side of the weight push (`TrainerWorker` delegates to it).
 
-Sources: the TP-rank-0 / DP-rank-0 process of every pipeline stage streams its stage's
-`export_hf_weights()`; the other ranks drain the same generator (its TP all-gathers need them).
-Colocated, each bucket goes to every engine through shared memory (handles + manifests travel
-as Ray calls; the returned ObjectRefs are the acknowledgements that free the buffer), or as
-bytes through Ray's object store to an engine on another node. Disaggregated, sources and
+Colocated, every rank streams its stage's `export_hf_weights()` to the engines the controller
+routed to it (`weight_push.colocated_routes`: the engine on its own device, through shared
+memory; handles + manifests travel as Ray calls, the returned ObjectRefs are the
+acknowledgements that free the buffer), or as bytes through Ray's object store to an engine no
+rank of its stage shares a device with; a rank routed nothing drains the same generator (its TP
+all-gathers need every rank). Disaggregated, the TP-rank-0 / DP-rank-0 process of every pipeline
+stage is the source. Disaggregated, sources and
 engines form a standalone process group and the sources broadcast. The resharding sync (trainer
 TP = engine TP, megatron) sends every trainer TP rank's own shards, over either transport, to
 the engine rank of the same TP index.
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 import ray
 
-from miles_like.run.rendezvous import collective_backend, node_id
+from miles_like.run.rendezvous import collective_backend
 
 
 class BucketAcks:
@@ -47,8 +49,8 @@ class TrainerWeightSender:
         # colocated: the sender, and so its two shared buffers, lives across steps (mapping fresh
         # shared memory every step would cost more than the copy)
         self.colocated = None
-        # where this call's buckets go: (engines on this node, engines on others, timeout,
-        # whether they are own shards); set per push (an engine may have been replaced)
+        # where this call's buckets go: (engines on this rank's device, engines fed bytes,
+        # timeout, whether they are own shards); set per push (an engine may have been replaced)
         self.targets: tuple = ((), (), 0.0, False)
         self.sync_group = None  # disaggregated: the broadcast group, on source ranks
         self.sync_sources: list[int] = []
@@ -63,66 +65,64 @@ class TrainerWeightSender:
             return source, ps.get_pipeline_model_parallel_rank()
         return self.rank == 0, 0  # deepspeed: every rank can export the whole model
 
+    def place(self) -> tuple[int, int]:
+        """(pipeline stage, tensor-parallel rank) of this rank's export."""
+        from megatron.core import parallel_state as ps
+
+        if self.policy.cfg.backend == "megatron":
+            return ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+        return 0, 0  # deepspeed: data parallel only
+
     # ------------------------------------------------------------------------------ colocated
     def push_colocated(
-        self, engines: Sequence, engine_nodes: Sequence[str], bucket_bytes: int, timeout_s: float
+        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
     ) -> dict[str, float]:
-        """Stream this rank's export into every engine of `engines`: through shared memory to
-        those on this node, as bytes in Ray's object store to those on other nodes (`engine_nodes`
-        are their node ids; shared memory and CUDA IPC do not cross machines). Returns the
-        sender's report (zero bytes on ranks that only take part in the gathers)."""
-        source, _ = self.role()
-        if not source:
-            return drain(self.policy.export_hf_weights())
+        """Stream this rank's export (its stage's full tensors) into the engines the controller
+        routed to it (`weight_push.colocated_routes`): through shared memory to `shared`, which
+        are on this rank's device, as bytes in Ray's object store to `as_bytes` (shared memory
+        and CUDA IPC do not cross machines, nor GPUs a process cannot see). A rank with no
+        engine drains the export (its TP all-gathers need every rank). Returns the sender's
+        report."""
         return self._send(
-            self.policy.export_hf_weights(), engines, engine_nodes, False, timeout_s, bucket_bytes
+            self.policy.export_hf_weights(), shared, as_bytes, False, timeout_s, bucket_bytes
         )
 
     def push_colocated_shards(
-        self,
-        replicas: Sequence[Sequence],
-        replica_nodes: Sequence[Sequence[str]],
-        bucket_bytes: int,
-        timeout_s: float,
+        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
     ) -> dict[str, float]:
-        """The resharding sync (trainer TP = engine TP = k, megatron): trainer TP rank r of
-        data-parallel rank 0 (every pipeline stage) streams its own shards, converted to the
-        engine's layout without a gather (`trainer.bridge.export_engine_shards`), to rank r of
-        every replica (`replicas[i][r]`, on node `replica_nodes[i][r]`). Other data-parallel
-        ranks drain the same export (its vocabulary exchange is a collective of their own TP
-        group) and send nothing."""
-        from megatron.core import parallel_state as ps
+        """The resharding sync (trainer TP = engine TP = k, megatron): this TP rank r's own
+        shards, converted to the engine's layout without a gather
+        (`trainer.bridge.export_engine_shards`), to the engine ranks of TP index r routed to it
+        (`weight_push.sharded_routes`), as `push_colocated`. Every rank computes the export
+        (its vocabulary exchange is a collective of the TP group)."""
+        return self._send(
+            self.policy.export_engine_shards(), shared, as_bytes, True, timeout_s, bucket_bytes
+        )
 
-        shards = self.policy.export_engine_shards()
-        if ps.get_data_parallel_rank() != 0:
-            return drain(shards)
-        r = ps.get_tensor_model_parallel_rank()
-        targets = [ranks[r] for ranks in replicas]
-        nodes = [n[r] for n in replica_nodes]
-        return self._send(shards, targets, nodes, True, timeout_s, bucket_bytes)
-
-    def _send(self, stream, engines, engine_nodes, own_shards: bool, timeout_s, bucket_bytes):
+    def _send(self, stream, shared, as_bytes, own_shards: bool, timeout_s, bucket_bytes):
         from trainer.parallel import device
         from weight_sync import ColocatedSender
 
-        here = node_id()
-        self.targets = (
-            [e for e, n in zip(engines, engine_nodes, strict=True) if n == here],
-            [e for e, n in zip(engines, engine_nodes, strict=True) if n != here],
-            timeout_s,
-            own_shards,
-        )
+        if not shared and not as_bytes:
+            return drain(stream)
+        self.targets = (list(shared), list(as_bytes), timeout_s, own_shards)
         if self.colocated is None:
             self.colocated = ColocatedSender(
                 self._deliver, bucket_bytes=bucket_bytes, device=device()
             )
         report = self.colocated.send(stream)
-        remote = len(self.targets[1])
+        engines = len(shared) + len(as_bytes)
         return {
             "bytes": float(report.nbytes),
             "buckets": float(report.num_buckets),
-            "remote_bytes": float(report.nbytes * remote / max(1, len(engines))),
+            "remote_bytes": float(report.nbytes * len(as_bytes) / engines),
         }
+
+    def release(self) -> None:
+        """Free the colocated bucket buffers (the trainer is leaving the device to the engines);
+        the next push maps them again."""
+        if self.colocated is not None:
+            self.colocated.release()
 
     def _deliver(self, handle, manifest) -> BucketAcks:
         local, remote, timeout_s, own = self.targets

@@ -31,6 +31,7 @@ from miles_like.run.rendezvous import node_id as this_node_id
 from miles_like.run.trainer_weight_sender import TrainerWeightSender
 from miles_like.shares import near_equal_shares
 from trainer.offload import OffloadPart
+from trainer.device_choice import device_for
 from trainer.tensor_lists import PackedTensors, pack
 
 WORLD_TIMEOUT_S = 1800.0  # the trainer world's collectives (torch.distributed's default)
@@ -52,9 +53,13 @@ def mini_batches(n: int, updates: int) -> list[list[int]]:
 
 @ray.remote
 class TrainerWorker:
-    def __init__(self, rank: int, world_size: int, threads: int):
+    def __init__(self, rank: int, world_size: int, threads: int, accelerator: str):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        start_actor_process(threads)
+        # the recipe's accelerator, not what this process sees (`trainer.device_choice`)
+        self.device = device_for(accelerator)
+        start_actor_process(threads, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)  # the one GPU Ray made visible to this actor
         # megatron-core warns at import that Transformer Engine / Apex are absent; we use its
         # local specs on purpose (docs/trainer.md), so those lines are noise in every run.
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -127,6 +132,8 @@ class TrainerWorker:
         weights, after the push), or "all". Returns the bytes moved."""
         self.onloaded = False
         self.weights_offloaded |= part != "optimizer"
+        if self.sender is not None and part != "optimizer":  # its device buckets go too
+            self.sender.release()
         moved = self.policy.offload(part)
         if self.critic is not None and part != "weights":
             moved += self.critic.offload("all")
@@ -205,21 +212,28 @@ class TrainerWorker:
             return metrics
 
     # ---------------------------------------------------------------- weight push (the sender)
+    def device_identity(self) -> tuple[str, str]:
+        """(node, device) of this rank, for routing the colocated push (`weight_sync.identity`:
+        the GPU's UUID, which names it in every process)."""
+        from weight_sync import device_identity
+
+        return device_identity(this_node_id(), self.device)
+
+    def sync_place(self) -> tuple:
+        """Where this rank sends from: `weight_push.SenderPlace` (identity, stage, TP rank)."""
+        return (self.device_identity(), *self.sender.place())
+
     def push_colocated(
-        self, engines: Sequence, engine_nodes: Sequence[str], bucket_bytes: int, timeout_s: float
+        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
     ) -> dict[str, float]:
         self._require_weights("push_colocated")
-        return self.sender.push_colocated(engines, engine_nodes, bucket_bytes, timeout_s)
+        return self.sender.push_colocated(shared, as_bytes, bucket_bytes, timeout_s)
 
     def push_colocated_shards(
-        self,
-        replicas: Sequence[Sequence],
-        replica_nodes: Sequence[Sequence[str]],
-        bucket_bytes: int,
-        timeout_s: float,
+        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
     ) -> dict[str, float]:
         self._require_weights("push_colocated_shards")
-        return self.sender.push_colocated_shards(replicas, replica_nodes, bucket_bytes, timeout_s)
+        return self.sender.push_colocated_shards(shared, as_bytes, bucket_bytes, timeout_s)
 
     def join_sync_group(
         self,
@@ -256,7 +270,10 @@ class TrainerWorker:
         `checkpoint.py`. Every rank writes its own file."""
         from miles_like.run import rng_state
 
-        state = {"policy": self.policy.train_state(), "rng": rng_state.capture()}
+        rng = rng_state.capture()
+        if self.device.type == "cuda":  # this rank's own generator (the controller has none)
+            rng["cuda"] = torch.cuda.get_rng_state()
+        state = {"policy": self.policy.train_state(), "rng": rng}
         if self.critic is not None:
             state["critic"] = self.critic.train_state()
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -273,6 +290,9 @@ class TrainerWorker:
         if self.critic is not None:
             self.critic.load_train_state(state["critic"])
         rng_state.restore(state["rng"])
+        if self.device.type == "cuda" and "cuda" in state["rng"]:
+            cuda = state["rng"]["cuda"]  # a list in checkpoints that saved every visible GPU's
+            torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda)
 
     def shutdown(self) -> None:
         if self.sender is not None:

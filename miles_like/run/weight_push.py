@@ -1,10 +1,19 @@
 """Pushing the trainer's weights into every engine: three strategies behind one `push()`.
 
-* `ColocatedPush`: each engine shares its device (and node) with a trainer rank; the sources
-  stream buckets through shared memory (CUDA IPC on GPU), or as bytes through Ray's object store
-  to an engine on another node, then every engine commits.
+* `ColocatedPush`: each engine shares its device (and node) with a trainer rank. Every trainer
+  rank holds the full tensors of its pipeline stage (TP ranks after the export's all-gather, DP
+  ranks as replicas), so each engine is fed by the rank of that stage on its own device, through
+  shared memory (CUDA IPC on GPU); an engine with no rank of the stage on its device (another
+  node; with pipeline parallelism, a GPU holding another stage) gets the stage's first rank's
+  buckets as bytes through Ray's object store. Then every engine commits.
 * `ShardedColocatedPush` (the resharding sync, colocated): trainer TP = engine TP = k, megatron;
-  trainer TP rank r streams its own shards, in the engine's layout, to rank r of every replica.
+  trainer TP rank r streams its own shards, in the engine's layout, to rank r of every replica,
+  routed the same way among the ranks of each (stage, TP rank r).
+
+Who feeds whom is `colocated_routes` / `sharded_routes`: a pure function of where each actor
+is, `weight_sync.DeviceIdentity` (node, GPU UUID), which every actor computes inside itself: a
+CUDA IPC handle opens only in a process that sees the sender's GPU, and device indices mean
+nothing across processes (Ray gives each actor its own `CUDA_VISIBLE_DEVICES`).
 * `BroadcastPush` (disaggregated): sources and engines form standalone process groups
   (`join()`, at start and after an engine replacement) and the sources broadcast; with the
   resharding sync one group per TP rank index.
@@ -18,12 +27,71 @@ they sample on with the new weights (`EngineWorker.receive_broadcast`).
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 from miles_like.run.calls import start_call, start_on_all, wait_all
-from weight_sync import DEFAULT_BUCKET_BYTES
+from weight_sync import DEFAULT_BUCKET_BYTES, DeviceIdentity, pair_colocated
 
 MIB = 1 << 20
+K = TypeVar("K", bound=Hashable)
+
+
+class SenderPlace(NamedTuple):
+    """Where a trainer rank sends from (`TrainerWorker.sync_place`): its device and which part
+    of the model its export holds."""
+
+    identity: DeviceIdentity
+    stage: int  # pipeline stage
+    tp_rank: int  # tensor-parallel rank (the resharding sync sends that rank's own shards)
+
+
+class Routes(NamedTuple):
+    """The receivers one trainer rank feeds in a colocated push."""
+
+    shared: tuple  # through shared buffers: on this rank's device
+    as_bytes: tuple  # as bytes through Ray's object store: no sender of the group on their device
+
+
+def route_group(
+    senders: Mapping[int, DeviceIdentity], receivers: Mapping[K, DeviceIdentity]
+) -> dict[int, Routes]:
+    """Senders holding the same tensors (ranks, lowest first) and the receivers they all must
+    reach: a receiver on a sender's device is fed by the first such sender through shared
+    buffers (`weight_sync.pair_colocated`); any other by the first sender, as bytes."""
+    order = sorted(senders)
+    held = set(senders.values())
+    shareable = {k: i for k, i in receivers.items() if i in held}
+    paired = pair_colocated({r: senders[r] for r in order}, shareable)
+    routes = {r: Routes(paired[r], ()) for r in order}
+    rest = tuple(k for k in receivers if k not in shareable)
+    if rest:
+        routes[order[0]] = routes[order[0]]._replace(as_bytes=rest)
+    return routes
+
+
+def colocated_routes(
+    places: Mapping[int, SenderPlace], engines: Mapping[int, DeviceIdentity]
+) -> dict[int, Routes]:
+    """Full tensors: every engine gets every stage, from that stage's ranks."""
+    routes: dict[int, Routes] = {}
+    for stage in sorted({p.stage for p in places.values()}):
+        senders = {r: p.identity for r, p in places.items() if p.stage == stage}
+        routes.update(route_group(senders, engines))
+    return routes
+
+
+def sharded_routes(
+    places: Mapping[int, SenderPlace], replicas: list[list[DeviceIdentity]]
+) -> dict[int, Routes]:
+    """The resharding sync: engine rank r of every replica (keyed by replica index) gets each
+    stage's TP-rank-r shards, from the ranks of that stage and TP rank."""
+    routes: dict[int, Routes] = {}
+    for stage, r in sorted({(p.stage, p.tp_rank) for p in places.values()}):
+        senders = {k: p.identity for k, p in places.items() if (p.stage, p.tp_rank) == (stage, r)}
+        routes.update(route_group(senders, {i: ranks[r] for i, ranks in enumerate(replicas)}))
+    return routes
 
 
 def bucket_bytes_for(model_dir: Path) -> int:
@@ -61,48 +129,84 @@ class _Push:
             )
 
 
-class ColocatedPush(_Push):
+class _Routed(_Push):
+    """A colocated push: each trainer rank sends to the receivers its routes name."""
+
+    method = ""  # the trainer rank's call
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.places: dict[int, SenderPlace] | None = None  # trainer ranks never move
+
+    def sender_places(self) -> dict[int, SenderPlace]:
+        if self.places is None:
+            found = wait_all(
+                start_on_all("trainer rank", self.trainers, "sync_place"), self.timeout_s
+            )
+            self.places = {r: SenderPlace(*p) for r, p in enumerate(found)}
+        return self.places
+
+    def targets(self) -> list[tuple[list, list]]:
+        """Each trainer rank's (shared, as bytes) receiver actors for this push (asked every
+        push: an engine may have been replaced)."""
+        raise NotImplementedError
+
     def push(self, in_place: bool = False) -> list[dict]:
         self._no_in_place(in_place)
-        engines = self.engines
-        nodes = wait_all(start_on_all("engine", engines, "node_id"), self.timeout_s)
         reports = wait_all(
-            start_on_all(
-                "trainer rank",
-                self.trainers,
-                "push_colocated",
-                engines,
-                nodes,
-                self.bucket_bytes,
-                self.timeout_s,
-            ),
+            [
+                start_call(
+                    f"trainer rank {r}",
+                    t,
+                    self.method,
+                    shared,
+                    as_bytes,
+                    self.bucket_bytes,
+                    self.timeout_s,
+                )
+                for r, (t, (shared, as_bytes)) in enumerate(zip(self.trainers, self.targets()))
+            ],
             self.timeout_s,
         )
         self._commit()
         return reports
 
 
-class ShardedColocatedPush(_Push):
-    def push(self, in_place: bool = False) -> list[dict]:
-        self._no_in_place(in_place)
-        nodes = [
-            wait_all(start_on_all(f"engine {i} rank", ranks, "node_id"), self.timeout_s)
+class ColocatedPush(_Routed):
+    method = "push_colocated"
+
+    def targets(self) -> list[tuple[list, list]]:
+        engines = self.engines
+        found = wait_all(start_on_all("engine", engines, "device_identity"), self.timeout_s)
+        routes = colocated_routes(
+            self.sender_places(), {i: DeviceIdentity(*x) for i, x in enumerate(found)}
+        )
+        return [
+            ([engines[i] for i in routes[r].shared], [engines[i] for i in routes[r].as_bytes])
+            for r in range(len(self.trainers))
+        ]
+
+
+class ShardedColocatedPush(_Routed):
+    method = "push_colocated_shards"
+
+    def targets(self) -> list[tuple[list, list]]:
+        found = [
+            wait_all(start_on_all(f"engine {i} rank", ranks, "device_identity"), self.timeout_s)
             for i, ranks in enumerate(self.replicas)
         ]
-        reports = wait_all(
-            start_on_all(
-                "trainer rank",
-                self.trainers,
-                "push_colocated_shards",
-                self.replicas,
-                nodes,
-                self.bucket_bytes,
-                self.timeout_s,
-            ),
-            self.timeout_s,
-        )
-        self._commit()
-        return reports
+        places = self.sender_places()
+        routes = sharded_routes(places, [[DeviceIdentity(*x) for x in ids] for ids in found])
+        out = []
+        for r in range(len(self.trainers)):
+            tp = places[r].tp_rank
+            out.append(
+                (
+                    [self.replicas[i][tp] for i in routes[r].shared],
+                    [self.replicas[i][tp] for i in routes[r].as_bytes],
+                )
+            )
+        return out
 
 
 class BroadcastPush(_Push):

@@ -11,6 +11,10 @@ training staged (optimizer state offloaded, engine weights back, push, trainer w
 then the engines' KV cache); each engine sizes its KV cache from a free-memory figure it measures
 after the trainer's weights left, at every step; and after the run, with the trainer offloaded
 again, the same values call is refused.
+
+A checkpointing run with trainer TP 2 takes its checkpoints after the trainer offloaded: the
+policy's TP shards are gathered from host memory; the checkpoint's weights must be exactly the
+ones the engines received in the same step's push.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from miles_like.recipe.cli import main
 from miles_like.run import placement
@@ -120,3 +125,69 @@ def test_critic_and_reference_are_asked_only_onloaded(ray_local, cache, tmp_path
     )
     assert len(refused) == 1 and "OffloadedError" in refused[0], refused
     assert "values was asked while the rank is offloaded" in refused[0]
+
+
+def _digests(path: Path) -> dict[str, str]:
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    return {
+        name: hashlib.sha256(
+            t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for name, t in load_file(path).items()
+    }
+
+
+def test_tp2_checkpoints_after_the_offload(ray_local, cache, tmp_path, monkeypatch):
+    plan = placement.plan
+
+    def staged_plan(*args):
+        return plan(*args)._replace(staged_memory=True)
+
+    engine_weights: list[dict] = []
+    calls: list[str] = []
+    push, offload = RunActors.push_weights, RunActors.offload_trainer_weights
+
+    def push_and_read(self, in_place=False):
+        calls.append("push_weights")
+        sent = push(self, in_place)
+        engine_weights.append(ray.get(self.engines[0].weight_digests.remote()))
+        return sent
+
+    def offload_recorded(self):
+        calls.append("offload_trainer_weights")
+        offload(self)
+
+    monkeypatch.setattr(placement, "plan", staged_plan)
+    monkeypatch.setattr(RunActors, "push_weights", push_and_read)
+    monkeypatch.setattr(RunActors, "offload_trainer_weights", offload_recorded)
+    out = tmp_path / "tp2"
+    code = main(
+        [
+            str(Path(RECIPE).with_name("tiny_arith_grpo.yaml")),
+            f"tracking.output_dir={out}",
+            "steps=2",
+            "rollout.prompts_per_step=4",
+            "rollout.n=2",
+            "rollout.kv_cache_tokens=2048",
+            "trainer.updates_per_rollout=1",
+            "sft.steps=0",
+            "trainer.tp=2",
+            "cluster.devices=2",
+            "checkpoint.every_steps=1",
+            "tracking.wandb_mode=disabled",
+        ],
+        run=run,
+    )
+    assert code == 0
+    assert calls == ["push_weights", "offload_trainer_weights"] * 2
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved][-2:] == ["step_000001", "step_000002"]
+    for ckpt, weights in zip(saved[-2:], engine_weights, strict=True):
+        assert _digests(ckpt / "model.safetensors") == weights
+        assert sorted(p.name for p in (ckpt / "trainer").iterdir()) == [
+            "rank_00000.pt",
+            "rank_00001.pt",
+        ]
