@@ -30,8 +30,8 @@ from miles_like.run.rendezvous import group_store, held_rendezvous, pin_process,
 from miles_like.run.rendezvous import node_id as this_node_id
 from miles_like.run.trainer_weight_sender import TrainerWeightSender
 from miles_like.shares import near_equal_shares
-from trainer.offload import OffloadPart
 from trainer.device_choice import device_for
+from trainer.offload import OffloadPart
 from trainer.tensor_lists import PackedTensors, pack
 
 WORLD_TIMEOUT_S = 1800.0  # the trainer world's collectives (torch.distributed's default)
