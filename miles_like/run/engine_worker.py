@@ -317,16 +317,9 @@ class EngineWorker:
         self.engine.weight_version = version
 
     def weight_digests(self) -> dict[str, str]:
-        """sha256 of every parameter's bytes, by HF name: to check a sync bitwise from outside."""
-        import hashlib
-
-        model = (self.engine or self.follower).model  # under TP: this rank's shards
-        return {
-            name: hashlib.sha256(
-                p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            ).hexdigest()
-            for name, p in model.named_parameters()
-        }
+        """sha256 of every parameter's bytes, by HF name: to check a sync bitwise from outside
+        (under TP: this rank's shards)."""
+        return parameter_digests((self.engine or self.follower).model)
 
     def shutdown(self) -> None:
         """Stop the HTTP endpoint and the step loop (rank 0 of a TP replica also stops its
@@ -338,3 +331,15 @@ class EngineWorker:
             self._server = None
         self.async_engine.close()
         self.engine.close()
+
+
+def parameter_digests(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of every parameter's bytes, by name."""
+    import hashlib
+
+    return {
+        name: hashlib.sha256(
+            p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for name, p in model.named_parameters()
+    }
