@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from rollout import native
 from rollout.config import accum_dtype
@@ -40,10 +41,10 @@ class PrefillSegment:
     token_start: int  # first row of this chunk in the flat batch
     num_new: int  # tokens computed in this chunk
     context_slots: torch.Tensor  # [C] slots of the whole visible context (cached prefix + chunk)
-    # [num_new, C] bool, True = may attend (causal, offset by the prefix); None when the context
-    # is the chunk itself (no cached prefix): plain causal attention, which SDPA runs without
-    # reading a mask and skips the blocks above the diagonal
-    mask: torch.Tensor | None
+    # Tokens of the context before the chunk (a cached prefix): query i sees context positions
+    # <= prefix_len + i (causal, aligned to the context's end). 0 when the context is the chunk
+    # itself: plain causal attention over the chunk's own new K/V.
+    prefix_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,27 +161,24 @@ def prefill_attention(
     """Each chunk attends causally over its cached prefix and itself; writes rows of `out`.
     q [T, H, D], k, v [T, Hkv, D]: the batch's tokens (their K/V also stored in the caches).
 
-    A chunk without a cached prefix (mask None) attends over its own new K/V, read from `k` /
-    `v`; consecutive such chunks of one length (a batch of fresh prompts) form one batched
-    causal SDPA call. A chunk after a cached prefix gathers its context from the caches."""
+    A chunk without a cached prefix attends over its own new K/V, read from `k` / `v`;
+    consecutive such chunks of one length (a batch of fresh prompts) form one batched causal
+    SDPA call. A chunk after a cached prefix gathers its context from the caches
+    (`attend_after_prefix`)."""
     i = 0
     while i < len(segments):
         seg = segments[i]
         rows = slice(seg.token_start, seg.token_start + seg.num_new)
-        if seg.mask is not None:
-            keys = k_cache.index_select(1, seg.context_slots).unsqueeze(0)  # [1, Hkv, C, D]
-            values = v_cache.index_select(1, seg.context_slots).unsqueeze(0)
+        if seg.prefix_len > 0:
             queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=seg.mask, enable_gqa=True
-            )
+            attended = attend_after_prefix(queries, k_cache, v_cache, seg.context_slots)
             out[rows] = attended.squeeze(0).transpose(0, 1)
             i += 1
             continue
         j = i + 1  # the run [i, j) of adjacent prefix-free chunks of seg's length
         while (
             j < len(segments)
-            and segments[j].mask is None
+            and segments[j].prefix_len == 0
             and segments[j].num_new == seg.num_new
             and segments[j].token_start == seg.token_start + (j - i) * seg.num_new
         ):
@@ -193,6 +191,43 @@ def prefill_attention(
         )
         out[rows] = attended.transpose(1, 2).flatten(0, 1)
         i = j
+
+
+def attend_after_prefix(
+    queries: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_slots: torch.Tensor,
+    per_head_kv: bool | None = None,
+) -> torch.Tensor:
+    """queries [1, H, n, D], the last n tokens of a context of C slots (a cached prefix, then
+    the chunk) -> [1, H, n, D]: query i attends context positions <= C - n + i.
+
+    On a GPU SDPA has three kernels: flash takes no mask (only its own causal alignments) and
+    memory-efficient takes no GQA (fewer K/V heads than query heads); anything else falls to
+    the math kernel, which materialises the [H, n, C] scores. So there (`per_head_kv`, the
+    default off the CPU) the K/V are gathered once per *query* head, and the causal offset is a
+    lower-right-aligned `CausalBias`, which both kernels take without a mask tensor. The CPU
+    kernel takes a boolean mask with GQA, and reads each K/V head once."""
+    num_heads, n = queries.shape[1], queries.shape[2]
+    num_kv, context = k_cache.shape[0], context_slots.shape[0]
+    if per_head_kv is None:
+        per_head_kv = queries.device.type != "cpu"
+    if per_head_kv:
+        # query head h reads K/V head h // (H / Hkv): one gather per cache, [1, H, C, D]
+        heads = torch.arange(num_heads, device=queries.device) // (num_heads // num_kv)
+        keys, values = (
+            cache[heads.unsqueeze(-1), context_slots.unsqueeze(0)].unsqueeze(0)
+            for cache in (k_cache, v_cache)
+        )
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=causal_lower_right(n, context)
+        )
+    keys = k_cache.index_select(1, context_slots).unsqueeze(0)  # [1, Hkv, C, D]
+    values = v_cache.index_select(1, context_slots).unsqueeze(0)
+    positions = torch.arange(context, device=queries.device)
+    mask = positions.unsqueeze(0) <= positions[context - n :].unsqueeze(-1)  # [n, C]
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
 
 
 def _chunks(x: torch.Tensor, count: int) -> torch.Tensor:

@@ -112,12 +112,8 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             context = self.slot_table[seq.row, :end]
-            mask = None  # no cached prefix: plain causal
-            if start > 0:  # causal, offset by the prefix
-                query_pos = torch.arange(start, end, device=device).unsqueeze(-1)
-                mask = torch.arange(end, device=device).unsqueeze(0) <= query_pos
             token_start = len(ids) - num_new
-            segments.append(PrefillSegment(token_start, num_new, context, mask))
+            segments.append(PrefillSegment(token_start, num_new, context, prefix_len=start))
             out_slots.append(context[start:end])
             if end == len(seq.token_ids):
                 logits_rows.append(len(ids) - 1)

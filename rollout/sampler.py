@@ -32,9 +32,15 @@ class SamplingBatch(NamedTuple):
     top_k: torch.Tensor  # [R] int, <= 0 = off
     min_p: torch.Tensor  # [R] float in [0, 1)
     uniforms: torch.Tensor  # [R] float64 in [0, 1), one draw from each row's generator
-    # True: every row is drawn at a temperature > 0 with no top-k, top-p or min-p at all (what
-    # `of` knows from one setting shared by every row); False: not known, `sample` checks.
+    # What the host knows of every row from the request parameters, so that `sample` branches
+    # on Python flags instead of reading the tensors back (a host sync per read on a device).
+    # Each is a fact when True and "not known" when False, so it stays true of any `select`.
+    # plain: every row is drawn at a temperature > 0 with no top-k, top-p or min-p at all.
     plain: bool = False
+    all_sampled: bool = False  # every temperature > 0 (no greedy row)
+    all_greedy: bool = False  # every temperature == 0
+    unit_temperature: bool = False  # every temperature == 1
+    no_truncation: bool = False  # no row sets top-k, top-p or min-p
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> SamplingBatch:
@@ -53,6 +59,7 @@ class SamplingBatch(NamedTuple):
         else:
             distinct = list({id(p): p for p in params}.values())
         settings = {(p.temperature, p.top_p, p.min_p, p.top_k) for p in distinct}
+        flags = _host_flags(settings)
         if len(settings) == 1:  # one setting for all (the RL case)
             ((temperature, top_p, min_p, top_k),), rows = settings, len(params)
             return cls(
@@ -61,13 +68,7 @@ class SamplingBatch(NamedTuple):
                 top_k=torch.full((rows,), top_k, dtype=torch.int64),
                 min_p=torch.full((rows,), min_p, dtype=torch.float32),
                 uniforms=uniforms,
-                # compared in float32, as `sample` compares the tensors
-                plain=bool(
-                    np.float32(temperature) > 0
-                    and top_k <= 0
-                    and np.float32(top_p) >= 1
-                    and np.float32(min_p) <= 0
-                ),
+                **flags,
             )
         keys = [(p.temperature, p.top_p, p.min_p, p.top_k) for p in params]
         floats = torch.tensor([k[:3] for k in keys], dtype=torch.float32).reshape(-1, 3)
@@ -77,11 +78,33 @@ class SamplingBatch(NamedTuple):
             top_k=torch.tensor([k[3] for k in keys], dtype=torch.int64),
             min_p=floats[:, 2],
             uniforms=uniforms,
+            **flags,
         )
 
     def select(self, rows) -> SamplingBatch:
         """The batch of `rows` (an index tensor or a slice)."""
-        return self._replace(**{f: getattr(self, f)[rows] for f in self._fields if f != "plain"})
+        return self._replace(**{f: getattr(self, f)[rows] for f in _TENSOR_FIELDS})
+
+
+_TENSOR_FIELDS = ("temperature", "top_p", "top_k", "min_p", "uniforms")
+
+
+def _host_flags(settings: set[tuple[float, float, float, int]]) -> dict[str, bool]:
+    """SamplingBatch's host-side flags from the distinct (temperature, top_p, min_p, top_k)
+    settings of its rows, compared in float32 as `sample` compares the tensors."""
+    temperatures = [np.float32(t) for t, *_ in settings]
+    no_truncation = all(
+        top_k <= 0 and np.float32(top_p) >= 1 and np.float32(min_p) <= 0
+        for _, top_p, min_p, top_k in settings
+    )
+    all_sampled = all(t > 0 for t in temperatures)
+    return {
+        "plain": bool(all_sampled and no_truncation),
+        "all_sampled": bool(all_sampled),
+        "all_greedy": bool(all(t == 0 for t in temperatures)),
+        "unit_temperature": bool(all(t == 1 for t in temperatures)),
+        "no_truncation": bool(no_truncation),
+    }
 
 
 def truncation_mask(
@@ -112,12 +135,11 @@ def draw_from_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     threshold = uniforms.to(dtype=cdf.dtype) * cdf[:, -1]
     choice = torch.searchsorted(cdf, threshold.unsqueeze(-1), right=True).squeeze(-1)
     # Rounding can put the threshold at the total (choice == V); then take the last token of
-    # positive mass. Otherwise cdf[choice] > threshold >= cdf[choice - 1], so the choice has
-    # positive mass already: only the overflowing rows need the (full-row) search.
-    overflow = (choice == cdf.shape[-1]).nonzero().squeeze(-1)
-    if overflow.numel():
-        choice[overflow] = (cdf[overflow] < cdf[overflow, -1:]).sum(dim=-1)
-    return choice
+    # positive mass: the first whose cdf reaches the total (a running sum of non-negative
+    # numbers never decreases). Otherwise cdf[choice] > threshold >= cdf[choice - 1], so the
+    # choice has positive mass already. Selected by `where`, never by reading the rows back.
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous()).squeeze(-1)
+    return torch.where(choice == cdf.shape[-1], last, choice)
 
 
 def _truncating(top_k, top_p, min_p, vocab: int) -> torch.Tensor:
@@ -144,6 +166,9 @@ def _sample_native(lib, logits: torch.Tensor, batch: SamplingBatch):
     `_sample_torch`. Which path a row takes depends on its own parameters only."""
     if batch.plain:
         return native.sample_rows(lib, logits, batch.temperature, batch.uniforms)
+    if batch.all_greedy:
+        return _sample_torch(logits, batch)
+    # Rows of both kinds, or not known: split them (host tensors; reading them costs no sync).
     plain = (batch.temperature > 0) & ~_truncating(
         batch.top_k, batch.top_p, batch.min_p, logits.shape[-1]
     )
@@ -168,38 +193,43 @@ def _sample_native(lib, logits: torch.Tensor, batch: SamplingBatch):
 
 
 def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` in torch ops (any device and dtype; the reference of the C kernel)."""
+    """`sample` in torch ops (any device and dtype; the reference of the C kernel). Reads
+    nothing back to the host: it branches on the batch's host-side flags, and rows that do not
+    draw (greedy) or do not truncate are masked out with `where`, never indexed out."""
     device = logits.device
     temperature = batch.temperature.to(device)
     greedy = temperature == 0
     # x / 1.0 == x exactly, so skipping the division when every temperature is 1 changes nothing.
     scaled = (
         logits
-        if bool((temperature == 1).all())
+        if batch.unit_temperature
         else logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
     )
     shifted = scaled - scaled.amax(dim=-1, keepdim=True)  # <= 0, exactly 0 at the max
     weights = shifted.exp()  # the only pass computing exp: e = exp(x / T - m)
     log_total = weights.sum(dim=-1).log_()  # log sum(e) >= 0: the max contributes exactly 1
-    sampled = (~greedy).nonzero().squeeze(-1)
-    all_sampled = sampled.numel() == len(greedy)
-    if not all_sampled:
+    if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        tokens = torch.empty(len(greedy), dtype=torch.int64, device=device)
-    if sampled.numel():
-        probs = weights if all_sampled else weights[sampled]  # unnormalised: mass ratios only
-        top_k, top_p, min_p = (
-            t.to(device)[sampled] for t in (batch.top_k, batch.top_p, batch.min_p)
-        )
-        truncating = _truncating(top_k, top_p, min_p, probs.shape[-1])
-        if truncating.any():
+        if not batch.no_truncation:
             # truncation_mask compares ratios of masses (top-p within the top-k mass, min-p to
-            # the max), so unnormalised weights select the same tokens as probabilities.
-            rows = truncating.nonzero().squeeze(-1)
-            keep = truncation_mask(probs[rows], top_k[rows], top_p[rows], min_p[rows])
-            probs[rows] = probs[rows] * keep
-        # The weights are a temporary: their cumulative sum is taken in place.
-        tokens[sampled] = draw_from_cdf(probs.cumsum_(dim=-1), batch.uniforms.to(device)[sampled])
+            # the max), so unnormalised weights select the same tokens as probabilities. Rows
+            # that truncate nothing keep every token (the mask's rounding never touches them).
+            top_k, top_p, min_p = (t.to(device) for t in (batch.top_k, batch.top_p, batch.min_p))
+            truncating = _truncating(top_k, top_p, min_p, weights.shape[-1])
+            keep = truncation_mask(weights, top_k, top_p, min_p) | ~truncating.unsqueeze(-1)
+            weights.mul_(keep)
+        # The weights are a temporary: their cumulative sum is taken in place. Greedy rows draw
+        # too (the draw is discarded): one procedure for every row, no row selection.
+        drawn = draw_from_cdf(weights.cumsum_(dim=-1), batch.uniforms.to(device))
+        tokens = drawn if batch.all_sampled else torch.where(greedy, logits.argmax(dim=-1), drawn)
     logprobs = shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_total
     return tokens, logprobs
+
+
+def read_back(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """`sample`'s result on the host in one device-to-host read: tokens and log-probs stacked
+    as float64 (token ids are far below 2**53, and every float32 log-prob is a float64)."""
+    packed = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64)))
+    token_list, logprob_list = packed.tolist()
+    return [int(t) for t in token_list], logprob_list

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -10,18 +11,46 @@ class UniformStream:
     taken `BLOCK` at a time. torch's CPU generator fills a float64 tensor element by element, so
     the numbers and their order are exactly those of one `torch.rand((), generator=g,
     dtype=torch.float64)` per draw (`test_sampler.py` checks it), at a fraction of the per-call
-    cost: a decode step draws one per sequence. Seeded on CPU whatever the model's device."""
+    cost: a decode step draws one per sequence. Seeded on CPU whatever the model's device; a
+    block is filled into numpy-owned memory and read with numpy, so a stream never reads a
+    tensor back (the engine's host-sync budget counts tensor reads).
+
+    `peek` shows the next draws without taking them and `skip` takes them: speculative
+    verification reads every uniform a sequence may need on the device at once and takes only
+    those its accept/reject walk used, so the stream advances exactly as drawing one at a time."""
 
     BLOCK = 64
 
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
-        self._block = iter(())  # the current block's remaining draws
+        self._array = np.empty(self.BLOCK, dtype=np.float64)
+        self._fill = torch.from_numpy(self._array)  # the generator writes into `_array`
+        self._draws: list[float] = []  # drawn from the generator, not yet taken
+        self._next = 0  # _draws[_next:] are still to be taken
+
+    def _refill(self, wanted: int) -> None:
+        """At least `wanted` draws not yet taken."""
+        pending = self._draws[self._next :]
+        while len(pending) < wanted:
+            torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64, out=self._fill)
+            pending += self._array.tolist()
+        self._draws, self._next = pending, 0
 
     def draw(self) -> float:
-        try:
-            return next(self._block)
-        except StopIteration:
-            block = torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64)
-            self._block = iter(block.tolist())
-            return next(self._block)
+        if self._next == len(self._draws):
+            self._refill(1)
+        u = self._draws[self._next]
+        self._next += 1
+        return u
+
+    def peek(self, n: int) -> list[float]:
+        """The next `n` draws, left in the stream."""
+        if len(self._draws) - self._next < n:
+            self._refill(n)
+        return self._draws[self._next : self._next + n]
+
+    def skip(self, n: int) -> None:
+        """Take `n` draws (as `n` calls of `draw`, their values unused)."""
+        if len(self._draws) - self._next < n:
+            self._refill(n)
+        self._next += n

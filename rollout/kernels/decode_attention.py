@@ -51,7 +51,12 @@ from rollout.attention import DecodeMetadata
 MAX_SPLITS_PER_PHASE = 64  # bounds the partial buffers and the merge's work
 MAX_BLOCK_Q = 64  # query rows per program: acc is [BLOCK_Q, D] float32 in registers
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
-MERGE_BLOCK_S = 8  # splits merged per iteration of the merge kernel's online loop
+# The merge kernel holds a [BLOCK_H, BLOCK_S, BLOCK_D] float32 tile of partial outputs: heads
+# go to separate programs MERGE_BLOCK_H at a time and splits are merged MERGE_BLOCK_S per
+# iteration, so the tile stays 4 x 4 x head_dim whatever the model (28 heads at once would
+# spill registers).
+MERGE_BLOCK_H = 4
+MERGE_BLOCK_S = 4
 
 
 @triton.jit
@@ -215,11 +220,11 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    # One program per decode token, all heads at once: the merge moves little data, and fewer,
-    # fuller programs amortise their launch.
+    # One program per (decode token, block of BLOCK_H heads): the tile of partial outputs is
+    # [BLOCK_H, BLOCK_S, BLOCK_D] (see MERGE_BLOCK_H).
     token = tl.program_id(0).to(tl.int64)
     cell = tl.load(token_cell_ptr + token).to(tl.int64)  # padding cells are never merged
-    heads = tl.arange(0, BLOCK_H)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     head_ok = heads < NUM_HEADS
     dim_ok = dims < HEAD_DIM
@@ -457,7 +462,8 @@ def split_k_decode_attention(
             HAS_BIAS=bias is not None,
             NATIVE_DOT=native_dot,
         )
-    _merge_kernel[(num_tokens,)](
+    block_h = min(MERGE_BLOCK_H, triton.next_power_of_2(num_heads))
+    _merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         part_out,
         part_lse,
         queries.token_cell,
@@ -472,7 +478,7 @@ def split_k_decode_attention(
         num_splits,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits)),
     )

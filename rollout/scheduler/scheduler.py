@@ -31,7 +31,7 @@ import torch
 
 from rollout.kv_pool import KVPool
 from rollout.radix_cache import RadixCache
-from rollout.sampler import SamplingBatch, sample
+from rollout.sampler import SamplingBatch, read_back, sample
 from rollout.scheduler.pages import PageAllocator
 from rollout.scheduler.parked import ParkedKV, ParkedKVStore
 from rollout.scheduler.stats import SchedulerStats
@@ -270,7 +270,7 @@ class Scheduler:
             if logit_rows != list(range(logits.shape[0])):
                 logits = logits[torch.tensor(logit_rows, device=logits.device)]
             tokens, logprobs = sample(logits, SamplingBatch.of(to_sample))
-            sampled = zip(to_sample, tokens.tolist(), logprobs.tolist())
+            sampled = zip(to_sample, *read_back(tokens, logprobs))
         version = self.weight_version
         for seq, tokens, logprobs in emitted:
             before = len(seq.token_ids)

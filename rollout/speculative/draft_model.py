@@ -146,7 +146,6 @@ class DraftModelProposer:
             ]
             params = [seq.request.params for _, seq, _, _ in active]
             _, q = sampling_distribution(logits, params)
-            greedy = logits.argmax(dim=-1).tolist()
             drawn = draw(
                 q,
                 [
@@ -154,9 +153,12 @@ class DraftModelProposer:
                     for (_, seq, _, _), p in zip(active, params)
                 ],
             )
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            # one read back per drafted position, whatever the batch: the next step's input ids
+            chosen = torch.where(greedy, logits.argmax(dim=-1), drawn).tolist()
             for j, ((i, _, state, _), p) in enumerate(zip(active, params)):
                 state.num_computed = len(state.token_ids)
-                token = greedy[j] if p.greedy else drawn[j]
+                token = chosen[j]
                 state.token_ids.append(token)
                 tokens[i].append(token)
                 if not p.greedy:

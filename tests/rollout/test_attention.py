@@ -13,6 +13,7 @@ from rollout.attention import (
     PrefillSegment,
     TorchAttention,
     _gather,
+    attend_after_prefix,
     cascade_decode_attention,
     cascade_decode_attention_flash,
     cascade_decode_attention_matmul,
@@ -181,8 +182,7 @@ def test_prefill_segment_is_causal_over_cached_prefix():
     pool.v[0][:, cached] = torch.randn(1, 3, 4, generator=g)
     new_slots = torch.tensor([9, 2])
     context = torch.cat([cached, new_slots])
-    mask = torch.arange(5).unsqueeze(0) <= torch.tensor([[3], [4]])
-    meta = AttentionMetadata(new_slots, None, (PrefillSegment(0, 2, context, mask),))
+    meta = AttentionMetadata(new_slots, None, (PrefillSegment(0, 2, context, prefix_len=3),))
     q, k, v = (
         torch.randn(2, 2, 4, generator=g),
         torch.randn(2, 1, 4, generator=g),
@@ -200,13 +200,13 @@ def test_prefill_segment_is_causal_over_cached_prefix():
 
 
 def test_prefill_chunks_without_a_prefix_are_plain_causal():
-    """Chunks with no cached prefix (mask None, as `ModelRunner.prepare` gives them) attend
+    """Chunks with no cached prefix (prefix_len 0, as `ModelRunner.prepare` gives them) attend
     causally over their own new tokens; adjacent ones of one length run as one batched call.
-    Mixed here with a chunk after a cached prefix (masked) and one of another length; each
+    Mixed here with a chunk after a cached prefix and one of another length; each
     query checked against attention over exactly the keys it may see."""
     g = torch.Generator().manual_seed(2)
     pool = slot_pool(32, num_kv_heads=2, head_dim=8)
-    cached = torch.tensor([30, 31])  # the masked chunk's prefix, already in the pool
+    cached = torch.tensor([30, 31])  # the prefixed chunk's prefix, already in the pool
     pool.k[0][:, cached] = torch.randn(2, 2, 8, generator=g)
     pool.v[0][:, cached] = torch.randn(2, 2, 8, generator=g)
     lengths, prefixed = [3, 3, 3, 2, 4], 3  # chunk 3 follows the cached prefix
@@ -216,10 +216,9 @@ def test_prefill_chunks_without_a_prefix_are_plain_causal():
         own = slots[starts[-1] : starts[-1] + n]
         if c == prefixed:
             context = torch.cat([cached, own])
-            mask = torch.arange(2 + n).unsqueeze(0) <= torch.arange(2, 2 + n).unsqueeze(-1)
-            segments.append(PrefillSegment(starts[-1], n, context, mask))
+            segments.append(PrefillSegment(starts[-1], n, context, prefix_len=2))
         else:
-            segments.append(PrefillSegment(starts[-1], n, own, None))
+            segments.append(PrefillSegment(starts[-1], n, own))
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(slots, None, tuple(segments))
     q = torch.randn(len(slots), 4, 8, generator=g)
@@ -289,3 +288,67 @@ def test_members_in_order_equals_the_scatter_path(seed, dtype):
     matmul = run_kernel("matmul", q, k_cache, v_cache, meta, 4)
     bound = 1e-13 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(in_order, matmul, atol=bound, rtol=bound)
+
+
+def prefix_chunk_case(num_heads, num_kv, seed):
+    """A float64 pool holding a context of 7 cached + 5 new tokens at scattered slots, and the
+    chunk's queries [1, H, 5, D]."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_kv, 40, 16, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(num_kv, 40, 16, generator=g, dtype=torch.float64)
+    slots = torch.randperm(40, generator=g)[:12]
+    queries = torch.randn(1, num_heads, 5, 16, generator=g, dtype=torch.float64)
+    return queries, k_cache, v_cache, slots
+
+
+def reference_after_prefix(queries, k_cache, v_cache, slots):
+    """Softmax attention written out: query i of the chunk (the context's last n tokens) sees
+    context positions 0 .. C - n + i; head h reads K/V head h // (H / Hkv)."""
+    num_heads, n, dim = queries.shape[1:]
+    num_kv, context = k_cache.shape[0], slots.shape[0]
+    out = torch.empty_like(queries)
+    for h in range(num_heads):
+        kv = h // (num_heads // num_kv)
+        keys, values = k_cache[kv, slots], v_cache[kv, slots]
+        for i in range(n):
+            visible = context - n + i + 1
+            scores = keys[:visible] @ queries[0, h, i] / math.sqrt(dim)
+            out[0, h, i] = torch.softmax(scores, 0) @ values[:visible]
+    return out
+
+
+@pytest.mark.parametrize("num_heads, num_kv", [(6, 2), (4, 4), (28, 4)])
+@pytest.mark.parametrize("per_head_kv", [True, False])
+def test_attention_after_a_cached_prefix_is_causal_from_the_end(num_heads, num_kv, per_head_kv):
+    """Both ways of attending a chunk after its cached prefix (the one SDPA's fused GPU kernels
+    take, and the CPU one) equal attention written out, in float64."""
+    case = prefix_chunk_case(num_heads, num_kv, seed=num_heads)
+    out = attend_after_prefix(*case, per_head_kv=per_head_kv)
+    torch.testing.assert_close(out, reference_after_prefix(*case), rtol=0, atol=1e-12)
+
+
+def test_attention_after_a_cached_prefix_calls_sdpa_as_fused_kernels_accept(monkeypatch):
+    """The GPU way's SDPA call: the memory-efficient kernel refuses GQA (fewer K/V heads than
+    query heads) and flash refuses any mask tensor, and a boolean mask with `enable_gqa` fits
+    neither (the math kernel, [H, n, C] scores). So: as many K/V heads as query heads, no
+    `enable_gqa`, and the causal offset as a lower-right `CausalBias`, no mask tensor."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    calls = []
+
+    def spy(query, key, value, attn_mask=None, **kwargs):  # records the call, computes nothing
+        calls.append((query.shape, key.shape, value.shape, attn_mask, kwargs))
+        return torch.empty_like(query)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    queries, k_cache, v_cache, slots = prefix_chunk_case(28, 4, seed=0)
+    attend_after_prefix(queries, k_cache, v_cache, slots, per_head_kv=True)
+    # the GPU way is the default off the CPU
+    on_meta = (x.to("meta") for x in (queries, k_cache, v_cache, slots))
+    attend_after_prefix(*on_meta)
+    assert len(calls) == 2
+    for query_shape, key_shape, value_shape, mask, kwargs in calls:
+        assert key_shape[1] == value_shape[1] == query_shape[1] == 28
+        assert not kwargs.get("enable_gqa", False) and not kwargs.get("is_causal", False)
+        assert isinstance(mask, CausalBias) and mask.variant == CausalVariant.LOWER_RIGHT
+        assert (mask.seq_len_q, mask.seq_len_kv) == (5, 12)

@@ -4,7 +4,7 @@ of positive mass (never a zero-probability token)."""
 
 import torch
 
-from rollout.sampler import SamplingBatch, sample, truncation_mask
+from rollout.sampler import SamplingBatch, _sample_torch, sample, truncation_mask
 from rollout.uniform_stream import UniformStream
 
 
@@ -80,10 +80,10 @@ def test_a_uniform_stream_is_its_generators_draws_one_at_a_time():
 
 
 def test_a_shared_setting_knows_the_kernel_rows_as_the_per_row_check_does():
-    """`SamplingBatch.of` marks a batch `plain` from its one shared setting; that must be the
-    per-row check `sample` makes on the tensors otherwise (temperature > 0, no truncation, in
-    float32), and `plain` must not change what is drawn. Settings sharing one value through
-    different objects count as one setting; two settings never do."""
+    """`SamplingBatch.of` marks a batch `plain` (and its other host-side flags) from its
+    settings; that must be the per-row check `sample` would make on the tensors (temperature >
+    0, no truncation, in float32), and the flags must not change what is drawn. Settings sharing
+    one value through different objects count as one setting; two settings never do."""
     from rollout.config import SamplingParams
     from rollout.sampler import _truncating
     from rollout.sequence import Request, Sequence
@@ -112,12 +112,53 @@ def test_a_shared_setting_knows_the_kernel_rows_as_the_per_row_check_does():
             batch.top_k, batch.top_p, batch.min_p, vocab
         )
         assert batch.plain == bool(per_row.all()), kw
-        unmarked = batch._replace(plain=False)
+        assert_flags_match_rows(batch, vocab, kw)
+        unmarked = batch._replace(
+            plain=False,
+            all_sampled=False,
+            all_greedy=False,
+            unit_temperature=False,
+            no_truncation=False,
+        )
         for a, b in zip(sample(logits, batch), sample(logits, unmarked)):
             assert torch.equal(a, b), kw
+        # the torch path (any device) too, which branches on the same flags
+        for a, b in zip(_sample_torch(logits, batch), _sample_torch(logits, unmarked)):
+            assert torch.equal(a, b), kw
     two = [
-        Sequence(Request(r, [1, 2], SamplingParams(temperature=t), base_seed=r), 0)
-        for r, t in enumerate((1.0, 0.5))
+        Sequence(Request(r, [1, 2], SamplingParams(temperature=t, top_k=k), base_seed=r), 0)
+        for r, (t, k) in enumerate(((1.0, -1), (0.5, -1), (0.0, -1), (1.0, 5)))
     ]
-    mixed = SamplingBatch.of(two)
-    assert not mixed.plain and mixed.temperature.tolist() == [1.0, 0.5]
+    for rows in ([0, 1], [0, 2], [2, 3], [0, 1, 2, 3]):
+        mixed = SamplingBatch.of([two[r] for r in rows])
+        assert mixed.temperature.tolist() == [[1.0, 0.5, 0.0, 1.0][r] for r in rows]
+        assert_flags_match_rows(mixed, vocab, rows)
+    assert SamplingBatch.of(two[:2]).plain and not SamplingBatch.of(two[:3]).plain
+
+
+def assert_flags_match_rows(batch: SamplingBatch, vocab: int, what) -> None:
+    """Each host-side flag of `batch` is the per-row check on its tensors."""
+    from rollout.sampler import _truncating
+
+    truncating = _truncating(batch.top_k, batch.top_p, batch.min_p, vocab)
+    assert batch.all_sampled == bool((batch.temperature > 0).all()), what
+    assert batch.all_greedy == bool((batch.temperature == 0).all()), what
+    assert batch.unit_temperature == bool((batch.temperature == 1).all()), what
+    # a top-k at or above the vocabulary truncates nothing but is set: the flag is a fact
+    assert not batch.no_truncation or not bool(truncating.any()), what
+
+
+def test_peeking_a_uniform_stream_then_skipping_is_drawing():
+    """`peek(n)` shows the next n draws without taking them (across block ends) and `skip(n)`
+    takes them: interleaved with `draw`, the stream is still its generator's draws in order."""
+    stream, reference = UniformStream(5), UniformStream(5)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        n = int(torch.randint(0, 9, (), generator=g))
+        ahead = stream.peek(n)
+        taken = int(torch.randint(0, n + 1, (), generator=g))
+        stream.skip(taken)
+        expected = [reference.draw() for _ in range(taken)]
+        assert ahead[:taken] == expected
+        assert stream.peek(n - taken) == ahead[taken:]
+        assert stream.draw() == reference.draw()
