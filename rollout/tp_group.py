@@ -8,14 +8,19 @@ scheduler decides; the others follow its slot mapping). Collectives inside the f
 after row-parallel layers, all-gather of vocab-sharded logits) use the same group, in the same
 order on every rank. The caller creates the torch.distributed group (gloo on CPU, NCCL on GPU).
 
-Commands travel pickled (`collectives.broadcast_object`); their tensors are sent on the CPU and
-moved to each rank's own device on arrival (a pickled CUDA tensor would land on the sender's
-device index).
+A command travels in two parts: a small pickled header (`collectives.broadcast_object`): the
+command with each tensor replaced by its index, and every tensor's shape and dtype; then the
+tensors themselves as tensor broadcasts on the group's device (NCCL: the GPU, gloo: the CPU),
+never pickled: small ones packed into one flat buffer per dtype, large ones (weights) each on
+its own. Each rank moves them to its own device on arrival. A step's plan (token ids, slots,
+masks such as the [D, Q, width] suffix bias) thus never goes through the host on its way.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -56,23 +61,96 @@ class ReceiveShards(NamedTuple):
 
 
 def map_tensors(obj: Any, fn) -> Any:
-    """`obj` with every tensor inside (tuples, NamedTuples, lists, frozen dataclasses) mapped."""
+    """`obj` with every tensor inside (tuples, NamedTuples, lists, frozen dataclasses) mapped.
+    A dataclass is rebuilt field by field without running its `__init__` (its derived fields,
+    `init=False`, are mapped like the others)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(
-            obj,
-            **{
-                f.name: map_tensors(getattr(obj, f.name), fn)
-                for f in dataclasses.fields(obj)
-                if f.init
-            },
-        )
+        mapped = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(mapped, f.name, map_tensors(getattr(obj, f.name), fn))
+        return mapped
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_tensors(x, fn) for x in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(x, fn) for x in obj)
     return obj
+
+
+# Tensors of at most this many bytes travel packed with the others of their dtype (one
+# broadcast per dtype); larger ones (weights) are broadcast each on its own, without a copy.
+PACK_LIMIT_BYTES = 1 << 20
+
+
+class TensorRef(NamedTuple):
+    """A tensor's place in a command's header: its index among the tensors sent after it."""
+
+    index: int
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    packed: bool
+
+
+class Header(NamedTuple):
+    """What travels pickled: the command with TensorRefs for its tensors, and their specs."""
+
+    skeleton: Any
+    specs: tuple[TensorSpec, ...]
+
+
+def split_command(command: Any) -> tuple[Header, list[torch.Tensor]]:
+    """(header, tensors): the command's tensors in the order of their TensorRefs."""
+    tensors: list[torch.Tensor] = []
+
+    def take(t: torch.Tensor) -> TensorRef:
+        tensors.append(t.detach())
+        return TensorRef(len(tensors) - 1)
+
+    skeleton = map_tensors(command, take)
+    specs = tuple(
+        TensorSpec(tuple(t.shape), t.dtype, t.numel() * t.element_size() <= PACK_LIMIT_BYTES)
+        for t in tensors
+    )
+    return Header(skeleton, specs), tensors
+
+
+def join_command(header: Header, tensors: list[torch.Tensor]) -> Any:
+    """The command of `header` with its TensorRefs replaced by `tensors` (split_command's
+    inverse)."""
+
+    def put(obj: Any) -> Any:
+        if isinstance(obj, TensorRef):
+            return tensors[obj.index]
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            filled = copy.copy(obj)
+            for f in dataclasses.fields(obj):
+                object.__setattr__(filled, f.name, put(getattr(obj, f.name)))
+            return filled
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(put(x) for x in obj))
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(put(x) for x in obj)
+        return obj
+
+    return put(header.skeleton)
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor travels as: bool as uint8 (not every backend broadcasts bool)."""
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+def _packs(specs: tuple[TensorSpec, ...]) -> dict[torch.dtype, list[int]]:
+    """Indices of the packed tensors, by wire dtype, in order."""
+    packs: dict[torch.dtype, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.packed:
+            packs.setdefault(_wire(spec.dtype), []).append(i)
+    return packs
 
 
 class TPGroup:
@@ -123,11 +201,38 @@ class TPGroup:
 
     # -- commands -----------------------------------------------------------------------------
     def send(self, command: NamedTuple) -> None:
+        """Every rank's `receive` returns `command` (see the module docstring for how)."""
         assert self.rank == 0, "only rank 0 of a replica sends commands"
-        collectives.broadcast_object(
-            map_tensors(command, lambda t: t.detach().cpu()), src=0, group=self.group
-        )
+        header, tensors = split_command(command)
+        collectives.broadcast_object(header, src=0, group=self.group)
+        on_wire = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in tensors]
+        wire = collectives.group_device(self.group)
+        for indices in _packs(header.specs).values():
+            if sum(on_wire[i].numel() for i in indices):
+                flat = torch.cat([on_wire[i].to(wire).reshape(-1) for i in indices])
+                collectives.broadcast(flat, src=0, group=self.group)
+        for i, spec in enumerate(header.specs):
+            if not spec.packed:
+                collectives.broadcast(on_wire[i], src=0, group=self.group)
 
     def receive(self, device: torch.device) -> NamedTuple:
-        command = collectives.broadcast_object(None, src=0, group=self.group)
-        return map_tensors(command, lambda t: t.to(device))
+        """The next command rank 0 `send`s, its tensors on `device`."""
+        header = collectives.broadcast_object(None, src=0, group=self.group)
+        wire = collectives.group_device(self.group)
+        tensors: list[torch.Tensor | None] = [None] * len(header.specs)
+        for dtype, indices in _packs(header.specs).items():
+            sizes = [math.prod(header.specs[i].shape) for i in indices]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=wire)
+            if flat.numel():
+                collectives.broadcast(flat, src=0, group=self.group)
+            for i, part in zip(indices, flat.split(sizes)):
+                tensors[i] = part.view(header.specs[i].shape)
+        for i, spec in enumerate(header.specs):
+            if not spec.packed:
+                tensors[i] = torch.empty(spec.shape, dtype=_wire(spec.dtype), device=wire)
+                collectives.broadcast(tensors[i], src=0, group=self.group)
+        arrived = [
+            (t.view(torch.bool) if spec.dtype == torch.bool else t).to(device)
+            for t, spec in zip(tensors, header.specs)
+        ]
+        return join_command(header, arrived)
