@@ -141,7 +141,8 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verified]:
     # The last token's distribution: the next p after a full acceptance (a bonus token); after
     # a rejection p without the rejected point-mass draft, or max(0, p - q) renormalised.
     weights = probs[last_row].double()
-    at = accepted.clamp(max=K - 1).unsqueeze(-1)  # the rejected position, where there is one
+    # the rejected position where there is one (else any position of the sequence's draft)
+    at = torch.minimum(accepted, (k - 1).clamp(min=0)).unsqueeze(-1)
     rejected_token = drafts.gather(-1, at)
     point_mass = on_device([s.draft_probs is None for s in seqs], torch.bool)
     weights.scatter_(
