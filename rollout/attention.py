@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from rollout import native
 from rollout.config import accum_dtype
@@ -214,6 +213,10 @@ def attend_after_prefix(
     if per_head_kv is None:
         per_head_kv = queries.device.type != "cpu"
     if per_head_kv:
+        # imported here: the module imports torch._dynamo (seconds of CPU), which an engine on
+        # the CPU never needs
+        from torch.nn.attention.bias import causal_lower_right
+
         # query head h reads K/V head h // (H / Hkv): one gather per cache, [1, H, C, D]
         heads = torch.arange(num_heads, device=queries.device) // (num_heads // num_kv)
         keys, values = (

@@ -53,10 +53,7 @@ def test_triton_backend_matches_torch_backend(dtype, tol):
         [(2, [3, 11]), (0, [6])], page_size, decode_pages, g, num_queries=[[1, 3], [1]]
     )
     context = torch.arange(decode_pages * page_size, decode_pages * page_size + 11)
-    query_pos = torch.arange(6, 11).unsqueeze(-1)
-    segment = PrefillSegment(
-        meta_decode.num_tokens, 5, context, torch.arange(11).unsqueeze(0) <= query_pos
-    )
+    segment = PrefillSegment(meta_decode.num_tokens, 5, context, prefix_len=6)
     out_slots = torch.cat([decode_token_slots(meta_decode, page_size), context[6:]])
     meta = AttentionMetadata(out_slots, meta_decode, (segment,))
 
