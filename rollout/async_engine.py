@@ -17,6 +17,10 @@ weights once it is released (`in_place`); submissions made meanwhile wait in the
 token's version is in `GenerationResult.sample_versions`; its `weight_version` is the engine's
 when the request finished (the only one unless an update landed while it ran).
 
+Streaming (`stream`): after every engine step the step loop hands each streamed request's new
+tokens (`TokenDelta`, per sample) to the caller's event loop; the request's `GenerationResult`
+comes last. The tokens are the ones `generate` would return: streaming only reads them earlier.
+
 A quota (`submit_many(..., groups=, quota=)`, over-sampling): the requests belong to groups; a
 group is complete once all of its requests are; once `quota` groups are complete the step loop
 aborts the batch's other requests before its next step (they end with finish_reason "abort" and
@@ -30,13 +34,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import NamedTuple
 
 from rollout.config import SamplingParams
 from rollout.engine import Engine
-from rollout.sequence import SampleOutput, StopCheck
+from rollout.sequence import RequestOutput, SampleOutput, StopCheck, TopLogprobs
 
 
 class EngineUnavailable(RuntimeError):
@@ -50,6 +55,76 @@ class GenerationResult(NamedTuple):
     cached_tokens: int  # prompt tokens taken from the prefix cache at admission
     # Per sample, the version that sampled each token (`RequestOutput.weight_versions`).
     sample_versions: tuple[list[int], ...] = ()
+    # `SamplingParams.prompt_logprobs` (`RequestOutput`); None unless asked
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput, weight_version: int) -> GenerationResult:
+        return cls(
+            out.prompt_token_ids,
+            out.samples,
+            weight_version,
+            out.cached_tokens,
+            out.weight_versions,
+            out.prompt_logprobs,
+            out.prompt_top_logprobs,
+        )
+
+
+class TokenDelta(NamedTuple):
+    """A streamed request's tokens of one sample since its previous delta (`AsyncEngine.stream`);
+    a sample's last delta carries its finish reason (and may have no tokens)."""
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs] | None  # with `SamplingParams.top_logprobs` only
+    finish_reason: str | None
+
+
+# Called on the step loop's thread with each delta, then the request's result.
+StreamListener = Callable[["TokenDelta | GenerationResult"], None]
+
+
+class _Streams:
+    """The streamed requests of the step loop (thread-owned): each one's listener and how many
+    tokens of each sample it was handed."""
+
+    def __init__(self):
+        self.by_request: dict[int, tuple[StreamListener, list[int]]] = {}
+
+    def add(self, request_id: int, listener: StreamListener, n: int) -> None:
+        self.by_request[request_id] = (listener, [0] * n)
+
+    def progress(self, scheduler) -> None:
+        """Hand every streamed request's unfinished samples' new tokens to its listener."""
+        for seq in (*scheduler.running, *scheduler.waiting):
+            entry = self.by_request.get(seq.request.request_id)
+            if entry is None or seq.num_generated <= entry[1][seq.sample_index]:
+                continue
+            listener, sent = entry
+            j, start = seq.sample_index, sent[seq.sample_index]
+            sent[j] = seq.num_generated
+            top = seq.top_logprobs[start:] if seq.request.params.top_logprobs else None
+            new = seq.token_ids[seq.prompt_len + start :]
+            listener(TokenDelta(j, new, seq.logprobs[start:], top, None))
+
+    def finished(self, request_id: int, result: GenerationResult) -> None:
+        """The request is done: each sample's last delta (its finish reason), then the result."""
+        entry = self.by_request.pop(request_id, None)
+        if entry is None:
+            return
+        listener, sent = entry
+        for j, sample in enumerate(result.samples):
+            start = sent[j]
+            top = sample.top_logprobs[start:] if sample.top_logprobs is not None else None
+            listener(
+                TokenDelta(
+                    j, sample.token_ids[start:], sample.logprobs[start:], top, sample.finish_reason
+                )
+            )
+        listener(result)
 
 
 class _Submission(NamedTuple):
@@ -59,6 +134,7 @@ class _Submission(NamedTuple):
     future: Future
     quota: _Quota | None = None
     group: int = 0
+    listener: StreamListener | None = None
 
 
 class _Quota:
@@ -114,6 +190,7 @@ class AsyncEngine:
         self._failure: BaseException | None = None  # the step loop died: nothing is served
         self._futures: dict[int, Future] = {}  # request id -> future (thread-owned)
         self._groups: dict[int, tuple[_Quota, int]] = {}  # request id -> its quota, group
+        self._streams = _Streams()
         self._cancels: list[Future] = []
         self._holds = 0  # callers holding the step loop parked between two steps
         self._parked = False
@@ -156,6 +233,15 @@ class AsyncEngine:
                 q.complete.set_result([])
             for f in futures:
                 f.quota = q  # type: ignore[attr-defined]
+        self._enqueue(
+            [
+                _Submission(list(prompt_ids), params, stop_check, future, q, groups[k] if q else 0)
+                for k, ((prompt_ids, params), future) in enumerate(zip(requests, futures))
+            ]
+        )
+        return futures
+
+    def _enqueue(self, submissions: list[_Submission]) -> None:
         with self._cond:
             if self._failure is not None:
                 raise EngineUnavailable(f"engine step loop failed: {self._failure!r}")
@@ -163,14 +249,9 @@ class AsyncEngine:
                 raise EngineUnavailable("engine is closed")
             if not self._open:
                 raise EngineUnavailable("engine is updating weights; retry")
-            for k, ((prompt_ids, params), future) in enumerate(zip(requests, futures)):
-                group = groups[k] if q is not None else 0
-                self._inbox.append(
-                    _Submission(list(prompt_ids), params, stop_check, future, q, group)
-                )
-            self._in_flight += len(futures)
+            self._inbox.extend(submissions)
+            self._in_flight += len(submissions)
             self._cond.notify_all()
-        return futures
 
     @staticmethod
     def complete_groups(futures: Seq[Future]) -> Future[list[int]]:
@@ -189,6 +270,28 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.cancel(future)
             raise
+
+    async def stream(
+        self, prompt_ids: Seq[int], params: SamplingParams, stop_check: StopCheck | None = None
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """One request whose tokens arrive as they are sampled: `TokenDelta`s (per sample, in
+        order; each sample's last one has its finish reason), then the `GenerationResult`.
+        Closing the iterator early (a client gone) aborts the request in the engine."""
+        queue, listener = _thread_to_loop_queue()
+        future: Future = Future()
+        future.add_done_callback(lambda f: f.exception() and listener(f.exception()))
+        self._enqueue(
+            [_Submission(list(prompt_ids), params, stop_check, future, None, 0, listener)]
+        )
+        try:
+            while not isinstance(item := await queue.get(), GenerationResult):
+                if isinstance(item, BaseException):  # refused at admission, or its step failed
+                    raise item
+                yield item
+            yield item
+        finally:
+            if not future.done():  # a client gone early: abort the request
+                self.cancel(future)
 
     def cancel(self, future: Future) -> None:
         """Abort the request behind `future` (any thread): it ends now with finish_reason
@@ -303,6 +406,8 @@ class AsyncEngine:
             except BaseException as exc:  # noqa: BLE001 -- delivered to every waiting caller
                 self._fail_all(exc)
                 continue
+            if self._streams.by_request:
+                self._streams.progress(self.engine.scheduler)
             by_quota: dict[int, tuple[_Quota, list[int]]] = {}
             for out in finished:
                 future = self._futures.pop(out.request_id)
@@ -310,15 +415,9 @@ class AsyncEngine:
                 if q is not None:
                     q.request_ids.discard(out.request_id)
                     by_quota.setdefault(id(q), (q, []))[1].append(group)
-                future.set_result(
-                    GenerationResult(
-                        out.prompt_token_ids,
-                        out.samples,
-                        self.engine.weight_version,
-                        out.cached_tokens,
-                        out.weight_versions,
-                    )
-                )
+                result = GenerationResult.of(out, self.engine.weight_version)
+                self._streams.finished(out.request_id, result)
+                future.set_result(result)
                 self._resolved(1)
             for q, groups_now in by_quota.values():
                 for request_id in q.finished(groups_now) or ():
@@ -339,6 +438,8 @@ class AsyncEngine:
             self._resolved(1)
             return
         self._futures[request_id] = sub.future
+        if sub.listener is not None:
+            self._streams.add(request_id, sub.listener, sub.params.n)
         if sub.quota is not None:
             sub.quota.request_ids.add(request_id)
             self._groups[request_id] = (sub.quota, sub.group)
@@ -347,6 +448,7 @@ class AsyncEngine:
         """A step raised: every in-flight request fails with it. The engine's requests are
         aborted so it can serve again; if even that fails, the AsyncEngine refuses from now on."""
         futures, self._futures = self._futures, {}
+        self._streams.by_request.clear()  # their futures' exceptions end them
         for request_id in futures:
             self.engine.abort(request_id)
         try:
@@ -366,3 +468,18 @@ class AsyncEngine:
         with self._cond:
             self._in_flight -= count
             self._cond.notify_all()
+
+
+def _thread_to_loop_queue() -> tuple[asyncio.Queue, StreamListener]:
+    """A queue of the running event loop, and a listener any thread may put items into it with
+    (a no-op once that loop is closed: nobody is listening)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def listener(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+    return queue, listener

@@ -167,6 +167,15 @@ class SamplingParams(Config):
     updates too) for its continuation: a later `park_kv` request whose prompt is exactly that
     sample's prompt + tokens adopts it instead of prefilling (`rollout.partial: in_place`).
     Parked K/V gives way to memory pressure; the continuation then prefills."""
+    top_logprobs: int = Field(0, ge=0, le=20)
+    """Per sampled token, the k most likely tokens and their log-probs over the full vocabulary,
+    the same quantity as the sampled token's log-prob (log_softmax(logits / T), before
+    truncation; T = 1 when greedy): `SampleOutput.top_logprobs`. 0: not computed. A sample that
+    asks for them does not speculate (every token is sampled from its own logits row)."""
+    prompt_logprobs: bool = False
+    """The log-prob of each prompt token given the tokens before it (`RequestOutput.
+    prompt_logprobs`, None for the first), log_softmax(logits) at temperature 1. The prompt is
+    then computed in full, never taken from the prefix cache."""
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from rollout.attention import AttentionMetadata, DecodeMetadata, PrefillSegment, TorchAttention
+from rollout.logprobs import prompt_rows
 from rollout.model import CausalLM
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
@@ -78,8 +79,9 @@ class ModelRunner:
         """(input_ids [T], positions [T], attention metadata, logits row indices [R]).
 
         Token order: each decode sequence's pending token and drafts, then each prefill chunk.
-        Logits rows: every decode token, then the last token of each chunk that completes its
-        sequence's pending tokens (matches `Scheduler.finish_step`)."""
+        Logits rows: every decode token, then per prefill chunk the positions scoring its prompt's
+        log-probs (`rollout.logprobs.prompt_rows`, when asked) and the last token of a chunk that
+        completes its sequence's pending tokens (matches `Scheduler.finish_step`)."""
         device = self.device
         ids: list[int] = []
         positions: list[int] = []
@@ -115,6 +117,8 @@ class ModelRunner:
             token_start = len(ids) - num_new
             segments.append(PrefillSegment(token_start, num_new, context, prefix_len=start))
             out_slots.append(context[start:end])
+            if scored := prompt_rows(seq, start, end):
+                logits_rows.extend(range(token_start, token_start + scored))
             if end == len(seq.token_ids):
                 logits_rows.append(len(ids) - 1)
 

@@ -18,10 +18,17 @@ from rollout.uniform_stream import UniformStream
 _kv_epochs = itertools.count()
 
 
+# The k most likely tokens at one position, (token id, log-prob) in descending log-prob.
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
 class SampleOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[float]  # log_softmax(logits / T)[token], before top-p/top-k truncation
     finish_reason: str  # "stop" | "length" | "abort"
+    # Per token, the `SamplingParams.top_logprobs` most likely of the same distribution; None
+    # unless asked.
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 class RequestOutput(NamedTuple):
@@ -32,6 +39,11 @@ class RequestOutput(NamedTuple):
     # Per sample, the engine's weight version that sampled each of its tokens: one version
     # unless a weight update landed while it ran (`Engine.update_weights(keep_running=True)`).
     weight_versions: tuple[list[int], ...] = ()
+    # `SamplingParams.prompt_logprobs`: per prompt token its log-prob given the tokens before it
+    # (None for the first), and with `top_logprobs` the k most likely at each position; None
+    # unless asked.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 # Called with a sample's generated token ids after each appended token; True ends the sample
@@ -63,10 +75,24 @@ class Request:
     # engine's max_model_len).
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
     end_len: int = field(init=False, default=0)
+    # `params.prompt_logprobs`: filled in prompt order as prefill chunks compute them (see
+    # `RequestOutput`); None unless asked.
+    prompt_logprobs: list[float | None] | None = field(init=False, default=None)
+    prompt_top_logprobs: list[TopLogprobs | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.samples = [None] * self.params.n
         self.versions = [[] for _ in range(self.params.n)]
+        if self.params.prompt_logprobs:
+            self.prompt_logprobs = [None]
+            if self.params.top_logprobs:
+                self.prompt_top_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether some prompt log-prob is still to be computed (then the prompt is computed in
+        full at admission: no cached prefix is taken)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     def set_limits(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         params = self.params
@@ -80,10 +106,12 @@ class Request:
 
     def record(self, seq: Sequence, reason: str) -> None:
         """`seq` ended: its output, and empty ones for the forks it still stood for."""
-        out = SampleOutput(seq.token_ids[seq.prompt_len :], list(seq.logprobs), reason)
+        top = list(seq.top_logprobs) if self.params.top_logprobs else None
+        out = SampleOutput(seq.token_ids[seq.prompt_len :], list(seq.logprobs), reason, top)
         self.versions[seq.sample_index] = list(seq.versions)
         for j in range(seq.sample_index, seq.sample_index + seq.num_forks):
-            self.samples[j] = out if j == seq.sample_index else SampleOutput([], [], reason)
+            empty = SampleOutput([], [], reason, [] if top is not None else None)
+            self.samples[j] = out if j == seq.sample_index else empty
 
     def output(self) -> RequestOutput:
         """What the engine returns once every sample is recorded (`done`)."""
@@ -93,6 +121,8 @@ class Request:
             list(self.samples),
             self.cached_tokens or 0,
             tuple(self.versions),
+            self.prompt_logprobs,
+            self.prompt_top_logprobs,
         )
 
 
@@ -112,6 +142,8 @@ class Sequence:
     token_ids: list[int] = None  # type: ignore[assignment]  # default: a copy of the prompt
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # weight version of each generated token
+    # per generated token, with `params.top_logprobs` only (`SampleOutput.top_logprobs`)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0
     pages: list[int] = field(
@@ -145,13 +177,21 @@ class Sequence:
         """Call whenever the page table changes other than by appending pages."""
         self.kv_epoch = next(_kv_epochs)
 
-    def append(self, tokens: list[int], logprobs: list[float], version: int) -> str | None:
-        """Append sampled tokens up to the first that ends the sample; returns why it ended, if
-        it did."""
-        for token, logprob in zip(tokens, logprobs):
+    def append(
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        version: int,
+        tops: list[TopLogprobs] | None = None,
+    ) -> str | None:
+        """Append sampled tokens (and their top-k, when asked) up to the first that ends the
+        sample; returns why it ended, if it did."""
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             self.token_ids.append(token)
             self.logprobs.append(logprob)
             self.versions.append(version)
+            if tops is not None:
+                self.top_logprobs.append(tops[i])
             if (reason := self.finish_reason(token)) is not None:
                 return reason
         return None

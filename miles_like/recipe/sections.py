@@ -258,6 +258,16 @@ class RolloutSection(Section):
         "127.0.0.1 behind a cache-aware router during rollouts "
         "(ctx.base_url, for agent code)",
     )
+    http_host: str = Field(
+        "127.0.0.1",
+        description="rollout.serve_http: the address the router binds; anything but loopback "
+        "needs rollout.api_key",
+    )
+    api_key: str | None = Field(
+        None,
+        description="rollout.serve_http: every request but /health must send 'Authorization: "
+        "Bearer <key>'; null: none (the router then binds loopback only)",
+    )
     over_sampling: float = Field(
         1.0,
         description="launch ceil(prompts_per_step x this) groups a step; the first "
@@ -288,10 +298,12 @@ class RolloutSection(Section):
     def check(self, name: Namer) -> None:
         from miles_like.rollouts.functions import check_rollout_spec  # imports nothing from here
         from miles_like.rollouts.tools import check_spec  # tools imports nothing from here
+        from rollout.serving.auth import check_bind  # imports nothing from here
 
         check_rollout_spec(self.function)
         for i, spec in enumerate(self.tools):
             check_spec(spec, f"rollout.tools[{i}]")
+        check_bind(self.http_host, self.api_key, name("api_key"))
 
 
 def _gspo_as_policy_loss(on: object) -> str:

@@ -148,7 +148,13 @@ def start(recipe, log=print, resume: Path | None = None, state: dict | None = No
             actors.set_engines_version()
         actors.push.join()
         if recipe.rollout.serve_http:
-            actors.front = HttpFront(actors.engines, inputs.tokenizer.tok, timeout_s)
+            actors.front = HttpFront(
+                actors.engines,
+                inputs.tokenizer.tok,
+                timeout_s,
+                recipe.rollout.http_host,
+                recipe.rollout.api_key,
+            )
             log(f"rollout.serve_http: OpenAI-compatible router at {actors.front.base_url}")
         rollouts = start_rollouts(recipe, actors, inputs, state, log)
     except BaseException:

@@ -18,12 +18,22 @@ from miles_like.run.calls import start_call, wait_all
 
 
 class HttpFront:
-    def __init__(self, engines: list, tokenizer, timeout_s: float):
+    def __init__(
+        self,
+        engines: list,
+        tokenizer,
+        timeout_s: float,
+        host: str = "127.0.0.1",
+        api_key: str | None = None,
+    ):
+        """`host`, `api_key`: the router's (`rollout.http_host`, `rollout.api_key`); the replicas
+        stay on loopback, unauthenticated."""
         from rollout.serving.router import Router
         from rollout.serving.router_app import Sessions
 
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
+        self.host, self.api_key = host, api_key
         self.urls = wait_all(
             [start_call(f"engine {i}", e, "serve") for i, e in enumerate(engines)], timeout_s
         )
@@ -36,9 +46,14 @@ class HttpFront:
         from rollout.serving.server import start_server
 
         app = build_router_app(
-            self.urls, self.router, self.tokenizer, self.sessions, timeout_s=self.timeout_s
+            self.urls,
+            self.router,
+            self.tokenizer,
+            self.sessions,
+            timeout_s=self.timeout_s,
+            api_key=self.api_key,
         )
-        self._server = start_server(app, "127.0.0.1", port)
+        self._server = start_server(app, self.host, port, "rollout.api_key")
         self.base_url = f"{self._server.url}/v1"
 
     def replace(self, index: int, engine) -> None:

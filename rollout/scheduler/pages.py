@@ -161,13 +161,15 @@ class PageAllocator:
         prefix of its tokens (never the last, whose logits are needed), if the pages its first
         `budget` tokens need, plus `headroom`, are available; False (nothing taken) if not."""
         match = None
-        parked = self.parked.find(seq)
+        # prompt log-probs still to compute need every prompt position's logits: no reuse
+        full = seq.request.wants_prompt_logprobs
+        parked = self.parked.find(seq) if not full else None
         if parked is not None:
             cached, have = parked.num_computed, len(parked.pages)
             available = self.available_pages() - len(parked.private_pages)
         else:
-            if self.cache is not None:
-                match = self.cache.match_prefix(seq.token_ids[:-1])
+            if self.cache is not None:  # (the empty prefix when the prompt is computed in full)
+                match = self.cache.match_prefix(seq.token_ids[: 0 if full else -1])
                 # before counting: the matched pages are no longer evictable
                 self.cache.lock(match.node)
             cached = match.num_tokens if match else 0

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from rollout.kv_pool import KVPool
+from rollout.logprobs import LogprobOutputs
 from rollout.radix_cache import RadixCache
 from rollout.sampler import SamplingBatch, read_back, sample
 from rollout.scheduler.pages import PageAllocator
@@ -80,6 +81,7 @@ class Scheduler:
         self._sorted_from: list[Sequence] = []
         self._sorted: list[Sequence] = []
         self.requests: dict[int, Request] = {}  # unfinished requests
+        self.logprob_outputs = LogprobOutputs()  # top-k and prompt log-probs, when asked
 
     @property
     def cache(self) -> RadixCache | None:
@@ -96,6 +98,7 @@ class Scheduler:
         """Queue a request. With the prefix cache its samples share one prefill (fork); without
         it each sample is its own sequence and prefills the prompt itself."""
         self.requests[request.request_id] = request
+        self.logprob_outputs.added(request)
         request.set_limits(self.eos_token_ids, self.max_model_len)
         n = request.params.n
         if self.cache is not None:
@@ -128,6 +131,7 @@ class Scheduler:
         done = [r for r in self.requests.values() if r.done]
         for r in done:
             del self.requests[r.request_id]
+            self.logprob_outputs.finished(r)
         return [r.output() for r in done]
 
     def new_weights(self) -> int:
@@ -255,7 +259,9 @@ class Scheduler:
                     logit_rows.append(row)
             row += 1
         emitted: list[Emitted] = self.drafting.verify(speculated, logits) if speculated else []
+        tops = self.logprob_outputs.emitted(emitted, speculated, logits)
         for seq, num_new in batch.prefill:
+            row += self.logprob_outputs.prompt_chunk(seq, num_new, logits, row)
             seq.num_computed += num_new
             self.stats.prefill_tokens_computed += num_new
             if seq.num_computed == len(seq.token_ids):
@@ -271,10 +277,11 @@ class Scheduler:
                 logits = logits[torch.tensor(logit_rows, device=logits.device)]
             tokens, logprobs = sample(logits, SamplingBatch.of(to_sample))
             sampled = zip(to_sample, *read_back(tokens, logprobs))
+            self.logprob_outputs.sampled(to_sample, logits)
         version = self.weight_version
-        for seq, tokens, logprobs in emitted:
+        for i, (seq, tokens, logprobs) in enumerate(emitted):
             before = len(seq.token_ids)
-            reason = seq.append(tokens, logprobs, version)
+            reason = seq.append(tokens, logprobs, version, tops[i] if tops else None)
             self.stats.generated_tokens += len(seq.token_ids) - before
             if reason is not None:
                 self._finish(seq, reason)

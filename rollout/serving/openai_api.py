@@ -5,6 +5,11 @@ naming the field), and the response bodies, built from `GenerationResult`s.
 Token in, token out: every choice carries the exact `prompt_token_ids` and completion `token_ids`
 the engine saw and sampled; a response carries the `weight_version` that sampled them and
 `usage.prompt_tokens_details.cached_tokens` (prompt tokens taken from the prefix cache).
+
+Log-probs: each token's is the engine's own (log_softmax(logits / T) before truncation); the
+alternatives (`logprobs=k` on completions, `top_logprobs=k` on chat, k <= 20) are the engine's
+top-k of the same distribution (`SamplingParams.top_logprobs`), keyed by their text. Streamed
+responses are built by `rollout.serving.streaming`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -23,7 +28,7 @@ from rollout.chat import ToolCallError, parse_tool_calls
 from rollout.stop_strings import cut_at_stop, decode
 
 PAUSED_MESSAGE = "engine is updating weights; retry"
-MAX_LOGPROBS = 0  # only the sampled token's log-prob (engine semantics); no top-k alternatives
+MAX_LOGPROBS = 20  # most top-k alternatives per token (`SamplingParams.top_logprobs`)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -78,6 +83,10 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 
 
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False  # a last chunk with the usage (and no choices)
+
+
 class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
@@ -96,13 +105,14 @@ class SamplingRequest(BaseModel):
     top_k: StrictInt = Field(-1, ge=-1)
     ignore_eos: StrictBool = False
     session_id: str | None = None  # for the router; ignored here
-    stream: Literal[False] = False  # not supported: refused by name, never silently ignored
+    stream: StrictBool = False  # server-sent events (`rollout.serving.streaming`)
+    stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[NonNegInt] | list[str] | list[list[NonNegInt]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: StrictBool = False  # the prompt before the completion (with its log-probs, if asked)
 
 
 class ChatRequest(SamplingRequest):
@@ -111,6 +121,22 @@ class ChatRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a text `prompt`, or chat `messages` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: StrictBool = True
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[NonNegInt]
 
 
 def tokenize_prompts(prompt, tokenizer) -> list[list[int]]:
@@ -133,30 +159,37 @@ def tokenize_prompts(prompt, tokenizer) -> list[list[int]]:
 
 # -- response bodies ---------------------------------------------------------------------------
 def completion_response(
-    results: list[GenerationResult], model_name: str, tokenizer, stops: list[str], logprobs: bool
+    results: list[GenerationResult],
+    model_name: str,
+    tokenizer,
+    stops: list[str],
+    logprobs: int | None,
+    echo: bool = False,
 ) -> dict[str, Any]:
-    """`/v1/completions`: one choice per sample of every prompt, in order."""
+    """`/v1/completions`: one choice per sample of every prompt, in order. `logprobs`: None (no
+    log-probs), 0 (the tokens' own) or k (and the top k of each position); `echo`: the prompt's
+    text (and log-probs: None for its first token) before the completion's."""
     choices = []
     for r in results:
+        prompt_text = decode(tokenizer, r.prompt_token_ids) if echo and tokenizer else ""
         for s in r.samples:
             text, reason = _text_of(tokenizer, s.token_ids, stops, s.finish_reason)
             choice = {
                 "index": len(choices),
-                "text": text,
+                "text": prompt_text + text,
                 "finish_reason": reason,
                 "logprobs": None,
                 "prompt_token_ids": r.prompt_token_ids,
                 "token_ids": s.token_ids,
             }
-            if logprobs:
-                pieces = _token_strings(tokenizer, s.token_ids)
-                offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
-                choice["logprobs"] = {
-                    "tokens": pieces,
-                    "token_logprobs": s.logprobs,
-                    "top_logprobs": None,
-                    "text_offset": offsets,
-                }
+            if logprobs is not None:
+                lp = completion_logprobs(tokenizer, s.token_ids, s.logprobs, s.top_logprobs)
+                if echo:
+                    before = completion_logprobs(
+                        tokenizer, r.prompt_token_ids, r.prompt_logprobs, r.prompt_top_logprobs
+                    )
+                    lp = join_completion_logprobs(before, lp)
+                choice["logprobs"] = lp
             choices.append(choice)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -164,9 +197,82 @@ def completion_response(
         "created": int(time.time()),
         "model": model_name,
         "choices": choices,
-        "usage": _usage(results),
+        "usage": usage(results),
         "weight_version": results[0].weight_version,
     }
+
+
+def completion_logprobs(
+    tokenizer,
+    ids: list[int],
+    logprobs: list[float | None] | None,
+    tops: list | None,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """OpenAI's completions log-probs of `ids`: token texts, their log-probs, per position a dict
+    of the top-k texts (the sampled token's included, as OpenAI does) or None without top-k,
+    and each token's character offset in the text (from `offset`)."""
+    pieces = _token_strings(tokenizer, ids)
+    offsets, at = [], offset
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    top_dicts = None
+    if tops is not None:
+        top_dicts = []
+        for piece, lp, top in zip(pieces, logprobs, tops):
+            if top is None:  # the prompt's first token
+                top_dicts.append(None)
+                continue
+            d: dict[str, float] = {}
+            for t, v in top:  # descending: a text shared by several tokens keeps the likeliest
+                d.setdefault(_token_string(tokenizer, t), v)
+            d.setdefault(piece, lp)
+            top_dicts.append(d)
+    return {
+        "tokens": pieces,
+        "token_logprobs": list(logprobs) if logprobs is not None else [None] * len(ids),
+        "top_logprobs": top_dicts,
+        "text_offset": offsets,
+    }
+
+
+def join_completion_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """The log-probs of `first`'s tokens followed by `then`'s (echo: prompt, then completion)."""
+    shift = sum(len(p) for p in first["tokens"])
+    tops = None
+    if first["top_logprobs"] is not None or then["top_logprobs"] is not None:
+        tops = (first["top_logprobs"] or [None] * len(first["tokens"])) + (
+            then["top_logprobs"] or [None] * len(then["tokens"])
+        )
+    return {
+        "tokens": first["tokens"] + then["tokens"],
+        "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+        "top_logprobs": tops,
+        "text_offset": first["text_offset"] + [o + shift for o in then["text_offset"]],
+    }
+
+
+def chat_logprobs(
+    tokenizer, ids: list[int], logprobs: list[float], tops: list | None
+) -> list[dict[str, Any]]:
+    """OpenAI's chat log-probs `content`: per token its text, log-prob, UTF-8 bytes and its top-k
+    alternatives ([] without top-k)."""
+    content = []
+    for i, (piece, lp) in enumerate(zip(_token_strings(tokenizer, ids), logprobs)):
+        alternatives = []
+        for t, v in tops[i] if tops is not None else ():
+            text = _token_string(tokenizer, t)
+            alternatives.append({"token": text, "logprob": v, "bytes": list(text.encode())})
+        content.append(
+            {
+                "token": piece,
+                "logprob": lp,
+                "bytes": list(piece.encode()),
+                "top_logprobs": alternatives,
+            }
+        )
+    return content
 
 
 def chat_response(
@@ -189,15 +295,7 @@ def chat_response(
         }
         if logprobs:
             choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": piece,
-                        "logprob": lp,
-                        "bytes": list(piece.encode()),
-                        "top_logprobs": [],
-                    }
-                    for piece, lp in zip(_token_strings(tokenizer, s.token_ids), s.logprobs)
-                ]
+                "content": chat_logprobs(tokenizer, s.token_ids, s.logprobs, s.top_logprobs)
             }
         choices.append(choice)
     return {
@@ -206,7 +304,7 @@ def chat_response(
         "created": int(time.time()),
         "model": model_name,
         "choices": choices,
-        "usage": _usage([result]),
+        "usage": usage([result]),
         "weight_version": result.weight_version,
     }
 
@@ -248,10 +346,14 @@ def _text_of(tokenizer, sample_ids: list[int], stops: list[str], reason: str) ->
 
 
 def _token_strings(tokenizer, ids: list[int]) -> list[str]:
-    return [decode(tokenizer, [t]) for t in ids] if tokenizer is not None else [""] * len(ids)
+    return [_token_string(tokenizer, t) for t in ids]
 
 
-def _usage(results: list[GenerationResult]) -> dict[str, Any]:
+def _token_string(tokenizer, token: int) -> str:
+    return decode(tokenizer, [token]) if tokenizer is not None else ""
+
+
+def usage(results: list[GenerationResult]) -> dict[str, Any]:
     prompt = sum(len(r.prompt_token_ids) for r in results)
     completion = sum(len(s.token_ids) for r in results for s in r.samples)
     return {

@@ -7,18 +7,29 @@ back unchanged. With a session id (body field `session_id` or header `X-Session-
 exact prompt token ids, completion token ids, log-probs and weight version are recorded: `GET
 /v1/sessions/{id}` (or `Sessions.get` in-process) returns them. That is how turns of external agent
 code become training data without re-tokenizing anything.
+
+`stream: true` is relayed event by event from the replica (not with a session id: a session's
+turns are recorded from whole responses). With an API key (`--api-key`, `rollout.api_key`) every
+route but `/health` needs `Authorization: Bearer <key>`, and the router may bind beyond loopback
+(`rollout.serving.auth`); `replica_api_key` is what the router sends its replicas.
+
+    python -m rollout.serving.router_app --replica URL [--replica URL ...] [--host H] \
+        [--port P] [--api-key KEY] [--replica-api-key KEY] [--tokenizer MODEL_DIR]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import threading
 from collections.abc import Sequence
 from typing import Annotated, Any, NamedTuple
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from rollout.serving.auth import check_bind, require_api_key
 from rollout.serving.openai_api import error_response
 from rollout.serving.router import Router
 
@@ -102,13 +113,21 @@ def build_router_app(
     tokenizer=None,
     sessions: Sessions | None = None,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
+    replica_api_key: str | None = None,
 ) -> FastAPI:
-    """The front over replicas `urls` (base URLs of `rollout.serving.server` endpoints)."""
+    """The front over replicas `urls` (base URLs of `rollout.serving.server` endpoints).
+    `api_key`: required of every request but /health; `replica_api_key`: sent to the
+    replicas."""
     if len(urls) != router.num_replicas:
         raise ValueError(f"{len(urls)} replica URLs for a router over {router.num_replicas}")
     sessions = sessions if sessions is not None else Sessions()
-    client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=None))
+    headers = {"authorization": f"Bearer {replica_api_key}"} if replica_api_key else None
+    client = httpx.AsyncClient(
+        timeout=timeout_s, limits=httpx.Limits(max_connections=None), headers=headers
+    )
     app = FastAPI(title="miles_like router")
+    require_api_key(app, api_key)
     app.state.front = RouterFront(
         [u.rstrip("/") for u in urls], router, tokenizer, sessions, client
     )
@@ -181,6 +200,15 @@ async def proxy(front: RouterFront, path: str, request: Request):
     if session_id is not None and not isinstance(session_id, str):
         return error_response(400, "session_id must be a string", "session_id")
     asked_logprobs = body.get("logprobs")
+    if body.get("stream") is True:
+        if session_id is not None:
+            return error_response(
+                400,
+                "stream=true with a session id is not supported (turns are recorded from whole "
+                "responses); drop one of them",
+                "stream",
+            )
+        return await relay_stream(front, path, body)
     if session_id is not None:  # sessions record the engine's log-probs of every turn
         body["logprobs"] = True if path == "chat/completions" else 0
     replica = router.choose(_prompt_ids(path, body, front.tokenizer), session_id)
@@ -223,3 +251,91 @@ async def proxy(front: RouterFront, path: str, request: Request):
         out["session_id"] = session_id
     out["replica"] = replica
     return out
+
+
+async def relay_stream(front: RouterFront, path: str, body: dict[str, Any]):
+    """A streamed request sent to the chosen replica, its events relayed as they come; the
+    router's tree learns the prompt and the streamed token ids."""
+    router, urls = front.router, front.urls
+    prompt_ids = _prompt_ids(path, body, front.tokenizer)
+    replica = router.choose(prompt_ids, None)
+    router.started(replica)
+    try:
+        upstream = await front.client.send(
+            front.client.build_request("POST", f"{urls[replica]}/v1/{path}", json=body),
+            stream=True,
+        )
+    except httpx.HTTPError as exc:
+        router.finished(replica)
+        return error_response(
+            502, f"replica {replica} ({urls[replica]}) failed: {exc!r}", type="upstream_error"
+        )
+    if upstream.status_code != 200:
+        try:
+            content = json.loads(await upstream.aread())
+        except ValueError:
+            content = {"error": {"message": f"replica {replica} answered {upstream.status_code}"}}
+        finally:
+            await upstream.aclose()
+            router.finished(replica)
+        return JSONResponse(status_code=upstream.status_code, content=content)
+
+    async def events():
+        sampled: dict[int, list[int]] = {}
+        try:
+            async for line in upstream.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices", ()):
+                        sampled.setdefault(choice["index"], []).extend(choice.get("token_ids", ()))
+                if line:
+                    yield f"{line}\n\n"
+        finally:
+            await upstream.aclose()
+            router.finished(replica)
+            for ids in sampled.values():
+                router.record(replica, prompt_ids + ids)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m rollout.serving.router_app",
+        description="One OpenAI-compatible URL in front of several engine servers.",
+    )
+    ap.add_argument("--replica", action="append", required=True, help="an engine's base URL")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--policy", default="cache_aware", choices=("cache_aware", "round_robin"))
+    ap.add_argument("--tokenizer", default=None, help="model directory: route text prompts too")
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health; needed to bind "
+        "anything but loopback",
+    )
+    ap.add_argument("--replica-api-key", default=None, help="the key the replicas require")
+    args = ap.parse_args(argv)
+    try:
+        check_bind(args.host, args.api_key, "--api-key")
+    except ValueError as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
+    import uvicorn
+
+    from rollout.serving.router import RouterConfig
+    from rollout.serving.server import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    router = Router(len(args.replica), RouterConfig(args.policy))
+    app = build_router_app(
+        args.replica,
+        router,
+        tokenizer,
+        api_key=args.api_key,
+        replica_api_key=args.replica_api_key,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

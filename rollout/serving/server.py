@@ -1,11 +1,12 @@
 """The engine as an OpenAI-compatible HTTP service (FastAPI + uvicorn).
 
     python -m rollout.serving.server MODEL_DIR [--host 127.0.0.1] [--port 8000] \
-        [--dtype float32] ...
+        [--dtype float32] [--api-key KEY] ...
 
 `build_app` puts the routes (`rollout.serving.routes`) over one `AsyncEngine`; the API's shapes
 and errors are `rollout.serving.openai_api`'s. A bad request answers 4xx in OpenAI's error shape
-naming the field, and the server keeps serving.
+naming the field, and the server keeps serving. With an API key every route but `/health` needs
+`Authorization: Bearer <key>`; without one the server binds loopback only (`rollout.serving.auth`).
 
 fastapi, uvicorn and transformers are imported under `rollout.serving` only (the engine itself
 needs torch alone).
@@ -24,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 
 from rollout.async_engine import AsyncEngine
 from rollout.serving import routes
+from rollout.serving.auth import check_bind, require_api_key
 from rollout.serving.openai_api import APIError, error_response, validation_error
 
 __all__ = ["build_app", "error_response", "load_tokenizer", "main", "start_server"]
@@ -39,11 +41,24 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def build_app(async_engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None
+) -> FastAPI:
     """The OpenAI-compatible app over `async_engine`. Without a tokenizer, completions take
-    token-id prompts only and return empty text (token ids are always returned)."""
+    token-id prompts only and return empty text (token ids are always returned). `api_key`:
+    required of every request but /health."""
     app = FastAPI(title="miles_like engine")
-    app.state.serving = routes.ServingState.of(async_engine, tokenizer, model_name)
+    state = app.state.serving = routes.ServingState.of(async_engine, tokenizer, model_name)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        if route is not None:  # matched routes only: the label set stays bounded
+            state.metrics.request(route.path, response.status_code)
+        return response
+
+    require_api_key(app, api_key)  # outermost: a refused request is not counted
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Exception, _internal)
@@ -75,9 +90,15 @@ class ServerHandle:
         self.thread.join(timeout)
 
 
-def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
-    """Serve `app` on (host, port) in a thread (port 0: a free one); returns once it accepts."""
+def start_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, key_setting: str = "--api-key"
+) -> ServerHandle:
+    """Serve `app` on (host, port) in a thread (port 0: a free one); returns once it accepts.
+    A host other than loopback needs the app built with an API key (else one `ValueError`
+    line naming `key_setting`)."""
     import uvicorn
+
+    check_bind(host, getattr(app.state, "api_key", None), key_setting)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -117,7 +138,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health; needed to bind "
+        "anything but loopback",
+    )
     args = ap.parse_args(argv)
+    try:
+        check_bind(args.host, args.api_key, "--api-key")
+    except ValueError as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
     import uvicorn
 
     engine = Engine(
@@ -134,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     async_engine = AsyncEngine(engine)
     name = args.model_name or Path(args.model_dir).resolve().name
-    app = build_app(async_engine, load_tokenizer(args.model_dir), name)
+    app = build_app(async_engine, load_tokenizer(args.model_dir), name, args.api_key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:

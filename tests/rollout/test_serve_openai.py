@@ -200,7 +200,8 @@ BAD = [  # (route, body, status, field)
     ("completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"model": "tiny", "prompt": "hi", "n": 10_000}, 400, "n"),
     ("completions", {"model": "tiny"}, 400, "prompt"),
-    ("completions", {"model": "tiny", "prompt": "hi", "stream": True}, 400, "stream"),
+    ("completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
     (
         "chat/completions",

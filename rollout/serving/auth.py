@@ -1,0 +1,57 @@
+"""API keys, as vLLM checks them: with a key, every route but `/health` needs the header
+`Authorization: Bearer <key>` (else 401 in OpenAI's error shape); without one, a server may only
+bind a loopback address (`check_bind`), so nothing unauthenticated is reachable from the network.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # fastapi is imported by the servers only: the recipe checks `check_bind`
+    from fastapi import FastAPI
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_bind(host: str, api_key: str | None, setting: str = "--api-key") -> None:
+    """Refuse (one line naming `setting`) to serve on a non-loopback `host` without a key."""
+    if api_key is None and not is_loopback(host):
+        raise ValueError(
+            f"refusing to serve on {host} without an API key: set {setting}, or bind 127.0.0.1"
+        )
+
+
+def require_api_key(app: FastAPI, api_key: str | None) -> None:
+    """Check `Authorization: Bearer <api_key>` on every route of `app` but /health (nothing with
+    None). The key is kept as `app.state.api_key` (`start_server` reads it)."""
+    app.state.api_key = api_key
+    if api_key is None:
+        return
+    from fastapi import Request
+
+    from rollout.serving.openai_api import error_response
+
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def bearer(request: Request, call_next):
+        if request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(
+                    401,
+                    "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+        return await call_next(request)
