@@ -338,3 +338,60 @@ def test_binding_beyond_loopback_needs_a_key(served, model_dir):
         timeout=120,
     )
     assert router.returncode == 2 and "--api-key" in router.stderr.strip().splitlines()[-1]
+
+
+def test_router_with_a_key_relays_streams(served):
+    """The router front: its own key (right, wrong, none), plain and streamed calls through it
+    equal to the replica's own answers."""
+    from rollout.serving.router import Router
+    from rollout.serving.router_app import build_router_app
+
+    tokenizer, client, url = served
+    front = start_server(build_router_app([url], Router(1), tokenizer, api_key=KEY))
+    try:
+        routed = openai.OpenAI(base_url=front.url + "/v1", api_key=KEY, max_retries=0)
+        kw = dict(model="tiny", prompt="one two", max_tokens=8, seed=2)
+        direct = client.completions.create(**kw).choices[0]
+        assert routed.completions.create(**kw).choices[0].token_ids == direct.token_ids
+        ids, texts, _, usage, _ = _collect(
+            routed.completions.create(stream=True, stream_options={"include_usage": True}, **kw),
+            chat=False,
+        )
+        assert ids[0] == direct.token_ids and texts[0] == direct.text
+        assert usage.completion_tokens == len(direct.token_ids)
+        wrong = openai.OpenAI(base_url=front.url + "/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(**kw)
+        assert httpx.post(front.url + "/v1/completions", json=kw).status_code == 401
+        assert httpx.get(front.url + "/health").status_code == 200
+    finally:
+        front.stop()
+
+
+def test_a_client_gone_mid_stream_aborts_its_request(served):
+    import time
+
+    _, client, url = served
+    generated = 'miles_like_generated_tokens_total{model_name="tiny"}'
+
+    def metric(name: str) -> float:
+        lines = httpx.get(url + "/metrics").text.splitlines()
+        (line,) = [x for x in lines if x.startswith(name)]
+        return float(line.rsplit(" ", 1)[1])
+
+    before = metric(generated)
+    stream = client.completions.create(
+        model="tiny",
+        prompt="the cat",
+        max_tokens=150,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    stream.close()
+    gauge = 'miles_like_num_requests_in_flight{model_name="tiny"}'
+    deadline = time.monotonic() + 30
+    while metric(gauge) != 0:
+        assert time.monotonic() < deadline, "the request still runs after its client left"
+        time.sleep(0.05)
+    assert metric(generated) - before < 150  # aborted before its max_tokens
