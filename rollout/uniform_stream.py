@@ -23,8 +23,9 @@ class UniformStream:
 
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
+        # the generator writes into host memory that torch only borrows while it fills it (no
+        # tensor outlives a refill: the stream holds no torch storage)
         self._array = np.empty(self.BLOCK, dtype=np.float64)
-        self._fill = torch.from_numpy(self._array)  # the generator writes into `_array`
         self._draws: list[float] = []  # drawn from the generator, not yet taken
         self._next = 0  # _draws[_next:] are still to be taken
 
@@ -32,7 +33,8 @@ class UniformStream:
         """At least `wanted` draws not yet taken."""
         pending = self._draws[self._next :]
         while len(pending) < wanted:
-            torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64, out=self._fill)
+            fill = torch.from_numpy(self._array)
+            torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64, out=fill)
             pending += self._array.tolist()
         self._draws, self._next = pending, 0
 
