@@ -1,9 +1,11 @@
 """`ModelSpec`: the architecture a Hugging Face `config.json` describes, as transformers builds it.
 
-Families: Llama, Qwen2, Qwen3 (RMSNorm, RoPE, GQA, SwiGLU). They differ in which projections
-carry a bias (Qwen2: q/k/v always, o never; Llama and Qwen3: all four with `attention_bias`; an
-MLP bias only in Llama, with `mlp_bias`), in Qwen3's per-head q/k RMSNorm, and in the defaults
-transformers fills in for keys a config.json leaves out (`_FAMILY_DEFAULTS`).
+Families: Llama, Qwen2, Qwen3 (RMSNorm, RoPE, GQA, SwiGLU), and the mixtures of experts
+Qwen2-MoE and Qwen3-MoE (the attention of Qwen2 / Qwen3; sparse layers in `moe`, see
+`model_spec.moe`). They differ in which projections carry a bias (Qwen2 and Qwen2-MoE: q/k/v by
+default, o never; Llama, Qwen3 and Qwen3-MoE: all four with `attention_bias`; an MLP bias only
+in Llama, with `mlp_bias`), in Qwen3's per-head q/k RMSNorm, and in the defaults transformers
+fills in for keys a config.json leaves out (`_FAMILY_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from model_spec.errors import UnsupportedModelError
+from model_spec.moe import MOE_MODEL_TYPES, MoESpec, moe_from_hf
 from model_spec.rope import RopeSpec, rope_from_hf
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # transformers' `<Family>Config` defaults for keys that matter when absent from config.json
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "head_dim": None},
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16, "head_dim": None},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "head_dim": None},
 }
 # Qwen2 / Qwen3: sliding-window attention on layers >= max_window_layers when switched on
 _SLIDING_WINDOW_DEFAULTS = {"sliding_window": 4096, "max_window_layers": 28}
@@ -46,6 +51,7 @@ class ModelSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoESpec | None = None  # the sparse layers of a mixture of experts; None: dense
 
     def __post_init__(self):
         self.check_integrity()
@@ -78,12 +84,15 @@ class ModelSpec:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         num_layers = int(hf["num_hidden_layers"])
-        if model_type != "llama":
+        if model_type in MOE_MODEL_TYPES:
+            _refuse_any_sliding_window(hf)
+        elif model_type != "llama":
             _refuse_sliding_window(hf, num_layers)
         max_positions = int(
             _get(hf, "max_position_embeddings", defaults["max_position_embeddings"])
         )
         attention_bias = bool(hf.get("attention_bias") or False)
+        qwen2_like = model_type in ("qwen2", "qwen2_moe")
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -98,13 +107,17 @@ class ModelSpec:
             rms_norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             rope=rope_from_hf(hf, max_positions),
-            # Qwen2: q/k/v always biased, o_proj never; Llama / Qwen3: one flag for all four
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            # Qwen2: q/k/v always biased (Qwen2-MoE: unless qkv_bias=false), o_proj never;
+            # Llama / Qwen3 / Qwen3-MoE: one flag for all four
+            qkv_bias=(bool(_get(hf, "qkv_bias", True)) if model_type == "qwen2_moe" else True)
+            if qwen2_like
+            else attention_bias,
+            o_bias=not qwen2_like and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias") or False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
             eos_token_ids=_eos_ids(hf, generation_config),
+            moe=moe_from_hf(hf, num_layers) if model_type in MOE_MODEL_TYPES else None,
         )
 
     @classmethod
@@ -147,6 +160,16 @@ def _refuse_sliding_window(hf: dict[str, Any], num_layers: int) -> None:
         raise UnsupportedModelError(
             f"config.json use_sliding_window=true puts layers {sliding} in sliding-window "
             "attention, which is not supported; set it to false (full attention)"
+        )
+
+
+def _refuse_any_sliding_window(hf: dict[str, Any]) -> None:
+    """Qwen2-MoE / Qwen3-MoE with `use_sliding_window` attend within a window (on every layer, or
+    on the `layer_types` ones); neither side implements a window."""
+    if hf.get("use_sliding_window") and hf.get("sliding_window", 4096) is not None:
+        raise UnsupportedModelError(
+            f"config.json use_sliding_window=true ({hf['model_type']}) puts layers in "
+            "sliding-window attention, which is not supported; set it to false (full attention)"
         )
 
 

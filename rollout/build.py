@@ -11,7 +11,10 @@ The switches interact here and nowhere else:
   padded rows;
 * `compile` replaces the forward's pieces by compiled ones; otherwise, on the CPU in float32,
   the C kernels' pieces are used where they apply;
-* under TP the pool logs its page copies, which rank 0 sends to the other ranks with each forward.
+* under TP the pool logs its page copies, which rank 0 sends to the other ranks with each forward;
+* a mixture of experts runs its experts per expert group, whose shapes depend on the routes:
+  neither `decode_graphs` (off by default for it) nor `compile` applies; rank 0's pool keeps the
+  routes beside the K/V (`rollout.routes`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from rollout.decode_graphs import DecodeGraphs
 from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
 from rollout.model_runner import ModelRunner
+from rollout.moe import check_moe_divisible
 from rollout.native import layers as native_layers
 from rollout.parallel_layers import Shard, check_divisible, shard_spec
+from rollout.routes import RouteLayout
 from rollout.scheduler import Scheduler
 from rollout.speculative.draft_model import DraftModelProposer
 from rollout.speculative.drafting import Speculation
@@ -96,6 +101,7 @@ def replica_group(config: EngineConfig, group: dist.ProcessGroup | None) -> TPGr
 def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     """Everything an `Engine` (rank 0 of `tp`, if any) runs on."""
     mc, max_model_len, model, shards = load_model(config, tp)
+    refuse_for_moe(config, mc)
     if config.compile:
         compile_model(model)  # compiles lazily, at the first forward of each shape kind
     elif native_layers.applies(model):
@@ -105,7 +111,7 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     use_graphs = (
         config.decode_graphs
         if config.decode_graphs is not None
-        else device.type == "cuda" and config.attention_backend == "triton"
+        else device.type == "cuda" and config.attention_backend == "triton" and mc.moe is None
     )
     sizing = kv_sizing(config, mc, max_model_len, tp)
     pool = KVPool(
@@ -117,6 +123,7 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         dtype=dtype,
         device=device,
         scratch_page=use_graphs,
+        route_layout=RouteLayout.of(mc.moe),
     )
     draft_model = (
         DraftModelProposer(
@@ -190,6 +197,19 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     )
 
 
+def refuse_for_moe(config: EngineConfig, mc: ModelSpec) -> None:
+    """One line for a switch a mixture of experts cannot take (see the module docstring)."""
+    if mc.moe is None:
+        return
+    for field, value in (("decode_graphs", config.decode_graphs), ("compile", config.compile)):
+        if value:
+            raise ValueError(
+                f"EngineConfig.{field}=True is not supported for the mixture-of-experts model "
+                f"{mc.model_type!r} (its experts' shapes depend on the routes); set {field} to "
+                "false"
+            )
+
+
 def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
     """The model (or this TP rank's shard of it) with the checkpoint's weights loaded."""
     model_dir = Path(config.model_path)
@@ -201,6 +221,7 @@ def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
     mc = ModelSpec.from_dir(model_dir)
     if tp is not None:
         check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, tp.size)
+        check_moe_divisible(mc, tp.size)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(

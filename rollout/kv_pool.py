@@ -4,6 +4,9 @@ A *slot* holds the K/V of one token in every layer; slot `s` lies in page `s // 
 Pages are the unit of allocation and sharing; slots are what attention indexes. Layout is
 [layer, kv_head, slot, head_dim] (head-major), so a gather of slots yields K/V already shaped
 for batched matmuls per KV head.
+
+A mixture of experts' pool also holds each slot's routed experts (`routes`, [slot, sparse layer,
+k], see `rollout.routes`), allocated, freed and copied with the K/V.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import numpy as np
 import torch
 
 from rollout import native
+from rollout.routes import RouteLayout
 
 
 def store_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
@@ -42,6 +46,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         scratch_page: bool = False,
+        route_layout: RouteLayout | None = None,
     ):
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -55,6 +60,8 @@ class KVPool:
         self.device = device
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.route_layout = route_layout  # None: no routes kept (a dense model, a TP follower)
+        self.routes: torch.Tensor | None = None
         self._free_pages: list[int] = []
         # Set by a tensor-parallel rank 0: the page copies its scheduler made since the last step,
         # which the other ranks replay on their pools before that step's forward.
@@ -89,13 +96,18 @@ class KVPool:
         shape = (self.num_layers, self.num_kv_heads, pages * self.page_size, self.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.route_layout is not None:
+            layers, top_k, route_dtype = self.route_layout
+            self.routes = torch.zeros(
+                (pages * self.page_size, layers, top_k), dtype=route_dtype, device=self.device
+            )
         # Zeros, not empty: padded attention reads slot 0 with weight 0, and 0 * NaN would be NaN.
         # Popped from the end: low page ids are handed out first, which keeps small runs compact.
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
 
     def free_memory(self) -> None:
         """Drop the K/V tensors (the caller has already released every page)."""
-        self.k = self.v = None
+        self.k = self.v = self.routes = None
         self._free_pages = []
         if self.copy_log is not None:
             self.copy_log.clear()
@@ -130,6 +142,8 @@ class KVPool:
         dst = dst_page * self.page_size
         self.k[:, :, dst : dst + num_tokens] = self.k[:, :, src : src + num_tokens]
         self.v[:, :, dst : dst + num_tokens] = self.v[:, :, src : src + num_tokens]
+        if self.routes is not None:
+            self.routes[dst : dst + num_tokens] = self.routes[src : src + num_tokens]
 
 
 def write_page_slots(

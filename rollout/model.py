@@ -1,4 +1,5 @@
-"""One decoder implementation for the Llama / Qwen2 / Qwen3 family.
+"""One decoder implementation for the Llama / Qwen2 / Qwen3 family and their mixtures of experts
+(Qwen2-MoE, Qwen3-MoE: a layer's MLP is then a `rollout.moe.SparseMoE`).
 
 Parameter names are exactly the Hugging Face names (`model.layers.3.self_attn.q_proj.weight`),
 so loading a checkpoint from disk and receiving a weight update from the trainer are the same
@@ -22,6 +23,7 @@ from torch import nn
 from model_spec import ModelSpec
 from rollout.attention import AttentionMetadata, TorchAttention
 from rollout.config import accum_dtype
+from rollout.moe import SparseMoE
 from rollout.parallel_layers import column, embedding, lm_head, row
 from rollout.rope import RotaryEmbedding
 from rollout.tp_group import TPGroup
@@ -139,12 +141,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelSpec, tp: TPGroup | None = None):
+    """The SwiGLU MLP (`intermediate_size` wide unless given: a mixture's experts are narrower)."""
+
+    def __init__(self, cfg: ModelSpec, tp: TPGroup | None = None, intermediate_size: int = 0):
         super().__init__()
-        self.gate_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
-        self.up_proj = column(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
-        self.down_proj = row(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
-        # gate/up weights and biases in one tensor each (`CausalLM.fuse_projections`), or None.
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_proj = column(cfg.hidden_size, width, cfg.mlp_bias, tp)
+        self.up_proj = column(cfg.hidden_size, width, cfg.mlp_bias, tp)
+        self.down_proj = row(width, cfg.hidden_size, cfg.mlp_bias, tp)
+        # gate/up weights and biases in one tensor each (`fuse_projections`), or None.
         self.gate_up_weight: torch.Tensor | None = None
         self.gate_up_bias: torch.Tensor | None = None
 
@@ -154,12 +159,30 @@ class MLP(nn.Module):
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of `forward` before the row-parallel all-reduce (the whole output
+        without TP); for an MLP without biases, whose shares the caller sums once for many."""
+        if self.gate_up_weight is None:
+            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        return F.linear(hidden, self.down_proj.weight)
+
+    def fuse_projections(self, column_major: bool) -> None:
+        """gate/up in one tensor, down_proj laid out (`CausalLM.fuse_projections`)."""
+        self.gate_up_weight, self.gate_up_bias = _share_storage(
+            [self.gate_proj, self.up_proj], column_major
+        )
+        _lay_out(self.down_proj, column_major)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelSpec, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, tp)
-        self.mlp = MLP(cfg, tp)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
+        self.mlp = SparseMoE(cfg, tp, MLP) if sparse else MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -195,6 +218,10 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = DecoderModel(cfg, tp)
+        # the mixture-of-experts layers, in order (a plain tuple: not registered twice)
+        self.sparse_blocks = tuple(
+            layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)
+        )
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_weights()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
@@ -239,20 +266,17 @@ class CausalLM(nn.Module):
         tokens (one pass over them, wider outputs) instead of two or three. Loading copies into
         the parameters in place, so it writes the fused tensors. Call again whenever the
         parameters' storage is replaced (`Engine.release_memory` / `resume_memory`): the fused
-        tensors would otherwise keep the old storage alive and stale. It also lays out every
-        other linear weight as `column_major` says (not a tied LM head: the embedding reads its
-        rows)."""
+        tensors would otherwise keep the old storage alive and stale. A mixture's experts are
+        fused each on its own. It also lays out every other linear weight as `column_major`
+        says (not a tied LM head: the embedding reads its rows)."""
         column_major = self.column_major
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             attn.qkv_weight, attn.qkv_bias = _share_storage(
                 [attn.q_proj, attn.k_proj, attn.v_proj], column_major
             )
-            mlp.gate_up_weight, mlp.gate_up_bias = _share_storage(
-                [mlp.gate_proj, mlp.up_proj], column_major
-            )
             _lay_out(attn.o_proj, column_major)
-            _lay_out(mlp.down_proj, column_major)
+            layer.mlp.fuse_projections(column_major)
         if not self.config.tie_word_embeddings:
             _lay_out(self.lm_head, column_major)
 
@@ -298,6 +322,12 @@ class CausalLM(nn.Module):
             q, k, v = inputs(layer, x, positions, self.rotary)
             x = outputs(layer, x, attn.forward(layer.self_attn.layer_idx, q, k, v, meta))
         return x
+
+    def routes(self) -> torch.Tensor | None:
+        """The top-k expert ids [T, sparse layers, k] each token of the last forward was routed
+        to; None for a dense model."""
+        blocks = self.sparse_blocks
+        return torch.stack([b.routes for b in blocks], dim=1) if blocks else None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from rollout.attention import AttentionMetadata, DecodeMetadata, PrefillSegment, TorchAttention
 from rollout.logprobs import prompt_rows
 from rollout.model import CausalLM
+from rollout.routes import record_routes
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
 from rollout.suffix_lanes import SuffixLanes
@@ -25,8 +26,9 @@ class StepPlan(NamedTuple):
 
 def execute(model: CausalLM, attention: TorchAttention, plan: StepPlan) -> torch.Tensor:
     """The forward of one step: float32 logits (float64 for a float64 model), one row per
-    `plan.logits_rows`."""
+    `plan.logits_rows`. A mixture of experts' routes go to the pool beside the K/V."""
     hidden = model(plan.input_ids, plan.positions, attention, plan.meta)
+    record_routes(model.routes(), attention.pool.routes, plan.meta.out_slots)
     # Distinct increasing rows: as many as the batch's tokens means every row (a decode step).
     if plan.logits_rows.shape[0] != hidden.shape[0]:
         hidden = hidden[plan.logits_rows]

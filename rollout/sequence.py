@@ -44,6 +44,11 @@ class RequestOutput(NamedTuple):
     # unless asked.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    # Mixture of experts only (None for a dense model): per sample, the top-k expert ids of
+    # every sparse layer for each token the engine computed, [tokens, sparse layers, k], tokens
+    # = prompt + generated - 1 for a finished sample (an aborted one: those computed). Prefix-
+    # cache hits give the routes of the prefill that computed the reused K/V (`rollout.routes`).
+    routed_experts: tuple[torch.Tensor, ...] | None = None
 
 
 # Called with a sample's generated token ids after each appended token; True ends the sample
@@ -67,6 +72,7 @@ class Request:
     stop_check: StopCheck | None = None
     samples: list[SampleOutput | None] = field(init=False)
     versions: list[list[int]] = field(init=False)  # per sample: see RequestOutput
+    routes: list[torch.Tensor | None] = field(init=False)  # per sample: see RequestOutput
     aborted: bool = False
     cached_tokens: int | None = None  # set when its first sequence is admitted
     # Set by `set_limits` (when the scheduler takes the request), read for every sampled token:
@@ -83,6 +89,7 @@ class Request:
     def __post_init__(self) -> None:
         self.samples = [None] * self.params.n
         self.versions = [[] for _ in range(self.params.n)]
+        self.routes = [None] * self.params.n
         if self.params.prompt_logprobs:
             self.prompt_logprobs = [None]
             if self.params.top_logprobs:
@@ -112,6 +119,8 @@ class Request:
         for j in range(seq.sample_index, seq.sample_index + seq.num_forks):
             empty = SampleOutput([], [], reason, [] if top is not None else None)
             self.samples[j] = out if j == seq.sample_index else empty
+            if seq.routes is not None:  # forks that never ran computed nothing
+                self.routes[j] = seq.routes if j == seq.sample_index else seq.routes[:0]
 
     def output(self) -> RequestOutput:
         """What the engine returns once every sample is recorded (`done`)."""
@@ -123,6 +132,7 @@ class Request:
             tuple(self.versions),
             self.prompt_logprobs,
             self.prompt_top_logprobs,
+            None if self.routes[0] is None else tuple(self.routes),
         )
 
 
@@ -158,6 +168,9 @@ class Sequence:
     extra_rows: list[int] = field(default_factory=list)  # rows reserved for the forks to come
     draft: list[int] = field(default_factory=list)  # speculated tokens verified this step
     draft_probs: torch.Tensor | None = None  # what `draft` was drawn from; None = point mass
+    # Mixture of experts: the routes of its computed tokens, read out when it last gave its
+    # pages back (`rollout.routes`); None for a dense model or before then.
+    routes: torch.Tensor | None = None
     uniforms: UniformStream = field(init=False)  # this sample's random stream
     # Names one lifetime of this sequence's page table: changes whenever pages are taken,
     # replaced or released otherwise than by appending (admit, prefix-cache insert, preempt,

@@ -1,11 +1,15 @@
 """HF transformers as an exact float64 reference.
 
-HF computes its RMSNorms and rotary angles in float32 whatever the model dtype; `exact_float64`
-replaces those islands with float64 modules (sharing the model's norm weights, so parameter
-names and objects are unchanged), so a float64 HF forward is float64 throughout.
+HF computes its RMSNorms and rotary angles in float32 whatever the model dtype, and a mixture of
+experts' router its softmax; `exact_float64` replaces those islands with float64 modules (sharing
+the model's norm weights, so parameter names and objects are unchanged) or, for the routers, a
+float64 `forward` on the same module (its router-logit hooks stay), so a float64 HF forward is
+float64 throughout.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -35,6 +39,17 @@ class Float64RMSNorm(torch.nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
+def _float64_route(router, hidden_states):
+    """HF's `TopKRouter.forward` with the softmax and the top-k normalisation in float64."""
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, router.weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float64)
+    top, indices = torch.topk(probs, router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), indices
+
+
 def exact_float64(model):
     """`model` (float64, default rope) with every float32 island of its forward replaced."""
     cfg = model.config
@@ -44,4 +59,6 @@ def exact_float64(model):
         for name, child in list(module.named_children()):
             if type(child).__name__.endswith("RMSNorm"):
                 setattr(module, name, Float64RMSNorm(child))
+            elif type(child).__name__.endswith("TopKRouter"):
+                child.forward = types.MethodType(_float64_route, child)
     return model

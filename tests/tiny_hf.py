@@ -66,10 +66,55 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# Mixtures of experts, kept apart from FAMILIES (the dense suites iterate over that): qwen3_moe:
+# q/k-norm, renormalised top-k, a dense layer between two sparse ones (mlp_only_layers), tied;
+# qwen2_moe: QKV bias, a shared expert with its sigmoid gate, top-k not renormalised, untied.
+MOE_FAMILIES: dict[str, dict] = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=103,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+
 def hf_config(family: str, **overrides):
     import transformers
 
-    kwargs = {**FAMILIES[family], **overrides}
+    kwargs = {**FAMILIES, **MOE_FAMILIES}[family] | overrides
     model_type = kwargs.pop("model_type")
     return transformers.AutoConfig.for_model(model_type, **kwargs)
 
@@ -81,7 +126,9 @@ def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
 
     config = hf_config(family, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # a mixture's experts as HF's plain per-expert loop (its grouped GEMM has no float64)
+    experts = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **experts)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -65,6 +65,11 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
 def transformer_config(
     arch: ModelSpec, *, params_dtype: torch.dtype = torch.float32, fused_swiglu: bool = False
 ) -> TransformerConfig:
+    if arch.moe is not None:
+        raise UnsupportedModelError(
+            f"config.json model_type {arch.model_type!r} is a mixture of experts, which the "
+            "megatron trainer does not build yet (the rollout engine runs it); use a dense model"
+        )
     if arch.o_bias or arch.mlp_bias:
         # megatron's add_bias_linear biases every linear at once; only q/k/v have their own flag
         key, what = ("attention_bias", "o_proj") if arch.o_bias else ("mlp_bias", "the MLP")

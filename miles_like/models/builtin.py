@@ -1,6 +1,6 @@
 """Built-in tiny model configs (`model.builtin` in a recipe): Qwen2-architecture decoders sized
-to learn the synthetic tasks on a CPU, paired with the character-level Hugging Face tokenizer of
-`tokenizer.py`.
+to learn the synthetic tasks on a CPU, and a Qwen3-MoE mixture of experts of the same scale,
+paired with the character-level Hugging Face tokenizer of `tokenizer.py`.
 
 A built-in is a Hugging Face `config.json` dict without the tokenizer-side entries; `hf_config`
 fills those from the tokenizer, so the model's vocabulary is exactly the tokenizer's.
@@ -41,6 +41,27 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
     ),
 }
+
+
+# Qwen3-MoE: every layer sparse, 8 experts of width 64, each token routed to 2 (renormalised).
+_TINY_QWEN3_MOE: dict[str, Any] = dict(
+    _QWEN2_BASE,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_size=64,
+    intermediate_size=176,  # a dense layer's width (none here: decoder_sparse_step=1)
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+BUILTIN_MODELS["tiny-qwen3-moe"] = _TINY_QWEN3_MOE
 
 
 def hf_config(name: str, tokenizer: HFTokenizer) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import torch
 
 from rollout.kv_pool import KVPool, write_page_slots
 from rollout.radix_cache import RadixCache
+from rollout.routes import read_routes
 from rollout.scheduler.parked import ParkedKV, ParkedKVStore
 from rollout.scheduler.stats import SchedulerStats
 from rollout.sequence import Sequence
@@ -104,7 +105,9 @@ class PageAllocator:
 
     def release(self, seq: Sequence, cache_kv: bool) -> None:
         """Return seq's pages, lock and rows. With `cache_kv`, its computed K/V is offered to the
-        prefix cache first (only whole pages are kept)."""
+        prefix cache first (only whole pages are kept). A mixture of experts' routes are read out
+        first, while the page table is still the one its tokens were computed with."""
+        self.keep_routes(seq)
         # K/V from before a weight update (a retired tree) is never offered to the new cache.
         if cache_kv and self.cache is not None and seq.tree is self.cache:
             self.insert_into_cache(seq)
@@ -114,6 +117,19 @@ class PageAllocator:
         seq.pages, seq.num_tree_pages, seq.node, seq.tree = [], 0, None, None
         self.return_rows(seq)
         seq.new_kv_epoch()
+
+    def keep_routes(self, seq: Sequence) -> None:
+        """While `seq` holds its row: seq.routes <- the routes of its computed tokens, up to the
+        last that was an input (`rollout.routes`). Without a row it keeps what it read last, or
+        no routes at all if it never ran. Nothing for a dense model."""
+        layout = self.pool.route_layout
+        if layout is None:
+            return
+        if seq.row is not None:
+            count = min(seq.num_computed, len(seq.token_ids) - 1)
+            seq.routes = read_routes(self.pool.routes, self.slot_table, seq.row, count)
+        elif seq.routes is None:
+            seq.routes = layout.empty()
 
     def insert_into_cache(self, seq: Sequence) -> None:
         """Insert the whole pages of seq's computed tokens into its tree (a retired one for a

@@ -117,6 +117,7 @@ class Scheduler:
         park = request.params.park_kv
         for seq in [s for s in self.running if s.request is request]:
             if park and seq.num_forks == 1 and seq.num_generated > 0:  # its K/V waits
+                self.allocator.keep_routes(seq)
                 self.parked_kv.park(seq)
                 self.allocator.return_rows(seq)
                 self.running.remove(seq)
@@ -336,6 +337,7 @@ class Scheduler:
 
     def _record(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
+        self.allocator.keep_routes(seq)
         if reason != "abort":
             self.stats.finished_samples += seq.num_forks
         if self.drafting is not None:
