@@ -39,6 +39,8 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import NamedTuple
 
+import torch
+
 from rollout.config import SamplingParams
 from rollout.engine import Engine
 from rollout.sequence import RequestOutput, SampleOutput, StopCheck, TopLogprobs
@@ -58,6 +60,8 @@ class GenerationResult(NamedTuple):
     # `SamplingParams.prompt_logprobs` (`RequestOutput`); None unless asked
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    # Mixture of experts: per sample, each computed token's experts (`RequestOutput.routed_experts`)
+    routed_experts: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def of(cls, out: RequestOutput, weight_version: int) -> GenerationResult:
@@ -69,6 +73,7 @@ class GenerationResult(NamedTuple):
             out.weight_versions,
             out.prompt_logprobs,
             out.prompt_top_logprobs,
+            out.routed_experts,
         )
 
 

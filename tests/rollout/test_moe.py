@@ -145,3 +145,18 @@ def test_switches_a_mixture_cannot_take_are_refused_in_one_line(checkpoints):
         with pytest.raises(ValueError, match=f"EngineConfig.{field}=True is not supported") as e:
             make_engine(directory, "float32", **{field: True})
         assert "\n" not in str(e.value)
+
+
+def test_async_engine_results_carry_the_routes(checkpoints):
+    from rollout.async_engine import AsyncEngine
+
+    _, directory, _ = checkpoints["qwen2_moe", "float64"]
+    (reference,) = run(make_engine(directory, "float64"), [PROMPTS[0]], GREEDY)
+    async_engine = AsyncEngine(make_engine(directory, "float64"))
+    try:
+        result = async_engine.submit(PROMPTS[0], GREEDY).result(timeout=120)
+    finally:
+        async_engine.close()
+    assert len(result.routed_experts) == GREEDY.n
+    for got, want in zip(result.routed_experts, reference.routed_experts, strict=True):
+        assert torch.equal(got, want)
