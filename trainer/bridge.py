@@ -18,6 +18,11 @@ Layout rules (megatron side, per TP rank r of T, PP stage holding layers [off, o
 * `linear_proj`, `linear_fc2`: row-parallel, split by input columns.
 * norms and q/k-norm weights: replicated.
 * decoder layer i on a stage is HF layer off + i.
+* a mixture of experts' sparse layer: `mlp.router.weight` is HF's `mlp.gate.weight`
+  (replicated); expert e's `linear_fc1` / `linear_fc2` map like the dense MLP's, to
+  `mlp.experts.{e}.{gate,up}_proj` / `down_proj` (expert parallel 1: every rank holds every
+  expert, split over TP); Qwen2-MoE's shared expert likewise (`mlp.shared_experts.*` <->
+  `mlp.shared_expert.*`, its gate `mlp.shared_experts.gate_weight` <-> `mlp.shared_expert_gate`).
 
 Export is a generator: each megatron parameter is all-gathered over TP on its own, converted
 to HF tensors, and yielded, so peak extra memory is one full tensor. Under PP each stage yields
@@ -28,6 +33,7 @@ the layers it holds (with global HF indices); with tied embeddings only the firs
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -41,6 +47,7 @@ from model_spec import ModelSpec
 from trainer.megatron_model import ModelLayout
 
 _LAYER_PREFIX = "decoder.layers."
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<index>\d+)\.linear_(?P<fc>fc1|fc2)\.weight")
 
 
 class _Slot(NamedTuple):
@@ -53,6 +60,7 @@ class _Slot(NamedTuple):
 def _layer_slot(arch: ModelSpec, local_name: str, hf_layer: int) -> _Slot | None:
     p = f"model.layers.{hf_layer}."
     attn = p + "self_attn."
+    shared = p + "mlp.shared_expert"  # Qwen2-MoE
     table = {
         "input_layernorm.weight": _Slot("replicated", (p + "input_layernorm.weight",)),
         # Transformer Engine specs fuse the input norm into linear_qkv.
@@ -76,7 +84,20 @@ def _layer_slot(arch: ModelSpec, local_name: str, hf_layer: int) -> _Slot | None
             "fc1", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         ),
         "mlp.linear_fc2.weight": _Slot("row", (p + "mlp.down_proj.weight",)),
+        # a mixture of experts' sparse layer (trainer.megatron_moe): router and SequentialMLP
+        "mlp.router.weight": _Slot("replicated", (p + "mlp.gate.weight",)),
+        "mlp.shared_experts.gate_weight": _Slot("replicated", (shared + "_gate.weight",)),
+        "mlp.shared_experts.linear_fc1.weight": _Slot(
+            "fc1", (shared + ".gate_proj.weight", shared + ".up_proj.weight")
+        ),
+        "mlp.shared_experts.linear_fc2.weight": _Slot("row", (shared + ".down_proj.weight",)),
     }
+    expert = _EXPERT.fullmatch(local_name)
+    if expert is not None:
+        e = f"{p}mlp.experts.{expert['index']}."
+        if expert["fc"] == "fc1":
+            return _Slot("fc1", (e + "gate_proj.weight", e + "up_proj.weight"))
+        return _Slot("row", (e + "down_proj.weight",))
     return table.get(local_name)
 
 

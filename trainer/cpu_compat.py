@@ -60,6 +60,10 @@ _PATCHED_MODULES = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer.optimizer",  # mixed-precision optimizer's flags on "cuda"
     "megatron.core.optimizer.distrib_optimizer",  # buffers on current_device()
+    "megatron.core.transformer.moe.router",  # router weight moved to current_device()
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like")

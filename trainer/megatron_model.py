@@ -3,7 +3,8 @@
 The layer spec is megatron's local one (`get_gpt_layer_local_spec`: ColumnParallelLinear /
 RowParallelLinear, RMSNorm) with the core attention swapped for `SDPACoreAttention`, because
 megatron's local core attention cannot take packed sequences. On GPUs with Transformer Engine
-installed, `use_te=True` selects megatron's TE spec instead (its attention packs natively).
+installed, `use_te=True` selects megatron's TE spec instead (its attention packs natively). A
+mixture of experts takes megatron's decoder block spec with its MoE layers (`trainer.megatron_moe`).
 
 RoPE: megatron's `RotaryEmbedding` knows the default formula and llama3 scaling with fixed
 low/high-frequency factors and an 8192 original context; HF configs carry their own values.
@@ -25,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_spec import ModelSpec, UnsupportedModelError
 from trainer import compiled, cpu_compat, packed_rope
+from trainer.megatron_moe import moe_block_spec, moe_config_fields, patch_megatron_moe
 from trainer.parallel import device
 from trainer.sdpa_attention import SDPACoreAttention
 
@@ -65,11 +67,6 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
 def transformer_config(
     arch: ModelSpec, *, params_dtype: torch.dtype = torch.float32, fused_swiglu: bool = False
 ) -> TransformerConfig:
-    if arch.moe is not None:
-        raise UnsupportedModelError(
-            f"config.json model_type {arch.model_type!r} is a mixture of experts, which the "
-            "megatron trainer does not build yet (the rollout engine runs it); use a dense model"
-        )
     if arch.o_bias or arch.mlp_bias:
         # megatron's add_bias_linear biases every linear at once; only q/k/v have their own flag
         key, what = ("attention_bias", "o_proj") if arch.o_bias else ("mlp_bias", "the MLP")
@@ -84,6 +81,16 @@ def transformer_config(
             f"num_attention_heads={arch.num_heads} and num_key_value_heads="
             f"{arch.num_kv_heads} must both be divisible by TrainerConfig.tp={tp}; choose a "
             "smaller TP size"
+        )
+    if arch.moe is not None and pp > 1:
+        raise ValueError(
+            f"TrainerConfig.pp={pp} with the mixture of experts {arch.model_type!r} is not "
+            "supported yet (its all-gather token dispatcher takes fixed shapes); set pp to 1"
+        )
+    if arch.moe is not None and arch.moe.expert_intermediate_size % tp:
+        raise ValueError(
+            f"moe_intermediate_size={arch.moe.expert_intermediate_size} is not divisible by "
+            f"TrainerConfig.tp={tp}; choose a divisor of it"
         )
     if arch.intermediate_size % tp:
         raise ValueError(
@@ -124,8 +131,9 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        variable_seq_lengths=True,  # packed micro-batches differ in length (PP exchanges shapes)
-        moe_token_dispatcher_type="alltoall",  # no MoE; the default one rejects the line above
+        # packed micro-batches differ in length (PP exchanges shapes); a mixture runs PP = 1
+        variable_seq_lengths=arch.moe is None,
+        **moe_config_fields(arch, params_dtype),  # trainer.megatron_moe
         use_cpu_initialization=True,
         perform_initialization=False,  # weights come from the HF checkpoint
     )
@@ -186,6 +194,13 @@ def build_gpt_model(
     if use_te and device().type != "cuda":
         raise ValueError("trainer.use_transformer_engine needs CUDA; set it to false on CPU")
     config = transformer_config(arch, params_dtype=params_dtype, fused_swiglu=compile)
+    if arch.moe is not None:
+        if use_te:
+            raise ValueError(
+                "trainer.use_transformer_engine is not supported for a mixture of experts yet; "
+                "set it to false"
+            )
+        patch_megatron_moe()
     tp = config.tensor_model_parallel_size
     pp = config.pipeline_model_parallel_size
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -199,7 +214,9 @@ def build_gpt_model(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, use_te),
+        transformer_layer_spec=layer_spec(arch, use_te)
+        if arch.moe is None
+        else moe_block_spec(config),
         vocab_size=layout.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=layout.pre_process,
