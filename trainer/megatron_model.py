@@ -87,6 +87,12 @@ def transformer_config(
             f"TrainerConfig.pp={pp} with the mixture of experts {arch.model_type!r} is not "
             "supported yet (its all-gather token dispatcher takes fixed shapes); set pp to 1"
         )
+    if arch.moe is not None and tp > 1:
+        raise ValueError(
+            f"TrainerConfig.tp={tp} with the mixture of experts {arch.model_type!r} is not "
+            "supported yet (megatron trains MoE layers under TP only with sequence parallelism, "
+            "which this trainer does not use); set tp to 1"
+        )
     if arch.moe is not None and arch.moe.expert_intermediate_size % tp:
         raise ValueError(
             f"moe_intermediate_size={arch.moe.expert_intermediate_size} is not divisible by "

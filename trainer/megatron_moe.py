@@ -6,7 +6,8 @@ HF's router takes the top-k of softmax(logits), renormalised to sum to one with
 logits and a softmax over them, the same renormalised probabilities, and with `True` the top-k of
 the full softmax, HF's unnormalised ones. The router runs in the model's float dtype (fp64 for a
 float64 model, else fp32). Experts are megatron's `SequentialMLP` (one `MLP` per expert, fc1 =
-[gate; up] like the dense MLP's, split over TP like it), tokens dispatched by all-gather (expert
+[gate; up] like the dense MLP's; the bridge splits it over TP like it, though a mixture trains
+at TP = 1: `megatron_model.transformer_config`), tokens dispatched by all-gather (expert
 parallel 1; the all-to-all dispatcher needs CUDA streams). Sparse layers follow `MoESpec.
 sparse_layers` (`moe_layer_freq` as a per-layer list); Qwen2-MoE's shared expert is megatron's
 gated `SharedExpertMLP` (sigmoid of a [1, hidden] gate, HF's `shared_expert_gate`); no
