@@ -112,6 +112,34 @@ def check_engine_tp(recipe) -> None:
             )
 
 
+def check_trainer_layout(recipe) -> None:
+    """The megatron backend's `trainer.tp` splits heads, KV heads and the MLP evenly, and a
+    mixture of experts trains at trainer TP and PP 1 for now (megatron-core trains MoE layers
+    under TP only with sequence parallelism, and its CPU token dispatcher takes fixed shapes)."""
+    t = recipe.trainer
+    if t.backend != "megatron" or (t.tp == 1 and t.pp == 1):
+        return
+    from model_spec import MOE_MODEL_TYPES
+
+    config = model_config(recipe)
+    if config.get("model_type") in MOE_MODEL_TYPES:
+        field, value = ("trainer.tp", t.tp) if t.tp > 1 else ("trainer.pp", t.pp)
+        raise RecipeError(
+            f"{field}={value} with the mixture of experts {config.get('model_type')!r} is not "
+            f"supported yet; set {field}=1 (engine TP, rollout.tp, does shard the experts)"
+        )
+    heads = config.get("num_attention_heads")
+    for key, value in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", config.get("num_key_value_heads", heads)),
+        ("intermediate_size", config.get("intermediate_size")),
+    ):
+        if value is not None and value % t.tp:
+            raise RecipeError(
+                f"trainer.tp={t.tp} must divide the model's {key}={value}; choose a divisor of it"
+            )
+
+
 def check_accelerator(cluster) -> None:
     """`cuda` on a local cluster needs CUDA here (a remote cluster's nodes are not visible)."""
     if cluster.accelerator != "cuda" or cluster.address is not None:
@@ -141,6 +169,7 @@ def check_machine(recipe) -> None:
         )
     check_draft_vocab(recipe)
     check_engine_tp(recipe)
+    check_trainer_layout(recipe)
     check_output_dir(recipe.tracking.output_dir)
     check_accelerator(recipe.cluster)
     if recipe.data.path is not None:
