@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +111,20 @@ def _stop_all(workers: set[_Worker]) -> None:
     workers.clear()
 
 
+_EXITING = threading.Event()
+# Set when the interpreter starts exiting, before it joins the threads still running (a rollout
+# thread starting the reward pool, say): such a thread must not wait STARTUP_TIMEOUT_S for a
+# worker still importing, the exit would wait with it. `atexit` runs after that join, so this
+# uses the hook concurrent.futures registers its own exit with; registered after it (this module
+# imports it first), it runs before it.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_EXITING.set)
+
+
+def _exiting() -> bool:
+    return _EXITING.is_set()
+
+
 class WorkerPool:
     """`size` spawned workers running `setup(*setup_args)`'s handler, `timeout_s` per call.
     `what` names the user code in errors (e.g. "reward.function='m:f'"), `name` the worker
@@ -130,6 +145,8 @@ class WorkerPool:
     ):
         if size < 1 or timeout_s <= 0:
             raise ValueError(f"{what}: {size} workers, timeout {timeout_s} s; use >= 1 and > 0")
+        if _exiting():  # a rollout thread asking for a pool after the run stopped
+            raise RuntimeError(f"{what}: no workers started, the process is exiting")
         self.size, self.timeout_s, self.what, self.name = size, timeout_s, what, name
         self._start_args = (setup, setup_args, quiet)
         self._ctx = multiprocessing.get_context("spawn")
@@ -162,13 +179,20 @@ class WorkerPool:
     def _await_ready(self, worker: _Worker) -> None:
         """Wait for a started worker's hello and make it available; RuntimeError if it reports
         a failure, dies, or stays silent past STARTUP_TIMEOUT_S."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        hello = None
         try:
-            hello = worker.conn.recv() if worker.conn.poll(STARTUP_TIMEOUT_S) else None
+            while not _exiting() and time.monotonic() < deadline:
+                if worker.conn.poll(0.2):
+                    hello = worker.conn.recv()
+                    break
         except (EOFError, OSError):
             hello = ("died", None)
         if hello is None or hello[0] != "ready":
             self._discard(worker)
-            if hello is None:
+            if hello is None and _exiting():
+                reason = "was still starting when the process exited"
+            elif hello is None:
                 reason = f"did not start within {STARTUP_TIMEOUT_S:.0f} s"
             elif hello[0] == "failed":
                 reason = f"could not load it: {hello[1]}"
