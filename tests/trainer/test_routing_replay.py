@@ -158,3 +158,21 @@ def test_routes_that_do_not_fit_the_tokens_are_one_clear_line():
     bad = [torch.zeros(len(t) - 2, 2, 2, dtype=torch.uint8) for t in batch.tokens]
     with pytest.raises(ValueError, match=r"batch.routed_experts\[0\] has shape \(7, 2, 2\)"):
         dataclasses.replace(batch, routed_experts=bad)
+
+
+def test_routes_for_a_backend_or_model_that_cannot_replay_them_are_refused(tiny_hf_checkpoints):
+    """The DeepSpeed backend has no replay and a dense model no router: routes given to either
+    are refused in one line, never silently ignored."""
+    from trainer.deepspeed_trainer import DeepSpeedTrainer
+    from trainer.megatron_trainer import MegatronTrainer
+
+    hf, directory = tiny_hf_checkpoints("qwen3")
+    batch = scenarios.fixed_batch(hf.config.vocab_size)
+    routes = [torch.zeros(len(t) - 1, 2, 2, dtype=torch.uint8) for t in batch.tokens]
+    batch = dataclasses.replace(batch, routed_experts=routes)
+    megatron = MegatronTrainer(scenarios.trainer_config(directory))
+    with pytest.raises(ValueError, match="routed_experts given for a dense model"):
+        megatron.compute_logprobs(batch)
+    deepspeed = DeepSpeedTrainer(scenarios.trainer_config(directory, backend="deepspeed"))
+    with pytest.raises(ValueError, match="megatron backend only"):
+        deepspeed.train_step(batch)
