@@ -14,7 +14,6 @@ import types
 import pytest
 import torch
 from exact_float64 import exact_float64
-from safetensors.torch import load_file
 
 import scenarios
 from tiny_hf import make_hf_model, save_hf_model
@@ -126,31 +125,44 @@ def test_replay_of_own_routes_changes_nothing_and_other_routes_match_forced_hf(m
     assert 0 < agreement < 1 and agreement == pytest.approx(expected, abs=1e-15)
 
 
-def test_gradients_reach_the_router_through_replayed_gate_weights(tmp_path):
-    """float32, weight decay off: a step on replayed routes moves every sparse layer's router
-    (its only gradient path is the gate weights gathered at the given experts)."""
+def test_router_gradients_under_replay_equal_forced_hf(moe64):
+    """float64, PPO on policy (ratio 1, token-mean, no entropy / KL / clipping of the grad
+    norm): the gradient the step leaves on every sparse layer's router weight under replayed
+    routes equals HF's gradient of -sum(advantage * log-prob) / tokens with its router forced
+    to the same routes (the gate weights are the router's only path to the loss)."""
+    from trainer.config import LossConfig, OptimConfig
     from trainer.megatron_trainer import MegatronTrainer
 
-    hf = make_hf_model("qwen3_moe")
-    directory = save_hf_model(hf, tmp_path / "hf")
-    cfg = scenarios.trainer_config(directory)
+    directory, hf, arch = moe64
     trainer = MegatronTrainer(
-        dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, weight_decay=0.0))
+        scenarios.trainer_config(
+            directory,
+            dtype="float64",
+            optim=OptimConfig(lr=1e-3, eps=1e-3, grad_clip=None, weight_decay=0.0),
+            loss=LossConfig(policy_loss="ppo"),
+        )
     )
-    batch = scenarios.fixed_batch(hf.config.vocab_size)
-    g = torch.Generator().manual_seed(5)
-    routes = [
-        torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(2 * (len(t) - 1))])
-        .view(len(t) - 1, 2, 2)
-        .to(torch.uint8)
-        for t in batch.tokens
-    ]
+    batch = scenarios.fixed_batch(arch.vocab_size)
+    batch = dataclasses.replace(batch, advantages=[a.double() for a in batch.advantages])
+    _, own = hf.run(batch.tokens, batch.prompt_lens)
+    routes, _ = _changed_routes(own, batch, arch.moe.num_experts)
     metrics = trainer.train_step(dataclasses.replace(batch, routed_experts=routes))
     assert metrics["routing_agreement"] < 1
-    before, after = load_file(directory / "model.safetensors"), trainer.hf_state_dict()
-    for layer in (0, 2):
-        name = f"model.layers.{layer}.mlp.gate.weight"
-        assert float((after[name] - before[name]).abs().max()) > 1e-4, name
+
+    hf.model.zero_grad()
+    total = sum(a.numel() for a in batch.advantages)
+    for i, (seq, p) in enumerate(zip(batch.tokens, batch.prompt_lens)):
+        for j, r in enumerate(hf.routers):
+            r.forced = routes[i][:, j].long()
+        logp = torch.log_softmax(hf.model(torch.tensor([seq])).logits[0], dim=-1)
+        lp = logp[torch.arange(p - 1, len(seq) - 1), torch.tensor(seq[p:])]
+        (-(batch.advantages[i] * lp).sum() / total).backward()
+    params = dict(trainer.policy.raw.named_parameters())
+    for j, layer in enumerate(arch.moe.sparse_layers):
+        want = hf.routers[j].weight.grad
+        got = params[f"decoder.layers.{layer}.mlp.router.weight"].main_grad
+        assert float(want.abs().max()) > 1e-3
+        assert float((got - want).abs().max()) <= 1e-10, layer
 
 
 def test_routes_that_do_not_fit_the_tokens_are_one_clear_line():
