@@ -88,7 +88,9 @@ class Engine:
         self._check_ready()
         prompt = list(handoff.prompt_token_ids)
         check_request(prompt, params, self)
-        handoff.check(params, self.weight_version, tp=self.tp is not None)
+        handoff.check(
+            params, self.weight_version, self.tp is not None, self.draft_model is not None
+        )
         request_id = self._next_request_id
         self._next_request_id += 1
         request = Request(request_id, prompt, params, handoff.base_seed, stop_check)

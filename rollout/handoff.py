@@ -33,10 +33,17 @@ class PrefillHandoff(NamedTuple):
     weight_version: int  # the prefill engine's; the decode engine must be at the same one
     cached_tokens: int  # prompt tokens the prefill engine took from its prefix cache
 
-    def check(self, params: SamplingParams, weight_version: int, tp: bool) -> None:
+    def check(
+        self, params: SamplingParams, weight_version: int, tp: bool, draft_model: bool
+    ) -> None:
         """The user errors of admitting this handoff with `params` on a decode engine at
         `weight_version`, each one line naming what to change."""
         check_supported(params, tp)
+        if draft_model:  # its own K/V of the prompt would be missing
+            raise ValueError(
+                "a decode engine with speculative_method='draft' cannot admit prefilled "
+                "requests yet; use 'ngram' or 'group'"
+            )
         if len(self.first_tokens) != params.n:
             raise ValueError(
                 f"the handoff holds {len(self.first_tokens)} samples but params.n={params.n}; "

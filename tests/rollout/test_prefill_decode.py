@@ -169,6 +169,68 @@ def test_handoff_payload_and_refusals(checkpoints):
         decoder.admit_prefilled(handoff, SamplingParams(n=1, seed=11))
     with pytest.raises(ValueError, match="top_logprobs"):
         prefill(prefiller, [PROMPTS[0]], SamplingParams(top_logprobs=2))
+    dense = checkpoints["qwen2"]
+    drafting = make_engine(
+        dense, "float32", speculative_method="draft", speculative_draft_model_path=dense
+    )
+    with pytest.raises(ValueError, match="speculative_method='draft'"):
+        drafting.admit_prefilled(handoff, SAMPLED)
     decoder.update_weights([])  # a new weight version: the handoff's K/V is stale
     with pytest.raises(ValueError, match="weight version 0"):
         decoder.admit_prefilled(handoff, SAMPLED)
+
+
+def test_decode_engine_short_of_pages_queues_and_preempts(checkpoints):
+    """A decode engine with room for few sequences: handoffs wait in its queue until rows and
+    pages free up, join a batch already decoding, are preempted and recomputed, and still
+    sample what one roomy engine samples. An aborted handoff still queued ends at once."""
+    directory = checkpoints["qwen3_moe"]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7, ignore_eos=True)
+    prompts = [PREFIX + [i, i + 1] for i in range(1, 7)] + PROMPTS
+    want = reference(make_engine(directory, "float64"), prompts, params)
+    tight = dict(kv_cache_tokens=48, max_running_requests=4)
+    decoder = make_engine(directory, "float64", **tight)
+    handoffs = prefill(make_engine(directory, "float64"), prompts, params)
+    ids, done = [], {}
+    for h in handoffs:  # one arriving per step, into a running batch
+        ids.append(decoder.admit_prefilled(h, params))
+        done.update((out.request_id, out) for out in decoder.step())
+        decoder.check_integrity()
+    assert decoder.scheduler.prefilled, "the tight engine queued some handoffs"
+    while decoder.has_unfinished():
+        done.update((out.request_id, out) for out in decoder.step())
+        decoder.check_integrity()
+    assert decoder.stats()["preemptions"] > 0
+    assert_same([done[i] for i in ids], want, TOLERANCE["float64"])
+
+    busy = make_engine(directory, "float64", **tight)
+    first = [busy.admit_prefilled(h, params) for h in handoffs[:4]]
+    busy.step()
+    queued = busy.admit_prefilled(handoffs[4], params)
+    assert busy.scheduler.prefilled[-1][0].request_id == queued
+    busy.abort(queued)
+    outputs = {}
+    while busy.has_unfinished():
+        outputs.update((out.request_id, out) for out in busy.step())
+        busy.check_integrity()
+    assert [s.finish_reason for s in outputs[queued].samples] == ["abort", "abort"]
+    assert_same([outputs[i] for i in first], want[:4], TOLERANCE["float64"])
+
+
+@pytest.mark.parametrize("method", ["ngram", "group"])
+def test_speculating_decode_engine(method, checkpoints):
+    """A decode engine that speculates (n-gram proposals, exact verification) samples what one
+    engine speculating alike samples; repeated prompts make the proposals hit. (A draft model
+    would lack its own K/V of the prompt: refused, `test_handoff_payload_and_refusals`.)"""
+    directory = checkpoints["qwen2"]
+    spec = dict(speculative_method=method)
+    prompts = [PREFIX * 3, [5, 6, 7, 8] * 4, PROMPTS[0]]
+    for params in (
+        SamplingParams(n=2, temperature=0.0, max_new_tokens=16, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=2, ignore_eos=True),
+    ):
+        want = reference(make_engine(directory, "float64", **spec), prompts, params)
+        decoder = make_engine(directory, "float64", **spec)
+        got, _ = disaggregated(make_engine(directory, "float64"), decoder, prompts, params)
+        assert_same(got, want, TOLERANCE["float64"])
+        assert decoder.stats()["spec_draft_tokens"] > 0
