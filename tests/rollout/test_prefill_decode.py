@@ -234,3 +234,25 @@ def test_speculating_decode_engine(method, checkpoints):
         got, _ = disaggregated(make_engine(directory, "float64"), decoder, prompts, params)
         assert_same(got, want, TOLERANCE["float64"])
         assert decoder.stats()["spec_draft_tokens"] > 0
+
+
+def test_multi_turn_sessions(checkpoints):
+    """Each turn's prompt is the last turn's prompt and completion plus new tokens: the prefill
+    engine reuses the earlier prompts it cached, and every turn samples what one engine serving
+    the whole session samples."""
+    directory = checkpoints["qwen3_moe"]
+    single = make_engine(directory, "float64")
+    prefiller, decoder = make_engine(directory, "float64"), make_engine(directory, "float64")
+    sessions = [[3, 17, 5], [43, 8, 61, 4, 9, 2]]
+    previous: list[list[int]] = [[], []]
+    for turn in range(3):
+        params = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=turn, ignore_eos=True)
+        want = reference(single, sessions, params)
+        got, handoffs = disaggregated(prefiller, decoder, sessions, params)
+        assert_same(got, want, TOLERANCE["float64"])
+        # The prefill engine never saw the completions: it holds the earlier prompts' whole
+        # pages only (the decode engine holds the whole turns).
+        assert [h.cached_tokens for h in handoffs] == [len(p) // 4 * 4 for p in previous]
+        previous = sessions
+        sessions = [s + out.samples[0].token_ids + [11 + turn] for s, out in zip(sessions, want)]
+    assert decoder.stats()["prefix_cache_tokens"] >= 8
