@@ -256,3 +256,38 @@ def test_multi_turn_sessions(checkpoints):
         previous = sessions
         sessions = [s + out.samples[0].token_ids + [11 + turn] for s, out in zip(sessions, want)]
     assert decoder.stats()["prefix_cache_tokens"] >= 8
+
+
+def _decode_in_child(directory: str, params: SamplingParams, inbox, outbox) -> None:
+    decoder = make_engine(directory, "float64")
+    handoffs = inbox.get()  # tensors arrive in shared memory, not copied through the pipe
+    shared = all(h.k.is_shared() and h.v.is_shared() for h in handoffs)
+    ids = [decoder.admit_prefilled(h, params) for h in handoffs]
+    done = {}
+    while decoder.has_unfinished():
+        done.update((out.request_id, out) for out in decoder.step())
+    outbox.put((shared, [[tuple(s) for s in done[i].samples] for i in ids]))
+
+
+def test_handoff_to_another_process_through_shared_memory(checkpoints):
+    """The decode engine in another process: the handoffs travel through a
+    `torch.multiprocessing` queue (their tensors in CPU shared memory) and the child decodes
+    what one engine samples."""
+    directory = checkpoints["qwen2"]
+    want = reference(make_engine(directory, "float64"), PROMPTS, SAMPLED)
+    handoffs = prefill(make_engine(directory, "float64"), PROMPTS, SAMPLED)
+    context = torch.multiprocessing.get_context("fork")
+    inbox, outbox = context.Queue(), context.Queue()
+    child = context.Process(target=_decode_in_child, args=(directory, SAMPLED, inbox, outbox))
+    child.start()
+    try:
+        inbox.put(handoffs)
+        shared, samples = outbox.get(timeout=120)
+    finally:
+        child.join(timeout=30)
+    assert child.exitcode == 0
+    assert shared
+    for got, out in zip(samples, want, strict=True):
+        for (tokens, logprobs, reason, _), s in zip(got, out.samples, strict=True):
+            assert tokens == s.token_ids and reason == s.finish_reason
+            assert max(abs(a - b) for a, b in zip(logprobs, s.logprobs)) <= 1e-12
