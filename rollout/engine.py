@@ -21,6 +21,7 @@ from rollout import device_memory
 from rollout.activity import ActivityLog, ForwardPass
 from rollout.build import KVSizing, build_parts, kv_sizing, replica_group
 from rollout.config import EngineConfig, SamplingParams
+from rollout.handoff import PrefillHandoff, transfer
 from rollout.model_runner import execute
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
 from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop
@@ -77,6 +78,23 @@ class Engine:
         self._next_request_id += 1
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
         self.scheduler.add(Request(request_id, prompt, params, base_seed, stop_check))
+        return request_id
+
+    def admit_prefilled(
+        self, handoff: PrefillHandoff, params: SamplingParams, stop_check: StopCheck | None = None
+    ) -> int:
+        """Queue a request another engine prefilled (`rollout.prefill_decode.prefill`, with these
+        `params`); returns its request id. It decodes from the next `step()`, which returns it."""
+        self._check_ready()
+        prompt = list(handoff.prompt_token_ids)
+        check_request(prompt, params, self)
+        handoff.check(
+            params, self.weight_version, self.tp is not None, self.draft_model is not None
+        )
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        request = Request(request_id, prompt, params, handoff.base_seed, stop_check)
+        self.scheduler.add_prefilled(request, transfer(handoff, self.device))
         return request_id
 
     def abort(self, request_id: int) -> None:

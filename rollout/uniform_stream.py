@@ -28,6 +28,7 @@ class UniformStream:
         self._array = np.empty(self.BLOCK, dtype=np.float64)
         self._draws: list[float] = []  # drawn from the generator, not yet taken
         self._next = 0  # _draws[_next:] are still to be taken
+        self._filled = 0  # draws the generator has made
 
     def _refill(self, wanted: int) -> None:
         """At least `wanted` draws not yet taken."""
@@ -36,7 +37,13 @@ class UniformStream:
             fill = torch.from_numpy(self._array)
             torch.rand(self.BLOCK, generator=self.generator, dtype=torch.float64, out=fill)
             pending += self._array.tolist()
+            self._filled += self.BLOCK
         self._draws, self._next = pending, 0
+
+    @property
+    def taken(self) -> int:
+        """Draws taken so far: a stream seeded alike that `skip`s them continues this one."""
+        return self._filled - (len(self._draws) - self._next)
 
     def draw(self) -> float:
         if self._next == len(self._draws):

@@ -148,6 +148,9 @@ class RLBatch:
     loss_masks: list[torch.Tensor] | None = None  # per response token; default all ones
     returns: list[torch.Tensor] | None = None  # critic targets (PPO / GAE)
     old_values: list[torch.Tensor] | None = None  # critic values before the update
+    # a mixture's routes to replay (`trainer.routing_replay`): per sample
+    # [tokens - 1 or tokens, sparse layers, k] expert ids, row q the token at position q
+    routed_experts: list[torch.Tensor] | None = None
 
     _PER_TOKEN = (
         "advantages",
@@ -179,6 +182,8 @@ class RLBatch:
                         f"batch.{name}[{i}] has {v.numel()} values; sample {i} has "
                         f"{want} response tokens"
                     )
+        if self.routed_experts is not None:
+            _check_routes(self.routed_experts, self.tokens)
 
     def response_len(self, i: int) -> int:
         return len(self.tokens[i]) - self.prompt_lens[i]
@@ -192,6 +197,7 @@ class RLBatch:
         return RLBatch(
             tokens=pick(self.tokens),
             prompt_lens=pick(self.prompt_lens),
+            routed_experts=pick(self.routed_experts),
             **{name: pick(getattr(self, name)) for name in self._PER_TOKEN},
         )
 
@@ -200,6 +206,21 @@ class RLBatch:
         # one is most of a Ray call's cost (`trainer.tensor_lists`); every field travels
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return _unpickle_batch, (values | {k: pack(values[k]) for k in self._PER_TOKEN},)
+
+
+def _check_routes(routes, tokens) -> None:
+    """One line naming the sample whose routes do not fit its tokens."""
+    if len(routes) != len(tokens):
+        raise ValueError(
+            f"batch.routed_experts has {len(routes)} entries for {len(tokens)} samples"
+        )
+    for i, r in enumerate(routes):
+        n = len(tokens[i])
+        if r.dim() != 3 or r.shape[0] not in (n - 1, n):
+            raise ValueError(
+                f"batch.routed_experts[{i}] has shape {tuple(r.shape)}; sample {i} has {n} "
+                f"tokens: want [{n - 1} or {n}, sparse layers, k]"
+            )
 
 
 def _unpickle_batch(values: dict) -> RLBatch:

@@ -176,6 +176,7 @@ class DeepSpeedTrainer:
 
     def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False, model=None):
         """Per-sample response-token log-probs (and entropy) for the whole batch, every rank."""
+        _no_routes(batch)
         mine = dp_share(len(batch.tokens))
         mbs = pack_all(
             [batch.tokens[i] for i in mine],
@@ -253,6 +254,7 @@ class DeepSpeedTrainer:
 
     def train_step_scored(self, batch: RLBatch) -> objective.ScoredStep:
         """`train_step`, also returning the old log-probs its forward supplied (every rank)."""
+        _no_routes(batch)
         cfg = self.cfg
         batch = objective.complete_batch(batch, cfg.loss, self.compute_ref_logprobs)
         fused = objective.old_from_forward(batch, cfg.loss)
@@ -397,3 +399,11 @@ class DeepSpeedTrainer:
     def onload(self) -> int:
         self.engine.reload_states()
         return self._state_bytes()
+
+
+def _no_routes(batch: RLBatch) -> None:
+    if batch.routed_experts is not None:
+        raise ValueError(
+            "batch.routed_experts: routing replay runs on the megatron backend only; set "
+            "trainer.backend: megatron, or send no routes"
+        )

@@ -36,7 +36,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import collectives
 from model_spec import ModelSpec
-from trainer import megatron_optimizer, shared_prompts, step_metrics
+from trainer import megatron_optimizer, routing_replay, shared_prompts, step_metrics
 from trainer.bridge import HFCheckpoint, load_hf_weights
 from trainer.config import RLBatch, TrainerConfig
 from trainer.megatron_model import build_gpt_model
@@ -142,6 +142,8 @@ class MegatronModel:
         )
         if not value_head:  # the policy's log-probs may skip prompt rows (`run`)
             install_row_selection(model)
+        # (routes column, replay) per router of this stage; replays only when given routes
+        self.replays = routing_replay.install(model, arch.moe.sparse_layers) if arch.moe else []
         self.raw = model
         # a prompt shared by samples of a micro-batch runs once (`packing`); Transformer
         # Engine's attention cannot attend in that layout, ours can
@@ -190,25 +192,38 @@ class MegatronModel:
         loss_fn: Callable,
         forward_only: bool,
         response_rows: bool = False,
+        routes: Sequence[torch.Tensor] | None = None,
     ) -> list:
         """Run the schedule; on the last PP stage returns loss_fn's metric dicts, else [].
 
         `response_rows`: the model's output (what `loss_fn(mb, output)` gets) covers only the
         micro-batch's read rows (`mb.logit_rows`; `mb.reads_of` gives one row per read): the
         last layer past its attention and the LM head skip the other rows (`response_rows`);
-        without it the output covers every packed row."""
+        without it the output covers every packed row.
+
+        `routes`: per micro-batch its packed rows' experts [t, sparse layers, k]
+        (`routing_replay.packed_routes`), replayed in its forward."""
         dev = device()
+        per_mb = iter(routes) if routes is not None else None
 
         def forward_step(data_iterator: Iterator[MicroBatch], model):
             mb = next(data_iterator)
             rows = mb.logit_rows.to(dev) if response_rows else None
-            with selecting(self.raw, rows):
-                out = model(
-                    mb.input_ids.to(dev),
-                    mb.position_ids.to(dev),
-                    None,
-                    packed_seq_params=_packed_params(mb, dev),
-                )
+            if per_mb is not None:
+                packed = next(per_mb)
+                for column, replay in self.replays:
+                    replay.replay(packed[:, column], mb.logit_rows if response_rows else None)
+            try:
+                with selecting(self.raw, rows):
+                    out = model(
+                        mb.input_ids.to(dev),
+                        mb.position_ids.to(dev),
+                        None,
+                        packed_seq_params=_packed_params(mb, dev),
+                    )
+            finally:
+                for _, replay in self.replays:
+                    replay.stop()
             return out, functools.partial(loss_fn, mb)
 
         schedule = get_forward_backward_func()
@@ -227,16 +242,16 @@ class MegatronModel:
         batch: RLBatch,
         fn: Callable[[torch.Tensor, MicroBatch], dict[str, torch.Tensor]],
         response_rows: bool = False,
+        replay: bool = False,
     ) -> dict:
         """Forward-only over the whole batch. `fn(output, mb)` returns per-response-token
         tensors (packed order); the result maps each name to a list with one tensor per sample
-        of the batch, on every rank. `response_rows`: as in `run`."""
+        of the batch, on every rank. `response_rows`: as in `run`; `replay`: route by the
+        batch's `routed_experts` when it has them."""
         mine = dp_share(len(batch.tokens))
+        local = batch.subset(mine)
         mbs = pack_all(
-            [batch.tokens[i] for i in mine],
-            [batch.prompt_lens[i] for i in mine],
-            self.cfg.max_tokens_per_micro_batch,
-            self.share_prompts,
+            local.tokens, local.prompt_lens, self.cfg.max_tokens_per_micro_batch, self.share_prompts
         )
 
         def loss_fn(mb, output):
@@ -251,7 +266,9 @@ class MegatronModel:
         was_training = self.module.training
         self.module.eval()
         with torch.no_grad():
-            stored = self.run(mbs, loss_fn, forward_only=True, response_rows=response_rows)
+            stored = self.run(
+                mbs, loss_fn, True, response_rows, self.packed_routes(mbs, local, replay)
+            )
         self.module.train(was_training)
         local = {k: v for out in stored for k, v in out.items()}
         merged = from_last_stage(all_gather_dicts(local, parallel_state.get_data_parallel_group()))
@@ -262,13 +279,27 @@ class MegatronModel:
         self, local: RLBatch, loss_fn: Callable, response_rows: bool = False
     ) -> list[dict]:
         """Forward + backward over this DP rank's share `local`; grads left in DDP buffers.
-        `response_rows`: as in `run`."""
+        `response_rows`: as in `run`; `local.routed_experts`, when given, are replayed."""
         mbs = pack_all(
             local.tokens, local.prompt_lens, self.cfg.max_tokens_per_micro_batch, self.share_prompts
         )
         self.module.train()
         self.module.zero_grad_buffer()
-        return self.run(mbs, loss_fn, forward_only=False, response_rows=response_rows)
+        routes = self.packed_routes(mbs, local, replay=True)
+        return self.run(mbs, loss_fn, False, response_rows, routes)
+
+    def packed_routes(
+        self, mbs: Sequence[MicroBatch], local: RLBatch, replay: bool
+    ) -> list[torch.Tensor] | None:
+        """Each micro-batch's routes to replay (`routing_replay`); None: route freely."""
+        if not replay or local.routed_experts is None:
+            return None
+        if self.arch.moe is None:
+            raise ValueError("batch.routed_experts given for a dense model; it has no router")
+        return [
+            routing_replay.packed_routes(mb, local.tokens, local.prompt_lens, local.routed_experts)
+            for mb in mbs
+        ]
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip by the global grad norm, set the scheduled LR, step. Returns (grad_norm, lr).

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from megatron.core import parallel_state
 
-from trainer import objective
+from trainer import objective, routing_replay
 from trainer.bridge import export_engine_shards, export_hf_weights, gather_hf_state_dict
 from trainer.config import RLBatch, TrainerConfig
 from trainer.logprobs import vocab_parallel_logprobs
@@ -74,18 +74,20 @@ class MegatronTrainer:
         )
         return out.logprobs, out.entropy
 
-    def _logprobs_of(self, model: MegatronModel, batch: RLBatch, with_entropy: bool):
+    def _logprobs_of(
+        self, model: MegatronModel, batch: RLBatch, with_entropy: bool, replay: bool = False
+    ):
         def fn(logits, mb):
             lp, ent = self._token_logprobs(model, logits, mb)
             return {"lp": lp, "ent": ent}
 
-        out = model.per_sample(batch, fn, response_rows=True)
+        out = model.per_sample(batch, fn, response_rows=True, replay=replay)
         return (out["lp"], out["ent"]) if with_entropy else out["lp"]
 
     def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False):
         """Per-sample response-token log-probs (and entropy) under logits / temperature, for
-        the whole batch, on every rank."""
-        return self._logprobs_of(self.policy, batch, with_entropy)
+        the whole batch, on every rank; a mixture routes by `batch.routed_experts` when given."""
+        return self._logprobs_of(self.policy, batch, with_entropy, replay=True)
 
     def compute_ref_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
         if self.reference is None:
@@ -135,7 +137,8 @@ class MegatronTrainer:
 
         Missing old log-probs come from this step's own forward (on-policy: the ratio is
         exactly 1 and PPO-KL exactly 0; `objective`); missing reference log-probs come from
-        the reference."""
+        the reference. With `batch.routed_experts` a mixture replays them in the forward
+        (`routing_replay`) and reports `routing_agreement`."""
         return self.train_step_scored(batch).metrics
 
     def train_step_scored(self, batch: RLBatch) -> objective.ScoredStep:
@@ -156,8 +159,11 @@ class MegatronTrainer:
                 metrics["old_logprobs"] = objective.split_by_sample(lp, local, mb, mine)
             return loss, torch.tensor(1), metrics
 
+        routing_replay.reset(self.policy.replays)
         stored = self.policy.train_micro_batches(local, loss_fn, response_rows=True)
         metrics = reduce_metrics(stored, objective.METRIC_KEYS, max_keys=("ratio_max",))
+        if batch.routed_experts is not None:
+            metrics["routing_agreement"] = routing_replay.agreement(self.policy.replays)
         old = None
         if fused:
             mine_old = {i: t for m in stored for i, t in m["old_logprobs"].items()}

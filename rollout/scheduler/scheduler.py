@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from rollout.handoff import HandoffCapture, PrefillHandoff
 from rollout.kv_pool import KVPool
 from rollout.logprobs import LogprobOutputs
 from rollout.radix_cache import RadixCache
@@ -82,6 +83,11 @@ class Scheduler:
         self._sorted: list[Sequence] = []
         self.requests: dict[int, Request] = {}  # unfinished requests
         self.logprob_outputs = LogprobOutputs()  # top-k and prompt log-probs, when asked
+        # Prefill-decode disaggregation (`rollout.prefill_decode`). Prefill side: the requests
+        # whose handoff is collected as their samples finish. Decode side: prefilled requests
+        # waiting for rows and pages, admitted first at the next `schedule`.
+        self.exports: dict[int, HandoffCapture] = {}
+        self.prefilled: deque[tuple[Request, PrefillHandoff]] = deque()
 
     @property
     def cache(self) -> RadixCache | None:
@@ -114,6 +120,10 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.request is request]:
             self.waiting.remove(seq)
             self._record(seq, "abort")
+        for entry in [e for e in self.prefilled if e[0] is request]:
+            self.prefilled.remove(entry)
+            for seq in self._prefilled_sequences(request):
+                self._record(seq, "abort")
         park = request.params.park_kv
         for seq in [s for s in self.running if s.request is request]:
             if park and seq.num_forks == 1 and seq.num_generated > 0:  # its K/V waits
@@ -146,6 +156,8 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        while self.prefilled and self._admit_prefilled(*self.prefilled[0]):
+            self.prefilled.popleft()
         decode: list[Sequence] = []
         prefill: list[tuple[Sequence, int]] = []
         budget, page_size, allocator = self.max_prefill_tokens, self.page_size, self.allocator
@@ -213,6 +225,71 @@ class Scheduler:
         seq.new_kv_epoch()
         self.allocator.write_pages(seq)
         self.running.append(seq)
+        return True
+
+    def add_prefilled(self, request: Request, handoff: PrefillHandoff) -> None:
+        """Queue a request whose prompt another engine computed (`handoff`); it is admitted with
+        that K/V at the next `schedule` that has rows and pages for it."""
+        self.requests[request.request_id] = request
+        self.logprob_outputs.added(request)
+        request.set_limits(self.eos_token_ids, self.max_model_len)
+        request.cached_tokens = handoff.cached_tokens
+        self.prefilled.append((request, handoff))
+
+    def _prefilled_sequences(self, request: Request) -> list[Sequence]:
+        """As `add`: one sequence standing for the `n` forks with the prefix cache, else n."""
+        n = request.params.n
+        if self.cache is not None:
+            return [Sequence(request, 0, num_forks=n)]
+        return [Sequence(request, j) for j in range(n)]
+
+    def _admit_prefilled(self, request: Request, handoff: PrefillHandoff) -> bool:
+        """Admit a prefilled request: pages with the handoff's K/V copied in (the prefix cache
+        keeps its whole pages, or its own where it had them), its samples forked, each given
+        its first token and a uniform stream past the draws the prefill consumed. They decode
+        from this step on. False (nothing taken) if rows or pages are short."""
+        if self.pool.copy_log is not None:  # the other ranks would need the K/V too
+            raise RuntimeError("prefilled requests under tensor parallelism are not supported")
+        seqs = self._prefilled_sequences(request)
+        prompt_len = len(request.prompt)
+        pages_each = -(-prompt_len // self.page_size)
+        # the prompt's pages, and one per sample for its tail page copy or its next token
+        need = pages_each * len(seqs) + request.params.n
+        if len(self.allocator.free_rows) < request.params.n or (
+            self.allocator.available_pages() < need
+        ):
+            if not self.running:
+                raise RuntimeError(
+                    f"a prefilled request needs {need} KV pages and {request.params.n} rows with "
+                    "nothing running; raise kv_cache_tokens or max_running_requests"
+                )
+            return False
+        pool = self.pool
+        k = handoff.k.to(pool.device, pool.dtype)
+        v = handoff.v.to(pool.device, pool.dtype)
+        forks: list[Sequence] = []
+        for seq in seqs:
+            pages = self.allocator.alloc(pages_each)
+            assert pages is not None, "counted as available"
+            seq.pages, seq.tree, seq.status = pages, self.cache, Status.RUNNING
+            self.allocator.take_rows(seq)
+            seq.new_kv_epoch()
+            self.allocator.write_pages(seq)
+            slots = self.slot_table[seq.row, :prompt_len]
+            pool.k.index_copy_(2, slots, k)
+            pool.v.index_copy_(2, slots, v)
+            if pool.routes is not None and handoff.routes is not None:
+                pool.routes.index_copy_(0, slots, handoff.routes.to(pool.device, pool.routes.dtype))
+            seq.num_computed = prompt_len
+            self.running.append(seq)
+            forks += self._ready_to_sample(seq)
+        version = self.weight_version
+        for seq in forks:
+            j = seq.sample_index
+            seq.uniforms.skip(handoff.uniforms_taken[j])
+            reason = seq.append([handoff.first_tokens[j]], [handoff.first_logprobs[j]], version)
+            if reason is not None:
+                self._finish(seq, reason)
         return True
 
     def _preempt_newest(self) -> Sequence:
@@ -303,6 +380,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         # Stopping inside an accepted draft: K/V past the last kept token is not the sequence's.
         seq.num_computed = min(seq.num_computed, len(seq.token_ids))
+        if self.exports and (capture := self.exports.get(seq.request.request_id)) is not None:
+            capture.take(seq, self.pool, self.slot_table)  # before its pages go back
         if seq.status is Status.RUNNING:
             self._release(seq, cache_kv=True)
         else:  # a fork that found no page: it never held KV

@@ -1,0 +1,293 @@
+"""Prefill-decode disaggregation against one engine doing both.
+
+A prefill engine computes each prompt and samples every sample's first token
+(`rollout.prefill_decode.prefill`); a decode engine admits the handoff (`Engine.admit_prefilled`)
+and samples on. The reference is a single engine with the same weights and seeds
+(`Engine.generate`): tokens, finish reasons and a mixture's routes equal, log-probs within 1e-12
+in float64 (1e-5 in float32), for n = 1 and n > 1 (forks copying a partly filled page), cold and
+with prefix-cache hits on the prefill side, the decode side, or both, with a decode engine
+without a prefix cache, and with samples that end at their first token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.prefill_decode import prefill, transfer
+
+from tiny_hf import make_hf_model, save_hf_model
+
+TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
+PREFIX = [3, 17, 5, 29, 11, 7, 23]  # 7 tokens: with page_size 4 a partly filled last page
+PROMPTS = [PREFIX + [2, 41], PREFIX + [13], [43, 8, 61, 4, 9], PREFIX + [31, 19, 37]]
+SAMPLED = SamplingParams(n=3, temperature=1.0, top_p=0.9, max_new_tokens=9, seed=11)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    made = {}
+    for family in ("qwen2", "qwen3_moe"):
+        model = make_hf_model(family, seed=0)
+        made[family] = str(save_hf_model(model, tmp_path_factory.mktemp(family)))
+    return made
+
+
+def make_engine(directory: str, dtype: str, **overrides) -> Engine:
+    kwargs = dict(model_path=directory, dtype=dtype, kv_cache_tokens=512, page_size=4, seed=0)
+    return Engine(EngineConfig(**(kwargs | overrides)))
+
+
+def disaggregated(prefill_engine: Engine, decode_engine: Engine, prompts, params):
+    """Every prompt's RequestOutput from a prefill engine and a decode engine, in prompt order."""
+    handoffs = prefill(prefill_engine, prompts, params)
+    ids = [decode_engine.admit_prefilled(h, params) for h in handoffs]
+    done = {}
+    while decode_engine.has_unfinished():
+        done.update((out.request_id, out) for out in decode_engine.step())
+        decode_engine.check_integrity()
+    prefill_engine.check_integrity()
+    return [done[i] for i in ids], handoffs
+
+
+def reference(engine: Engine, prompts, params):
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update((out.request_id, out) for out in engine.step())
+    return [done[i] for i in ids]
+
+
+def assert_same(got, want, atol: float) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.prompt_token_ids == w.prompt_token_ids
+        for gs, ws in zip(g.samples, w.samples, strict=True):
+            assert gs.token_ids == ws.token_ids
+            assert gs.finish_reason == ws.finish_reason
+            assert len(gs.logprobs) == len(ws.logprobs)
+            diff = max((abs(a - b) for a, b in zip(gs.logprobs, ws.logprobs)), default=0.0)
+            assert diff <= atol, diff
+        assert (g.routed_experts is None) == (w.routed_experts is None)
+        if w.routed_experts is not None:
+            for gr, wr in zip(g.routed_experts, w.routed_experts, strict=True):
+                assert torch.equal(gr, wr)
+        assert g.weight_versions == w.weight_versions
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_disaggregated_equals_one_engine_cold_and_with_prefix_hits(family, dtype, checkpoints):
+    directory = checkpoints[family]
+    single = make_engine(directory, dtype)
+    prefiller, decoder = make_engine(directory, dtype), make_engine(directory, dtype)
+    atol = TOLERANCE[dtype]
+    for params in (SAMPLED, SamplingParams(n=1, temperature=0.7, max_new_tokens=6, seed=5)):
+        want = reference(single, PROMPTS, params)
+        # Cold on both sides for the first params; the second round hits both prefix caches
+        # (the prefill engine's own, and the decode engine's filled by the first handoffs).
+        got, handoffs = disaggregated(prefiller, decoder, PROMPTS, params)
+        assert_same(got, want, atol)
+        assert [h.cached_tokens for h in handoffs] == [w.cached_tokens for w in want]
+        # The decode engine keeps the transferred prompts: its cache holds them.
+        assert decoder.stats()["prefix_cache_tokens"] > 0
+    # Same seeds again: the prefill engine answers from its cache, the decode engine dedups.
+    again, _ = disaggregated(prefiller, decoder, PROMPTS, SAMPLED)
+    assert_same(again, reference(single, PROMPTS, SAMPLED), atol)
+
+
+def test_decode_side_hit_with_a_cold_prefill_and_no_decode_cache(checkpoints):
+    directory = checkpoints["qwen2"]
+    single = make_engine(directory, "float64")
+    want = reference(single, PROMPTS, SAMPLED)
+    decoder = make_engine(directory, "float64")
+    # Warm the decode engine's cache with the shared prefix through ordinary generation.
+    reference(decoder, [PREFIX + [1]], SamplingParams(max_new_tokens=2, seed=1))
+    hits_before = decoder.stats()["prefix_cache_hit_tokens"]
+    got, _ = disaggregated(make_engine(directory, "float64"), decoder, PROMPTS, SAMPLED)
+    assert_same(got, want, TOLERANCE["float64"])
+    assert decoder.stats()["prefix_cache_tokens"] >= 4
+    assert decoder.stats()["prefix_cache_hit_tokens"] > hits_before  # the forks' shares
+    # Neither side caching: each sample gets its own copy of the prompt's K/V.
+    uncached = dict(enable_prefix_cache=False)
+    got, _ = disaggregated(
+        make_engine(directory, "float64", **uncached),
+        make_engine(directory, "float64", **uncached),
+        PROMPTS,
+        SAMPLED,
+    )
+    assert_same(got, want, TOLERANCE["float64"])
+
+
+def test_samples_ending_at_their_first_token(checkpoints):
+    directory = checkpoints["qwen2"]
+    single = make_engine(directory, "float64")
+    one = SamplingParams(n=2, max_new_tokens=1, seed=3)
+    want = reference(single, PROMPTS, one)
+    got, _ = disaggregated(
+        make_engine(directory, "float64"), make_engine(directory, "float64"), PROMPTS, one
+    )
+    assert_same(got, want, TOLERANCE["float64"])
+    assert all(s.finish_reason == "length" for out in got for s in out.samples)
+    # A stop id that is some sample's first token: that sample stops at once, on both sides.
+    first = want[0].samples[0].token_ids[0]
+    stop = SamplingParams(n=3, max_new_tokens=8, seed=3, stop_token_ids=(first,))
+    want = reference(single, PROMPTS, stop)
+    got, _ = disaggregated(
+        make_engine(directory, "float64"), make_engine(directory, "float64"), PROMPTS, stop
+    )
+    assert_same(got, want, TOLERANCE["float64"])
+    assert any(s.finish_reason == "stop" and len(s.token_ids) == 1 for s in got[0].samples)
+
+
+def test_handoff_payload_and_refusals(checkpoints):
+    directory = checkpoints["qwen3_moe"]
+    prefiller = make_engine(directory, "float32")
+    (handoff,) = prefill(prefiller, [PROMPTS[0]], SAMPLED)
+    pool = prefiller.pool
+    layers, kv_heads, head_dim = pool.num_layers, pool.num_kv_heads, pool.head_dim
+    prompt_len = len(PROMPTS[0])
+    assert handoff.k.shape == (layers, kv_heads, prompt_len, head_dim)
+    assert handoff.routes is not None and handoff.routes.shape[0] == prompt_len
+    kv_bytes = 2 * layers * kv_heads * prompt_len * head_dim * 4
+    assert handoff.nbytes == kv_bytes + handoff.routes.numel() * handoff.routes.element_size()
+    assert len(handoff.first_tokens) == len(handoff.uniforms_taken) == SAMPLED.n
+    assert all(t >= 1 for t in handoff.uniforms_taken)
+    moved = transfer(handoff, "cpu")
+    assert torch.equal(moved.k, handoff.k) and torch.equal(moved.v, handoff.v)
+
+    decoder = make_engine(directory, "float32")
+    with pytest.raises(ValueError, match="params.n=1"):
+        decoder.admit_prefilled(handoff, SamplingParams(n=1, seed=11))
+    with pytest.raises(ValueError, match="top_logprobs"):
+        prefill(prefiller, [PROMPTS[0]], SamplingParams(top_logprobs=2))
+    dense = checkpoints["qwen2"]
+    drafting = make_engine(
+        dense, "float32", speculative_method="draft", speculative_draft_model_path=dense
+    )
+    with pytest.raises(ValueError, match="speculative_method='draft'"):
+        drafting.admit_prefilled(handoff, SAMPLED)
+    decoder.update_weights([])  # a new weight version: the handoff's K/V is stale
+    with pytest.raises(ValueError, match="weight version 0"):
+        decoder.admit_prefilled(handoff, SAMPLED)
+
+
+def test_decode_engine_short_of_pages_queues_and_preempts(checkpoints):
+    """A decode engine with room for few sequences: handoffs wait in its queue until rows and
+    pages free up, join a batch already decoding, are preempted and recomputed, and still
+    sample what one roomy engine samples. An aborted handoff still queued ends at once."""
+    directory = checkpoints["qwen3_moe"]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7, ignore_eos=True)
+    prompts = [PREFIX + [i, i + 1] for i in range(1, 7)] + PROMPTS
+    want = reference(make_engine(directory, "float64"), prompts, params)
+    tight = dict(kv_cache_tokens=48, max_running_requests=4)
+    decoder = make_engine(directory, "float64", **tight)
+    handoffs = prefill(make_engine(directory, "float64"), prompts, params)
+    ids, done = [], {}
+    for h in handoffs:  # one arriving per step, into a running batch
+        ids.append(decoder.admit_prefilled(h, params))
+        done.update((out.request_id, out) for out in decoder.step())
+        decoder.check_integrity()
+    assert decoder.scheduler.prefilled, "the tight engine queued some handoffs"
+    while decoder.has_unfinished():
+        done.update((out.request_id, out) for out in decoder.step())
+        decoder.check_integrity()
+    assert decoder.stats()["preemptions"] > 0
+    assert_same([done[i] for i in ids], want, TOLERANCE["float64"])
+
+    busy = make_engine(directory, "float64", **tight)
+    first = [busy.admit_prefilled(h, params) for h in handoffs[:4]]
+    busy.step()
+    queued = busy.admit_prefilled(handoffs[4], params)
+    assert busy.scheduler.prefilled[-1][0].request_id == queued
+    busy.abort(queued)
+    outputs = {}
+    while busy.has_unfinished():
+        outputs.update((out.request_id, out) for out in busy.step())
+        busy.check_integrity()
+    assert [s.finish_reason for s in outputs[queued].samples] == ["abort", "abort"]
+    assert_same([outputs[i] for i in first], want[:4], TOLERANCE["float64"])
+
+
+@pytest.mark.parametrize("method", ["ngram", "group"])
+def test_speculating_decode_engine(method, checkpoints):
+    """A decode engine that speculates (n-gram proposals, exact verification) samples what one
+    engine speculating alike samples; repeated prompts make the proposals hit. (A draft model
+    would lack its own K/V of the prompt: refused, `test_handoff_payload_and_refusals`.)"""
+    directory = checkpoints["qwen2"]
+    spec = dict(speculative_method=method)
+    prompts = [PREFIX * 3, [5, 6, 7, 8] * 4, PROMPTS[0]]
+    for params in (
+        SamplingParams(n=2, temperature=0.0, max_new_tokens=16, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=2, ignore_eos=True),
+    ):
+        want = reference(make_engine(directory, "float64", **spec), prompts, params)
+        decoder = make_engine(directory, "float64", **spec)
+        got, _ = disaggregated(make_engine(directory, "float64"), decoder, prompts, params)
+        assert_same(got, want, TOLERANCE["float64"])
+        assert decoder.stats()["spec_draft_tokens"] > 0
+
+
+def test_multi_turn_sessions(checkpoints):
+    """Each turn's prompt is the last turn's prompt and completion plus new tokens: the prefill
+    engine reuses the earlier prompts it cached, and every turn samples what one engine serving
+    the whole session samples."""
+    directory = checkpoints["qwen3_moe"]
+    single = make_engine(directory, "float64")
+    prefiller, decoder = make_engine(directory, "float64"), make_engine(directory, "float64")
+    sessions = [[3, 17, 5], [43, 8, 61, 4, 9, 2]]
+    previous: list[list[int]] = [[], []]
+    for turn in range(3):
+        params = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=turn, ignore_eos=True)
+        want = reference(single, sessions, params)
+        got, handoffs = disaggregated(prefiller, decoder, sessions, params)
+        assert_same(got, want, TOLERANCE["float64"])
+        # The prefill engine never saw the completions: it holds the earlier prompts' whole
+        # pages only (the decode engine holds the whole turns).
+        assert [h.cached_tokens for h in handoffs] == [len(p) // 4 * 4 for p in previous]
+        previous = sessions
+        sessions = [s + out.samples[0].token_ids + [11 + turn] for s, out in zip(sessions, want)]
+    assert decoder.stats()["prefix_cache_tokens"] >= 8
+
+
+def _decode_in_child(directory: str, params: SamplingParams, inbox, outbox) -> None:
+    decoder = make_engine(directory, "float64")
+    handoffs = inbox.get()  # tensors arrive in shared memory, not copied through the pipe
+    shared = all(h.k.is_shared() and h.v.is_shared() for h in handoffs)
+    ids = [decoder.admit_prefilled(h, params) for h in handoffs]
+    done = {}
+    while decoder.has_unfinished():
+        done.update((out.request_id, out) for out in decoder.step())
+    outbox.put((shared, [[tuple(s) for s in done[i].samples] for i in ids]))
+
+
+def test_handoff_to_another_process_through_shared_memory(checkpoints):
+    """The decode engine in another process: the handoffs travel through a
+    `torch.multiprocessing` queue (their tensors in CPU shared memory) and the child decodes
+    what one engine samples."""
+    directory = checkpoints["qwen2"]
+    want = reference(make_engine(directory, "float64"), PROMPTS, SAMPLED)
+    handoffs = prefill(make_engine(directory, "float64"), PROMPTS, SAMPLED)
+    context = torch.multiprocessing.get_context("fork")
+    inbox, outbox = context.Queue(), context.Queue()
+    child = context.Process(target=_decode_in_child, args=(directory, SAMPLED, inbox, outbox))
+    child.start()
+    try:
+        inbox.put(handoffs)
+        shared, samples = outbox.get(timeout=120)
+    finally:
+        child.join(timeout=30)
+    assert child.exitcode == 0
+    assert shared
+    for got, out in zip(samples, want, strict=True):
+        for (tokens, logprobs, reason, _), s in zip(got, out.samples, strict=True):
+            assert tokens == s.token_ids and reason == s.finish_reason
+            assert max(abs(a - b) for a, b in zip(logprobs, s.logprobs)) <= 1e-12
