@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+import collectives
 from trainer.packing import MicroBatch, prompt_groups
 
 NO_ROUTE = -1  # a packed row whose route is not given: the trainer's own top-k routes it
@@ -124,11 +125,8 @@ def agreement(replays: Sequence[tuple[int, RouteReplay]]) -> float:
     counts = torch.tensor(
         [sum(r.agree for _, r in replays), sum(r.counted for _, r in replays)], dtype=torch.float64
     )
-    if torch.distributed.is_initialized():
-        from trainer.parallel import device
-
-        counts = counts.to(device())
-        torch.distributed.all_reduce(counts)
+    if torch.distributed.is_initialized():  # on the group's device, read back once
+        counts = collectives.all_reduce(counts)
     agree, counted = counts.tolist()
     return agree / counted if counted else 1.0
 
