@@ -229,7 +229,12 @@ def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
             f"max_position_embeddings={mc.max_position_embeddings}; lower it"
         )
     model = CausalLM.build(
-        mc, max_model_len, getattr(torch, config.dtype), torch.device(config.device), tp
+        mc,
+        max_model_len,
+        getattr(torch, config.dtype),
+        torch.device(config.device),
+        tp,
+        config.quantization,
     )
     shards = shard_spec(model)
     load_weights(

@@ -90,6 +90,12 @@ class EngineConfig(Config):
     speculative_min_acceptance: float = Field(0.25, ge=0.0, le=1.0)
     """Back-off: a verify step that accepts less than this share of its draft pauses that sequence's
     drafting, for 1, 2, 4, ... up to 64 steps while it keeps failing. 0 disables the back-off."""
+    quantization: Literal["fp8"] | None = None
+    """"fp8": the decoder layers' linear weights (q/k/v/o, gate/up/down, experts) held in
+    float8_e4m3fn with a float32 scale per 128 x 128 block (`rollout.fp8_linear`), quantized
+    when loaded from the checkpoint or by the weight sync's sender; embeddings, norms, router
+    and LM head stay in `dtype`. Computes as the `dtype` engine would on the dequantized
+    weights. None: every weight in `dtype`."""
     seed: int = 0
     """Seeds the generators of requests that give no seed of their own."""
     tp: int = Field(1, ge=1)
@@ -138,6 +144,12 @@ class EngineConfig(Config):
             raise ValueError(
                 f"{name('attention_backend')}='triton' needs a CUDA device "
                 f"({name('device')}={self.device!r}); use 'torch' on CPU"
+            )
+        if self.quantization is not None and self.dtype == "float64":
+            raise ValueError(
+                f"{name('quantization')}={self.quantization!r} rounds weights far below what "
+                f"a {name('dtype')}='float64' model is for (exact reference runs); use "
+                f"bfloat16 or float32, or {name('quantization')} null"
             )
         if self.attention_backend == "triton" and self.dtype == "float64":
             raise ValueError(

@@ -23,6 +23,7 @@ from torch import nn
 from model_spec import ModelSpec
 from rollout.attention import AttentionMetadata, TorchAttention
 from rollout.config import accum_dtype
+from rollout.fp8_linear import Fp8Linear, check_shards, quantize_linears
 from rollout.moe import SparseMoE
 from rollout.parallel_layers import column, embedding, lm_head, row
 from rollout.rope import RotaryEmbedding
@@ -30,11 +31,14 @@ from rollout.tp_group import TPGroup
 
 
 def _share_storage(
-    linears: list[nn.Linear], column_major: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    linears: list[nn.Module], column_major: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The linears' weights (and biases) concatenated along the outputs into one new tensor
     each, current values kept; each parameter's data becomes its rows of it. `column_major`:
-    the fused weight [out, in] is stored transposed (see `CausalLM.column_major`)."""
+    the fused weight [out, in] is stored transposed (see `CausalLM.column_major`). FP8 layers
+    (`rollout.fp8_linear`) stay apart: (None, None)."""
+    if not all(isinstance(linear, nn.Linear) for linear in linears):  # FP8: each on its own
+        return None, None
     fused = []
     for attr in ("weight", "bias"):
         params = [getattr(linear, attr) for linear in linears]
@@ -59,7 +63,7 @@ def _lay_out(linear: nn.Linear, column_major: bool) -> None:
     tensor) or as is (row-major); values kept, the storage replaced only when the layout
     changes."""
     weight = linear.weight.data
-    if weight.dim() == 2:
+    if isinstance(linear, nn.Linear) and weight.dim() == 2:  # not an FP8 layer's
         linear.weight.data = weight.t().contiguous().t() if column_major else weight.contiguous()
 
 
@@ -167,6 +171,8 @@ class MLP(nn.Module):
         else:
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             hidden = F.silu(gate) * up
+        if isinstance(self.down_proj, Fp8Linear):
+            return self.down_proj.matmul(hidden)
         return F.linear(hidden, self.down_proj.weight)
 
     def fuse_projections(self, column_major: bool) -> None:
@@ -244,14 +250,21 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPGroup | None = None,
+        quantization: str | None = None,
     ) -> CausalLM:
         """An inference-mode model with real but uninitialised parameters (fill them with
         `rollout.weights.load_weights`). Built on the meta device, so nothing is initialised twice;
         the rotary tables are computed in `accum_dtype(dtype)` on the real device. With `tp`, this
-        rank's shard only."""
+        rank's shard only. `quantization="fp8"`: the decoder layers' linear weights are held in
+        block-wise FP8 (`rollout.fp8_linear`), the rest in `dtype`."""
         with torch.device("meta"):
             model = cls(cfg, max_positions, tp)
-        model = model.to(dtype=dtype).to_empty(device=device)
+        model = model.to(dtype=dtype)
+        if quantization == "fp8":  # after the dtype cast, which would cast FP8 weights too
+            quantize_linears(model)
+            if tp is not None:
+                check_shards(model, tp.size)
+        model = model.to_empty(device=device)
         model.tie_weights()
         model.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)

@@ -122,7 +122,8 @@ def shard_spec(model: nn.Module) -> dict[str, Shard]:
     """Parameter name -> how it is sliced from the full tensor; unlisted parameters are whole."""
     spec: dict[str, Shard] = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        # the parallel layers here, and `rollout.fp8_linear.Fp8Linear` holding one's shard
+        if callable(getattr(module, "shards", None)):
             for name, shard in module.shards().items():
                 spec[f"{prefix}.{name}"] = shard
     return spec

@@ -4,6 +4,10 @@
 tensor addresses never change (CUDA graphs and IPC consumers stay valid), and it validates every
 name and shape before touching anything that could leave the model half-updated.
 
+An engine holding FP8 layers (`rollout.fp8_linear`) takes their weights either quantized (the
+FP8 tensor and its `*_scale_inv`, as the weight sync sends them) or in full precision, which it
+quantizes itself after narrowing to its slice (`quantization.quantize`, the same function).
+
 A tensor-parallel rank passes its `shards` (`rollout.parallel_layers.shard_spec`): a full Hugging
 Face tensor is narrowed to the rank's slice, and a tensor already of the slice's shape (sent
 pre-sharded) is copied as it is.
@@ -18,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from quantization import FP8_DTYPE, quantize, scale_name
 from rollout.parallel_layers import Shard
 
 # Buffers some older checkpoints carry; they are recomputed from the config, never loaded.
@@ -82,7 +87,22 @@ def load_weights(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
                 f"{tuple(param.shape)}; is the checkpoint from the same config.json?"
             )
-        param.copy_(tensor)
+        if param.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+            # An FP8 layer given its weight in full precision (a checkpoint, or a sender that
+            # does not quantize): this rank's slice quantized here, its scales with it.
+            scale = scale_name(target_name)
+            layer = model.get_submodule(target_name.rpartition(".")[0])
+            quantized = quantize(tensor.to(param.device, layer.dtype))
+            param.copy_(quantized.weight)
+            params[scale].copy_(quantized.scale_inv)
+            loaded.add(scale)
+        elif tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"weight {name!r} arrives in FP8, but this engine holds it in {param.dtype}; "
+                "quantize on the sender only for an engine with quantization='fp8'"
+            )
+        else:
+            param.copy_(tensor)
         loaded.add(target_name)
     if require_all:
         missing = sorted(set(params) - loaded)

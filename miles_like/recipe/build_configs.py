@@ -154,6 +154,7 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
             speculative_method=r.speculative_method,
             num_speculative_tokens=r.num_speculative_tokens,
             speculative_draft_model_path=str(Path(draft).expanduser()) if draft else None,
+            quantization=r.quantization,
             seed=recipe.seed,
         ),
         prefix="rollout",

@@ -61,6 +61,14 @@ def check_algorithm(rollout: RolloutSection, alg: AlgorithmSection) -> None:
             f"algorithm.overlong_buffer={alg.overlong_buffer} must be below "
             f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it"
         )
+    if rollout.quantization is not None and alg.is_correction is None:
+        # the engine samples from FP8 weights, the trainer computes with the model dtype's:
+        # their log-probs differ, and only an importance correction keeps the update on-policy
+        raise RecipeError(
+            f"rollout.quantization={rollout.quantization} samples from a rounded policy; set "
+            "algorithm.is_correction: tis (or mis) to correct for it, or rollout.quantization: "
+            "null"
+        )
     if alg.kl_reward_coef > 0 and alg.advantage not in ("reinforce_pp", "gae"):
         raise RecipeError(
             f"algorithm.kl_reward_coef applies to reinforce_pp and gae, not "

@@ -202,6 +202,13 @@ class RolloutSection(Section):
         "MLP loops; compiles in the first steps; rounds differently from eager, so off for exact "
         "float64 runs); not with rollout.tp > 1",
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="fp8: the engine holds its linear weights (attention, MLP, experts) as "
+        "block-wise FP8 (128x128 float8_e4m3fn, float32 scales), quantized by the weight sync's "
+        "sender (about half the bytes of bf16 per push); the trainer stays in model.dtype, so "
+        "algorithm.is_correction (tis | mis) is required; null: the model dtype",
+    )
     tp: int = Field(
         1,
         description="engine tensor-parallel size: devices per engine replica (k Ray actors, one "

@@ -58,7 +58,7 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
 
 def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """x + linear(inputs), in one matrix multiply when the linear has no bias."""
-    if linear.bias is None:
+    if linear.bias is None and isinstance(linear, torch.nn.Linear):  # not an FP8 layer
         return torch.addmm(x, inputs, linear.weight.t())
     return x + linear(inputs)
 

@@ -171,6 +171,17 @@ MALFORMED = {
         ["model.dtype=float64", "trainer.backend=deepspeed"],
         ["model.dtype", "trainer.backend", "megatron"],
     ),
+    "fp8 rollout without a correction": (
+        MINIMAL,
+        ["rollout.quantization=fp8"],
+        ["rollout.quantization=fp8", "algorithm.is_correction: tis"],
+    ),
+    "fp8 rollout of a float64 model (engine's check)": (
+        MINIMAL,
+        ["rollout.quantization=fp8", "algorithm.is_correction=tis", "model.dtype=float64"],
+        ["rollout.quantization='fp8'", "model.dtype='float64'", "bfloat16 or float32"],
+    ),
+    "unknown quantization": (MINIMAL, ["rollout.quantization=int4"], ["rollout.quantization"]),
     "bad int enum": (
         MINIMAL,
         ["cluster.off_policy_steps=2"],
@@ -292,6 +303,14 @@ def test_sections_validate_when_built_in_code():
     r = Recipe(model={"builtin": "tiny-qwen2"}, data={"synthetic": "arith"})
     with pytest.raises(RecipeError, match="rollout.n"):
         dataclasses.replace(r, rollout=dataclasses.replace(r.rollout, n=1))
+
+
+def test_fp8_rollout_reaches_the_engine_config(tmp_path):
+    r = load_recipe(
+        write(tmp_path, MINIMAL), ["rollout.quantization=fp8", "algorithm.is_correction=mis"]
+    )
+    assert engine_config(r, "/m").quantization == "fp8"
+    assert engine_config(load_recipe(write(tmp_path, MINIMAL)), "/m").quantization is None
 
 
 def test_engine_attention_backend_from_the_recipe(tmp_path, monkeypatch):
