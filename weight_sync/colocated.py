@@ -29,6 +29,7 @@ import torch
 from weight_sync.buckets import BucketPacker, Manifest, corrupted_tensors, unpack
 from weight_sync.device_ops import DeviceOps
 from weight_sync.errors import WeightSyncError
+from weight_sync.quantize import check_quantization, quantized_stream
 from weight_sync.shared_buffers import BufferHandle, BufferOpener, SharedBufferAllocator
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -97,7 +98,12 @@ class ColocatedSender:
         verify: bool = True,
         algorithm: str | None = None,
         ops: DeviceOps | None = None,
+        quantization: str | None = None,
     ):
+        """`quantization` ("fp8" or None): the form the engines hold their linear weights in,
+        which the sender quantizes them to as they stream past (`weight_sync.quantize`)."""
+        check_quantization(quantization)
+        self.quantization = quantization
         self.allocator = SharedBufferAllocator(device)
         self.packer = BucketPacker(
             bucket_bytes,
@@ -117,7 +123,8 @@ class ColocatedSender:
         acks: list[LoadAck] = []
         buckets = 0
         pack_s = wait_s = 0.0
-        stream = timed_iteration(iter(named_tensors), export_clock)
+        # export_s includes the sender's quantization, if any (it runs as the stream is pulled)
+        stream = timed_iteration(quantized_stream(named_tensors, self.quantization), export_clock)
         packed = self.packer.pack(stream)
         while True:
             # The packer is about to reuse the buffer of the bucket sent two deliveries ago

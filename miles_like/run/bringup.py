@@ -137,6 +137,7 @@ def start(recipe, log=print, resume: Path | None = None, state: dict | None = No
                 replicas,
                 bucket_bytes_for(weights.model_dir),
                 timeout_s,
+                recipe.rollout.quantization,
             ),
             # config and tokenizer files, kept in memory: the directory may be deleted
             read_model_files(weights.model_dir, skip=checkpoint.OWN_FILES),

@@ -75,20 +75,37 @@ class TrainerWeightSender:
 
     # ------------------------------------------------------------------------------ colocated
     def push_colocated(
-        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
+        self,
+        shared: Sequence,
+        as_bytes: Sequence,
+        bucket_bytes: int,
+        timeout_s: float,
+        quantization: str | None = None,
     ) -> dict[str, float]:
         """Stream this rank's export (its stage's full tensors) into the engines the controller
         routed to it (`weight_push.colocated_routes`): through shared memory to `shared`, which
         are on this rank's device, as bytes in Ray's object store to `as_bytes` (shared memory
         and CUDA IPC do not cross machines, nor GPUs a process cannot see). A rank with no
-        engine drains the export (its TP all-gathers need every rank). Returns the sender's
+        engine drains the export (its TP all-gathers need every rank). `quantization` ("fp8"):
+        the linear weights leave quantized (`weight_sync.quantize`). Returns the sender's
         report."""
         return self._send(
-            self.policy.export_hf_weights(), shared, as_bytes, False, timeout_s, bucket_bytes
+            self.policy.export_hf_weights(),
+            shared,
+            as_bytes,
+            False,
+            timeout_s,
+            bucket_bytes,
+            quantization,
         )
 
     def push_colocated_shards(
-        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
+        self,
+        shared: Sequence,
+        as_bytes: Sequence,
+        bucket_bytes: int,
+        timeout_s: float,
+        quantization: str | None = None,
     ) -> dict[str, float]:
         """The resharding sync (trainer TP = engine TP = k, megatron): this TP rank r's own
         shards, converted to the engine's layout without a gather
@@ -96,10 +113,18 @@ class TrainerWeightSender:
         (`weight_push.sharded_routes`), as `push_colocated`. Every rank computes the export
         (its vocabulary exchange is a collective of the TP group)."""
         return self._send(
-            self.policy.export_engine_shards(), shared, as_bytes, True, timeout_s, bucket_bytes
+            self.policy.export_engine_shards(),
+            shared,
+            as_bytes,
+            True,
+            timeout_s,
+            bucket_bytes,
+            quantization,
         )
 
-    def _send(self, stream, shared, as_bytes, own_shards: bool, timeout_s, bucket_bytes):
+    def _send(
+        self, stream, shared, as_bytes, own_shards: bool, timeout_s, bucket_bytes, quantization
+    ):
         from trainer.parallel import device
         from weight_sync import ColocatedSender
 
@@ -108,7 +133,7 @@ class TrainerWeightSender:
         self.targets = (list(shared), list(as_bytes), timeout_s, own_shards)
         if self.colocated is None:
             self.colocated = ColocatedSender(
-                self._deliver, bucket_bytes=bucket_bytes, device=device()
+                self._deliver, bucket_bytes=bucket_bytes, device=device(), quantization=quantization
             )
         report = self.colocated.send(stream)
         engines = len(shared) + len(as_bytes)

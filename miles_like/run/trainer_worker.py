@@ -224,16 +224,28 @@ class TrainerWorker:
         return (self.device_identity(), *self.sender.place())
 
     def push_colocated(
-        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
+        self,
+        shared: Sequence,
+        as_bytes: Sequence,
+        bucket_bytes: int,
+        timeout_s: float,
+        quantization: str | None = None,
     ) -> dict[str, float]:
         self._require_weights("push_colocated")
-        return self.sender.push_colocated(shared, as_bytes, bucket_bytes, timeout_s)
+        return self.sender.push_colocated(shared, as_bytes, bucket_bytes, timeout_s, quantization)
 
     def push_colocated_shards(
-        self, shared: Sequence, as_bytes: Sequence, bucket_bytes: int, timeout_s: float
+        self,
+        shared: Sequence,
+        as_bytes: Sequence,
+        bucket_bytes: int,
+        timeout_s: float,
+        quantization: str | None = None,
     ) -> dict[str, float]:
         self._require_weights("push_colocated_shards")
-        return self.sender.push_colocated_shards(shared, as_bytes, bucket_bytes, timeout_s)
+        return self.sender.push_colocated_shards(
+            shared, as_bytes, bucket_bytes, timeout_s, quantization
+        )
 
     def join_sync_group(
         self,

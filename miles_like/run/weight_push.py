@@ -104,9 +104,19 @@ class _Push:
     """What every strategy holds: the trainer ranks and the engine replicas (every rank, rank 0
     first; the same lists the run's actors hold, so a replaced engine is the push's too)."""
 
-    def __init__(self, trainers: list, replicas: list, bucket_bytes: int, timeout_s: float):
+    def __init__(
+        self,
+        trainers: list,
+        replicas: list,
+        bucket_bytes: int,
+        timeout_s: float,
+        quantization: str | None = None,
+    ):
         self.trainers, self.replicas = trainers, replicas
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        # `rollout.quantization`: colocated senders quantize the linear weights they push; the
+        # broadcast sends them as the trainer holds them and the engines quantize on load
+        self.quantization = quantization
 
     @property
     def engines(self) -> list:
@@ -163,6 +173,7 @@ class _Routed(_Push):
                     as_bytes,
                     self.bucket_bytes,
                     self.timeout_s,
+                    self.quantization,
                 )
                 for r, (t, (shared, as_bytes)) in enumerate(zip(self.trainers, self.targets()))
             ],
@@ -298,7 +309,13 @@ class BroadcastPush(_Push):
 
 
 def weight_push(
-    layout, trainer_section, trainers: list, replicas: list, bucket_bytes: int, timeout_s: float
+    layout,
+    trainer_section,
+    trainers: list,
+    replicas: list,
+    bucket_bytes: int,
+    timeout_s: float,
+    quantization: str | None = None,
 ) -> ColocatedPush | ShardedColocatedPush | BroadcastPush:
     """The strategy for this placement: trainer TP rank r feeds engine TP rank r its own shards
     when the sizes match (megatron), over either transport (the resharding sync)."""
@@ -307,7 +324,7 @@ def weight_push(
         and trainer_section.tp == layout.engine_tp
         and trainer_section.backend == "megatron"
     )
-    args = (trainers, replicas, bucket_bytes, timeout_s)
+    args = (trainers, replicas, bucket_bytes, timeout_s, quantization)
     if not layout.colocated:
         return BroadcastPush(*args, num_stages=trainer_section.pp, sharded=sharded)
     return ShardedColocatedPush(*args) if sharded else ColocatedPush(*args)
