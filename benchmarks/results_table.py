@@ -118,6 +118,14 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("colocated weight sync time / plain copy", "colocated/x_copy", "{:.2f}x"),
         ("broadcast weight sync time / plain copy", "broadcast/x_copy", "{:.2f}x"),
     ),
+    "fp8": _figures(
+        (
+            "FP8 weight sync: linear-layer bytes per push / bf16",
+            "sync_linear_bytes_fp8_over_bf16",
+            "{:.3f}x",
+        ),
+        ("FP8 engine decode tokens/s / bf16", "decode/fp8_over_bf16_tokens_per_s", "{:.2f}x"),
+    ),
     "decode_roofline": _figures(
         ("decode step memory bandwidth, first batch size", "rows/0/achieved_gbps", "{:.1f} GB/s"),
         (

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 SECTIONS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite" / "sections"
-OURS = ("rollout", "trainer", "weight_sync", "miles_like", "model_spec", "collectives")
+OURS = (
+    "rollout",
+    "trainer",
+    "weight_sync",
+    "miles_like",
+    "model_spec",
+    "collectives",
+    "quantization",
+)
 
 
 def _imports() -> list[tuple[str, str, str]]:

@@ -20,7 +20,7 @@ SECTIONS: tuple[Section, ...] = (
         "Triton KV store and decode attention vs the torch reference (fp32, fp16, bf16; head_dim"
         " 64 and 128; GQA 7:1 and 1:1; the decode graphs' full-width page table); decode "
         "attention GB/s against the HBM peak",
-        budget_s=50,
+        budget_s=40,
         requires=(*ROLLOUT, *TRITON),
         cpu=True,
     ),
@@ -84,6 +84,16 @@ SECTIONS: tuple[Section, ...] = (
         "log-probs within 1e-4; compile seconds",
         budget_s=20,
         requires=(*ROLLOUT, *TRITON, "rollout.compiled"),
+    ),
+    Section(
+        "fp8",
+        "benchmarks.gpu_suite.sections.fp8:run",
+        "FP8 rollout weights: the FP8 engine equals float32 on the dequantized weights (greedy "
+        "tokens, log-probs within 1e-4), its weights the checkpoint's quantized bitwise; push "
+        "bytes / time and decode tokens/s vs bf16",
+        budget_s=15,
+        requires=(*ROLLOUT, *TRITON, "weight_sync", "quantization"),
+        cpu=True,
     ),
 )
 
