@@ -139,9 +139,13 @@ def join_command(header: Header, tensors: list[torch.Tensor]) -> Any:
     return put(header.skeleton)
 
 
+# Travel as their bytes (uint8): not every backend broadcasts bool, and gloo no float8.
+_AS_BYTES = (torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _wire(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor travels as: bool as uint8 (not every backend broadcasts bool)."""
-    return torch.uint8 if dtype == torch.bool else dtype
+    """The dtype a tensor travels as: bool and float8 as uint8."""
+    return torch.uint8 if dtype in _AS_BYTES else dtype
 
 
 def _packs(specs: tuple[TensorSpec, ...]) -> dict[torch.dtype, list[int]]:
@@ -205,7 +209,7 @@ class TPGroup:
         assert self.rank == 0, "only rank 0 of a replica sends commands"
         header, tensors = split_command(command)
         collectives.broadcast_object(header, src=0, group=self.group)
-        on_wire = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in tensors]
+        on_wire = [t.view(torch.uint8) if t.dtype in _AS_BYTES else t for t in tensors]
         wire = collectives.group_device(self.group)
         for indices in _packs(header.specs).values():
             if sum(on_wire[i].numel() for i in indices):
@@ -232,7 +236,7 @@ class TPGroup:
                 tensors[i] = torch.empty(spec.shape, dtype=_wire(spec.dtype), device=wire)
                 collectives.broadcast(tensors[i], src=0, group=self.group)
         arrived = [
-            (t.view(torch.bool) if spec.dtype == torch.bool else t).to(device)
+            (t.view(spec.dtype) if spec.dtype in _AS_BYTES else t).to(device)
             for t, spec in zip(tensors, header.specs)
         ]
         return join_command(header, arrived)

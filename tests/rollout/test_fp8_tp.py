@@ -5,8 +5,9 @@ so a weight the sender quantizes whole is exactly the ranks' own quantized shard
 Two real gloo ranks each build their shard of an FP8 model and load it twice, from the
 full-precision checkpoint (each rank quantizes its own slice) and from the sender's whole-tensor
 FP8 weights and scales (each rank narrows them); both must equal the parent's quantization of
-the full tensor narrowed to the rank's shard, bitwise. A model whose shards would be 32 wide is
-refused at build time.
+the full tensor narrowed to the rank's shard, bitwise, and so must the FP8 tensors rank 0 relays to
+the other rank as a TP command (gloo broadcasts no float8: they travel as bytes). A model whose
+shards would be 32 wide is refused at build time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from model_spec import ModelSpec
 from quantization import FP8_DTYPE, is_quantized_weight, quantize, scale_name
 from rollout.model import CausalLM
 from rollout.parallel_layers import shard_spec
-from rollout.tp_group import TPGroup
+from rollout.tp_group import LoadWeights, TPGroup
 from rollout.weights import load_weights
 
 from tiny_hf import make_hf_model, save_hf_model
@@ -68,7 +69,15 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
         load_weights(model, tensors.items(), **kwargs)
         own = _fp8_state(model)
         load_weights(model, _sender_stream(tensors), **kwargs)
-        torch.save({"own": own, "sent": _fp8_state(model), "shards": shards}, out)
+        sent = _fp8_state(model)
+        # how rank 0 hands the sender's tensors to the other ranks (`Engine.load_weights`)
+        tp = TPGroup()
+        if rank == 0:
+            tp.send(LoadWeights(list(_sender_stream(tensors))))
+        else:
+            load_weights(model, tp.receive(torch.device("cpu")).named_tensors, **kwargs)
+        relayed = _fp8_state(model)
+        torch.save({"own": own, "sent": sent, "relayed": relayed, "shards": shards}, out)
     finally:
         dist.destroy_process_group()
 
@@ -96,6 +105,7 @@ def test_blocks_stay_within_shards(tmp_path):
     results = _spawn(model_dir, tmp_path)
     for result in results:
         own, sent, shards = result["own"], result["sent"], result["shards"]
+        relayed = result["relayed"]
         names = [n for n in tensors if is_quantized_weight(n)]
         assert names and {*names, *map(scale_name, names)} == own.keys() == sent.keys()
         for name in names:
@@ -104,7 +114,7 @@ def test_blocks_stay_within_shards(tmp_path):
             for key, full in want.items():
                 expected = shards[key].take(full)
                 assert own[key].shape == expected.shape < full.shape, key
-                for got in (own[key], sent[key]):
+                for got in (own[key], sent[key], relayed[key]):
                     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), key
 
 
