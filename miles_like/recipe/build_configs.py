@@ -141,13 +141,14 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
             device=device,
             dtype=recipe.model.dtype,
             attention_backend=attention_backend(
-                r.attention_backend, device, recipe.model.dtype, r.tp
+                r.attention_backend, device, recipe.model.dtype, r.tp, r.kv_cache_dtype
             ),
             decode_graphs=r.decode_graphs,
             compile=r.compile,
             tp=r.tp,
             kv_cache_tokens=r.kv_cache_tokens,
             kv_memory_fraction=r.kv_memory_fraction,
+            kv_cache_dtype=r.kv_cache_dtype,
             max_model_len=context_len(recipe, model_path),
             page_size=r.page_size,
             max_running_requests=r.max_running_requests,
@@ -162,15 +163,20 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
     )
 
 
-def attention_backend(requested: str, device: str, dtype: str, tp: int) -> str:
+def attention_backend(
+    requested: str, device: str, dtype: str, tp: int, kv_cache_dtype: str = "auto"
+) -> str:
     """The engine's attention backend for `rollout.attention_backend`. "auto": the Triton kernels
     on CUDA, except under engine TP (its layers run the torch backend: rollout/parallel_layers.py)
     and for a float64 model (the Triton decode kernel computes in float32: a float64 pool attends
     through torch, so engine and trainer log-probs keep agreeing to float64 rounding); torch
-    elsewhere. An explicit choice is kept (EngineConfig refuses triton with float64)."""
+    elsewhere; torch too for an FP8 KV pool (the Triton kernels read model-dtype pools only).
+    An explicit choice is kept (EngineConfig refuses triton with float64 or an FP8 pool)."""
     if requested != "auto":
         return requested
-    triton = device.startswith("cuda") and tp == 1 and dtype != "float64"
+    triton = (
+        device.startswith("cuda") and tp == 1 and dtype != "float64" and kv_cache_dtype == "auto"
+    )
     return "triton" if triton else "torch"
 
 
