@@ -154,11 +154,6 @@ class EngineConfig(Config):
                     "throw away the exactness float64 runs exist for; use 'auto' (or a bfloat16 / "
                     "float32 model)"
                 )
-            if self.attention_backend == "triton":
-                raise ValueError(
-                    f"{name('kv_cache_dtype')}='fp8_e4m3' is not read by "
-                    f"{name('attention_backend')}='triton' yet; use 'torch'"
-                )
             if self.tp > 1:
                 raise ValueError(
                     f"{name('kv_cache_dtype')}='fp8_e4m3' is not supported with "

@@ -153,16 +153,29 @@ class KVPool:
             return k, v
         held = []
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            scale = head_scale(scales[layer], -2, 3)
-            x8 = quantize(x, scale)
-            self.clipped += count_clipped(x, scale)
+            x8 = quantize(x, head_scale(scales[layer], -2, 3))
             # index_copy_ has no float8 kernel on every device: copy the bytes
             cache[layer].view(torch.uint8).index_copy_(
                 1, slots, x8.transpose(0, 1).view(torch.uint8)
             )
-            held.append(dequantize(x8, scale, x.dtype))
-        self.stored += 2 * k.numel()
+            held.append(self._held(layer, x, x8, scales))
         return held[0], held[1]
+
+    def held(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """New k, v [T, Hkv, D] as a quantized pool holds them once stored (a backend that
+        stores through its own kernel attends these), counted as stored."""
+        return tuple(
+            self._held(layer, x, quantize(x, head_scale(s[layer], -2, 3)), s)
+            for x, s in ((k, self.k_scale), (v, self.v_scale))
+        )
+
+    def _held(self, layer, x: torch.Tensor, x8: torch.Tensor, scales) -> torch.Tensor:
+        scale = head_scale(scales[layer], -2, 3)
+        self.clipped += count_clipped(x, scale)
+        self.stored += x.numel()
+        return dequantize(x8, scale, x.dtype)
 
     def dequantized(
         self, stored: torch.Tensor, which: str, layer: int | None = None

@@ -141,7 +141,7 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
             device=device,
             dtype=recipe.model.dtype,
             attention_backend=attention_backend(
-                r.attention_backend, device, recipe.model.dtype, r.tp, r.kv_cache_dtype
+                r.attention_backend, device, recipe.model.dtype, r.tp
             ),
             decode_graphs=r.decode_graphs,
             compile=r.compile,
@@ -163,20 +163,15 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
     )
 
 
-def attention_backend(
-    requested: str, device: str, dtype: str, tp: int, kv_cache_dtype: str = "auto"
-) -> str:
+def attention_backend(requested: str, device: str, dtype: str, tp: int) -> str:
     """The engine's attention backend for `rollout.attention_backend`. "auto": the Triton kernels
     on CUDA, except under engine TP (its layers run the torch backend: rollout/parallel_layers.py)
     and for a float64 model (the Triton decode kernel computes in float32: a float64 pool attends
     through torch, so engine and trainer log-probs keep agreeing to float64 rounding); torch
-    elsewhere; torch too for an FP8 KV pool (the Triton kernels read model-dtype pools only).
-    An explicit choice is kept (EngineConfig refuses triton with float64 or an FP8 pool)."""
+    elsewhere. An explicit choice is kept (EngineConfig refuses triton with float64)."""
     if requested != "auto":
         return requested
-    triton = (
-        device.startswith("cuda") and tp == 1 and dtype != "float64" and kv_cache_dtype == "auto"
-    )
+    triton = device.startswith("cuda") and tp == 1 and dtype != "float64"
     return "triton" if triton else "torch"
 
 

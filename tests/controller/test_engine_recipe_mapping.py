@@ -34,7 +34,6 @@ def test_auto_backend_is_torch_for_float64_on_cuda():
     assert attention_backend("auto", "cuda", "bfloat16", 2) == "torch"  # engine TP
     assert attention_backend("auto", "cpu", "float32", 1) == "torch"
     assert attention_backend("torch", "cuda", "bfloat16", 1) == "torch"
-    assert attention_backend("auto", "cuda", "bfloat16", 1, "fp8_e4m3") == "torch"  # FP8 KV
 
 
 def test_auto_backend_through_the_recipe(tmp_path):
@@ -113,8 +112,5 @@ def test_fp8_kv_cache_reaches_the_engine_and_bad_pairs_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype='fp8_e4m3' is not") as error:
         EngineConfig(model_path="m", kv_cache_dtype="fp8_e4m3", tp=2)
     assert "'auto'" in str(error.value) and "\n" not in str(error.value)
-    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype='fp8_e4m3' is not read"):
-        EngineConfig(
-            model_path="m", device="cuda", kv_cache_dtype="fp8_e4m3", attention_backend="triton"
-        )
-    assert engine_config(fp8, "/m", "cuda").attention_backend == "torch"
+    # the Triton kernels read an FP8 pool: auto keeps them on CUDA
+    assert engine_config(fp8, "/m", "cuda").attention_backend == "triton"
