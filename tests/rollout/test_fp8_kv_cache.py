@@ -338,3 +338,39 @@ def test_kept_kv_is_requantized_to_new_scales(checkpoints):
         fits = before[layer].abs() <= FP8_MAX * pool.k_scale[layer].view(-1, 1, 1)
         keep = exact & fits
         assert torch.equal(after[keep], before[layer][keep])
+
+
+def test_parked_kv_is_adopted_across_an_idle_update(checkpoints):
+    """A sample aborted with `park_kv` keeps its FP8 K/V across an idle update (same weights, so
+    the same scales: the re-quantization is the identity); its continuation adopts it and
+    equals HF over the whole sequence with round-tripped K/V."""
+    hf, directory = checkpoints("qwen2")
+    engine = fp8_engine(directory)
+    prompt = PROMPTS[0]
+    parked = SamplingParams(n=2, max_new_tokens=12, seed=5, ignore_eos=True, park_kv=True)
+    rid = engine.add_request(prompt, parked)
+    for _ in range(5):
+        engine.step()
+    engine.abort(rid)
+    out = None
+    while engine.has_unfinished() or out is None:
+        for o in engine.step():
+            if o.request_id == rid:
+                out = o
+    assert len(engine.scheduler.parked) == 2
+    bytes_before = engine.pool.k.clone()
+    engine.update_weights(hf.state_dict().items())
+    assert torch.equal(engine.pool.k.view(torch.uint8), bytes_before.view(torch.uint8))
+    scales = (engine.pool.k_scale.clone(), engine.pool.v_scale.clone())
+    reused = engine.stats()["parked_reused_tokens"]
+    more = SamplingParams(max_new_tokens=6, seed=9, ignore_eos=True, park_kv=True)
+    conts = engine.generate([prompt + list(s.token_ids) for s in out.samples], more)
+    assert engine.stats()["parked_reused_tokens"] > reused
+    engine.check_integrity()
+    worst = 0.0
+    for s, cont in zip(out.samples, conts):
+        seq = prompt + list(s.token_ids) + list(cont[0].token_ids)
+        ref = hf_logprobs(hf, scales, seq)[len(prompt) + len(s.token_ids) - 1 :]
+        got = torch.tensor(cont[0].logprobs, dtype=torch.float64)
+        worst = max(worst, float((got - ref).abs().max()))
+    assert worst < LOGPROB_ATOL, worst
