@@ -190,6 +190,25 @@ class KVPool:
             return dequantize(stored, head_scale(scales[layer], 0, stored.dim()), wide)
         return dequantize(stored, scales.view(scales.shape + (1,) * (stored.dim() - 2)), wide)
 
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of `slots` in every layer, [L, Hkv, len(slots), D] in the model dtype
+        (dequantized from an FP8 pool): what leaves the engine (a prefill handoff)."""
+        k, v = (index_select(x, 2, slots) for x in (self.k, self.v))
+        if not self.quantized:
+            return k, v
+        return self.dequantized(k, "k").to(self.dtype), self.dequantized(v, "v").to(self.dtype)
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`read_slots`' inverse: k, v [L, Hkv, len(slots), D] (any float dtype) into `slots` of
+        every layer, quantized with this pool's scales if it is FP8."""
+        if not self.quantized:
+            self.k.index_copy_(2, slots, k.to(self.device, self.dtype))
+            self.v.index_copy_(2, slots, v.to(self.device, self.dtype))
+            return
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            x8 = quantize(x.to(self.device), scales.view(scales.shape + (1, 1)))
+            cache.view(torch.uint8).index_copy_(2, slots, x8.view(torch.uint8))
+
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Quantized: the K and V scales [Hkv] of `layer`; else None."""
         return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else None

@@ -374,3 +374,68 @@ def test_parked_kv_is_adopted_across_an_idle_update(checkpoints):
         got = torch.tensor(cont[0].logprobs, dtype=torch.float64)
         worst = max(worst, float((got - ref).abs().max()))
     assert worst < LOGPROB_ATOL, worst
+
+
+def test_pool_slots_leave_dequantized_and_come_back_as_the_same_bytes():
+    """`read_slots` / `write_slots`, the K/V a prefill handoff carries: from an FP8 pool in the
+    model dtype (dequantized); into an FP8 pool with the same scales as the same bytes, into a
+    float32 pool as the dequantized values."""
+    from rollout.kv_pool import KVPool
+
+    g = torch.Generator().manual_seed(0)
+
+    def pool(storage):
+        made = KVPool(
+            num_layers=2,
+            num_pages=8,
+            page_size=4,
+            num_kv_heads=3,
+            head_dim=8,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            storage_dtype=storage,
+        )
+        if made.quantized:
+            made.set_scales(torch.full((2, 3), 0.25), torch.full((2, 3), 2.0**-4))
+        return made
+
+    source, fp8, plain = pool(torch.float8_e4m3fn), pool(torch.float8_e4m3fn), pool(None)
+    source.k.copy_(torch.randn(source.k.shape, generator=g).to(torch.float8_e4m3fn))
+    source.v.copy_(torch.randn(source.v.shape, generator=g).to(torch.float8_e4m3fn))
+    slots, dst = torch.tensor([3, 9, 10, 21]), torch.tensor([0, 5, 6, 30])
+    k, v = source.read_slots(slots)
+    assert k.dtype == torch.float32
+    assert torch.equal(k, source.k[:, :, slots].float() * 0.25)
+    assert torch.equal(v, source.v[:, :, slots].float() * 2.0**-4)
+    fp8.write_slots(dst, k, v)
+    plain.write_slots(dst, k, v)
+    for x in ("k", "v"):
+        got = getattr(fp8, x)[:, :, dst].view(torch.uint8)
+        assert torch.equal(got, getattr(source, x)[:, :, slots].view(torch.uint8))
+    assert torch.equal(plain.k[:, :, dst], k) and torch.equal(plain.v[:, :, dst], v)
+
+
+def test_prefill_decode_handoff_between_fp8_engines(checkpoints):
+    """A prefill engine with an FP8 pool hands its prompts' K/V over in the model dtype
+    (dequantized); an FP8 decode engine with the same weights (so the same scales) stores the
+    same bytes and continues like one FP8 engine doing both: same tokens, log-probs to the FP8
+    rounding tolerance."""
+    from rollout.prefill_decode import prefill
+
+    _, directory = checkpoints("qwen2")
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=11)
+    single = fp8_engine(directory)
+    want = single.generate(PROMPTS, params)
+    prefiller, decoder = fp8_engine(directory), fp8_engine(directory)
+    handoffs = prefill(prefiller, PROMPTS, params)
+    assert all(h.k.dtype == torch.float32 for h in handoffs)
+    ids = [decoder.admit_prefilled(h, params) for h in handoffs]
+    done = {}
+    while decoder.has_unfinished():
+        done.update((out.request_id, out) for out in decoder.step())
+        decoder.check_integrity()
+    for i, w in zip(ids, want):
+        for got, ref in zip(done[i].samples, w):
+            assert list(got.token_ids) == list(ref.token_ids)
+            diff = max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs))
+            assert diff < LOGPROB_ATOL
