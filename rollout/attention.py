@@ -235,7 +235,7 @@ def attend_after_prefix(
         # query head h reads K/V head h // (H / Hkv): one gather per cache, [1, H, C, D]
         heads = torch.arange(num_heads, device=queries.device) // (num_heads // num_kv)
         keys, values = (
-            _held(cache[heads.unsqueeze(-1), context_slots.unsqueeze(0)], scale, heads, queries)
+            _held(_rows_per_head(cache, heads, context_slots), scale, heads, queries)
             for cache, scale in zip((k_cache, v_cache), kv_scales or (None, None))
         )
         return F.scaled_dot_product_attention(
@@ -248,6 +248,14 @@ def attend_after_prefix(
     positions = torch.arange(context, device=queries.device)
     mask = positions.unsqueeze(0) <= positions[context - n :].unsqueeze(-1)  # [n, C]
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def _rows_per_head(cache: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [Hkv, slots, D] -> [len(heads), len(slots), D], row h from KV head heads[h]
+    (float8 through its bytes, as `index_select`)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[heads.unsqueeze(-1), slots.unsqueeze(0)].view(cache.dtype)
+    return cache[heads.unsqueeze(-1), slots.unsqueeze(0)]
 
 
 def _held(

@@ -147,19 +147,12 @@ class EngineConfig(Config):
                         f"{name(field)}={getattr(self, field)!r} is not supported with "
                         f"{name('tp')}={self.tp} yet; set it to {fix}"
                     )
-        if self.kv_cache_dtype == "fp8_e4m3":
-            if self.dtype == "float64":
-                raise ValueError(
-                    f"{name('kv_cache_dtype')}='fp8_e4m3' with {name('dtype')}='float64' would "
-                    "throw away the exactness float64 runs exist for; use 'auto' (or a bfloat16 / "
-                    "float32 model)"
-                )
-            if self.tp > 1:
-                raise ValueError(
-                    f"{name('kv_cache_dtype')}='fp8_e4m3' is not supported with "
-                    f"{name('tp')}={self.tp} yet (its scales are calibrated on one rank); set it "
-                    "to 'auto'"
-                )
+        if self.kv_cache_dtype == "fp8_e4m3" and self.dtype == "float64":
+            raise ValueError(
+                f"{name('kv_cache_dtype')}='fp8_e4m3' with {name('dtype')}='float64' would throw "
+                "away the exactness float64 runs exist for; use 'auto' (or a bfloat16 / float32 "
+                "model)"
+            )
         if self.attention_backend == "triton" and not self.device.startswith("cuda"):
             raise ValueError(
                 f"{name('attention_backend')}='triton' needs a CUDA device "

@@ -25,7 +25,7 @@ from rollout.handoff import PrefillHandoff, transfer
 from rollout.kv_calibration import calibrate_kv_scales
 from rollout.model_runner import execute
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
-from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop
+from rollout.tp_group import CalibrateKV, Forward, LoadWeights, Release, Resume, Stop
 from rollout.weights import WeightStatus, load_weights
 
 
@@ -244,6 +244,8 @@ class Engine:
         to the new scales; the suffix lanes, copies of the old values, are refilled."""
         if not self.pool.quantized or not self._weights.complete:
             return
+        if self.tp is not None:  # every rank calibrates its own KV heads, together
+            self.tp.send(CalibrateKV())
         self.pool.set_scales(*calibrate_kv_scales(self.model))
         if self.suffix_lanes is not None:
             self.suffix_lanes.forget()
@@ -349,8 +351,13 @@ class Engine:
         return s
 
     def check_integrity(self) -> None:
-        """Assert the KV bookkeeping invariants (free + cached + in use == total, locks, rows) and
-        that every suffix lane equals the pool's K/V it copies."""
+        """Assert the KV bookkeeping invariants (free + cached + in use == total, locks, rows),
+        that every suffix lane equals the pool's K/V it copies, and that an FP8 pool with complete
+        weights has calibrated (finite) scales."""
+        if self.pool.quantized and self._weights.complete:
+            assert (
+                torch.isfinite(self.pool.k_scale).all() and torch.isfinite(self.pool.v_scale).all()
+            )
         if self.pool.allocated:
             self.scheduler.check_integrity()
             if self.suffix_lanes is not None:

@@ -179,7 +179,7 @@ class RolloutSection(Section):
         "auto",
         description="how the engine's KV pool stores K/V: auto (model.dtype) | fp8_e4m3 (half "
         "of bfloat16's bytes per token; per-(layer, KV head) scales calibrated from the weights "
-        "at every weight update; not with model.dtype float64 or rollout.tp > 1)",
+        "at every weight update; not with model.dtype float64)",
     )
     page_size: int = Field(16, description="engine KV page size in tokens (prefix-sharing unit)")
     max_running_requests: int = Field(256, description="most sequences the engine decodes at once")
