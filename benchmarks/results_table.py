@@ -141,6 +141,19 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
     "engine_ab": _figures(
         ("engine vs the baseline commit's, paired median", "speedup_median", "{:.3f}x"),
     ),
+    "kv_capacity": _figures(
+        (
+            "KV tokens per GiB, fp8_e4m3 / bfloat16",
+            "capacity/fp8_e4m3/tokens_per_gib_vs_bf16",
+            "{:.2f}x",
+        ),
+        (
+            "concurrent sequences in the pool budget, fp8_e4m3 (bfloat16 in the JSON)",
+            "capacity/fp8_e4m3/max_concurrent_sequences",
+            "{}",
+        ),
+        ("decode tokens/s, fp8 KV / bf16 KV (CPU, tiny model)", "decode/fp8_vs_bf16", "{:.2f}x"),
+    ),
     "decode_attention_kernel": _figures(
         ("C decode-attention kernel vs the baseline's, first setting", "runs/0/speedup", "{:.2f}x"),
     ),

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from rollout import native
 from rollout.config import accum_dtype
-from rollout.kv_pool import KVPool, store_rows
+from rollout.kv_pool import KVPool, index_select
+from rollout.kv_quant import dequantize, head_scale
 from rollout.suffix_lanes import SuffixLanes
 
 
@@ -121,14 +122,15 @@ class TorchAttention:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, D]
-        store_rows(k_cache, meta.out_slots, k)
-        store_rows(v_cache, meta.out_slots, v)
+        k, v = self.pool.store(layer, meta.out_slots, k, v)  # as held (dequantized if FP8)
         if meta.decode is not None and not meta.prefill:  # pure decode: no rows to merge
             return self._decode(layer, q, k, v, meta, k_cache, v_cache)
         out = torch.empty_like(q)
         if meta.decode is not None:
             out[: meta.num_decode] = self._decode(layer, q, k, v, meta, k_cache, v_cache)
-        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out)
+        prefill_attention(
+            q, k, v, k_cache, v_cache, meta.prefill, out, kv_scales=self.pool.scales(layer)
+        )
         return out
 
     def _decode(self, layer, q, k, v, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
@@ -144,7 +146,14 @@ class TorchAttention:
             if decode.prefix_key is not None and decode.prefix_pages.shape[1] > 0:
                 prefix = lanes.prefix(layer, decode.prefix_key, decode.prefix_pages)
         return cascade_decode_attention(
-            q[:num_decode], k_cache, v_cache, decode, page_size, suffix, prefix
+            q[:num_decode],
+            k_cache,
+            v_cache,
+            decode,
+            page_size,
+            suffix,
+            prefix,
+            kv_scales=self.pool.scales(layer),
         )
 
 
@@ -156,9 +165,11 @@ def prefill_attention(
     v_cache: torch.Tensor,
     segments: tuple[PrefillSegment, ...],
     out: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Each chunk attends causally over its cached prefix and itself; writes rows of `out`.
     q [T, H, D], k, v [T, Hkv, D]: the batch's tokens (their K/V also stored in the caches).
+    `kv_scales`: an FP8 pool's K and V scales [Hkv] of this layer (`rollout.kv_quant`).
 
     A chunk without a cached prefix attends over its own new K/V, read from `k` / `v`;
     consecutive such chunks of one length (a batch of fresh prompts) form one batched causal
@@ -170,7 +181,9 @@ def prefill_attention(
         rows = slice(seg.token_start, seg.token_start + seg.num_new)
         if seg.prefix_len > 0:
             queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            attended = attend_after_prefix(queries, k_cache, v_cache, seg.context_slots)
+            attended = attend_after_prefix(
+                queries, k_cache, v_cache, seg.context_slots, kv_scales=kv_scales
+            )
             out[rows] = attended.squeeze(0).transpose(0, 1)
             i += 1
             continue
@@ -198,9 +211,11 @@ def attend_after_prefix(
     v_cache: torch.Tensor,
     context_slots: torch.Tensor,
     per_head_kv: bool | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """queries [1, H, n, D], the last n tokens of a context of C slots (a cached prefix, then
-    the chunk) -> [1, H, n, D]: query i attends context positions <= C - n + i.
+    the chunk) -> [1, H, n, D]: query i attends context positions <= C - n + i. `kv_scales`:
+    an FP8 pool's scales [Hkv]; the gathered K/V are dequantized to the queries' dtype.
 
     On a GPU SDPA has three kernels: flash takes no mask (only its own causal alignments) and
     memory-efficient takes no GQA (fewer K/V heads than query heads); anything else falls to
@@ -220,17 +235,42 @@ def attend_after_prefix(
         # query head h reads K/V head h // (H / Hkv): one gather per cache, [1, H, C, D]
         heads = torch.arange(num_heads, device=queries.device) // (num_heads // num_kv)
         keys, values = (
-            cache[heads.unsqueeze(-1), context_slots.unsqueeze(0)].unsqueeze(0)
-            for cache in (k_cache, v_cache)
+            _held(_rows_per_head(cache, heads, context_slots), scale, heads, queries)
+            for cache, scale in zip((k_cache, v_cache), kv_scales or (None, None))
         )
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=causal_lower_right(n, context)
         )
-    keys = k_cache.index_select(1, context_slots).unsqueeze(0)  # [1, Hkv, C, D]
-    values = v_cache.index_select(1, context_slots).unsqueeze(0)
+    keys, values = (  # [1, Hkv, C, D]
+        _held(index_select(cache, 1, context_slots), scale, None, queries)
+        for cache, scale in zip((k_cache, v_cache), kv_scales or (None, None))
+    )
     positions = torch.arange(context, device=queries.device)
     mask = positions.unsqueeze(0) <= positions[context - n :].unsqueeze(-1)  # [n, C]
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def _rows_per_head(cache: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [Hkv, slots, D] -> [len(heads), len(slots), D], row h from KV head heads[h]
+    (float8 through its bytes, as `index_select`)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[heads.unsqueeze(-1), slots.unsqueeze(0)].view(cache.dtype)
+    return cache[heads.unsqueeze(-1), slots.unsqueeze(0)]
+
+
+def _held(
+    gathered: torch.Tensor,
+    scale: torch.Tensor | None,
+    heads: torch.Tensor | None,
+    queries: torch.Tensor,
+) -> torch.Tensor:
+    """Gathered cache rows [heads, C, D] -> [1, heads, C, D] in the queries' dtype: dequantized
+    with `scale` [Hkv] (indexed by `heads`, the KV head of each row, when given) for an FP8
+    pool, else as stored."""
+    if scale is not None:
+        scale = head_scale(scale if heads is None else scale[heads], 0, gathered.dim())
+        gathered = dequantize(gathered, scale, queries.dtype)
+    return gathered.unsqueeze(0)
 
 
 def _chunks(x: torch.Tensor, count: int) -> torch.Tensor:
@@ -238,16 +278,25 @@ def _chunks(x: torch.Tensor, count: int) -> torch.Tensor:
     return x.unflatten(0, (count, -1)).transpose(1, 2)
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """cache [Hkv, slots, D], pages [B, N] -> [Hkv, B, N * page_size, D] (contiguous) in
-    `accum_dtype`.
+    `accum_dtype` of `dtype` (default the cache's); an FP8 cache is dequantized with its
+    `scale` [Hkv].
     Whole pages are copied: contiguous runs make the gather close to memcpy speed."""
     num_kv_heads, _, head_dim = cache.shape
     paged = cache.view(num_kv_heads, -1, page_size * head_dim)
-    gathered = paged.index_select(1, pages.reshape(-1))
-    return gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim).to(
-        accum_dtype(cache.dtype)
-    )
+    gathered = index_select(paged, 1, pages.reshape(-1))
+    gathered = gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim)
+    wide = accum_dtype(dtype or cache.dtype)
+    if scale is not None:
+        return dequantize(gathered, head_scale(scale, 0, 4), wide)
+    return gathered.to(wide)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -267,6 +316,7 @@ def cascade_decode_attention(
     page_size: int,
     suffix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention of each decode query over (group prefix ++ own suffix).
 
@@ -274,7 +324,8 @@ def cascade_decode_attention(
     query head h reads KV head h // (H / Hkv). `suffix_kv`: the suffix K, V already laid out as
     [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the
     pool. `prefix_kv`: the groups' prefix K, V as [Hkv, G, Lp, Dh], `accum_dtype` (kept across
-    steps by the lanes); None gathers them.
+    steps by the lanes); None gathers them. `kv_scales`: an FP8 pool's K and V scales [Hkv];
+    the gathers dequantize, so every path below reads float K/V.
 
     On CPU, in float32, one C kernel computes both parts in one softmax per (sequence, KV head)
     (`rollout.native`); in float64, or without that kernel, the two parts run through torch's
@@ -282,15 +333,16 @@ def cascade_decode_attention(
     (`cascade_decode_attention_flash`); elsewhere as explicit matrix products and one softmax
     (`cascade_decode_attention_matmul`, the reference all are tested against).
     """
+    k_scale, v_scale = kv_scales or (None, None)
     if suffix_kv is None:
         suffix_kv = (
-            _gather(k_cache, meta.suffix_pages, page_size),
-            _gather(v_cache, meta.suffix_pages, page_size),
+            _gather(k_cache, meta.suffix_pages, page_size, k_scale, q.dtype),
+            _gather(v_cache, meta.suffix_pages, page_size, v_scale, q.dtype),
         )
     if prefix_kv is None and meta.prefix_pages.shape[1] > 0:
         prefix_kv = (
-            _gather(k_cache, meta.prefix_pages, page_size),
-            _gather(v_cache, meta.prefix_pages, page_size),
+            _gather(k_cache, meta.prefix_pages, page_size, k_scale, q.dtype),
+            _gather(v_cache, meta.prefix_pages, page_size, v_scale, q.dtype),
         )
     if q.device.type != "cpu":
         return cascade_decode_attention_matmul(q, meta, suffix_kv, prefix_kv)

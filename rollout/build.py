@@ -30,7 +30,7 @@ from model_spec import ModelSpec
 from rollout import device_memory
 from rollout.attention import TorchAttention
 from rollout.compiled import compile_model
-from rollout.config import EngineConfig, accum_dtype
+from rollout.config import EngineConfig, accum_dtype, kv_storage_dtype
 from rollout.decode_graphs import DecodeGraphs
 from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
@@ -124,6 +124,7 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         device=device,
         scratch_page=use_graphs,
         route_layout=RouteLayout.of(mc.moe),
+        storage_dtype=kv_storage_dtype(config),
     )
     draft_model = (
         DraftModelProposer(
@@ -170,7 +171,8 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         attention = TritonAttention(pool)
     else:
         if config.decode_suffix_lanes and not use_graphs and tp is None:
-            # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in model dtype).
+            # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in its storage
+            # dtype).
             lane_bytes = torch.empty((), dtype=accum_dtype(dtype)).element_size()
             suffix_lanes = SuffixLanes(pool, pool.num_slots * pool.k.element_size() // lane_bytes)
         attention = TorchAttention(pool, suffix_lanes)
@@ -254,13 +256,15 @@ def kv_sizing(
     memory measured now. Every rank of a TP replica gets the same count (the smallest any rank
     can hold), since rank 0's scheduler allocates for all of them: a collective, so every rank
     calls it at the same point."""
-    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
+    device = torch.device(config.device)
     free, measured_at = device_memory.free_bytes(device), time.time()
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
     else:
         kv_heads = mc.num_kv_heads // (tp.size if tp is not None else 1)
-        per_token = KVPool.bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, dtype)
+        per_token = KVPool.bytes_per_token(
+            mc.num_layers, kv_heads, mc.head_dim, kv_storage_dtype(config)
+        )
         # No point holding more than every running sequence at full length.
         tokens = min(
             int(config.kv_memory_fraction * free) // per_token,

@@ -15,6 +15,7 @@ import torch
 from pydantic import Field
 
 from config_schema import Config, Namer, Renamed, config
+from rollout.kv_quant import KV_CACHE_DTYPES
 
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
 DTYPES = typing.get_args(Dtype)
@@ -24,6 +25,13 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype scores, softmax and norms are computed in: float32, or float64 for a float64
     model (bf16 / fp16 models are upcast; a float64 model is never downcast)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def kv_storage_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype the KV pool stores K and V in (`kv_cache_dtype`)."""
+    if config.kv_cache_dtype == "auto":
+        return getattr(torch, config.dtype)
+    return KV_CACHE_DTYPES[config.kv_cache_dtype]
 
 
 @config
@@ -38,6 +46,11 @@ class EngineConfig(Config):
     kv_memory_fraction: float = Field(0.2, gt=0.0, le=1.0)
     """`kv_cache_tokens` None: the share of the device's free memory, measured when the pool is
     allocated (`Engine.alloc_kv`), that the pool takes."""
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    """How the KV pool stores K and V. auto: in `dtype`. fp8_e4m3: float8_e4m3fn with a
+    power-of-two scale per (layer, KV head), calibrated from the weights at every load and
+    weight update (`rollout.kv_calibration`): about half the bytes per token of bfloat16, so
+    twice the tokens in the same memory; attention computes over the dequantized values."""
     page_size: int = Field(16, ge=1)
     """Tokens per KV page: the unit of allocation, of prefix sharing across requests (the radix
     cache matches whole pages) and of attention reads (whole pages gather at near-memcpy speed).
@@ -140,6 +153,12 @@ class EngineConfig(Config):
                         f"{name(field)}={getattr(self, field)!r} is not supported with "
                         f"{name('tp')}={self.tp} yet; set it to {fix}"
                     )
+        if self.kv_cache_dtype == "fp8_e4m3" and self.dtype == "float64":
+            raise ValueError(
+                f"{name('kv_cache_dtype')}='fp8_e4m3' with {name('dtype')}='float64' would throw "
+                "away the exactness float64 runs exist for; use 'auto' (or a bfloat16 / float32 "
+                "model)"
+            )
         if self.attention_backend == "triton" and not self.device.startswith("cuda"):
             raise ValueError(
                 f"{name('attention_backend')}='triton' needs a CUDA device "

@@ -22,9 +22,10 @@ from rollout.activity import ActivityLog, ForwardPass
 from rollout.build import KVSizing, build_parts, kv_sizing, replica_group
 from rollout.config import EngineConfig, SamplingParams
 from rollout.handoff import PrefillHandoff, transfer
+from rollout.kv_calibration import calibrate_kv_scales
 from rollout.model_runner import execute
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
-from rollout.tp_group import Forward, LoadWeights, Release, Resume, Stop
+from rollout.tp_group import CalibrateKV, Forward, LoadWeights, Release, Resume, Stop
 from rollout.weights import WeightStatus, load_weights
 
 
@@ -56,6 +57,7 @@ class Engine:
         self.busy_s = 0.0
         self.forward_passes = 0
         self.activity: ActivityLog | None = None
+        self._calibrate_kv()
 
     # -- requests ------------------------------------------------------------------------------
     def _check_ready(self) -> None:
@@ -227,12 +229,26 @@ class Engine:
         `Scheduler.new_weights`) and bump `weight_version`."""
         if self.scheduler.cache is not None and self.pool.allocated:
             self.scheduler.new_weights()
+        self._calibrate_kv()
         # idle (no keep_running) nothing runs: 0
         self.scheduler.stats.in_place_kept_tokens += sum(
             s.num_computed for s in self.scheduler.running
         )
         self.weight_version += 1
         self._weights.uncommitted = False
+
+    def _calibrate_kv(self) -> None:
+        """An FP8 KV pool's scales from the weights now loaded (`rollout.kv_calibration`), once
+        the weights are complete (after a release, the update that completes them calibrates).
+        K/V kept across the update (running with `keep_running`, or parked) are re-quantized
+        to the new scales; the suffix lanes, copies of the old values, are refilled."""
+        if not self.pool.quantized or not self._weights.complete:
+            return
+        if self.tp is not None:  # every rank calibrates its own KV heads, together
+            self.tp.send(CalibrateKV())
+        self.pool.set_scales(*calibrate_kv_scales(self.model))
+        if self.suffix_lanes is not None:
+            self.suffix_lanes.forget()
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix and parked K/V (nothing may be in flight). Returns the pages
@@ -330,12 +346,18 @@ class Engine:
             forward_passes=self.forward_passes,
             waiting_sequences=len(self.scheduler.waiting),
             graph_captures=self.decode_graphs.captures if self.decode_graphs is not None else 0,
+            kv_fp8_clipped_share=self.pool.clipped_share(),
         )
         return s
 
     def check_integrity(self) -> None:
-        """Assert the KV bookkeeping invariants (free + cached + in use == total, locks, rows) and
-        that every suffix lane equals the pool's K/V it copies."""
+        """Assert the KV bookkeeping invariants (free + cached + in use == total, locks, rows),
+        that every suffix lane equals the pool's K/V it copies, and that an FP8 pool with complete
+        weights has calibrated (finite) scales."""
+        if self.pool.quantized and self._weights.complete:
+            assert (
+                torch.isfinite(self.pool.k_scale).all() and torch.isfinite(self.pool.v_scale).all()
+            )
         if self.pool.allocated:
             self.scheduler.check_integrity()
             if self.suffix_lanes is not None:

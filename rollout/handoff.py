@@ -95,7 +95,7 @@ class HandoffCapture:
             routes = None
             if pool.routes is not None:
                 routes = read_routes(pool.routes, slot_table, seq.row, prompt_len)
-            self.kv = (pool.k[:, :, slots].clone(), pool.v[:, :, slots].clone(), routes)
+            self.kv = (*pool.read_slots(slots), routes)  # model dtype, also from an FP8 pool
 
     def handoff(self, prompt: list[int], base_seed: int, version: int, cached: int):
         assert self.kv is not None and all(f is not None for f in self.first), "not finished"

@@ -7,6 +7,13 @@ for batched matmuls per KV head.
 
 A mixture of experts' pool also holds each slot's routed experts (`routes`, [slot, sparse layer,
 k], see `rollout.routes`), allocated, freed and copied with the K/V.
+
+With a `storage_dtype` below the model dtype (float8_e4m3fn, `rollout.kv_quant`) the pool is
+*quantized*: K and V are stored as FP8 with per-(layer, KV head) power-of-two scales. Attention
+then works on the dequantized values everywhere, the new tokens' included (`store` returns them),
+so a token's K/V are the same numbers whether read from the batch, a suffix lane or the pool.
+The scales are NaN until the engine calibrates them (`set_scales`): attention over an
+uncalibrated pool is NaN, never silently scaled by 1.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import numpy as np
 import torch
 
 from rollout import native
+from rollout.kv_quant import count_clipped, dequantize, head_scale, quantize
 from rollout.routes import RouteLayout
 
 
@@ -34,6 +42,14 @@ def store_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> Non
         dst.index_copy_(1, index, src.transpose(0, 1).to(dst.dtype))
 
 
+def index_select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """`x.index_select(dim, index)` for any dtype: float8 through its bytes (index_select has no
+    float8 kernel on every device)."""
+    if x.dtype == torch.float8_e4m3fn:
+        return x.view(torch.uint8).index_select(dim, index).view(x.dtype)
+    return x.index_select(dim, index)
+
+
 class KVPool:
     def __init__(
         self,
@@ -47,6 +63,7 @@ class KVPool:
         device: torch.device,
         scratch_page: bool = False,
         route_layout: RouteLayout | None = None,
+        storage_dtype: torch.dtype | None = None,
     ):
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -56,8 +73,18 @@ class KVPool:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # of the K/V attention computes with (the model's)
+        self.storage_dtype = storage_dtype or dtype  # of the K/V stored
+        self.quantized = self.storage_dtype != dtype
         self.device = device
+        # Quantized: per-(layer, KV head) scales [L, Hkv], kept across release/resume (they are
+        # a function of the weights), and the count of stored values that saturated.
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            nan = torch.full((num_layers, num_kv_heads), float("nan"), device=device)
+            self.k_scale, self.v_scale = nan, nan.clone()
+            self.clipped = torch.zeros((), dtype=torch.int64, device=device)
+            self.stored = torch.zeros((), dtype=torch.int64, device=device)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.route_layout = route_layout  # None: no routes kept (a dense model, a TP follower)
@@ -72,6 +99,7 @@ class KVPool:
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
+        """K and V of one token in every layer, stored as `dtype` (the pool's storage dtype)."""
         return (
             2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         )
@@ -94,8 +122,8 @@ class KVPool:
                 self.scratch_page = num_pages
         pages = self.num_pages + (self.scratch_page is not None)
         shape = (self.num_layers, self.num_kv_heads, pages * self.page_size, self.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         if self.route_layout is not None:
             layers, top_k, route_dtype = self.route_layout
             self.routes = torch.zeros(
@@ -111,6 +139,101 @@ class KVPool:
         self._free_pages = []
         if self.copy_log is not None:
             self.copy_log.clear()
+
+    # -- K/V in and out ----------------------------------------------------------------------
+    def store(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' k, v [T, Hkv, D] to `slots` of `layer`; returns the K/V as the
+        pool holds them, which attention must use for these tokens too (quantized: dequantized
+        from what was stored; otherwise k, v themselves)."""
+        if not self.quantized:
+            store_rows(self.k[layer], slots, k)
+            store_rows(self.v[layer], slots, v)
+            return k, v
+        held = []
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            x8 = quantize(x, head_scale(scales[layer], -2, 3))
+            # index_copy_ has no float8 kernel on every device: copy the bytes
+            cache[layer].view(torch.uint8).index_copy_(
+                1, slots, x8.transpose(0, 1).view(torch.uint8)
+            )
+            held.append(self._held(layer, x, x8, scales))
+        return held[0], held[1]
+
+    def held(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """New k, v [T, Hkv, D] as a quantized pool holds them once stored (a backend that
+        stores through its own kernel attends these), counted as stored."""
+        return tuple(
+            self._held(layer, x, quantize(x, head_scale(s[layer], -2, 3)), s)
+            for x, s in ((k, self.k_scale), (v, self.v_scale))
+        )
+
+    def _held(self, layer, x: torch.Tensor, x8: torch.Tensor, scales) -> torch.Tensor:
+        scale = head_scale(scales[layer], -2, 3)
+        self.clipped += count_clipped(x, scale)
+        self.stored += x.numel()
+        return dequantize(x8, scale, x.dtype)
+
+    def dequantized(
+        self, stored: torch.Tensor, which: str, layer: int | None = None
+    ) -> torch.Tensor:
+        """K (`which` "k") or V ("v") read from the pool -> `accum_dtype` values: `stored` is
+        [L, Hkv, ...] (every layer) or, with `layer`, [Hkv, ...]. Dequantized if quantized."""
+        wide = torch.promote_types(self.dtype, torch.float32)
+        if not self.quantized:
+            return stored.to(wide)
+        scales = self.k_scale if which == "k" else self.v_scale
+        if layer is not None:
+            return dequantize(stored, head_scale(scales[layer], 0, stored.dim()), wide)
+        return dequantize(stored, scales.view(scales.shape + (1,) * (stored.dim() - 2)), wide)
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of `slots` in every layer, [L, Hkv, len(slots), D] in the model dtype
+        (dequantized from an FP8 pool): what leaves the engine (a prefill handoff)."""
+        k, v = (index_select(x, 2, slots) for x in (self.k, self.v))
+        if not self.quantized:
+            return k, v
+        return self.dequantized(k, "k").to(self.dtype), self.dequantized(v, "v").to(self.dtype)
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`read_slots`' inverse: k, v [L, Hkv, len(slots), D] (any float dtype) into `slots` of
+        every layer, quantized with this pool's scales if it is FP8."""
+        if not self.quantized:
+            self.k.index_copy_(2, slots, k.to(self.device, self.dtype))
+            self.v.index_copy_(2, slots, v.to(self.device, self.dtype))
+            return
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            x8 = quantize(x.to(self.device), scales.view(scales.shape + (1, 1)))
+            cache.view(torch.uint8).index_copy_(2, slots, x8.view(torch.uint8))
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Quantized: the K and V scales [Hkv] of `layer`; else None."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else None
+
+    def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """New scales [L, Hkv] (in place: static decode graphs hold the tensors). K/V already
+        stored (running or parked sequences kept across a weight update) are re-quantized to
+        them: the scales are powers of two, so this is exact except where a value now saturates
+        or falls below the smallest subnormal."""
+        assert self.quantized and k_scale.shape == self.k_scale.shape
+        old = (self.k_scale.clone(), self.v_scale.clone())
+        self.k_scale.copy_(k_scale)
+        self.v_scale.copy_(v_scale)
+        if self.k is None or not bool(torch.isfinite(old[0]).all()):
+            return
+        for layer in range(self.num_layers):
+            for cache, before, after in ((self.k, old[0], k_scale), (self.v, old[1], v_scale)):
+                x = dequantize(cache[layer], head_scale(before[layer], 0, 3), torch.float32)
+                cache[layer].copy_(quantize(x, head_scale(after[layer], 0, 3).to(x.device)))
+
+    def clipped_share(self) -> float:
+        """Quantized: the share of the values stored so far that saturated (0.0 otherwise)."""
+        if not self.quantized:
+            return 0.0
+        return float(self.clipped) / max(1, int(self.stored))
 
     # -- pages -------------------------------------------------------------------------------
     @property

@@ -10,7 +10,8 @@ sync by writing each step's new K/V to both the pool and the lane. Attention rea
 
 Invariant (checked by `check`, which `Engine.check_integrity` runs): for every assigned lane,
 offsets `[0, seq.num_computed - start)` equal the pool's K/V at the sequence's slots for
-positions `start + offset`, converted to the lanes' dtype. It holds because
+positions `start + offset`, converted to the lanes' dtype (dequantized from an FP8 pool). It
+holds because
 * a lane is keyed by `Sequence.kv_epoch`, which changes whenever the page table changes other
   than by appending (admission, prefix-cache insert, fork, preemption, finish), and tree pages are
   immutable while private pages belong to one sequence;
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.config import accum_dtype
-from rollout.kv_pool import KVPool, store_rows
+from rollout.kv_pool import KVPool, index_select, store_rows
 
 if TYPE_CHECKING:
     from rollout.sequence import Sequence
@@ -113,19 +114,21 @@ class SuffixLanes:
         kv = self._prefix.get(layer)
         if kv is None:
             kv = self._prefix[layer] = (
-                self._gather_pages(self.pool.k[layer], pages),
-                self._gather_pages(self.pool.v[layer], pages),
+                self._gather_pages(self.pool.k[layer], pages, "k", layer),
+                self._gather_pages(self.pool.v[layer], pages, "v", layer),
             )
         return kv
 
-    def _gather_pages(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """cache [Hkv, slots, dim], pages [G, Np] -> [Hkv, G, Np * page_size, dim], accum_dtype."""
+    def _gather_pages(
+        self, cache: torch.Tensor, pages: torch.Tensor, which: str, layer: int
+    ) -> torch.Tensor:
+        """cache [Hkv, slots, dim] (the pool's `which` of `layer`), pages [G, Np] ->
+        [Hkv, G, Np * page_size, dim], accum_dtype (dequantized from an FP8 pool)."""
         heads, _, dim = cache.shape
         page = self.pool.page_size
-        gathered = cache.view(heads, -1, page * dim).index_select(1, pages.reshape(-1))
-        return gathered.view(heads, pages.shape[0], pages.shape[1] * page, dim).to(
-            accum_dtype(cache.dtype)
-        )
+        gathered = index_select(cache.view(heads, -1, page * dim), 1, pages.reshape(-1))
+        gathered = gathered.view(heads, pages.shape[0], pages.shape[1] * page, dim)
+        return self.pool.dequantized(gathered, which, layer)
 
     def _ensure(self, num_lanes: int, width: int) -> bool:
         """Room for `num_lanes` lanes of `width` positions, growing geometrically (contents
@@ -265,15 +268,15 @@ class SuffixLanes:
         ).view(-1)
         index = torch.tensor(lanes, device=pool.device)
         width = num_pages * page * pool.head_dim
-        for src, dst in ((pool.k, self.k), (pool.v, self.v)):
+        for which, src, dst in (("k", pool.k, self.k), ("v", pool.v, self.v)):
             paged = src.view(
                 pool.num_layers, pool.num_kv_heads, pool.num_pages, page * pool.head_dim
             )
-            gathered = paged.index_select(2, pages).view(
+            gathered = index_select(paged, 2, pages).view(
                 pool.num_layers, pool.num_kv_heads, len(seqs), width
             )
             flat = dst.view(*dst.shape[:3], -1)
-            flat[..., :width].index_copy_(2, index, gathered.to(dst.dtype))
+            flat[..., :width].index_copy_(2, index, pool.dequantized(gathered, which))
 
     def views(self, layer: int, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Suffix K, V of lanes [0, num_seqs), `width` positions: [Hkv, num_seqs, width, dim]
@@ -295,8 +298,9 @@ class SuffixLanes:
         leaders = self._prefix_key or ()
         if all(e in by_epoch and by_epoch[e].num_tree_pages == n for e, n in leaders):
             for layer, (k, v) in self._prefix.items():
-                for cache, copy in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
-                    fresh = self._gather_pages(cache, self._prefix_pages)
+                for which, copy in (("k", k), ("v", v)):
+                    cache = getattr(self.pool, which)[layer]
+                    fresh = self._gather_pages(cache, self._prefix_pages, which, layer)
                     for g, (_, pages) in enumerate(leaders):
                         width = pages * self.pool.page_size
                         assert torch.equal(copy[:, g, :width], fresh[:, g, :width]), (
@@ -315,8 +319,8 @@ class SuffixLanes:
             count = seq.num_computed - record.start
             pages = torch.tensor(seq.pages[seq.num_tree_pages :], dtype=torch.int64)
             slots = (pages[:, None] * page + torch.arange(page)).flatten()[:count].to(pool.device)
-            for src, dst in ((pool.k, self.k), (pool.v, self.v)):
-                expected = src.index_select(2, slots).to(dst.dtype)
+            for which, src, dst in (("k", pool.k, self.k), ("v", pool.v, self.v)):
+                expected = pool.dequantized(index_select(src, 2, slots), which)
                 assert torch.equal(dst[:, :, lane, :count], expected), (
                     "lane differs from the KV pool"
                 )

@@ -23,11 +23,13 @@ import torch.distributed as dist
 from rollout import device_memory
 from rollout.attention import TorchAttention
 from rollout.build import kv_sizing, load_model
-from rollout.config import EngineConfig
+from rollout.config import EngineConfig, kv_storage_dtype
 from rollout.engine import Engine
+from rollout.kv_calibration import calibrate_kv_scales
 from rollout.kv_pool import KVPool
 from rollout.model_runner import execute
 from rollout.tp_group import (
+    CalibrateKV,
     Forward,
     LoadWeights,
     ReceiveShards,
@@ -69,6 +71,7 @@ class EngineFollower:
             head_dim=self.model_config.head_dim,
             dtype=getattr(torch, config.dtype),
             device=self.device,
+            storage_dtype=kv_storage_dtype(config),
         )
         self.attention = TorchAttention(self.pool)
         # the receive of this rank's own shards on the weight-sync group (`ReceiveShards`);
@@ -123,6 +126,8 @@ class EngineFollower:
                 if self.shard_receive is None:
                     raise RuntimeError("ReceiveShards before this rank joined a weight-sync group")
                 self.shard_receive()
+            elif isinstance(command, CalibrateKV):
+                self.pool.set_scales(*calibrate_kv_scales(self.model))
             elif isinstance(command, Stop):
                 return
             else:

@@ -53,6 +53,12 @@ class Stop(NamedTuple):
     pass
 
 
+class CalibrateKV(NamedTuple):
+    """Every rank calibrates its FP8 KV pool's scales from its shard of the weights now loaded
+    (`rollout.kv_calibration`): the calibration forward runs the TP layers' collectives, so all
+    ranks run it together, in the order of rank 0's commands."""
+
+
 class ReceiveShards(NamedTuple):
     """Followers: receive this rank's own shards of one weight push on the weight-sync group
     (the resharding sync over broadcasts; the follower's `shard_receive`). It comes as a

@@ -148,6 +148,7 @@ def engine_config(recipe, model_path: str, device: str = "cpu") -> EngineConfig:
             tp=r.tp,
             kv_cache_tokens=r.kv_cache_tokens,
             kv_memory_fraction=r.kv_memory_fraction,
+            kv_cache_dtype=r.kv_cache_dtype,
             max_model_len=context_len(recipe, model_path),
             page_size=r.page_size,
             max_running_requests=r.max_running_requests,

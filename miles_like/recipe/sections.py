@@ -175,6 +175,12 @@ class RolloutSection(Section):
         gt=0.0,
         le=1.0,
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="how the engine's KV pool stores K/V: auto (model.dtype) | fp8_e4m3 (half "
+        "of bfloat16's bytes per token; per-(layer, KV head) scales calibrated from the weights "
+        "at every weight update; not with model.dtype float64)",
+    )
     page_size: int = Field(16, description="engine KV page size in tokens (prefix-sharing unit)")
     max_running_requests: int = Field(256, description="most sequences the engine decodes at once")
     speculative_method: Literal["ngram", "group", "draft"] | None = Field(

@@ -33,6 +33,8 @@ the PV dot takes the probabilities rounded to the pool dtype, as flash attention
 reference keeps them in float32, so 16-bit results agree to 16-bit tolerance, not bitwise.
 The Triton interpreter (TRITON_INTERPRET=1) cannot multiply bfloat16 in `tl.dot` (triton issue
 11584), so there bfloat16 operands are upcast to float32 instead (float16 keeps the native path).
+An FP8 pool (float8_e4m3fn, `kv_scales` per KV head: `rollout.kv_quant`) is dequantized to the
+queries' dtype as it is loaded, exactly (power-of-two scales), and then attended as above.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def _partial_attention_kernel(
     query_index_ptr,  # [B * Q] token row of each query cell (sequence b, query j)
     k_cache_ptr,
     v_cache_ptr,  # one layer of the pool: [Hkv, slots, D]
+    k_scale_ptr,
+    v_scale_ptr,  # [Hkv] float32 scales of an FP8 pool (if KV_FP8)
     pages_ptr,  # [C, N] page ids of each context
     bias_ptr,  # [C, Q or 1, N * PAGE_SIZE] float32 additive mask (if HAS_BIAS)
     lengths_ptr,  # [C] tokens to read; columns past it are not read at all
@@ -101,6 +105,7 @@ def _partial_attention_kernel(
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     ctx = tl.program_id(0).to(tl.int64)
     kv_head = (tl.program_id(1) // num_row_blocks).to(tl.int64)
@@ -158,6 +163,9 @@ def _partial_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:  # dequantize to the queries' dtype: exact (power-of-two scales)
+            k = (k.to(tl.float32) * tl.load(k_scale_ptr + kv_head)).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr + kv_head)).to(q_ptr.dtype.element_ty)
         if NATIVE_DOT:
             scores = tl.dot(q, tl.trans(k))
         else:
@@ -345,9 +353,12 @@ def split_k_decode_attention(
     *,
     block_n: int | None = None,
     chunk_tokens: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each decode token of q [T, H, D] over the union of its sequence's contexts in
-    `phases` (each sequence is a member of exactly one context per phase) -> [T, H, D]."""
+    `phases` (each sequence is a member of exactly one context per phase) -> [T, H, D].
+    `kv_scales`: the K and V scales [Hkv] of an FP8 pool (float8_e4m3fn caches), dequantized
+    as they are read."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"decode attention: q {tuple(q.shape)} must be [T, H, D] and caches "
@@ -360,10 +371,16 @@ def split_k_decode_attention(
             f"decode attention: q {tuple(q.shape)} needs head_dim {k_cache.shape[2]} and a "
             f"multiple of Hkv={num_kv_heads} heads"
         )
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    fp8 = kv_scales is not None
+    if not (k_cache.dtype == v_cache.dtype) or (
+        k_cache.dtype != (torch.float8_e4m3fn if fp8 else q.dtype)
+    ):
         raise ValueError(
-            f"decode attention: q dtype {q.dtype} must equal the pool dtype {k_cache.dtype}"
+            f"decode attention: the pool dtype {k_cache.dtype} must be q's {q.dtype}, or "
+            "float8_e4m3fn with kv_scales"
         )
+    if fp8 and any(s.shape != (num_kv_heads,) or s.dtype != torch.float32 for s in kv_scales):
+        raise ValueError(f"decode attention: kv_scales must be float32 [Hkv={num_kv_heads}]")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("decode attention: the pool's head_dim must be contiguous")
     if queries.token_cell.shape != (num_tokens,):
@@ -425,6 +442,7 @@ def split_k_decode_attention(
             queries.query_index,
             k_cache,
             v_cache,
+            *(kv_scales if fp8 else (part_lse, part_lse)),  # never read without KV_FP8
             phase.pages,
             bias if bias is not None else phase.lengths,  # never read without HAS_BIAS
             phase.lengths,
@@ -461,6 +479,7 @@ def split_k_decode_attention(
             BLOCK_N=block_n,
             HAS_BIAS=bias is not None,
             NATIVE_DOT=native_dot,
+            KV_FP8=fp8,
         )
     block_h = min(MERGE_BLOCK_H, triton.next_power_of_2(num_heads))
     _merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
@@ -570,10 +589,19 @@ def triton_cascade_decode_attention(
     *,
     block_n: int | None = None,
     chunk_tokens: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same function as `rollout.attention.cascade_decode_attention`: q [T, H, Dh] decode tokens
     in batch order -> [T, H, Dh]."""
     phases, queries = cascade_plan(meta)
     return split_k_decode_attention(
-        q, k_cache, v_cache, page_size, phases, queries, block_n=block_n, chunk_tokens=chunk_tokens
+        q,
+        k_cache,
+        v_cache,
+        page_size,
+        phases,
+        queries,
+        block_n=block_n,
+        chunk_tokens=chunk_tokens,
+        kv_scales=kv_scales,
     )

@@ -1,7 +1,8 @@
 """`TritonAttention`: the attention backend of `rollout.attention`, with Triton kernels on the
 hot paths.
 
-Same interface and same function as `TorchAttention`: new K/V are stored by the KV-store kernel,
+Same interface and same function as `TorchAttention`: new K/V are stored by the KV-store kernel
+(quantized there for an FP8 pool),
 decode tokens attend through the split-K cascade kernel, prefill chunks through SDPA (as in the
 reference; prefill is compute-bound and SDPA's flash kernels serve it well). Runs on CUDA, or on
 CPU when TRITON_INTERPRET=1 was set before `rollout.kernels` was imported (tests).
@@ -45,7 +46,10 @@ class TritonAttention:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, D]
-        triton_store_kv(k, v, k_cache, v_cache, meta.out_slots)
+        scales = self.pool.scales(layer)
+        triton_store_kv(k, v, k_cache, v_cache, meta.out_slots, *(scales or ()))
+        if scales is not None:  # prefill attends the new K/V as stored (and they are counted)
+            k, v = self.pool.held(layer, k, v)
         out = torch.empty_like(q)
         if meta.decode is not None:
             if self._plan_for is not meta.decode:
@@ -60,6 +64,7 @@ class TritonAttention:
                 queries,
                 block_n=self.block_n,
                 chunk_tokens=self.chunk_tokens,
+                kv_scales=scales,
             )
-        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out)
+        prefill_attention(q, k, v, k_cache, v_cache, meta.prefill, out, kv_scales=scales)
         return out

@@ -265,8 +265,6 @@ class Scheduler:
                 )
             return False
         pool = self.pool
-        k = handoff.k.to(pool.device, pool.dtype)
-        v = handoff.v.to(pool.device, pool.dtype)
         forks: list[Sequence] = []
         for seq in seqs:
             pages = self.allocator.alloc(pages_each)
@@ -276,8 +274,7 @@ class Scheduler:
             seq.new_kv_epoch()
             self.allocator.write_pages(seq)
             slots = self.slot_table[seq.row, :prompt_len]
-            pool.k.index_copy_(2, slots, k)
-            pool.v.index_copy_(2, slots, v)
+            pool.write_slots(slots, handoff.k, handoff.v)  # quantized if the pool is FP8
             if pool.routes is not None and handoff.routes is not None:
                 pool.routes.index_copy_(0, slots, handoff.routes.to(pool.device, pool.routes.dtype))
             seq.num_computed = prompt_len

@@ -95,3 +95,20 @@ def test_engine_context_follows_the_recipe_not_the_model(tmp_path, tiny_hf_check
     # a model shorter than the micro-batch: its own context
     longer = recipe(tmp_path, "trainer.max_tokens_per_micro_batch=4096")
     assert engine_config(longer, str(directory), "cpu").max_model_len == 512
+
+
+def test_fp8_kv_cache_reaches_the_engine_and_bad_pairs_are_one_line(tmp_path):
+    assert engine_config(recipe(tmp_path), "/m").kv_cache_dtype == "auto"
+    fp8 = recipe(tmp_path, "rollout.kv_cache_dtype=fp8_e4m3")
+    assert engine_config(fp8, "/m").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(
+        RecipeError, match=r"rollout.kv_cache_dtype='fp8_e4m3' with model.dtype="
+    ) as error:
+        recipe(tmp_path, "rollout.kv_cache_dtype=fp8_e4m3", "model.dtype=float64")
+    assert "'auto'" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(RecipeError, match=r"rollout.kv_cache_dtype") as error:
+        recipe(tmp_path, "rollout.kv_cache_dtype=fp8")
+    assert "\n" not in str(error.value)
+    assert EngineConfig(model_path="m", kv_cache_dtype="fp8_e4m3", tp=2).tp == 2
+    # the Triton kernels read an FP8 pool: auto keeps them on CUDA
+    assert engine_config(fp8, "/m", "cuda").attention_backend == "triton"
