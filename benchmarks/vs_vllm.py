@@ -26,8 +26,10 @@ completions. Reported per engine: output and total tokens/s, TTFT and TPOT p50 /
 requests and the first distinct errors.
 
 Prints one JSON object: per cell the tokens/s of each round, the best and median per engine,
-and `ours_over_vllm` (median of the per-round ratios; > 1: ours faster); the serving figures and
-`serving_output_throughput_ours_over_vllm`.
+and `ours_over_vllm` (median of the per-round ratios; > 1: ours faster); the slowest cell for us
+(`slowest_cell`, `min_ours_over_vllm`); the serving figures and
+`serving_output_throughput_ours_over_vllm`; `under_load` where the 1-minute load average at the
+start or the end exceeded half the pinned CPUs (other work was running: ratios are rough).
 
     .venv/bin/python benchmarks/vllm_env.py                     # once: create .venv-vllm/
     .venv/bin/python benchmarks/vs_vllm.py --save               # the full run (tens of minutes)
@@ -512,7 +514,14 @@ def main(argv=None) -> dict:
             result["serving_output_throughput_ours_over_vllm"] = (
                 serving["ours"]["output_throughput"] / serving["vllm"]["output_throughput"]
             )
+    if args.grid:
+        slowest = min(result["grid"], key=lambda k: result["grid"][k]["ours_over_vllm"])
+        result["slowest_cell"] = slowest
+        result["min_ours_over_vllm"] = result["grid"][slowest]["ours_over_vllm"]
     result["load_average_after"] = os.getloadavg()
+    # figures from a box busy with other work: the 1-min load above half the pinned CPUs' count
+    loads = (result["load_average_before"][0], result["load_average_after"][0])
+    result["under_load"] = max(loads) > args.threads / 2
     record.finish(result, args)
     return result
 
