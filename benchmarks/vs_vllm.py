@@ -20,10 +20,11 @@ none reserved, and Intel OpenMP (the wheel's libiomp5) and tcmalloc LD_PRELOADed
 the JSON says which were found. Ours: the engine's defaults (`--ours-compile`: compiled).
 
 Serving (`--serving`, on by default): our `python -m rollout.serving.server` and `vllm serve`
-(same set-up), each driven by vLLM's own load generator `vllm bench serve` on 127.0.0.1: random
-prompts of 128 tokens, 128 out (EOS ignored, T = 1), 256 requests at concurrency 64, streamed
-completions. Reported per engine: output and total tokens/s, TTFT and TPOT p50 / p99, failed
-requests and the first distinct errors.
+(the same set-up, except that its engine core always runs in a process of its own), each
+driven by vLLM's own load generator `vllm bench serve` on 127.0.0.1: random prompts of 128
+tokens, 128 out (EOS ignored, T = 1), 256 requests at concurrency 64, streamed completions.
+Reported per engine: output and total tokens/s, TTFT and TPOT p50 / p99, failed requests and the
+first distinct errors.
 
 Prints one JSON object: per cell the tokens/s of each round, the best and median per engine,
 and `ours_over_vllm` (median of the per-round ratios; > 1: ours faster); the slowest cell for us
@@ -509,6 +510,8 @@ def main(argv=None) -> dict:
                 "output_len": args.serving_len,
                 "dtype": args.serving_dtype,
                 "client": "vllm bench serve --backend vllm (streamed /v1/completions)",
+                # vLLM's AsyncLLM always runs its engine core in a process of its own
+                "vllm_serve_processes": "API server + engine core, both on the pinned CPUs",
             }
             result["serving"] = serving
             result["serving_output_throughput_ours_over_vllm"] = (
