@@ -412,8 +412,10 @@ def run_serving(engine: str, args, model_dir: Path, cpus: list[int], work: Path)
     port = free_port()
     cmd = pinned(server_command(engine, args, model_dir, port), cpus)
     env = engine_env(engine, args, cpus)
+    # --verbose shows the logs on stderr: stdout stays the JSON alone
+    logs = sys.stderr if args.verbose else subprocess.DEVNULL
     quiet = None if args.verbose else subprocess.DEVNULL
-    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=quiet, stderr=quiet)
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs, stderr=quiet)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
         bench_env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -423,7 +425,7 @@ def run_serving(engine: str, args, model_dir: Path, cpus: list[int], work: Path)
             cwd=ROOT,
             env=bench_env,
             check=True,
-            stdout=quiet,
+            stdout=logs,
             stderr=quiet,
         )
     finally:
