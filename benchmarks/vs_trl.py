@@ -325,7 +325,12 @@ def trl_worker(args) -> None:
         except Exception as exc:  # recorded: why TRL could not run this way here
             if not args.use_vllm:
                 raise
+            import traceback
+
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            site = where.filename.split("site-packages/")[-1]
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            error += f" (raised at {site}:{where.lineno}, in {where.name})"
             Path(args.trl_worker).write_text(json.dumps({"error": error}))
             return
     timed = steps[args.warmup :]
