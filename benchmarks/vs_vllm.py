@@ -30,7 +30,7 @@ Prints one JSON object: per cell the tokens/s of each round, the best and median
 and `ours_over_vllm` (median of the per-round ratios; > 1: ours faster); the slowest cell for us
 (`slowest_cell`, `min_ours_over_vllm`); the serving figures and
 `serving_output_throughput_ours_over_vllm`; `under_load` where the 1-minute load average at the
-start or the end exceeded half the pinned CPUs (other work was running: ratios are rough).
+start exceeded half the pinned CPUs (other work ran just before: the ratios are rough).
 
     .venv/bin/python benchmarks/vllm_env.py                     # once: create .venv-vllm/
     .venv/bin/python benchmarks/vs_vllm.py --save               # the full run (tens of minutes)
@@ -524,9 +524,8 @@ def main(argv=None) -> dict:
         result["slowest_cell"] = slowest
         result["min_ours_over_vllm"] = result["grid"][slowest]["ours_over_vllm"]
     result["load_average_after"] = os.getloadavg()
-    # figures from a box busy with other work: the 1-min load above half the pinned CPUs' count
-    loads = (result["load_average_before"][0], result["load_average_after"][0])
-    result["under_load"] = max(loads) > args.threads / 2
+    # other work ran in the minute before the start (the end's load counts this run itself)
+    result["under_load"] = result["load_average_before"][0] > args.threads / 2
     record.finish(result, args)
     return result
 
