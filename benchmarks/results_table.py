@@ -73,6 +73,23 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "variable/speedup_s_per_step",
             "{:.2f}x",
         ),
+        (
+            "RL step vs TRL `GRPOTrainer` + vLLM colocated, fixed lengths",
+            "fixed/speedup_s_per_step_vs_trl_vllm",
+            "{:.2f}x",
+        ),
+    ),
+    "vs_vllm": _figures(
+        (
+            "generation vs vLLM CPU, slowest grid cell for us ({slowest_cell})",
+            "min_ours_over_vllm",
+            "{:.2f}x",
+        ),
+        (
+            "serving output tokens/s vs vLLM CPU, both driven by `vllm bench serve`",
+            "serving_output_throughput_ours_over_vllm",
+            "{:.2f}x",
+        ),
     ),
     "async_learning": _figures(
         (

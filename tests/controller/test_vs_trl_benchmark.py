@@ -28,3 +28,16 @@ def test_quick_benchmark_runs_both_frameworks_on_both_workloads():
     # variable length: EOS ends most samples early, for both
     for side in ("ours", "trl"):
         assert out["variable"][side]["completion_tokens_per_step_mean"] < quick_tokens
+
+
+def test_trl_with_vllm_records_a_missing_environment_instead_of_failing(tmp_path):
+    import argparse
+
+    from benchmarks import vs_trl
+
+    args = argparse.Namespace(vllm_venv=tmp_path / "no-venv", verbose=False)
+    out = vs_trl.run_trl(tmp_path, tmp_path, tmp_path / "data", args, True, "", use_vllm=True)
+    assert out == {
+        "error": f"{tmp_path / 'no-venv' / 'bin' / 'python'} not found: "
+        "create it with benchmarks/vllm_env.py"
+    }
