@@ -168,6 +168,17 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     if config.attention_backend == "triton":
         from rollout.kernels import TritonAttention  # triton decides interpret vs compile here
 
+        if (
+            pool.quantized
+            and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 9)
+        ):
+            raise ValueError(
+                "EngineConfig.kv_cache_dtype='fp8_e4m3' with attention_backend='triton' needs a "
+                "GPU with float8 support (compute capability 8.9+, Ada / Hopper); use "
+                "attention_backend='torch' on this one"
+            )
+
         attention = TritonAttention(pool)
     else:
         if config.decode_suffix_lanes and not use_graphs and tp is None:

@@ -217,17 +217,21 @@ class KVPool:
         """New scales [L, Hkv] (in place: static decode graphs hold the tensors). K/V already
         stored (running or parked sequences kept across a weight update) are re-quantized to
         them: the scales are powers of two, so this is exact except where a value now saturates
-        or falls below the smallest subnormal."""
+        or leaves e4m3's normal range (fewer mantissa bits below it). Only the (layer, head)
+        pairs whose scale changed are rewritten, one at a time (bounded float32 scratch)."""
         assert self.quantized and k_scale.shape == self.k_scale.shape
         old = (self.k_scale.clone(), self.v_scale.clone())
         self.k_scale.copy_(k_scale)
         self.v_scale.copy_(v_scale)
         if self.k is None or not bool(torch.isfinite(old[0]).all()):
             return
-        for layer in range(self.num_layers):
-            for cache, before, after in ((self.k, old[0], k_scale), (self.v, old[1], v_scale)):
-                x = dequantize(cache[layer], head_scale(before[layer], 0, 3), torch.float32)
-                cache[layer].copy_(quantize(x, head_scale(after[layer], 0, 3).to(x.device)))
+        for cache, before, after in (
+            (self.k, old[0], self.k_scale),
+            (self.v, old[1], self.v_scale),
+        ):
+            for layer, head in (before != after).nonzero().tolist():
+                x = dequantize(cache[layer, head], before[layer, head], torch.float32)
+                cache[layer, head].copy_(quantize(x, after[layer, head]))
 
     def clipped_share(self) -> float:
         """Quantized: the share of the values stored so far that saturated (0.0 otherwise)."""
