@@ -61,13 +61,21 @@ def check_algorithm(rollout: RolloutSection, alg: AlgorithmSection) -> None:
             f"algorithm.overlong_buffer={alg.overlong_buffer} must be below "
             f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it"
         )
-    if rollout.quantization is not None and alg.is_correction is None:
-        # the engine samples from FP8 weights, the trainer computes with the model dtype's:
-        # their log-probs differ, and only an importance correction keeps the update on-policy
+    low_precision = [
+        f"{field}={value}"
+        for field, value in (
+            ("rollout.quantization", rollout.quantization),
+            ("rollout.kv_cache_dtype", rollout.kv_cache_dtype),
+        )
+        if value not in (None, "auto")
+    ]
+    if low_precision and alg.is_correction is None:
+        # the engine samples from FP8 weights or FP8 K/V, the trainer computes in the model
+        # dtype: their log-probs differ, and only an importance correction keeps the update
+        # on-policy
         raise RecipeError(
-            f"rollout.quantization={rollout.quantization} samples from a rounded policy; set "
-            "algorithm.is_correction: tis (or mis) to correct for it, or rollout.quantization: "
-            "null"
+            f"{' and '.join(low_precision)} samples from a rounded policy; set "
+            "algorithm.is_correction: tis (or mis) to correct for it, or drop the FP8 setting"
         )
     if alg.kl_reward_coef > 0 and alg.advantage not in ("reinforce_pp", "gae"):
         raise RecipeError(

@@ -99,12 +99,17 @@ def test_engine_context_follows_the_recipe_not_the_model(tmp_path, tiny_hf_check
 
 def test_fp8_kv_cache_reaches_the_engine_and_bad_pairs_are_one_line(tmp_path):
     assert engine_config(recipe(tmp_path), "/m").kv_cache_dtype == "auto"
-    fp8 = recipe(tmp_path, "rollout.kv_cache_dtype=fp8_e4m3")
+    fp8 = recipe(tmp_path, "rollout.kv_cache_dtype=fp8_e4m3", "algorithm.is_correction=tis")
     assert engine_config(fp8, "/m").kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(
         RecipeError, match=r"rollout.kv_cache_dtype='fp8_e4m3' with model.dtype="
     ) as error:
-        recipe(tmp_path, "rollout.kv_cache_dtype=fp8_e4m3", "model.dtype=float64")
+        recipe(
+            tmp_path,
+            "rollout.kv_cache_dtype=fp8_e4m3",
+            "algorithm.is_correction=tis",
+            "model.dtype=float64",
+        )
     assert "'auto'" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(RecipeError, match=r"rollout.kv_cache_dtype") as error:
         recipe(tmp_path, "rollout.kv_cache_dtype=fp8")

@@ -181,6 +181,11 @@ MALFORMED = {
         ["rollout.quantization=fp8", "algorithm.is_correction=tis", "model.dtype=float64"],
         ["rollout.quantization='fp8'", "model.dtype='float64'", "bfloat16 or float32"],
     ),
+    "fp8 KV cache without a correction": (
+        MINIMAL,
+        ["rollout.kv_cache_dtype=fp8_e4m3"],
+        ["rollout.kv_cache_dtype=fp8_e4m3", "algorithm.is_correction: tis"],
+    ),
     "unknown quantization": (MINIMAL, ["rollout.quantization=int4"], ["rollout.quantization"]),
     "bad int enum": (
         MINIMAL,
