@@ -321,6 +321,14 @@ class EngineWorker:
         (under TP: this rank's shards)."""
         return parameter_digests((self.engine or self.follower).model)
 
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8 KV pool's K and V scales [layers, KV heads] (under TP: this rank's heads), on
+        the CPU; None for a pool in the model dtype. To check a calibration from outside."""
+        pool = (self.engine or self.follower).pool
+        if pool.k_scale is None:
+            return None
+        return pool.k_scale.cpu().clone(), pool.v_scale.cpu().clone()
+
     def shutdown(self) -> None:
         """Stop the HTTP endpoint and the step loop (rank 0 of a TP replica also stops its
         followers' `follow`)."""
