@@ -24,6 +24,7 @@ CPU_SECTIONS = (
     "megatron",
     "speculation",
     "throughput",
+    "fp8",
 )
 
 
@@ -69,3 +70,8 @@ def test_dry_run_prints_the_plan_and_one_line_per_section(tmp_path):
     speculation = {c["name"]: c for c in by_name["speculation"]["checks"]}
     assert all(speculation[f"greedy_equal_{m}"]["spec_accepted_tokens"] > 0 for m in ("group",))
     assert by_name["throughput"]["result"]["engine_tokens_per_s"] > 0
+    fp8 = {c["name"] for c in by_name["fp8"]["checks"]}
+    assert {
+        "fp8_engine_equals_dequantized_weights",
+        "fp8_weights_are_the_checkpoints_quantized",
+    } <= (fp8)

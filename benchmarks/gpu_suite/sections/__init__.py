@@ -78,14 +78,6 @@ SECTIONS: tuple[Section, ...] = (
         cpu=True,
     ),
     Section(
-        "compiled_decode",
-        "benchmarks.gpu_suite.sections.compiled_decode:run",
-        "EngineConfig.compile (inductor inside the decode graphs) vs eager: greedy tokens equal, "
-        "log-probs within 1e-4; compile seconds",
-        budget_s=20,
-        requires=(*ROLLOUT, *TRITON, "rollout.compiled"),
-    ),
-    Section(
         "fp8",
         "benchmarks.gpu_suite.sections.fp8:run",
         "FP8 rollout weights: the FP8 engine equals float32 on the dequantized weights (greedy "
@@ -94,6 +86,14 @@ SECTIONS: tuple[Section, ...] = (
         budget_s=15,
         requires=(*ROLLOUT, *TRITON, "weight_sync", "quantization"),
         cpu=True,
+    ),
+    Section(
+        "compiled_decode",
+        "benchmarks.gpu_suite.sections.compiled_decode:run",
+        "EngineConfig.compile (inductor inside the decode graphs) vs eager: greedy tokens equal, "
+        "log-probs within 1e-4; compile seconds",
+        budget_s=20,
+        requires=(*ROLLOUT, *TRITON, "rollout.compiled"),
     ),
 )
 
