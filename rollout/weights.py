@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from rollout import native
 from rollout.parallel_layers import Shard
 
 # Buffers some older checkpoints carry; they are recomputed from the config, never loaded.
@@ -40,6 +41,17 @@ def _resolve(params: dict[str, nn.Parameter], name: str, tied: bool) -> str:
     if tied and name == "lm_head.weight":  # tied: lm_head shares the embedding's Parameter
         return "model.embed_tokens.weight"
     raise KeyError(name)
+
+
+def copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """param.copy_(tensor). A column-major CPU weight (`CausalLM.column_major`) receiving a
+    row-major tensor is filled by the native transposing copy: torch's strided copy there costs
+    many times a plain copy of the same bytes, and it is what every weight update pays."""
+    lib = native.transpose() if native.transposed_target(param, tensor) else None
+    if lib is None:
+        param.copy_(tensor)
+    else:
+        native.transpose_copy_(lib, param, tensor)
 
 
 @torch.no_grad()
@@ -82,7 +94,7 @@ def load_weights(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
                 f"{tuple(param.shape)}; is the checkpoint from the same config.json?"
             )
-        param.copy_(tensor)
+        copy_into(param, tensor)
         loaded.add(target_name)
     if require_all:
         missing = sorted(set(params) - loaded)
