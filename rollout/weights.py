@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from quantization import FP8_DTYPE, quantize, scale_name
+from rollout import native
 from rollout.parallel_layers import Shard
 
 # Buffers some older checkpoints carry; they are recomputed from the config, never loaded.
@@ -45,6 +46,17 @@ def _resolve(params: dict[str, nn.Parameter], name: str, tied: bool) -> str:
     if tied and name == "lm_head.weight":  # tied: lm_head shares the embedding's Parameter
         return "model.embed_tokens.weight"
     raise KeyError(name)
+
+
+def copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """param.copy_(tensor). A column-major CPU weight (`CausalLM.column_major`) receiving a
+    row-major tensor is filled by the native transposing copy: torch's strided copy there costs
+    many times a plain copy of the same bytes, and it is what every weight update pays."""
+    lib = native.transpose() if native.transposed_target(param, tensor) else None
+    if lib is None:
+        param.copy_(tensor)
+    else:
+        native.transpose_copy_(lib, param, tensor)
 
 
 @torch.no_grad()
@@ -102,7 +114,7 @@ def load_weights(
                 "quantize on the sender only for an engine with quantization='fp8'"
             )
         else:
-            param.copy_(tensor)
+            copy_into(param, tensor)
         loaded.add(target_name)
     if require_all:
         missing = sorted(set(params) - loaded)

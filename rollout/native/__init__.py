@@ -1,6 +1,8 @@
 """The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c), the
 element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores) and
-sampling without truncation (sampling.c: each row's draw and log-prob in one pass).
+sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
+transposing copy that fills a column-major weight from a row-major update (transpose.c, any
+2-, 4- or 8-byte dtype).
 
 Each source is built on first use by `native_build` with OpenMP; the kernels run on torch's
 threads (`torch.get_num_threads()`, the process's one libgomp). Without a compiler, with
@@ -55,6 +57,13 @@ def declare_sampling(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def declare_transpose(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.transpose_copy.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT]
+    lib.transpose_copy.restype = _INT
+    lib.transpose_has_avx2.restype = _INT
+    return lib
+
+
 def _library(source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: str):
     return native_build.LazyLibrary(
         Path(__file__).with_name(source),
@@ -68,6 +77,36 @@ def _library(source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: s
 attention = _library("cascade_decode.c", declare_attention, "decode attention")
 pointwise = _library("pointwise.c", declare_pointwise, "element-wise kernels")
 sampling = _library("sampling.c", declare_sampling, "sampling")
+transpose = _library("transpose.c", declare_transpose, "transposing copy")
+
+
+def transposed_target(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether `transpose_copy_` applies: dst [R, C] a column-major view (each column's R
+    elements contiguous, as `CausalLM.column_major` stores a weight), src [R, C] row-major (each
+    row contiguous), the same 2-, 4- or 8-byte dtype, both on the CPU."""
+    return (
+        dst.dim() == 2
+        and src.shape == dst.shape
+        and src.dtype == dst.dtype
+        and dst.element_size() in (2, 4, 8)
+        and dst.device.type == src.device.type == "cpu"
+        and dst.numel() > 0
+        and dst.stride(0) == 1
+        and dst.stride(1) >= dst.shape[0]
+        and src.stride(1) == 1
+        and src.stride(0) >= src.shape[1]
+    )
+
+
+def transpose_copy_(lib: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for a column-major dst and a row-major src (`transposed_target`): the
+    same bytes, moved in cache-sized blocks instead of torch's element-wise strided walk."""
+    assert transposed_target(dst, src), (dst.shape, dst.stride(), src.shape, src.stride())
+    status = lib.transpose_copy(
+        src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(1), dst.shape[0],
+        dst.shape[1], dst.element_size(), torch.get_num_threads(),
+    )  # fmt: skip
+    assert status == 0, status
 
 
 def _rows_of_dh(t: torch.Tensor) -> torch.Tensor:
