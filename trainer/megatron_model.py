@@ -65,7 +65,11 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
 
 
 def transformer_config(
-    arch: ModelSpec, *, params_dtype: torch.dtype = torch.float32, fused_swiglu: bool = False
+    arch: ModelSpec,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    fused_swiglu: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> TransformerConfig:
     if arch.o_bias or arch.mlp_bias:
         # megatron's add_bias_linear biases every linear at once; only q/k/v have their own flag
@@ -139,7 +143,7 @@ def transformer_config(
         fp16=params_dtype == torch.float16,
         # packed micro-batches differ in length (PP exchanges shapes); a mixture runs PP = 1
         variable_seq_lengths=arch.moe is None,
-        **moe_config_fields(arch, params_dtype),  # trainer.megatron_moe
+        **moe_config_fields(arch, params_dtype, moe_aux_loss_coeff),  # trainer.megatron_moe
         use_cpu_initialization=True,
         perform_initialization=False,  # weights come from the HF checkpoint
     )
@@ -190,6 +194,7 @@ def build_gpt_model(
     vocab_multiple: int = 128,
     use_te: bool = False,
     compile: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> tuple[GPTModel, ModelLayout]:
     """This rank's GPTModel (random weights until `bridge.load_hf_weights`) and its layout;
     with `compile` its norms and SwiGLUs run compiled (`trainer.compiled`).
@@ -199,7 +204,12 @@ def build_gpt_model(
     packed_rope.install()
     if use_te and device().type != "cuda":
         raise ValueError("trainer.use_transformer_engine needs CUDA; set it to false on CPU")
-    config = transformer_config(arch, params_dtype=params_dtype, fused_swiglu=compile)
+    config = transformer_config(
+        arch,
+        params_dtype=params_dtype,
+        fused_swiglu=compile,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
+    )
     if arch.moe is not None:
         if use_te:
             raise ValueError(

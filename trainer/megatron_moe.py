@@ -10,8 +10,15 @@ float64 model, else fp32). Experts are megatron's `SequentialMLP` (one `MLP` per
 at TP = 1: `megatron_model.transformer_config`), tokens dispatched by all-gather (expert
 parallel 1; the all-to-all dispatcher needs CUDA streams). Sparse layers follow `MoESpec.
 sparse_layers` (`moe_layer_freq` as a per-layer list); Qwen2-MoE's shared expert is megatron's
-gated `SharedExpertMLP` (sigmoid of a [1, hidden] gate, HF's `shared_expert_gate`); no
-load-balancing loss yet.
+gated `SharedExpertMLP` (sigmoid of a [1, hidden] gate, HF's `shared_expert_gate`).
+
+The load-balancing loss (`TrainerConfig.moe_aux_loss_coeff`) is megatron's switch loss per sparse
+layer and micro-batch, E * sum_i f_i P_i (f_i: the share of the micro-batch's top-k slots routed
+to expert i by the trainer's own top-k, replayed routes or not; P_i: the mean router probability
+of expert i over the softmax of all experts), computed on the rows each router sees. The step's
+loss gains coeff x the sum over sparse layers of its mean over micro-batches (each DP rank's
+micro-batches equally weighted, each DP rank 1/DP: `aux_loss_scale`); it adds gradient to the
+routers only (f_i is a count).
 
 Two fixes to megatron-core 0.16.1 (`patch_megatron_moe`, idempotent): its router's autograd
 function names Transformer Engine's GEMM even when TE is absent (`te_general_gemm`, never defined
@@ -33,8 +40,13 @@ from model_spec import ModelSpec
 from trainer.sdpa_attention import SDPACoreAttention
 
 
-def moe_config_fields(arch: ModelSpec, params_dtype: torch.dtype) -> dict[str, Any]:
-    """`TransformerConfig` keyword arguments of `arch`'s experts; {} for a dense model."""
+def moe_config_fields(
+    arch: ModelSpec, params_dtype: torch.dtype, aux_loss_coeff: float = 0.0
+) -> dict[str, Any]:
+    """`TransformerConfig` keyword arguments of `arch`'s experts; {} for a dense model.
+    `aux_loss_coeff` > 0 turns on megatron's switch load-balancing loss (`aux_loss`: the
+    router's class is chosen at construction; the coefficient is set per step,
+    `MegatronModel.train_micro_batches`)."""
     moe = arch.moe
     if moe is None:
         return {"moe_token_dispatcher_type": "alltoall"}  # unused; the default rejects the config
@@ -45,11 +57,11 @@ def moe_config_fields(arch: ModelSpec, params_dtype: torch.dtype) -> dict[str, A
         moe_ffn_hidden_size=moe.expert_intermediate_size,
         moe_layer_freq=[int(moe.is_sparse(i)) for i in range(arch.num_layers)],
         moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_load_balancing_type="none",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_router_dtype="fp64" if params_dtype == torch.float64 else "fp32",
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
-        moe_aux_loss_coeff=0.0,
+        moe_aux_loss_coeff=aux_loss_coeff,
         # Qwen2-MoE: the shared expert, scaled by sigmoid(shared_expert_gate(x))
         moe_shared_expert_intermediate_size=shared or None,
         moe_shared_expert_gate=bool(shared),
@@ -92,3 +104,34 @@ def patch_megatron_moe() -> None:
         moe_utils.te_general_gemm = None
     if not isinstance(moe_utils.torch, _WideSoftmaxTorch):
         moe_utils.torch = _WideSoftmaxTorch(moe_utils.torch)
+
+
+_AUX_LOSS = "load_balancing_loss"  # megatron's tracker entry of the `aux_loss` type
+
+
+def start_aux_loss_step(config, coeff: float, share: int) -> None:
+    """Before a training step's micro-batches: each micro-batch's switch loss is weighted
+    1 / `share` (this rank's micro-batches x DP ranks), and megatron's per-layer tracker
+    (process-wide, summing the unscaled loss over micro-batches) starts from zero.
+
+    The routers were built without megatron's per-token scaling (`calculate_per_token_loss` is
+    set on the config after the model is built), and the schedule's backward scale is 1 under
+    per-token losses, so the gradient a router gets from one micro-batch is exactly the
+    coefficient it reads from `config` times d(switch loss); DDP then sums over DP ranks."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    config.moe_aux_loss_coeff = coeff / share
+    clear_aux_losses_tracker()
+
+
+def aux_loss_share(num_sparse_layers: int, share: int) -> torch.Tensor:
+    """This rank's share of the step's load-balancing loss: its layers' tracked switch losses
+    summed, over `num_sparse_layers` x `share` (`start_aux_loss_step`); summed over DP ranks and
+    pipeline stages it is the mean over sparse layers of the micro-batch mean (1.0 when every
+    micro-batch is balanced)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get(_AUX_LOSS)
+    if entry is None:  # this stage holds no sparse layer
+        return torch.zeros((), dtype=torch.float64)
+    return entry["values"].sum().double() / (num_sparse_layers * share)
