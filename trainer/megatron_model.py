@@ -26,7 +26,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_spec import ModelSpec, UnsupportedModelError
 from trainer import compiled, cpu_compat, packed_rope
-from trainer.megatron_moe import moe_block_spec, moe_config_fields, patch_megatron_moe
+from trainer.megatron_moe import (
+    allow_tensor_parallel_training,
+    moe_block_spec,
+    moe_config_fields,
+    patch_megatron_moe,
+)
 from trainer.parallel import device
 from trainer.sdpa_attention import SDPACoreAttention
 
@@ -90,12 +95,6 @@ def transformer_config(
         raise ValueError(
             f"TrainerConfig.pp={pp} with the mixture of experts {arch.model_type!r} is not "
             "supported yet (its all-gather token dispatcher takes fixed shapes); set pp to 1"
-        )
-    if arch.moe is not None and tp > 1:
-        raise ValueError(
-            f"TrainerConfig.tp={tp} with the mixture of experts {arch.model_type!r} is not "
-            "supported yet (megatron trains MoE layers under TP only with sequence parallelism, "
-            "which this trainer does not use); set tp to 1"
         )
     if arch.moe is not None and arch.moe.expert_intermediate_size % tp:
         raise ValueError(
@@ -252,6 +251,8 @@ def build_gpt_model(
         # params_dtype, as the engine's are.
         model.to(dtype=params_dtype)
     _mark_tensor_parallel_shards(model)
+    if arch.moe is not None:
+        allow_tensor_parallel_training(model)
     model.to(dev)
     if compile:
         compiled.compile_norms(model)

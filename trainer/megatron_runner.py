@@ -298,7 +298,9 @@ class MegatronModel:
         """The last training step's load-balancing loss (`megatron_moe.aux_loss_share`: the mean
         over sparse layers and micro-batches of the switch loss, without the coefficient), the
         same on every rank; a collective."""
-        value = megatron_moe.aux_loss_share(len(self.arch.moe.sparse_layers), self.aux_share)
+        value = megatron_moe.aux_loss_share(
+            self.config, len(self.arch.moe.sparse_layers), self.aux_share
+        )
         collectives.all_reduce(value, group=parallel_state.get_data_parallel_group())
         collectives.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
         return float(value)
