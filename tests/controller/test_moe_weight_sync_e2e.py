@@ -6,7 +6,8 @@ slices of the megatron trainer's export, written out from the layout rules (`tp_
 sharing no code with the engine's loader or the bridge).
 
 * colocated, engine TP = 2, trainer TP = 1 (data parallel 2): the full tensors go to engine
-  rank 0, which hands each follower its slices;
+  rank 0, which hands each follower its slices; trainer TP = 2: the resharding sync, each
+  trainer rank sends exactly its engine rank's slices (experts split by the trainer's TP);
 * disaggregated (the broadcast transport), engine TP = 1: the whole experts.
 """
 
@@ -49,14 +50,22 @@ def _assert_experts_trained(result) -> None:
     assert any(".mlp.experts." in n for n in moved)
 
 
-def test_moe_experts_reach_a_tp2_engine_colocated(ray_local, cache, tmp_path, monkeypatch):
-    result = run_tp_recipe(tmp_path, monkeypatch, *MOE, "trainer.tp=1", "cluster.devices=2")
+@pytest.mark.parametrize("trainer_tp", [1, 2])
+def test_moe_experts_reach_a_tp2_engine_colocated(
+    ray_local, cache, tmp_path, monkeypatch, trainer_tp
+):
+    result = run_tp_recipe(
+        tmp_path, monkeypatch, *MOE, f"trainer.tp={trainer_tp}", "cluster.devices=2"
+    )
     assert [r["step"] for r in result.rows] == [0, 1]
     assert any(".mlp.experts.7.down_proj." in n for n in result.trainer_hf)
-    assert_ranks_hold_slices(result)
+    expected_bytes = assert_ranks_hold_slices(result)
     _assert_experts_trained(result)
     for r in result.rows:
         assert r["train/logprob_diff_max"] <= 1e-10
+        if trainer_tp == 2:  # the resharding sync: each trainer rank sent its engine rank's slices
+            assert r["perf/weight_sync_bytes_per_rank"] == max(expected_bytes)
+            assert r["perf/weight_sync_bytes"] == sum(expected_bytes)
 
 
 def test_moe_experts_reach_the_engine_by_broadcast(ray_local, cache, tmp_path, monkeypatch):
