@@ -101,6 +101,10 @@ class TrainerConfig(Config):
     (true: megatron's DistributedOptimizer) or held whole on each (false: torch AdamW); None:
     sharded on CUDA with more than one DP rank (`megatron_optimizer`). A bool, not on / off:
     YAML reads those as booleans."""
+    moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
+    """megatron backend, a mixture of experts: coefficient of the switch load-balancing loss
+    (megatron's `moe_aux_loss_coeff`; `megatron_moe`); its value is reported as `moe_aux_loss`
+    when > 0. 0 disables it."""
 
     def check(self, name: Namer) -> None:
         if self.dtype == "float64" and self.backend != "megatron":
@@ -117,6 +121,11 @@ class TrainerConfig(Config):
                 f"{name('distributed_optimizer')}=true needs {name('backend')}='megatron' with "
                 f"{name('dtype')} float32 or bfloat16 (deepspeed shards with zero_stage; "
                 "megatron's distributed optimizer takes no float64); set it to false or null"
+            )
+        if self.moe_aux_loss_coeff > 0 and self.backend != "megatron":
+            raise ValueError(
+                f"{name('moe_aux_loss_coeff')} > 0 runs on {name('backend')}='megatron' only; "
+                "set it to 0 with deepspeed"
             )
         if self.loss.kl_coef > 0 and not self.use_reference:
             raise ValueError(

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import collectives
 from trainer import objective, step_metrics
 from trainer.config import RLBatch, TrainerConfig
+from trainer.hf_experts import per_expert
+from trainer.hf_routing_replay import HFRouteReplay, check_routes, replaying
 from trainer.logprobs import full_vocab_logprobs
 from trainer.mismatch import mismatch_metrics
 from trainer.offload import OffloadPart, tensors_bytes
@@ -61,6 +63,20 @@ def ds_config(cfg: TrainerConfig) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def gathered_parameters(module, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module`'s (name, full parameter), one at a time. ZeRO 1/2 keep full parameters on every
+    rank; under ZeRO-3 each parameter is gathered (a collective: every rank iterates) and a
+    copy is yielded. Tied embeddings appear once, as model.embed_tokens.weight."""
+    import deepspeed
+
+    for name, param in module.named_parameters():
+        if zero_stage == 3:
+            with deepspeed.zero.GatheredParameters([param]):
+                yield name, param.detach().clone()
+        else:
+            yield name, param.detach()
 
 
 def padded_rows(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +146,7 @@ class DeepSpeedTrainer:
             cfg.model_path, dtype=cfg.torch_dtype, attn_implementation="sdpa"
         )
         self.vocab_size = model.config.vocab_size
+        self.replay = HFRouteReplay.of(model)  # a mixture's routes replay; None when dense
         o = cfg.optim
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [  # as in the megatron backend: no weight decay on norms and biases
@@ -159,12 +176,15 @@ class DeepSpeedTrainer:
 
     # ----------------------------------------------------------------------------- forward
 
-    def _forward(self, mb: MicroBatch, model=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-token (logprobs, entropy) of one micro-batch, in packed order."""
+    def _forward(
+        self, mb: MicroBatch, model=None, local: RLBatch | None = None, counting: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-token (logprobs, entropy) of one micro-batch, in packed order (`replaying`)."""
         dev = device()
         ids, attn = padded_rows(mb)
-        model = self.engine if model is None else model
-        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits
+        with replaying(self.replay if model is None else None, mb, attn, local, counting):
+            model = self.engine if model is None else model
+            logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits
         packed = logits[attn.to(dev).bool()]  # [t, V] in packed order (row-major)
         # only the read rows go through the softmax (unshared packing: each row read at most once)
         out = full_vocab_logprobs(
@@ -175,13 +195,13 @@ class DeepSpeedTrainer:
         return out.logprobs, out.entropy
 
     def compute_logprobs(self, batch: RLBatch, with_entropy: bool = False, model=None):
-        """Per-sample response-token log-probs (and entropy) for the whole batch, every rank."""
-        _no_routes(batch)
+        """Per-sample response-token log-probs (and entropy) for the whole batch, every rank; the
+        policy (not the reference nor the sampling copy) replays `batch.routed_experts`."""
+        check_routes(self.replay, batch)
         mine = dp_share(len(batch.tokens))
+        local_batch = batch.subset(mine)
         mbs = pack_all(
-            [batch.tokens[i] for i in mine],
-            [batch.prompt_lens[i] for i in mine],
-            self.cfg.max_tokens_per_micro_batch,
+            local_batch.tokens, local_batch.prompt_lens, self.cfg.max_tokens_per_micro_batch
         )
         local = {}
         self.engine.eval()
@@ -192,7 +212,7 @@ class DeepSpeedTrainer:
         )
         with torch.no_grad():
             for mb, real in passes:
-                lp, ent = self._forward(mb, model)
+                lp, ent = self._forward(mb, model, local_batch, counting=False)
                 if not real:
                     continue
                 lengths = [batch.response_len(mine[i]) for i in mb.sample_indices]
@@ -233,7 +253,7 @@ class DeepSpeedTrainer:
                 return
         kept = dict(self.sampling.named_parameters())
         with torch.no_grad():
-            for name, tensor in self.export_hf_weights():  # ZeRO-3: gathered one at a time
+            for name, tensor in gathered_parameters(self.engine.module, self.cfg.zero_stage):
                 kept[name].copy_(tensor)
 
     def compute_sampling_logprobs(self, batch: RLBatch) -> list[torch.Tensor]:
@@ -254,7 +274,7 @@ class DeepSpeedTrainer:
 
     def train_step_scored(self, batch: RLBatch) -> objective.ScoredStep:
         """`train_step`, also returning the old log-probs its forward supplied (every rank)."""
-        _no_routes(batch)
+        check_routes(self.replay, batch)
         cfg = self.cfg
         batch = objective.complete_batch(batch, cfg.loss, self.compute_ref_logprobs)
         fused = objective.old_from_forward(batch, cfg.loss)
@@ -274,7 +294,7 @@ class DeepSpeedTrainer:
         stored = []  # the real passes' metric shares, on the device
         for j, (mb, real) in enumerate(passes):
             self.engine.set_gradient_accumulation_boundary(j == len(passes) - 1)
-            lp, ent = self._forward(mb)
+            lp, ent = self._forward(mb, local=local, counting=real)
             data = objective.token_data(local, mb, dev)
             loss, metrics = objective.micro_batch_objective(lp, ent, data, cfg.loss, norm)
             # DeepSpeed averages over DP while our shares are meant to be summed: scale by dp.
@@ -287,6 +307,8 @@ class DeepSpeedTrainer:
         self.step_count += 1
 
         result = reduce_step_metrics(stored)
+        if batch.routed_experts is not None:
+            result["routing_agreement"] = self.replay.take_agreement()
         old_list = None
         if fused:
             old = {k: v for part in collectives.all_gather_object(old) for k, v in part.items()}
@@ -303,17 +325,9 @@ class DeepSpeedTrainer:
     # ----------------------------------------------------------------------------- weights
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, full tensor) pairs, one at a time. ZeRO 1/2 keep full parameters on every
-        rank; under ZeRO-3 each parameter is gathered (a collective: every rank iterates) and
-        a copy is yielded. Tied embeddings appear once, as model.embed_tokens.weight."""
-        import deepspeed
-
-        for name, param in self.engine.module.named_parameters():
-            if self.cfg.zero_stage == 3:
-                with deepspeed.zero.GatheredParameters([param]):
-                    yield name, param.detach().clone()
-            else:
-                yield name, param.detach()
+        """(hf_name, full tensor) pairs under the checkpoint's names (a mixture's experts one by
+        one: `hf_experts`), one at a time (`gathered_parameters`); every rank iterates."""
+        return per_expert(gathered_parameters(self.engine.module, self.cfg.zero_stage))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.cpu().clone() for k, v in self.export_hf_weights()}
@@ -399,11 +413,3 @@ class DeepSpeedTrainer:
     def onload(self) -> int:
         self.engine.reload_states()
         return self._state_bytes()
-
-
-def _no_routes(batch: RLBatch) -> None:
-    if batch.routed_experts is not None:
-        raise ValueError(
-            "batch.routed_experts: routing replay runs on the megatron backend only; set "
-            "trainer.backend: megatron, or send no routes"
-        )

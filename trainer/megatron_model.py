@@ -26,7 +26,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_spec import ModelSpec, UnsupportedModelError
 from trainer import compiled, cpu_compat, packed_rope
-from trainer.megatron_moe import moe_block_spec, moe_config_fields, patch_megatron_moe
+from trainer.megatron_moe import (
+    allow_tensor_parallel_training,
+    moe_block_spec,
+    moe_config_fields,
+    patch_megatron_moe,
+)
 from trainer.parallel import device
 from trainer.sdpa_attention import SDPACoreAttention
 
@@ -65,7 +70,11 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
 
 
 def transformer_config(
-    arch: ModelSpec, *, params_dtype: torch.dtype = torch.float32, fused_swiglu: bool = False
+    arch: ModelSpec,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    fused_swiglu: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> TransformerConfig:
     if arch.o_bias or arch.mlp_bias:
         # megatron's add_bias_linear biases every linear at once; only q/k/v have their own flag
@@ -86,12 +95,6 @@ def transformer_config(
         raise ValueError(
             f"TrainerConfig.pp={pp} with the mixture of experts {arch.model_type!r} is not "
             "supported yet (its all-gather token dispatcher takes fixed shapes); set pp to 1"
-        )
-    if arch.moe is not None and tp > 1:
-        raise ValueError(
-            f"TrainerConfig.tp={tp} with the mixture of experts {arch.model_type!r} is not "
-            "supported yet (megatron trains MoE layers under TP only with sequence parallelism, "
-            "which this trainer does not use); set tp to 1"
         )
     if arch.moe is not None and arch.moe.expert_intermediate_size % tp:
         raise ValueError(
@@ -139,7 +142,7 @@ def transformer_config(
         fp16=params_dtype == torch.float16,
         # packed micro-batches differ in length (PP exchanges shapes); a mixture runs PP = 1
         variable_seq_lengths=arch.moe is None,
-        **moe_config_fields(arch, params_dtype),  # trainer.megatron_moe
+        **moe_config_fields(arch, params_dtype, moe_aux_loss_coeff),  # trainer.megatron_moe
         use_cpu_initialization=True,
         perform_initialization=False,  # weights come from the HF checkpoint
     )
@@ -190,6 +193,7 @@ def build_gpt_model(
     vocab_multiple: int = 128,
     use_te: bool = False,
     compile: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> tuple[GPTModel, ModelLayout]:
     """This rank's GPTModel (random weights until `bridge.load_hf_weights`) and its layout;
     with `compile` its norms and SwiGLUs run compiled (`trainer.compiled`).
@@ -199,7 +203,12 @@ def build_gpt_model(
     packed_rope.install()
     if use_te and device().type != "cuda":
         raise ValueError("trainer.use_transformer_engine needs CUDA; set it to false on CPU")
-    config = transformer_config(arch, params_dtype=params_dtype, fused_swiglu=compile)
+    config = transformer_config(
+        arch,
+        params_dtype=params_dtype,
+        fused_swiglu=compile,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
+    )
     if arch.moe is not None:
         if use_te:
             raise ValueError(
@@ -242,6 +251,8 @@ def build_gpt_model(
         # params_dtype, as the engine's are.
         model.to(dtype=params_dtype)
     _mark_tensor_parallel_shards(model)
+    if arch.moe is not None:
+        allow_tensor_parallel_training(model)
     model.to(dev)
     if compile:
         compiled.compile_norms(model)

@@ -36,7 +36,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import collectives
 from model_spec import ModelSpec
-from trainer import megatron_optimizer, routing_replay, shared_prompts, step_metrics
+from trainer import megatron_moe, megatron_optimizer, routing_replay, shared_prompts, step_metrics
 from trainer.bridge import HFCheckpoint, load_hf_weights
 from trainer.config import RLBatch, TrainerConfig
 from trainer.megatron_model import build_gpt_model
@@ -134,7 +134,10 @@ class MegatronModel:
             vocab_multiple=cfg.vocab_pad_multiple,
             use_te=cfg.use_transformer_engine,
             compile=cfg.compile,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff if trainable and arch.moe else 0.0,
         )
+        self.aux_loss_coeff = cfg.moe_aux_loss_coeff if trainable and arch.moe else 0.0
+        self.aux_share = 1  # micro-batches x DP ranks of the last training step
         if value_head and self.layout.post_process:
             model.output_layer = _ValueHead(arch.hidden_size, cfg.torch_dtype).to(device())
         load_hf_weights(
@@ -285,8 +288,22 @@ class MegatronModel:
         )
         self.module.train()
         self.module.zero_grad_buffer()
+        if self.aux_loss_coeff > 0:
+            self.aux_share = len(mbs) * parallel_state.get_data_parallel_world_size()
+            megatron_moe.start_aux_loss_step(self.config, self.aux_loss_coeff, self.aux_share)
         routes = self.packed_routes(mbs, local, replay=True)
         return self.run(mbs, loss_fn, False, response_rows, routes)
+
+    def aux_loss(self) -> float:
+        """The last training step's load-balancing loss (`megatron_moe.aux_loss_share`: the mean
+        over sparse layers and micro-batches of the switch loss, without the coefficient), the
+        same on every rank; a collective."""
+        value = megatron_moe.aux_loss_share(
+            self.config, len(self.arch.moe.sparse_layers), self.aux_share
+        )
+        collectives.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        collectives.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+        return float(value)
 
     def packed_routes(
         self, mbs: Sequence[MicroBatch], local: RLBatch, replay: bool

@@ -164,6 +164,8 @@ class MegatronTrainer:
         metrics = reduce_metrics(stored, objective.METRIC_KEYS, max_keys=("ratio_max",))
         if batch.routed_experts is not None:
             metrics["routing_agreement"] = routing_replay.agreement(self.policy.replays)
+        if self.policy.aux_loss_coeff > 0:
+            metrics["moe_aux_loss"] = self.policy.aux_loss()
         old = None
         if fused:
             mine_old = {i: t for m in stored for i, t in m["old_logprobs"].items()}

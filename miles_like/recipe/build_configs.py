@@ -120,6 +120,7 @@ def _trainer_config(
             compile=tr.compile,
             share_prompts=tr.share_prompts,
             distributed_optimizer=tr.distributed_optimizer,
+            moe_aux_loss_coeff=tr.moe_aux_loss_coeff,
             optim=optim,
             loss=loss,
             use_reference=use_reference,

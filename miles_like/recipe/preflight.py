@@ -113,28 +113,35 @@ def check_engine_tp(recipe) -> None:
 
 
 def check_trainer_layout(recipe) -> None:
-    """The megatron backend's `trainer.tp` splits heads, KV heads and the MLP evenly, and a
-    mixture of experts trains at trainer TP and PP 1 for now (megatron-core trains MoE layers
-    under TP only with sequence parallelism, and its CPU token dispatcher takes fixed shapes)."""
+    """The megatron backend's `trainer.tp` splits heads, KV heads, the MLP and a mixture's
+    experts evenly, and a mixture of experts trains at trainer PP 1 for now (its all-gather
+    token dispatcher takes fixed shapes, which pipeline stages exchanging packed micro-batches
+    of varying length do not give it)."""
     t = recipe.trainer
     if t.backend != "megatron" or (t.tp == 1 and t.pp == 1):
         return
     from model_spec import MOE_MODEL_TYPES
 
     config = model_config(recipe)
-    if config.get("model_type") in MOE_MODEL_TYPES:
-        field, value = ("trainer.tp", t.tp) if t.tp > 1 else ("trainer.pp", t.pp)
+    moe = config.get("model_type") in MOE_MODEL_TYPES
+    if moe and t.pp > 1:
         raise RecipeError(
-            f"{field}={value} with the mixture of experts {config.get('model_type')!r} is not "
-            f"supported yet; set {field}=1 (engine TP, rollout.tp, does shard the experts)"
+            f"trainer.pp={t.pp} with the mixture of experts {config.get('model_type')!r} is not "
+            "supported yet; set trainer.pp=1 (trainer.tp and rollout.tp do shard the experts)"
         )
     heads = config.get("num_attention_heads")
-    for key, value in (
+    sizes = [
         ("num_attention_heads", heads),
         ("num_key_value_heads", config.get("num_key_value_heads", heads)),
         ("intermediate_size", config.get("intermediate_size")),
-    ):
-        if value is not None and value % t.tp:
+    ]
+    if moe:
+        sizes += [
+            ("moe_intermediate_size", config.get("moe_intermediate_size")),
+            ("shared_expert_intermediate_size", config.get("shared_expert_intermediate_size")),
+        ]
+    for key, value in sizes:
+        if value and value % t.tp:
             raise RecipeError(
                 f"trainer.tp={t.tp} must divide the model's {key}={value}; choose a divisor of it"
             )

@@ -450,6 +450,13 @@ class TrainerSection(Section):
         "same update); false: whole on every rank; null: true with CUDA, DP > 1 and float32 / "
         "bfloat16",
     )
+    moe_aux_loss_coeff: float = Field(
+        0.0,
+        description="megatron backend, a mixture of experts: coefficient of the switch "
+        "load-balancing loss (megatron's moe_aux_loss_coeff), logged as train/moe_aux_loss when "
+        "> 0; 0 disables it",
+        ge=0.0,
+    )
 
 
 @config

@@ -359,6 +359,18 @@ def test_trainer_compile_reaches_the_trainer_config_megatron_only(tmp_path):
         load_recipe(write(tmp_path, MINIMAL), ["trainer.compile=true", "trainer.backend=deepspeed"])
 
 
+def test_moe_aux_loss_coeff_reaches_the_trainer_config_megatron_only(tmp_path):
+    r = load_recipe(write(tmp_path, MINIMAL), ["trainer.moe_aux_loss_coeff=0.01"])
+    assert trainer_config(r, "/m").moe_aux_loss_coeff == 0.01
+    assert trainer_config(load_recipe(write(tmp_path, MINIMAL)), "/m").moe_aux_loss_coeff == 0.0
+    deepspeed = ["trainer.moe_aux_loss_coeff=0.01", "trainer.backend=deepspeed"]
+    with pytest.raises(RecipeError, match=r"^trainer\.moe_aux_loss_coeff > 0 runs on .*megatron"):
+        load_recipe(write(tmp_path, MINIMAL), deepspeed)
+    with pytest.raises(RecipeError, match=r"^trainer\.moe_aux_loss_coeff") as caught:
+        load_recipe(write(tmp_path, MINIMAL), ["trainer.moe_aux_loss_coeff=-1"])
+    assert "\n" not in str(caught.value)
+
+
 def test_renamed_field_is_accepted_for_one_release_with_a_warning(tmp_path):
     """`algorithm.gspo` (a bool) became `algorithm.policy_loss: ppo | gspo`: the old spelling
     still loads, warns in one line, and maps onto the new field."""

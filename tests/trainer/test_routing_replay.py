@@ -172,9 +172,9 @@ def test_routes_that_do_not_fit_the_tokens_are_one_clear_line():
         dataclasses.replace(batch, routed_experts=bad)
 
 
-def test_routes_for_a_backend_or_model_that_cannot_replay_them_are_refused(tiny_hf_checkpoints):
-    """The DeepSpeed backend has no replay and a dense model no router: routes given to either
-    are refused in one line, never silently ignored."""
+def test_routes_for_a_model_that_cannot_replay_them_are_refused(tiny_hf_checkpoints):
+    """A dense model has no router: routes given to it are refused in one line by either
+    backend, never silently ignored."""
     from trainer.deepspeed_trainer import DeepSpeedTrainer
     from trainer.megatron_trainer import MegatronTrainer
 
@@ -186,5 +186,7 @@ def test_routes_for_a_backend_or_model_that_cannot_replay_them_are_refused(tiny_
     with pytest.raises(ValueError, match="routed_experts given for a dense model"):
         megatron.compute_logprobs(batch)
     deepspeed = DeepSpeedTrainer(scenarios.trainer_config(directory, backend="deepspeed"))
-    with pytest.raises(ValueError, match="megatron backend only"):
+    with pytest.raises(ValueError, match="routed_experts given for a dense model"):
         deepspeed.train_step(batch)
+    with pytest.raises(ValueError, match="routed_experts given for a dense model"):
+        deepspeed.compute_logprobs(batch)
