@@ -22,20 +22,17 @@ import ray
 import torch
 
 from miles_like.run import engine_tp
+from miles_like.run.engine_pd import CACHE_COUNTERS, PrefillDecodeRoles, cache_counters
 from miles_like.run.engine_weight_receiver import EngineWeightReceiver
+from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
 from miles_like.run.rendezvous import held_rendezvous, pin_process, start_actor_process
 from miles_like.run.rendezvous import node_id as this_node_id
 
 CLOSED = "closed"  # generate_wave: the window was closed, no request was admitted
-CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
 
-def _counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, int]:
-    return {k: after[k] - before[k] for k in keys}
-
-
-@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1})
-class EngineWorker:
+@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1})
+class EngineWorker(PrefillDecodeRoles):
     def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
         self.device = torch.device(engine_cfg.device)  # the recipe's accelerator
         start_actor_process(threads, self.device)
@@ -60,6 +57,8 @@ class EngineWorker:
         self.engine.activity = ActivityLog()  # drained every step (take_activity)
         self.async_engine = AsyncEngine(self.engine, open=False)
         self.weights = EngineWeightReceiver(self.engine, self.async_engine, self.close)
+        self.handoff_sender = HandoffSender(self.device)  # prefill-decode, both roles
+        self.handoff_receiver = HandoffReceiver(self.device)
 
     def ready(self) -> bool:
         return True
@@ -145,7 +144,7 @@ class EngineWorker:
                 self.async_engine.pause()
         # the window stays open for the whole call: no update can land between its requests
         return [r.samples for r in results], {
-            **_counters(before, after),
+            **cache_counters(before, after),
             "weight_version": results[0].weight_version if results else after["weight_version"],
         }
 
@@ -182,7 +181,7 @@ class EngineWorker:
             if not was_open:
                 self.async_engine.pause()
         yield {
-            **_counters(before, after, (*CACHE_COUNTERS, "parked_reused_tokens")),
+            **cache_counters(before, after, (*CACHE_COUNTERS, "parked_reused_tokens")),
             "weight_version": version,
             "complete": complete,
         }
@@ -331,6 +330,8 @@ class EngineWorker:
             self._server = None
         self.async_engine.close()
         self.engine.close()
+        self.handoff_sender.release_all()
+        self.handoff_receiver.close()
 
 
 def parameter_digests(model: torch.nn.Module) -> dict[str, str]:
