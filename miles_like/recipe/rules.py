@@ -120,7 +120,6 @@ def check_prefill_decode(rollout: RolloutSection, cluster: ClusterSection) -> No
         "rollout.speculative_method=draft": rollout.speculative_method == "draft",
         "rollout.over_sampling > 1": rollout.over_sampling > 1,
         "rollout.stream_scoring": rollout.stream_scoring,
-        "rollout.serve_http": rollout.serve_http,
         "cluster.fully_async": cluster.fully_async,
     }
     for what, used in unsupported.items():

@@ -3,7 +3,8 @@ a prefill replica's `prefill` and a decode replica's `decode`, together one `gen
 (`rollouts.replica_batcher` chains them). The handoffs between them travel as
 `handoff_transport` says: shared buffers on one node, freed by `release_handoffs` once the
 decode replica has copied them. A mixin of `EngineWorker` (it reads the worker's `engine`,
-`async_engine`, `followers`, `handoff_sender` and `handoff_receiver`).
+`async_engine`, `followers`, `handoff_sender` and `handoff_receiver`). `prefill_one` serves
+the HTTP endpoints of the decode replicas (`engine_endpoint.RemotePrefill`).
 """
 
 from __future__ import annotations
@@ -77,3 +78,13 @@ class PrefillDecodeRoles:
             "pd_transfer_s": transfer_s,
             "pd_requests": len(opened),
         }
+
+    @ray.method(num_returns=2, concurrency_group="serve")
+    def prefill_one(self, prompt_ids: list[int], params):
+        """The HTTP endpoint's prefill (`RemotePrefill`), one request batched with every other
+        concurrent call (the window must be open, as `generate_one`): counters with
+        `handoff_key`, and the request's handoff in shared buffers."""
+        future = self.async_engine.submit_prefill([(prompt_ids, params)])[0]
+        handoff = self.followers.intact(future.result)
+        key, shared = self.handoff_sender.share([handoff])
+        return {"handoff_key": key}, shared

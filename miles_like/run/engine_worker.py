@@ -15,13 +15,13 @@ control is `engine_tp`'s.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import ray
 import torch
 
 from miles_like.run import engine_tp
+from miles_like.run.engine_endpoint import EngineEndpoint
 from miles_like.run.engine_pd import CACHE_COUNTERS, PrefillDecodeRoles, cache_counters
 from miles_like.run.engine_weight_receiver import EngineWeightReceiver
 from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
@@ -32,7 +32,7 @@ CLOSED = "closed"  # generate_wave: the window was closed, no request was admitt
 
 
 @ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1})
-class EngineWorker(PrefillDecodeRoles):
+class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
     def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
         self.device = torch.device(engine_cfg.device)  # the recipe's accelerator
         start_actor_process(threads, self.device)
@@ -42,6 +42,7 @@ class EngineWorker(PrefillDecodeRoles):
         self.on_gpu = self.device.type == "cuda"
         self.model_path = engine_cfg.model_path
         self._server = None
+        self._prefill = None  # prefill-decode: the endpoint's `RemotePrefill`
         self._waves: dict[int, list] = {}  # generate_wave's futures by wave, while it runs
         self.engine = self.follower = None
         self.followers = engine_tp.FollowerWatch()
@@ -226,21 +227,6 @@ class EngineWorker(PrefillDecodeRoles):
         """One request, batched with every other concurrent call (the window must be open:
         closed, it raises `EngineUnavailable`). Returns a `GenerationResult`."""
         return self.followers.intact(self.async_engine.submit(prompt_ids, params).result)
-
-    def serve(self, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None) -> str:
-        """Start the OpenAI-compatible HTTP endpoint (`rollout.serving.server`) in a thread of
-        this actor, on this replica's AsyncEngine (it answers 503 while the window is closed).
-        Returns its base URL. The tokenizer comes from the model directory when it has one."""
-        from rollout.serving.server import build_app, load_tokenizer, start_server
-
-        if self._server is None:
-            app = build_app(
-                self.async_engine,
-                load_tokenizer(self.model_path),
-                model_name or os.path.basename(os.path.normpath(self.model_path)),
-            )
-            self._server = start_server(app, host, port)
-        return self._server.url
 
     def stats(self) -> dict:
         return self.engine.stats()

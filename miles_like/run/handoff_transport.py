@@ -16,6 +16,7 @@ driver freed it): `open` raises `HandoffGone`, and the caller prefills again.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -30,18 +31,21 @@ class HandoffGone(RuntimeError):
 
 
 class HandoffSender:
-    """Prefill side: each `share` call's buffers, kept until `release(key)`."""
+    """Prefill side: each `share` call's buffers, kept until `release(key)` (any thread: the
+    actor's endpoint calls share concurrently)."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self._held: dict[int, SharedBufferAllocator] = {}
         self._next_key = 0
+        self._lock = threading.Lock()
 
     def share(self, handoffs: list[PrefillHandoff]) -> tuple[int, list[PrefillHandoff]]:
         """(key, the handoffs with every tensor replaced by a `BufferHandle` of a copy)."""
         allocator = SharedBufferAllocator(self.device)
-        key, self._next_key = self._next_key, self._next_key + 1
-        self._held[key] = allocator
+        with self._lock:
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._held[key] = allocator
 
         def shared(t: torch.Tensor | None) -> tuple[BufferHandle, tuple[int, ...]] | None:
             if t is None:
@@ -59,12 +63,15 @@ class HandoffSender:
     def release(self, key: int) -> None:
         """Free the buffers of `share` call `key` (the decode side has copied them; a key
         released already is ignored)."""
-        allocator = self._held.pop(key, None)
+        with self._lock:
+            allocator = self._held.pop(key, None)
         if allocator is not None:
             allocator.release()
 
     def release_all(self) -> None:
-        for key in list(self._held):
+        with self._lock:
+            keys = list(self._held)
+        for key in keys:
             self.release(key)
 
     @property

@@ -100,7 +100,13 @@ def test_one_prefill_two_decode_replicas_is_the_run_without(ray_four, cache, tmp
 
 
 def test_colocated_pd_is_the_colocated_run_without(ray_four, cache, tmp_path):
-    colocated = ("cluster.colocate=true", "cluster.devices=3", "cluster.rollout_devices=null")
+    colocated = (
+        "cluster.colocate=true",
+        "cluster.devices=3",
+        "cluster.rollout_devices=null",
+        "rollout.prompts_per_step=6",  # 12 samples: 4 for each of the 3 trainer ranks
+        "trainer.updates_per_rollout=1",
+    )
     plain = run_in_process(tmp_path / "plain", *colocated)
     pd = run_in_process(tmp_path / "pd", *colocated, "rollout.prefill_replicas=1")
     assert_same_run(plain, pd, atol=1e-12)
