@@ -136,7 +136,9 @@ def test_multi_turn_sessions_in_pd_mode_are_the_run_without(ray_four, cache, tmp
 
 def kill_prefill_then_decode(out: Path, known: set[str], done: threading.Event) -> list[str]:
     """engine 0 (the prefill replica) once the first step's row is logged; engine 1 (a decode
-    replica) once a later row is and it does not answer a probe within 0.2 s (generating)."""
+    replica) once a later row is and it does not answer a probe within 0.2 s (generating: right
+    after a row the next step's rollout runs, and the weight push comes only after it; probed
+    for up to 1 s, as its batch is prefilled first)."""
     prefill, decode = new_actor(".engine.0", known), new_actor(".engine.1", known)
     metrics, killed, seen = out / "metrics.jsonl", [], 0
     while not done.is_set() and len(killed) < 2:
@@ -149,10 +151,14 @@ def kill_prefill_then_decode(out: Path, known: set[str], done: threading.Event) 
             ray.kill(prefill)
             killed.append("prefill")
             continue
-        answered, _ = ray.wait([decode.stats.remote()], timeout=0.2)
-        if not answered:
-            ray.kill(decode)
-            killed.append("decode")
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            answered, _ = ray.wait([decode.stats.remote()], timeout=0.2)
+            if not answered:
+                ray.kill(decode)
+                killed.append("decode")
+                break
+            time.sleep(0.02)
     return killed
 
 
