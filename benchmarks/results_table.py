@@ -119,6 +119,23 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "{:.3f}",
         ),
     ),
+    "pd": _figures(
+        (
+            "prefill-decode vs plain, same replicas: decode inter-token latency p99, PD / plain",
+            "pd_over_plain/itl_p99_s",
+            "{:.2f}x",
+        ),
+        (
+            "prefill-decode vs plain, same replicas: time to first token p99, PD / plain",
+            "pd_over_plain/ttft_p99_s",
+            "{:.2f}x",
+        ),
+        (
+            "prefill-decode vs plain, same replicas: generated tokens/s, PD / plain",
+            "pd_over_plain/generated_tokens_per_s",
+            "{:.2f}x",
+        ),
+    ),
     "speculative": _figures(
         (
             "speculation speedup, group drafts (weight std 1.0)",

@@ -27,6 +27,11 @@ aborts the batch's other requests before its next step (they end with finish_rea
 the tokens they have). Which groups are complete, and where the others stop, is decided by the
 step loop alone: groups complete in the order of the engine step that finished their last
 request, ties by group id, so given the same submissions the outcome does not depend on timing.
+
+Prefill-decode disaggregation (`rollout.prefill_decode`) goes through the same step loop:
+`submit_prefill` resolves with each prompt's `PrefillHandoff` (its first tokens sampled),
+`submit_prefilled` admits handoffs another engine made and resolves as `submit_many` does, and
+`stream(prompt_ids, params, handoff=h)` streams one (its first tokens in the first deltas).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.engine import Engine
+from rollout.prefill_decode import PendingPrefill, PrefillHandoff, start_prefill
 from rollout.sequence import RequestOutput, SampleOutput, StopCheck, TopLogprobs
 
 
@@ -140,6 +146,8 @@ class _Submission(NamedTuple):
     quota: _Quota | None = None
     group: int = 0
     listener: StreamListener | None = None
+    prefill: bool = False  # prefill-decode: compute the prompt, resolve with its handoff
+    handoff: PrefillHandoff | None = None  # prefill-decode: admit this prefilled request
 
 
 class _Quota:
@@ -183,7 +191,66 @@ class _Quota:
             self.complete.set_result(list(self._done))
 
 
-class AsyncEngine:
+class _PrefillDecodeRequests:
+    """`AsyncEngine`'s prefill-decode requests (module doc), and how its step loop adds any."""
+
+    engine: Engine
+    _prefills: dict[int, PendingPrefill]
+    _enqueue: Callable[[list[_Submission]], None]
+
+    def submit_prefill(
+        self, requests: Seq[tuple[Seq[int], SamplingParams]]
+    ) -> list[Future[PrefillHandoff]]:
+        """Prefill-decode, the prefill side (`rollout.prefill_decode.prefill`): each prompt
+        computed and its samples' first tokens sampled, admitted together as `submit_many`;
+        each future resolves with the request's `PrefillHandoff`."""
+        futures: list[Future] = [Future() for _ in requests]
+        self._enqueue(
+            [
+                _Submission(list(prompt_ids), params, None, future, prefill=True)
+                for (prompt_ids, params), future in zip(requests, futures)
+            ]
+        )
+        return futures
+
+    def submit_prefilled(
+        self, requests: Seq[tuple[PrefillHandoff, SamplingParams]]
+    ) -> list[Future[GenerationResult]]:
+        """Prefill-decode, the decode side (`Engine.admit_prefilled`): requests another engine
+        prefilled, with the params they were prefilled with, admitted together in order."""
+        futures: list[Future] = [Future() for _ in requests]
+        self._enqueue(
+            [
+                _Submission(list(h.prompt_token_ids), params, None, future, handoff=h)
+                for (h, params), future in zip(requests, futures)
+            ]
+        )
+        return futures
+
+    def _add_to_engine(self, sub: _Submission) -> int:
+        """(step loop) The submission's request added to the engine (a prefill request, or a
+        prefilled one admitted: `stream(..., handoff=)` too); its request id."""
+        if sub.handoff is not None:
+            return self.engine.admit_prefilled(sub.handoff, sub.params, sub.stop_check)
+        if not sub.prefill:
+            return self.engine.add_request(sub.prompt_ids, sub.params, sub.stop_check)
+        pending = start_prefill(self.engine, sub.prompt_ids, sub.params)
+        self._prefills[pending.request_id] = pending
+        return pending.request_id
+
+    def _resolve_prefill(self, request_id: int, future: Future) -> bool:
+        """(step loop) A finished prefill request's future gets its handoff; False for others."""
+        pending = self._prefills.pop(request_id, None)
+        if pending is None:
+            return False
+        try:
+            future.set_result(pending.handoff(self.engine))
+        except RuntimeError as exc:  # aborted before its first token
+            future.set_exception(EngineUnavailable(str(exc)))
+        return True
+
+
+class AsyncEngine(_PrefillDecodeRequests):
     def __init__(self, engine: Engine, open: bool = True):
         self.engine = engine
         self._cond = threading.Condition()
@@ -195,6 +262,7 @@ class AsyncEngine:
         self._failure: BaseException | None = None  # the step loop died: nothing is served
         self._futures: dict[int, Future] = {}  # request id -> future (thread-owned)
         self._groups: dict[int, tuple[_Quota, int]] = {}  # request id -> its quota, group
+        self._prefills: dict[int, PendingPrefill] = {}  # prefill requests: their captures
         self._streams = _Streams()
         self._cancels: list[Future] = []
         self._holds = 0  # callers holding the step loop parked between two steps
@@ -277,7 +345,11 @@ class AsyncEngine:
             raise
 
     async def stream(
-        self, prompt_ids: Seq[int], params: SamplingParams, stop_check: StopCheck | None = None
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        stop_check: StopCheck | None = None,
+        handoff: PrefillHandoff | None = None,
     ) -> AsyncIterator[TokenDelta | GenerationResult]:
         """One request whose tokens arrive as they are sampled: `TokenDelta`s (per sample, in
         order; each sample's last one has its finish reason), then the `GenerationResult`.
@@ -285,9 +357,8 @@ class AsyncEngine:
         queue, listener = _thread_to_loop_queue()
         future: Future = Future()
         future.add_done_callback(lambda f: f.exception() and listener(f.exception()))
-        self._enqueue(
-            [_Submission(list(prompt_ids), params, stop_check, future, None, 0, listener)]
-        )
+        sub = _Submission(list(prompt_ids), params, stop_check, future, None, 0, listener)
+        self._enqueue([sub._replace(handoff=handoff)])
         try:
             while not isinstance(item := await queue.get(), GenerationResult):
                 if isinstance(item, BaseException):  # refused at admission, or its step failed
@@ -420,6 +491,9 @@ class AsyncEngine:
                 if q is not None:
                     q.request_ids.discard(out.request_id)
                     by_quota.setdefault(id(q), (q, []))[1].append(group)
+                if self._resolve_prefill(out.request_id, future):
+                    self._resolved(1)
+                    continue
                 result = GenerationResult.of(out, self.engine.weight_version)
                 self._streams.finished(out.request_id, result)
                 future.set_result(result)
@@ -435,7 +509,7 @@ class AsyncEngine:
             self._resolved(1)
             return
         try:
-            request_id = self.engine.add_request(sub.prompt_ids, sub.params, sub.stop_check)
+            request_id = self._add_to_engine(sub)
         except Exception as exc:  # noqa: BLE001 -- the request's own error, e.g. too long
             sub.future.set_exception(exc)
             if sub.quota is not None:
@@ -454,6 +528,9 @@ class AsyncEngine:
         aborted so it can serve again; if even that fails, the AsyncEngine refuses from now on."""
         futures, self._futures = self._futures, {}
         self._streams.by_request.clear()  # their futures' exceptions end them
+        for request_id in self._prefills:
+            self.engine.scheduler.exports.pop(request_id, None)
+        self._prefills.clear()
         for request_id in futures:
             self.engine.abort(request_id)
         try:

@@ -14,12 +14,45 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 from rollout.config import SamplingParams
 from rollout.engine import Engine, check_request
 from rollout.handoff import HandoffCapture, PrefillHandoff, check_supported, transfer
+from rollout.sequence import Request
 
-__all__ = ["PrefillHandoff", "prefill", "transfer"]
+__all__ = ["PendingPrefill", "PrefillHandoff", "prefill", "start_prefill", "transfer"]
+
+
+class PendingPrefill(NamedTuple):
+    """A prefill request queued on an engine (`start_prefill`); `handoff` once it finished."""
+
+    request_id: int
+    request: Request
+    capture: HandoffCapture
+
+    def handoff(self, engine: Engine) -> PrefillHandoff:
+        """The finished request's handoff (the engine forgets its capture). A request aborted
+        before its first tokens has none: RuntimeError."""
+        engine.scheduler.exports.pop(self.request_id, None)
+        if self.capture.kv is None or any(f is None for f in self.capture.first):
+            raise RuntimeError(f"prefill request {self.request_id} ended before its first token")
+        return self.capture.handoff(
+            self.request.prompt,
+            self.request.base_seed,
+            engine.weight_version,
+            self.request.cached_tokens or 0,
+        )
+
+
+def start_prefill(engine: Engine, prompt: Seq[int], params: SamplingParams) -> PendingPrefill:
+    """Queue `prompt`'s prefill on `engine` (its first tokens only); the engine's `step()` runs
+    it, and returns its output (one token per sample) when the handoff is ready."""
+    check_supported(params, tp=engine.tp is not None)
+    check_request([int(t) for t in prompt], params, engine)  # the whole request must fit
+    request_id = engine.add_request(prompt, dataclasses.replace(params, max_new_tokens=1))
+    capture = engine.scheduler.exports[request_id] = HandoffCapture(params.n)
+    return PendingPrefill(request_id, engine.scheduler.requests[request_id], capture)
 
 
 def prefill(
@@ -34,27 +67,14 @@ def prefill(
             f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one per "
             "prompt"
         )
-    scheduler = engine.scheduler
-    ids = []
-    for prompt, sp in zip(prompts, params):
-        check_supported(sp, tp=engine.tp is not None)
-        check_request([int(t) for t in prompt], sp, engine)  # the whole request must fit
-        request_id = engine.add_request(prompt, dataclasses.replace(sp, max_new_tokens=1))
-        scheduler.exports[request_id] = HandoffCapture(sp.n)
-        ids.append(request_id)
-    requests = {i: scheduler.requests[i] for i in ids}
-    done: set[int] = set()
+    pending = []
     try:
-        while len(done) < len(ids):
-            done.update(out.request_id for out in engine.step() if out.request_id in requests)
+        for prompt, sp in zip(prompts, params):
+            pending.append(start_prefill(engine, prompt, sp))
+        left = {p.request_id for p in pending}
+        while left:
+            left.difference_update(out.request_id for out in engine.step())
     finally:
-        captures = {i: scheduler.exports.pop(i) for i in ids}
-    return [
-        captures[i].handoff(
-            requests[i].prompt,
-            requests[i].base_seed,
-            engine.weight_version,
-            requests[i].cached_tokens or 0,
-        )
-        for i in ids
-    ]
+        for p in pending:
+            engine.scheduler.exports.pop(p.request_id, None)
+    return [p.handoff(engine) for p in pending]

@@ -32,6 +32,8 @@ def check_sections(
     """Every rule below, in this order (the first broken one is reported)."""
     check_algorithm(rollout, algorithm)
     check_devices(rollout, trainer, cluster)
+    if rollout.prefill_replicas:
+        check_prefill_decode(rollout, cluster)
     check_trainer(rollout, algorithm, trainer, cluster, checkpoint)
     if rollout.function == "tool_loop" and not data.chat_template:
         raise RecipeError(
@@ -111,6 +113,37 @@ def check_devices(
             f"rollout.tp={rollout.tp} must divide the {engine_devices} engine devices "
             "(cluster.devices, or cluster.rollout_devices when not colocated); change one"
         )
+
+
+def engine_replicas(rollout: RolloutSection, cluster: ClusterSection) -> int:
+    """How many engine replicas the placement makes (`check_devices` holds)."""
+    if cluster.colocate:
+        return cluster.devices // rollout.tp
+    return (cluster.rollout_devices or cluster.devices // 2) // rollout.tp
+
+
+def check_prefill_decode(rollout: RolloutSection, cluster: ClusterSection) -> None:
+    """rollout.prefill_replicas leaves a decode replica, and nothing it does not serve yet."""
+    k, replicas = rollout.prefill_replicas, engine_replicas(rollout, cluster)
+    if k >= replicas:
+        raise RecipeError(
+            f"rollout.prefill_replicas={k} leaves no decode replica of the {replicas} engine "
+            "replicas; lower it, or give the engines more devices (cluster.devices / "
+            "cluster.rollout_devices)"
+        )
+    unsupported = {
+        "rollout.tp > 1": rollout.tp > 1,
+        "rollout.speculative_method=draft": rollout.speculative_method == "draft",
+        "rollout.over_sampling > 1": rollout.over_sampling > 1,
+        "rollout.stream_scoring": rollout.stream_scoring,
+        "cluster.fully_async": cluster.fully_async,
+    }
+    for what, used in unsupported.items():
+        if used:
+            raise RecipeError(
+                f"rollout.prefill_replicas={k}: prefill-decode disaggregation does not support "
+                f"{what} yet; turn one of them off"
+            )
 
 
 def check_trainer(

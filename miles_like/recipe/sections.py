@@ -307,6 +307,13 @@ class RolloutSection(Section):
         description="score each group as soon as its n samples finish, overlapping generation "
         "(single_turn only; always on with over_sampling > 1)",
     )
+    prefill_replicas: int = Field(
+        0,
+        description="prefill-decode disaggregation: this many of the engine replicas only "
+        "prefill (prompt K/V and first tokens, handed to the others, which decode); 0: off, "
+        "every replica does both",
+        ge=0,
+    )
 
     def check(self, name: Namer) -> None:
         from miles_like.rollouts.functions import check_rollout_spec  # imports nothing from here

@@ -177,9 +177,11 @@ class RolloutManager:
             problems = self.source.next_batch(self.recipe.rollout.prompts_per_step)
         params = self.sampling_params(step, round_, len(problems))
         # empty shares (fewer prompts than engines) are the last ones: share i is engine i's
+        # (prefill-decode: decode replica i's, engines[prefill_replicas + i])
+        first = self.recipe.rollout.prefill_replicas
         home = {
-            k: i
-            for i, share in enumerate(near_equal_shares(len(problems), len(self.engines)))
+            k: first + i
+            for i, share in enumerate(near_equal_shares(len(problems), len(self.engines) - first))
             for k in share
         }
         return self._start(
@@ -211,6 +213,7 @@ class RolloutManager:
             self.engines,
             self.recipe.cluster.call_timeout_s,
             restarts if self.restart_engine is not None else None,
+            self.recipe.rollout.prefill_replicas,
         )
         future = asyncio.run_coroutine_threadsafe(rollout(batcher), self.loop)
         future.add_done_callback(lambda _: restarts.close())

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from miles_like.rollouts.engine_deaths import RestartRequests, engine_death
+from miles_like.rollouts.prefill_then_decode import PD_COUNTERS, PrefillDecode
 from miles_like.run.calls import Call, CallTimeout
 
 T = TypeVar("T")
@@ -57,16 +58,25 @@ class ReplicaBatcher:
     """Batches the rollout functions' requests per replica. `engines` is read at every call
     (the owner replaces a dead engine in it)."""
 
-    def __init__(self, engines: list, timeout_s: float, restarts: RestartRequests | None = None):
+    def __init__(
+        self,
+        engines: list,
+        timeout_s: float,
+        restarts: RestartRequests | None = None,
+        prefill_replicas: int = 0,
+    ):
         self.engines = engines
         self.timeout_s = timeout_s
         self.restarts = restarts
+        # prefill-decode: engines[:k] prefill, the requests' replicas decode (`prefill_decode`)
+        self.pd = PrefillDecode(self, prefill_replicas) if prefill_replicas else None
         self.tallies: Counter = Counter()  # COUNTERS (+ "_turn2plus"), generated_tokens, ...
         self.failure: BaseException | None = None
         self.last_progress = time.monotonic()
         self._queues: list[list[_Request]] = [[] for _ in engines]
         self._busy = [False] * len(engines)
         self._tasks: set[asyncio.Task] = set()
+        self._replacing: dict[int, asyncio.Future] = {}  # replica -> its replacement, asked
 
     async def generate(
         self, replica: int, prompt_ids: Sequence[int], params, later_turn: bool
@@ -119,6 +129,9 @@ class ReplicaBatcher:
             self.tallies[k] += counters[k]
             if suffix:
                 self.tallies[k + suffix] += counters[k]
+        for k in PD_COUNTERS:
+            if k in counters:
+                self.tallies[k] += counters[k]
         for r, samples in zip(part, outs):
             self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
             if not r.future.done():  # a cancelled waiter (its group failed) takes nothing
@@ -180,14 +193,17 @@ class ReplicaBatcher:
                     [Call(f"engine {i}", "generate_stream", None)], self.timeout_s
                 ) from None
 
-        counters = await self._with_replacement(i, "generate_stream", len(prompts), attempt)
+        counters = await self.with_replacement(i, "generate_stream", len(prompts), attempt)
         for k in COUNTERS:
             self.tallies[k] += counters[k]
         self.tallies["parked_reused_tokens"] += counters.get("parked_reused_tokens", 0)
         return list(counters["complete"])
 
     async def _call(self, i: int, prompts: list[list[int]], params: list):
-        """One `generate` on engine i, sent again to its replacement if it dies."""
+        """One `generate` on engine i, sent again to its replacement if it dies (prefill-decode:
+        a prefill on a prefill replica, then a `decode` on engine i)."""
+        if self.pd is not None:
+            return await self.pd.generate(i, prompts, params)
 
         async def attempt():
             ref = self.engines[i].generate.remote(prompts, params)
@@ -196,20 +212,33 @@ class ReplicaBatcher:
             except TimeoutError:
                 raise CallTimeout([Call(f"engine {i}", "generate", ref)], self.timeout_s) from None
 
-        return await self._with_replacement(i, "generate", len(prompts), attempt)
+        return await self.with_replacement(i, "generate", len(prompts), attempt)
 
-    async def _with_replacement(
+    async def with_replacement(
         self, i: int, method: str, requests: int, attempt: Callable[[], Awaitable[T]]
     ) -> T:
         """`attempt()`, a `method` call of `requests` requests on engine i, made again on the
-        replacement while the engine it reached dies (same seeds: the same outcome)."""
+        replacement while the engine it reached dies (same seeds: the same outcome). Calls that
+        see the same engine die (prefill-decode: several decode replicas' batches share a
+        prefill replica) wait for one replacement."""
         while True:
+            engine = self.engines[i]  # the one `attempt` reaches (no await in between)
             try:
                 return await attempt()
             except Exception as e:
                 died = engine_death(i, method, e)
                 if self.restarts is None:
                     raise died from None
-                await self.restarts.ask(i, died, requests)
+                await self._replace(i, engine, died, requests)
                 self.last_progress = time.monotonic()
-                self.tallies["engine_restarts"] += 1
+
+    async def _replace(self, i: int, engine, died, requests: int) -> None:
+        if self.engines[i] is not engine:
+            return  # replaced already, after another call saw it die
+        pending = self._replacing.get(i)
+        if pending is None:
+            pending = asyncio.ensure_future(self.restarts.ask(i, died, requests))
+            self._replacing[i] = pending
+            pending.add_done_callback(lambda _: self._replacing.pop(i, None))
+            self.tallies["engine_restarts"] += 1
+        await asyncio.shield(pending)

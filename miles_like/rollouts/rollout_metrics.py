@@ -70,6 +70,11 @@ def step_metrics(
         samples=sum(len(g.trajectories) for g in kept),
         engine_restarts=tallies["engine_restarts"],
     )
+    if tallies["pd_requests"]:  # prefill-decode: the handoffs' transfer, per request
+        metrics.update(
+            pd_transfer_bytes=tallies["pd_transfer_bytes"] / tallies["pd_requests"],
+            pd_transfer_s=tallies["pd_transfer_s"] / tallies["pd_requests"],
+        )
     if dynamic_rounds is not None:
         metrics.update(
             dynamic_rounds=dynamic_rounds,

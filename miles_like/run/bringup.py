@@ -155,6 +155,7 @@ def start(recipe, log=print, resume: Path | None = None, state: dict | None = No
                 timeout_s,
                 recipe.rollout.http_host,
                 recipe.rollout.api_key,
+                recipe.rollout.prefill_replicas,
             )
             log(f"rollout.serve_http: OpenAI-compatible router at {actors.front.base_url}")
         rollouts = start_rollouts(recipe, actors, inputs, state, log)

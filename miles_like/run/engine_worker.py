@@ -15,27 +15,24 @@ control is `engine_tp`'s.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import ray
 import torch
 
 from miles_like.run import engine_tp
+from miles_like.run.engine_endpoint import EngineEndpoint
+from miles_like.run.engine_pd import CACHE_COUNTERS, PrefillDecodeRoles, cache_counters
 from miles_like.run.engine_weight_receiver import EngineWeightReceiver
+from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
 from miles_like.run.rendezvous import held_rendezvous, pin_process, start_actor_process
 from miles_like.run.rendezvous import node_id as this_node_id
 
 CLOSED = "closed"  # generate_wave: the window was closed, no request was admitted
-CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
 
-def _counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, int]:
-    return {k: after[k] - before[k] for k in keys}
-
-
-@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1})
-class EngineWorker:
+@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1})
+class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
     def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
         self.device = torch.device(engine_cfg.device)  # the recipe's accelerator
         start_actor_process(threads, self.device)
@@ -45,6 +42,7 @@ class EngineWorker:
         self.on_gpu = self.device.type == "cuda"
         self.model_path = engine_cfg.model_path
         self._server = None
+        self._prefill = None  # prefill-decode: the endpoint's `RemotePrefill`
         self._waves: dict[int, list] = {}  # generate_wave's futures by wave, while it runs
         self.engine = self.follower = None
         self.followers = engine_tp.FollowerWatch()
@@ -60,6 +58,8 @@ class EngineWorker:
         self.engine.activity = ActivityLog()  # drained every step (take_activity)
         self.async_engine = AsyncEngine(self.engine, open=False)
         self.weights = EngineWeightReceiver(self.engine, self.async_engine, self.close)
+        self.handoff_sender = HandoffSender(self.device)  # prefill-decode, both roles
+        self.handoff_receiver = HandoffReceiver(self.device)
 
     def ready(self) -> bool:
         return True
@@ -145,7 +145,7 @@ class EngineWorker:
                 self.async_engine.pause()
         # the window stays open for the whole call: no update can land between its requests
         return [r.samples for r in results], {
-            **_counters(before, after),
+            **cache_counters(before, after),
             "weight_version": results[0].weight_version if results else after["weight_version"],
         }
 
@@ -182,7 +182,7 @@ class EngineWorker:
             if not was_open:
                 self.async_engine.pause()
         yield {
-            **_counters(before, after, (*CACHE_COUNTERS, "parked_reused_tokens")),
+            **cache_counters(before, after, (*CACHE_COUNTERS, "parked_reused_tokens")),
             "weight_version": version,
             "complete": complete,
         }
@@ -227,21 +227,6 @@ class EngineWorker:
         """One request, batched with every other concurrent call (the window must be open:
         closed, it raises `EngineUnavailable`). Returns a `GenerationResult`."""
         return self.followers.intact(self.async_engine.submit(prompt_ids, params).result)
-
-    def serve(self, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None) -> str:
-        """Start the OpenAI-compatible HTTP endpoint (`rollout.serving.server`) in a thread of
-        this actor, on this replica's AsyncEngine (it answers 503 while the window is closed).
-        Returns its base URL. The tokenizer comes from the model directory when it has one."""
-        from rollout.serving.server import build_app, load_tokenizer, start_server
-
-        if self._server is None:
-            app = build_app(
-                self.async_engine,
-                load_tokenizer(self.model_path),
-                model_name or os.path.basename(os.path.normpath(self.model_path)),
-            )
-            self._server = start_server(app, host, port)
-        return self._server.url
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -339,6 +324,8 @@ class EngineWorker:
             self._server = None
         self.async_engine.close()
         self.engine.close()
+        self.handoff_sender.release_all()
+        self.handoff_receiver.close()
 
 
 def parameter_digests(model: torch.nn.Module) -> dict[str, str]:

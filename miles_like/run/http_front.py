@@ -25,17 +25,26 @@ class HttpFront:
         timeout_s: float,
         host: str = "127.0.0.1",
         api_key: str | None = None,
+        prefill_replicas: int = 0,
     ):
         """`host`, `api_key`: the router's (`rollout.http_host`, `rollout.api_key`); the replicas
-        stay on loopback, unauthenticated."""
+        stay on loopback, unauthenticated. `prefill_replicas` (prefill-decode): engines[:k]
+        only prefill, for the others' endpoints, which the router serves."""
         from rollout.serving.router import Router
         from rollout.serving.router_app import Sessions
 
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
         self.host, self.api_key = host, api_key
+        self.engines, self.k = engines, prefill_replicas
+        prefill = engines[:prefill_replicas] or None
         self.urls = wait_all(
-            [start_call(f"engine {i}", e, "serve") for i, e in enumerate(engines)], timeout_s
+            [
+                start_call(f"engine {i}", e, "serve", "127.0.0.1", 0, None, prefill)
+                for i, e in enumerate(engines)
+                if i >= prefill_replicas
+            ],
+            timeout_s,
         )
         self.router, self.sessions = Router(len(self.urls)), Sessions()
         self._server = None
@@ -58,8 +67,17 @@ class HttpFront:
 
     def replace(self, index: int, engine) -> None:
         """Engine `index` was replaced: serve from the new one; the router restarts on the same
-        port with the same routing state and sessions."""
-        self.urls[index] = ray.get(engine.serve.remote(), timeout=self.timeout_s)
+        port with the same routing state and sessions. A prefill replica: the decode replicas'
+        endpoints prefill on the new one."""
+        prefill = self.engines[: self.k] or None
+        if index < self.k:
+            decoders = self.engines[self.k :]
+            ray.get(
+                [e.set_prefill_engines.remote(prefill) for e in decoders], timeout=self.timeout_s
+            )
+            return
+        serve = engine.serve.remote("127.0.0.1", 0, None, prefill)
+        self.urls[index - self.k] = ray.get(serve, timeout=self.timeout_s)
         port = urlparse(self._server.url).port
         self._server.stop()
         self._start(port)

@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from rollout.async_engine import AsyncEngine, EngineUnavailable, GenerationResult
 from rollout.config import SamplingParams
+from rollout.serving import prefilled
 from rollout.serving.metrics import ServingMetrics, prometheus_text
 from rollout.serving.openai_api import (
     PAUSED_MESSAGE,
@@ -49,9 +50,12 @@ class ServingState:
     max_len: int  # the context, prompt + completion
     max_n: int  # samples per request
     metrics: ServingMetrics = field(default_factory=ServingMetrics)
+    prefill: prefilled.Prefill | None = None  # prefill-decode: where prompts are computed
 
     @classmethod
-    def of(cls, async_engine: AsyncEngine, tokenizer, model_name: str) -> ServingState:
+    def of(
+        cls, async_engine: AsyncEngine, tokenizer, model_name: str, prefill=None
+    ) -> ServingState:
         engine = async_engine.engine
         return cls(
             async_engine,
@@ -59,6 +63,7 @@ class ServingState:
             model_name,
             engine.max_model_len,
             engine.config.max_running_requests,
+            prefill=prefill,
         )
 
 
@@ -279,7 +284,12 @@ async def generate(
     check = make_stop_check(state.tokenizer, stops) if stops else None
     with engine_errors(prompt_field):  # a cancelled handler aborts its requests in the engine
         results = list(
-            await asyncio.gather(*(state.async_engine.generate(p, params, check) for p in prompts))
+            await asyncio.gather(
+                *(
+                    prefilled.generate(state.async_engine, state.prefill, p, params, check)
+                    for p in prompts
+                )
+            )
         )
     state.metrics.served(results)
     return results
@@ -297,7 +307,9 @@ async def stream(
     awaited here, so a refused request (paused engine, bad ids) still answers 4xx / 503 before
     the response starts; a client gone mid-stream aborts its requests."""
     check = make_stop_check(state.tokenizer, stops) if stops else None
-    items = merged([state.async_engine.stream(p, params, check) for p in prompts])
+    items = merged(
+        [prefilled.stream(state.async_engine, state.prefill, p, params, check) for p in prompts]
+    )
     with engine_errors(prompt_field):
         try:
             first = await anext(items)

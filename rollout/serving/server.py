@@ -27,6 +27,7 @@ from rollout.async_engine import AsyncEngine
 from rollout.serving import routes
 from rollout.serving.auth import check_bind, require_api_key
 from rollout.serving.openai_api import APIError, error_response, validation_error
+from rollout.serving.prefilled import Prefill
 
 __all__ = ["build_app", "error_response", "load_tokenizer", "main", "start_server"]
 
@@ -42,13 +43,18 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def build_app(
-    async_engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None
+    async_engine: AsyncEngine,
+    tokenizer,
+    model_name: str,
+    api_key: str | None = None,
+    prefill: Prefill | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `async_engine`. Without a tokenizer, completions take
     token-id prompts only and return empty text (token ids are always returned). `api_key`:
-    required of every request but /health."""
+    required of every request but /health. `prefill`: prefill-decode disaggregation, the
+    prompts computed there and decoded here (`rollout.serving.prefilled`)."""
     app = FastAPI(title="miles_like engine")
-    state = app.state.serving = routes.ServingState.of(async_engine, tokenizer, model_name)
+    state = app.state.serving = routes.ServingState.of(async_engine, tokenizer, model_name, prefill)
 
     @app.middleware("http")
     async def count(request: Request, call_next):

@@ -184,6 +184,47 @@ def test_agent_code_through_the_openai_endpoint(engines):
         ray.get([a.close.remote() for a in actors])
 
 
+def test_the_openai_endpoint_in_prefill_decode_mode(engines):
+    """rollout.prefill_replicas=1 with rollout.serve_http: a third replica only prefills; the
+    decode replicas' endpoints prefill each request there (`engine_endpoint.RemotePrefill`),
+    and the openai client samples what the single-turn rollout samples without disaggregation,
+    as does the single-turn rollout in PD mode (`prefill_then_decode`)."""
+    actors, model = engines
+    cfg = engine_config(recipe_with("single_turn"), str(model))
+    prefiller = EngineWorker.options(num_cpus=0).remote(cfg, 1)
+    pd_actors = [prefiller, *actors]
+    pd_engines = (pd_actors, model)
+    pd = ("cluster.devices=3", "rollout.prefill_replicas=1")
+    front = HttpFront(pd_actors, load_tokenizer(model).tok, timeout_s=120, prefill_replicas=1)
+    try:
+        rm = manager("agent_rollouts:openai_agent", pd_engines, *pd, front=front)
+        single_pd = manager("single_turn", pd_engines, *pd)
+        single = manager("single_turn", engines)
+        try:
+            served = rm.finish(rm.launch(0)).groups
+            ray.get([a.close.remote() for a in pd_actors])
+            decoded = single_pd.finish(single_pd.launch(0))
+            direct = single.finish(single.launch(0)).groups
+        finally:
+            rm.close()
+            single_pd.close()
+            single.close()
+        assert decoded.metrics["pd_transfer_bytes"] > 0
+        for got, pd_got, want in zip(served, decoded.groups, direct, strict=True):
+            for j, (a, p, b) in enumerate(
+                zip(got.trajectories, pd_got.trajectories, want.trajectories)
+            ):
+                assert a.token_ids == p.token_ids == b.token_ids
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-12
+                assert max(abs(x - y) for x, y in zip(p.logprobs, b.logprobs)) <= 1e-12
+                (turn,) = front.sessions.get(f"{got.problem.prompt}#{j}")
+                assert turn.prompt_token_ids + turn.token_ids == list(a.token_ids)
+    finally:
+        front.close()
+        ray.get([a.close.remote() for a in pd_actors])
+        ray.kill(prefiller)
+
+
 def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engines):
     """Engine 0 dies while it generates some turn: its call is sent again, with the same seeds,
     to a replacement (the controller's thread makes it), and every trajectory is the one a run

@@ -291,3 +291,42 @@ def test_handoff_to_another_process_through_shared_memory(checkpoints):
         for (tokens, logprobs, reason, _), s in zip(got, out.samples, strict=True):
             assert tokens == s.token_ids and reason == s.finish_reason
             assert max(abs(a - b) for a, b in zip(logprobs, s.logprobs)) <= 1e-12
+
+
+def test_async_engines_prefill_and_decode_as_one_engine(checkpoints):
+    """Through two `AsyncEngine`s (the engine actors' path): `submit_prefill` resolves with the
+    handoffs, `submit_prefilled` with what one engine samples; a decode engine at another weight
+    version refuses a handoff (nothing is served across a version boundary)."""
+    from rollout.async_engine import AsyncEngine
+
+    directory = checkpoints["qwen2"]
+    want = reference(make_engine(directory, "float64"), PROMPTS, SAMPLED)
+    prefiller = AsyncEngine(make_engine(directory, "float64"))
+    decoder = AsyncEngine(make_engine(directory, "float64"))
+    try:
+        futures = prefiller.submit_prefill([(p, SAMPLED) for p in PROMPTS])
+        handoffs = [f.result(timeout=120) for f in futures]
+        assert [h.prompt_token_ids for h in handoffs] == [tuple(p) for p in PROMPTS]
+        futures = decoder.submit_prefilled([(h, SAMPLED) for h in handoffs])
+        results = [f.result(timeout=120) for f in futures]
+        assert_same([_as_output(r) for r in results], want, TOLERANCE["float64"])
+        assert all(r.weight_version == 0 for r in results)
+        decoder.engine.weight_version += 1
+        (refused,) = decoder.submit_prefilled([(handoffs[0], SAMPLED)])
+        with pytest.raises(ValueError, match="prefilled at weight version 0"):
+            refused.result(timeout=120)
+    finally:
+        prefiller.close()
+        decoder.close()
+
+
+def _as_output(result):
+    """A `GenerationResult` read as the `RequestOutput` fields `assert_same` compares."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        prompt_token_ids=result.prompt_token_ids,
+        samples=result.samples,
+        routed_experts=result.routed_experts,
+        weight_versions=result.sample_versions,
+    )

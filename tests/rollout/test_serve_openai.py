@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prefill_engines import MODES, prefill_on
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import AsyncEngine
@@ -52,15 +53,26 @@ def _engine(model_dir) -> Engine:
     )
 
 
-@pytest.fixture(scope="module")
-def served(model_dir):
+PREFILLED: list = []  # the served engines whose prompts another engine prefills
+
+
+@pytest.fixture(scope="module", params=MODES)
+def served(model_dir, request):
+    """The endpoint over one engine, or (prefill_decode) over a decode engine whose prompts a
+    second engine prefills."""
     async_engine = AsyncEngine(_engine(model_dir))
+    prefiller = AsyncEngine(_engine(model_dir)) if request.param == "prefill_decode" else None
     tokenizer = load_tokenizer(model_dir)
-    handle = start_server(build_app(async_engine, tokenizer, "tiny"))
+    prefill = prefill_on(prefiller) if prefiller is not None else None
+    handle = start_server(build_app(async_engine, tokenizer, "tiny", prefill=prefill))
     client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0)
+    if prefiller is not None:
+        PREFILLED.append(async_engine)
     yield async_engine, tokenizer, client, handle.url
     handle.stop()
     async_engine.close()
+    if prefiller is not None:
+        prefiller.close()
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +297,9 @@ def test_many_concurrent_clients_are_batched(served):
     after = async_engine.stats()
     generated = after["generated_tokens"] - before["generated_tokens"]
     steps = after["decode_steps"] - before["decode_steps"]
-    assert generated == 24 * 16 == sum(len(o.choices[0].token_ids) for o in outs)
+    # prefill-decode: each sample's first token was sampled by the prefill engine
+    first_elsewhere = 24 if async_engine in PREFILLED else 0
+    assert generated + first_elsewhere == 24 * 16 == sum(len(o.choices[0].token_ids) for o in outs)
     assert steps < generated / 4, (steps, generated)
 
 

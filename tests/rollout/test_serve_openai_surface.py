@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 from exact_float64 import exact_float64
+from prefill_engines import MODES, prefill_on
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import AsyncEngine
@@ -63,16 +64,23 @@ def _engine(directory) -> Engine:
     )
 
 
-@pytest.fixture(scope="module")
-def served(model_dir):
+@pytest.fixture(scope="module", params=MODES)
+def served(model_dir, request):
+    """The endpoint over one engine, or (prefill_decode) over a decode engine whose prompts a
+    second engine prefills (what it cannot prefill yet, top and prompt log-probs, the decode
+    engine serves whole)."""
     directory, _ = model_dir
     async_engine = AsyncEngine(_engine(directory))
+    prefiller = AsyncEngine(_engine(directory)) if request.param == "prefill_decode" else None
     tokenizer = load_tokenizer(directory)
-    handle = start_server(build_app(async_engine, tokenizer, "tiny"))
+    prefill = prefill_on(prefiller) if prefiller is not None else None
+    handle = start_server(build_app(async_engine, tokenizer, "tiny", prefill=prefill))
     client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0)
     yield tokenizer, client, handle.url
     handle.stop()
     async_engine.close()
+    if prefiller is not None:
+        prefiller.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,108 @@
+"""A `ReplicaBatcher` call under prefill-decode disaggregation (`rollout.prefill_replicas: k`).
+
+The replicas split in two roles: engines[:k] only prefill, the others decode. A batch queued on
+decode replica d (its groups' home: a session's later turns stay on the replica holding its
+earlier ones) is prefilled on the prefill replica the cache-aware router picks (longest prefix
+it was sent, then load: `rollout.serving.router`), which samples every sample's first token and
+holds the handoffs; d then fetches them, copies their K/V into its own pages and decodes on
+(`run.engine_pd`). The prefill replica is free for the next batch as soon as its call returns,
+so a handoff's transfer and decode overlap the next prefill.
+
+The two calls together return what one `generate` on one engine returns (same seeds, same
+tokens: `rollout.prefill_decode`), with the prefill's prefix-cache counters, and the transfer's
+bytes and seconds (`PD_COUNTERS`). A handoff carries its weight version and a decode replica at
+another refuses it, so nothing is served across a weight update.
+
+Deaths: a prefill replica that dies is replaced and the batch prefilled again; a decode replica
+that dies is replaced and the same handoffs decoded there (the prefill replica still holds
+them); handoffs whose buffers died with their prefill replica (`HandoffGone`) are prefilled
+again. Each replacement is counted as any engine's (`rollout/engine_restarts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from miles_like.run.calls import Call, CallTimeout
+from miles_like.run.handoff_transport import HandoffGone
+from rollout.serving.router import Router
+
+# summed over a step's calls; the step's metrics are per request (`rollout_metrics`)
+PD_COUNTERS = ("pd_transfer_bytes", "pd_transfer_s", "pd_requests")
+PREFILL_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
+
+
+class PrefillDecode:
+    """The prefill-then-decode calls of one `ReplicaBatcher` (its engines, timeout and
+    `with_replacement`; not imported: it imports this): engines[:prefill_replicas] prefill."""
+
+    def __init__(self, batcher, prefill_replicas: int):
+        self.batcher = batcher
+        self.router = Router(prefill_replicas)  # over engines[:k]: index i is engine i
+        self._nodes: dict[str, str] = {}  # engine actor id -> its node
+
+    async def generate(self, d: int, prompts: list[list[int]], params: list):
+        """`generate(prompts, params)` served by a prefill replica and decode replica d:
+        (samples per prompt, counters) as `EngineWorker.generate` returns them."""
+        p = self.router.choose(prompts[0])
+        for prompt in prompts[1:]:
+            self.router.record(p, prompt)
+        self.router.started(p)
+        try:
+            share = await self._node(p) == await self._node(d)
+            while True:
+                counters, handoffs, prefiller = await self._prefill(p, prompts, params, share)
+                try:
+                    samples, decoded = await self._decode(d, handoffs, params)
+                except HandoffGone:  # its prefill replica died meanwhile: prefill again
+                    continue
+                finally:
+                    if counters["handoff_key"] is not None:  # best effort: it may have died
+                        prefiller.release_handoffs.remote(counters["handoff_key"])
+                break
+        finally:
+            self.router.finished(p)
+        return samples, {
+            **{k: counters[k] for k in PREFILL_COUNTERS},
+            **{k: decoded[k] for k in PD_COUNTERS},
+            "weight_version": decoded["weight_version"],
+        }
+
+    async def _prefill(self, p: int, prompts, params, share: bool):
+        b = self.batcher
+
+        async def attempt():
+            engine = b.engines[p]
+            counters_ref, handoffs_ref = engine.prefill.remote(prompts, params, share)
+            counters = await self._wait(counters_ref, f"engine {p}", "prefill")
+            return counters, handoffs_ref, engine
+
+        return await b.with_replacement(p, "prefill", len(prompts), attempt)
+
+    async def _decode(self, d: int, handoffs_ref, params):
+        b = self.batcher
+
+        async def attempt():
+            ref = b.engines[d].decode.remote([handoffs_ref], params)
+            return await self._wait(ref, f"engine {d}", "decode")
+
+        return await b.with_replacement(d, "decode", len(params), attempt)
+
+    async def _node(self, i: int) -> str:
+        """Engine i's node (asked once per actor; a replacement keeps its bundles' node)."""
+        b = self.batcher
+        engine = b.engines[i]
+        key = engine._actor_id.hex()  # the handle names its actor
+        if key not in self._nodes:
+
+            async def attempt():
+                return await self._wait(b.engines[i].node_id.remote(), f"engine {i}", "node_id")
+
+            self._nodes[key] = await b.with_replacement(i, "node_id", 0, attempt)
+        return self._nodes[key]
+
+    async def _wait(self, ref, actor: str, method: str):
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.batcher.timeout_s)
+        except TimeoutError:
+            raise CallTimeout([Call(actor, method, ref)], self.batcher.timeout_s) from None

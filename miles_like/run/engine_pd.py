@@ -1,0 +1,90 @@
+"""`EngineWorker`'s two roles under prefill-decode disaggregation (`rollout.prefill_replicas`):
+a prefill replica's `prefill` and a decode replica's `decode`, together one `generate`
+(`rollouts.replica_batcher` chains them). The handoffs between them travel as
+`handoff_transport` says: shared buffers on one node, freed by `release_handoffs` once the
+decode replica has copied them. A mixin of `EngineWorker` (it reads the worker's `engine`,
+`async_engine`, `followers`, `handoff_sender` and `handoff_receiver`). `prefill_one` serves
+the HTTP endpoints of the decode replicas (`engine_endpoint.RemotePrefill`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from miles_like.run.handoff_transport import nbytes
+
+CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
+
+
+def cache_counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, int]:
+    """What happened to the engine's counters `keys` between two `stats()`."""
+    return {k: after[k] - before[k] for k in keys}
+
+
+class PrefillDecodeRoles:
+    @ray.method(num_returns=2)
+    def prefill(self, prompts: list[list[int]], params: list, share: bool):
+        """A prefill replica's part of `generate`: each prompt computed and its samples' first
+        tokens sampled. Two returns, so the caller can wait for the small one alone: `generate`'s
+        counters (plus `handoff_key`), and the handoffs, their tensors in shared buffers when
+        `share` (the decode replica is on this node: `handoff_transport`), else themselves."""
+        was_open = self.async_engine.is_open
+        self.async_engine.resume()
+        try:
+            before = self.engine.stats()
+            futures = self.async_engine.submit_prefill(list(zip(prompts, params)))
+            handoffs = [self.followers.intact(f.result) for f in futures]
+            after = self.engine.stats()
+        finally:
+            if not was_open:
+                self.async_engine.pause()
+        key = None
+        if share:
+            key, handoffs = self.handoff_sender.share(handoffs)
+        version = handoffs[0].weight_version if handoffs else after["weight_version"]
+        counters = {**cache_counters(before, after), "weight_version": version, "handoff_key": key}
+        return counters, handoffs
+
+    @ray.method(concurrency_group="handoff")
+    def release_handoffs(self, key: int) -> None:
+        """Free the shared buffers of `prefill` call `key` (its decode replica has them)."""
+        self.handoff_sender.release(key)
+
+    def decode(self, handoffs: list, params: list) -> tuple[list, dict]:
+        """A decode replica's part of `generate`: `handoffs` is `[ref]` of a prefill's handoffs
+        (a list, so Ray leaves fetching them to this method, which times it); they are decoded
+        with `params` (those they were prefilled with). Returns `generate`'s samples, and the
+        transfer's `pd_transfer_bytes`, `pd_transfer_s` (fetch and copy into this device) and
+        `pd_requests`, plus the `weight_version` that sampled them. A handoff prefilled at
+        another weight version is refused (`PrefillHandoff.check`)."""
+        start = time.perf_counter()
+        (shared,) = ray.get(handoffs)
+        opened = self.handoff_receiver.open(shared)
+        transfer_s = time.perf_counter() - start
+        was_open = self.async_engine.is_open
+        self.async_engine.resume()
+        try:
+            futures = self.async_engine.submit_prefilled(list(zip(opened, params)))
+            results = [self.followers.intact(f.result) for f in futures]
+        finally:
+            if not was_open:
+                self.async_engine.pause()
+        version = results[0].weight_version if results else self.engine.weight_version
+        return [r.samples for r in results], {
+            "weight_version": version,
+            "pd_transfer_bytes": nbytes(opened),
+            "pd_transfer_s": transfer_s,
+            "pd_requests": len(opened),
+        }
+
+    @ray.method(num_returns=2, concurrency_group="serve")
+    def prefill_one(self, prompt_ids: list[int], params):
+        """The HTTP endpoint's prefill (`RemotePrefill`), one request batched with every other
+        concurrent call (the window must be open, as `generate_one`): counters with
+        `handoff_key`, and the request's handoff in shared buffers."""
+        future = self.async_engine.submit_prefill([(prompt_ids, params)])[0]
+        handoff = self.followers.intact(future.result)
+        key, shared = self.handoff_sender.share([handoff])
+        return {"handoff_key": key}, shared

@@ -1,0 +1,181 @@
+"""Prefill-decode disaggregation (`rollout.prefill_replicas`) in the RL loop, end to end on Ray.
+
+* A 3-step float64 run with one prefill replica and two decode replicas has every metrics.jsonl
+  key of the same run without it (the two decode replicas serving alone) equal but the
+  timings and the prefix-cache hit rate: the same tokens, log-probs, rewards and updates. The
+  hit rate is the prefill replicas' caches', a different topology: the one prefill replica
+  caches the prompts of both decode replicas' groups, a superset of what each replica of the
+  plain run caches, so its hit rate is at least the plain run's. It adds the transfer's
+  `rollout/pd_transfer_bytes` (the handoffs' K/V, per request) and `rollout/pd_transfer_s`.
+* The same for multi-turn sessions (the calculator tool loop, float64; floats within 1e-12:
+  the decode batches differ, so log-probs may differ in their last bits): every later turn is
+  prefilled again on the prefill replica and decoded on its session's decode replica. Here the
+  hit rate is lower than the plain run's: the prefill replica never saw the completions, so a
+  later turn finds only the earlier prompts in its cache (the plain replica holds whole turns).
+* Colocated (each replica shares a device with a trainer rank, releasing it while the trainer
+  trains): one prefill and two decode replicas against three plain replicas, the same trainer;
+  floats within 1e-12 (the decode batches differ from the plain replicas').
+* The prefill replica killed after the first step and a decode replica killed mid-rollout (no
+  answer to a probe while it generates long samples): both are replaced (two restarts counted),
+  the run completes and every step trains every prompt's whole group once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from test_fault_tolerance_e2e import FEW_LONG_SAMPLES, in_background, new_actor
+from test_resume_e2e import RECIPE, is_timing, rows_of
+
+from miles_like.recipe.cli import main
+from miles_like.run.loop import run
+
+pytestmark = pytest.mark.slow
+
+BASE = (
+    "steps=3",
+    "checkpoint.every_steps=0",
+    "rollout.prompts_per_step=4",
+    "rollout.n=2",
+    "rollout.max_new_tokens=8",
+    "rollout.kv_cache_tokens=4096",
+    "rollout.temperature=0.8",
+    "reward.function=user_rewards:length_score",
+    "sft.steps=10",
+    "sft.batch_size=16",
+    "sft.cache=false",
+    "trainer.lr=3e-3",
+    "tracking.wandb_project=null",
+    "cluster.colocate=false",
+    "cluster.cpu_threads=1",
+)
+TWO_REPLICAS = ("cluster.devices=3", "cluster.rollout_devices=2")
+ONE_PREFILL_TWO_DECODE = (
+    "cluster.devices=4",
+    "cluster.rollout_devices=3",
+    "rollout.prefill_replicas=1",
+)
+
+
+def run_in_process(out: Path, *overrides: str, recipe: str = RECIPE) -> list[dict]:
+    assert main([recipe, f"tracking.output_dir={out}", *BASE, *overrides], run=run) == 0
+    return rows_of(out)
+
+
+CACHE_TOPOLOGY = ("rollout/prefix_cache_hit_rate", "rollout/prefix_cache_hit_rate_turn2plus")
+
+
+def differs(a, b, atol: float) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) > atol
+    return a != b
+
+
+def assert_same_run(
+    plain: list[dict], pd: list[dict], atol: float = 0.0, single_turn: bool = True
+) -> None:
+    """Every key equal but timings and the cache topology's (floats within `atol`); single
+    turn, the prefill replica's cache hits at least what the plain replicas' did."""
+    assert len(plain) == len(pd)
+    for s, p in zip(plain, pd):
+        same = [k for k in sorted(s) if not is_timing(k) and k not in CACHE_TOPOLOGY]
+        diff = {k: (s[k], p.get(k)) for k in same if differs(s[k], p.get(k), atol)}
+        assert not diff, f"step {s['step']}: {diff}"
+        if single_turn:
+            assert p["rollout/prefix_cache_hit_rate"] >= s["rollout/prefix_cache_hit_rate"]
+        assert set(p) - set(s) == {"rollout/pd_transfer_bytes", "rollout/pd_transfer_s"}
+        assert p["rollout/pd_transfer_bytes"] > 0 and p["rollout/pd_transfer_s"] > 0
+
+
+def test_one_prefill_two_decode_replicas_is_the_run_without(ray_four, cache, tmp_path):
+    plain = run_in_process(tmp_path / "plain", *TWO_REPLICAS)
+    pd = run_in_process(tmp_path / "pd", *ONE_PREFILL_TWO_DECODE)
+    assert_same_run(plain, pd)
+    assert len({r["rollout/response_len_mean"] for r in plain}) > 1  # it samples and learns
+    assert all(r["train/grad_norm"] > 0 for r in plain)
+
+
+def test_colocated_pd_is_the_colocated_run_without(ray_four, cache, tmp_path):
+    colocated = (
+        "cluster.colocate=true",
+        "cluster.devices=3",
+        "cluster.rollout_devices=null",
+        "rollout.prompts_per_step=6",  # 12 samples: 4 for each of the 3 trainer ranks
+        "trainer.updates_per_rollout=1",
+    )
+    plain = run_in_process(tmp_path / "plain", *colocated)
+    pd = run_in_process(tmp_path / "pd", *colocated, "rollout.prefill_replicas=1")
+    assert_same_run(plain, pd, atol=1e-12)
+
+
+AGENT = str(Path(RECIPE).parent / "tiny_calc_agent_grpo.yaml")
+AGENT_RUN = (
+    "steps=2",
+    "sft.steps=120",
+    "sft.batch_size=32",
+    "rollout.max_new_tokens=96",
+    "rollout.kv_cache_tokens=8192",
+    "model.dtype=float64",
+    "reward.function=arith",
+    "trainer.updates_per_rollout=1",
+)
+
+
+def test_multi_turn_sessions_in_pd_mode_are_the_run_without(ray_four, cache, tmp_path):
+    plain = run_in_process(tmp_path / "plain", *AGENT_RUN, *TWO_REPLICAS, recipe=AGENT)
+    pd = run_in_process(tmp_path / "pd", *AGENT_RUN, *ONE_PREFILL_TWO_DECODE, recipe=AGENT)
+    # the same tokens; the decode replicas' batches differ from the plain run's in later turns,
+    # so float64 log-probs (and what is computed from them) may differ in their last bits
+    assert_same_run(plain, pd, atol=1e-12, single_turn=False)
+    assert max(r["rollout/turns_mean"] for r in plain) > 1  # later turns were served
+
+
+def kill_prefill_then_decode(out: Path, known: set[str], done: threading.Event) -> list[str]:
+    """engine 0 (the prefill replica) once the first step's row is logged; engine 1 (a decode
+    replica) once a later row is and it does not answer a probe within 0.2 s (generating: right
+    after a row the next step's rollout runs, and the weight push comes only after it; probed
+    for up to 1 s, as its batch is prefilled first)."""
+    prefill, decode = new_actor(".engine.0", known), new_actor(".engine.1", known)
+    metrics, killed, seen = out / "metrics.jsonl", [], 0
+    while not done.is_set() and len(killed) < 2:
+        rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if rows == seen:
+            time.sleep(0.005)
+            continue
+        seen = rows
+        if not killed:
+            ray.kill(prefill)
+            killed.append("prefill")
+            continue
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            answered, _ = ray.wait([decode.stats.remote()], timeout=0.2)
+            if not answered:
+                ray.kill(decode)
+                killed.append("decode")
+                break
+            time.sleep(0.02)
+    return killed
+
+
+def test_a_killed_prefill_and_decode_replica_are_replaced(ray_four, cache, tmp_path, capsys):
+    out, known, done = tmp_path / "run", set(ray.util.list_named_actors()), threading.Event()
+    thread, killer = in_background(lambda: kill_prefill_then_decode(out, known, done))
+    try:
+        overrides = [o for o in FEW_LONG_SAMPLES if not o.startswith("steps=")]
+        rows = run_in_process(out, "steps=5", *overrides, *ONE_PREFILL_TWO_DECODE)
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    assert killer.get("value") == ["prefill", "decode"], killer
+    printed = capsys.readouterr().out
+    assert "engine 0 died (during prefill): killed by ray.kill; restarting it" in printed
+    assert "engine 1 died (during decode): killed by ray.kill; restarting it" in printed
+    assert [r["step"] for r in rows] == list(range(5))
+    assert sum(r["rollout/engine_restarts"] for r in rows) == 2
+    for r in rows:  # nothing lost, nothing twice: every prompt's whole group, once
+        assert r["rollout/samples"] == 2 * 2

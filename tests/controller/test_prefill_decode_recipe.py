@@ -1,0 +1,55 @@
+"""Recipe validation of rollout.prefill_replicas: off by default; a value that leaves no decode
+replica, or that meets what prefill-decode does not serve yet, is one RecipeError line naming
+the field and the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from miles_like.recipe import RecipeError, load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "tiny_arith_grpo.yaml"
+THREE = ["cluster.devices=3"]  # colocated: three engine replicas
+
+
+def test_default_is_off_and_valid_values_load():
+    assert load_recipe(RECIPE).rollout.prefill_replicas == 0
+    assert load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=2"]).rollout.prefill_replicas
+    disaggregated = ["cluster.devices=4", "cluster.colocate=false", "cluster.rollout_devices=3"]
+    r = load_recipe(RECIPE, [*disaggregated, "rollout.prefill_replicas=1"]).rollout
+    assert r.prefill_replicas == 1
+    r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", "rollout.serve_http=true"])
+    assert r.rollout.serve_http
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.prefill_replicas=-1"], r"^rollout\.prefill_replicas"),
+        (["rollout.prefill_replicas=1"], r"leaves no decode replica of the 1 engine replicas; "),
+        ([*THREE, "rollout.prefill_replicas=3"], r"no decode replica of the 3 engine replicas"),
+        (
+            ["cluster.devices=4", "rollout.tp=2", "rollout.prefill_replicas=1"],
+            r"does not support rollout\.tp > 1 yet; turn one of them off$",
+        ),
+        (
+            [
+                *THREE,
+                "rollout.prefill_replicas=1",
+                "rollout.speculative_method=draft",
+                f"rollout.speculative_draft_model_path={ROOT}",
+            ],
+            r"speculative_method=draft",
+        ),
+        (
+            [*THREE, "rollout.prefill_replicas=1", "rollout.stream_scoring=true"],
+            r"stream_scoring yet",
+        ),
+    ],
+)
+def test_bad_values_are_one_line(overrides, message):
+    with pytest.raises(RecipeError, match=message) as e:
+        load_recipe(RECIPE, overrides)
+    assert "\n" not in str(e.value)
+    assert "prefill_replicas" in str(e.value)
