@@ -11,12 +11,16 @@ Ray runs `generate_one`, `generate_wave` and `cancel_wave` in the `serve` concur
 many concurrent calls are batched together by the engine; every other method is in the default
 group, one at a time. Weight receiving is `EngineWeightReceiver`'s; the tensor-parallel ranks'
 control is `engine_tp`'s.
+
+The batch calls return each sample as a `RoutedSample`: with `return_routes` (routing replay)
+a mixture of experts' routes travel with it, else none are sent.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import ray
 import torch
@@ -30,13 +34,34 @@ CLOSED = "closed"  # generate_wave: the window was closed, no request was admitt
 CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
 
+class RoutedSample(NamedTuple):
+    """A `rollout.SampleOutput` and, with `return_routes`, its routes
+    (`RequestOutput.routed_experts`: a mixture of experts'; else None)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    top_logprobs: list | None
+    routes: torch.Tensor | None
+
+
+def routed_samples(result, return_routes: bool) -> list[RoutedSample]:
+    """A `GenerationResult`'s samples, each with its routes where they are returned."""
+    routes = result.routed_experts if return_routes else None
+    return [
+        RoutedSample(*s, routes=None if routes is None else routes[j])
+        for j, s in enumerate(result.samples)
+    ]
+
+
 def _counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, int]:
     return {k: after[k] - before[k] for k in keys}
 
 
 @ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1})
 class EngineWorker:
-    def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
+    def __init__(self, engine_cfg, threads: int, tp_rank: int = 0, return_routes: bool = False):
+        self.return_routes = return_routes  # a mixture's routes with its samples
         self.device = torch.device(engine_cfg.device)  # the recipe's accelerator
         start_actor_process(threads, self.device)
         if self.device.type == "cuda":
@@ -144,7 +169,7 @@ class EngineWorker:
             if not was_open:
                 self.async_engine.pause()
         # the window stays open for the whole call: no update can land between its requests
-        return [r.samples for r in results], {
+        return [routed_samples(r, self.return_routes) for r in results], {
             **_counters(before, after),
             "weight_version": results[0].weight_version if results else after["weight_version"],
         }
@@ -175,7 +200,8 @@ class EngineWorker:
             for f in concurrent.futures.as_completed(futures):
                 result = f.result()
                 version = result.weight_version
-                yield index[id(f)], result.samples, version, result.sample_versions
+                samples = routed_samples(result, self.return_routes)
+                yield index[id(f)], samples, version, result.sample_versions
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
             after = self.engine.stats()
         finally:
@@ -209,7 +235,8 @@ class EngineWorker:
             index = {id(f): i for i, f in enumerate(futures)}
             for f in concurrent.futures.as_completed(futures):
                 result = self.followers.intact(f.result)
-                yield index[id(f)], result.samples, result.weight_version, result.sample_versions
+                samples = routed_samples(result, self.return_routes)
+                yield index[id(f)], samples, result.weight_version, result.sample_versions
         finally:
             self._waves.pop(wave, None)
 
