@@ -131,6 +131,7 @@ def test_the_recipe_field_resolves_for_the_model_and_backend():
     dense, moe = {"model_type": "qwen3"}, {"model_type": "qwen3_moe"}
     assert replays_routes(recipe(), moe) and not replays_routes(recipe(), dense)
     assert not replays_routes(recipe(algorithm={"routing_replay": "off"}), moe)
+    assert not replays_routes(recipe(algorithm={"routing_replay": False}), moe)  # YAML's `off`
     on = recipe(algorithm={"routing_replay": "rollout"})
     assert replays_routes(on, moe)
     with pytest.raises(RecipeError, match="routing_replay=rollout.*not a mixture"):
