@@ -158,7 +158,8 @@ class RLBatch:
     returns: list[torch.Tensor] | None = None  # critic targets (PPO / GAE)
     old_values: list[torch.Tensor] | None = None  # critic values before the update
     # a mixture's routes to replay (`trainer.routing_replay`): per sample
-    # [tokens - 1 or tokens, sparse layers, k] expert ids, row q the token at position q
+    # [tokens - 1 or tokens, sparse layers, k] expert ids, row q the token at position q; None
+    # for a sample another data-parallel rank trains on (each rank gets only its own samples')
     routed_experts: list[torch.Tensor] | None = None
 
     _PER_TOKEN = (
@@ -224,6 +225,8 @@ def _check_routes(routes, tokens) -> None:
             f"batch.routed_experts has {len(routes)} entries for {len(tokens)} samples"
         )
     for i, r in enumerate(routes):
+        if r is None:  # another rank's sample
+            continue
         n = len(tokens[i])
         if r.dim() != 3 or r.shape[0] not in (n - 1, n):
             raise ValueError(

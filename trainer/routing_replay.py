@@ -99,6 +99,12 @@ def packed_routes(
     """[t, sparse layers, k] long: the route of each packed row of `mb` (`trainer.packing`'s
     layout: a shared prompt's rows are its first member's), NO_ROUTE where none is given.
     `tokens`, `prompt_lens`, `routes` are indexed like `mb.sample_indices`."""
+    missing = [i for i in mb.sample_indices if routes[i] is None]
+    if missing:
+        raise ValueError(
+            f"batch.routed_experts: no routes for samples {missing} of this rank's micro-batch; "
+            "a rank must be given the routes of every sample it trains on"
+        )
     if mb.shared is None:
         groups = [[i] for i in mb.sample_indices]
     else:

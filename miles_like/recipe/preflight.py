@@ -112,6 +112,24 @@ def check_engine_tp(recipe) -> None:
             )
 
 
+def replays_routes(recipe, config: dict[str, Any]) -> bool:
+    """Whether the run replays the engine's expert routes in the trainer
+    (`algorithm.routing_replay`; null: a mixture of experts on the megatron backend does), for
+    the model's `config`."""
+    from model_spec import MOE_MODEL_TYPES
+
+    moe = config.get("model_type") in MOE_MODEL_TYPES
+    choice = recipe.algorithm.routing_replay
+    if choice == "rollout" and not moe:
+        raise RecipeError(
+            f"algorithm.routing_replay=rollout: the model ({config.get('model_type')!r}) is not "
+            "a mixture of experts, it has no routes; set algorithm.routing_replay: off"
+        )
+    if choice is None:
+        return moe and recipe.trainer.backend == "megatron"
+    return choice == "rollout"
+
+
 def check_trainer_layout(recipe) -> None:
     """The megatron backend's `trainer.tp` splits heads, KV heads, the MLP and a mixture's
     experts evenly, and a mixture of experts trains at trainer PP 1 for now (its all-gather
@@ -177,6 +195,7 @@ def check_machine(recipe) -> None:
     check_draft_vocab(recipe)
     check_engine_tp(recipe)
     check_trainer_layout(recipe)
+    replays_routes(recipe, model_config(recipe))
     check_output_dir(recipe.tracking.output_dir)
     check_accelerator(recipe.cluster)
     if recipe.data.path is not None:

@@ -407,6 +407,13 @@ class AlgorithmSection(Section):
         None, description="engine-vs-trainer importance correction: tis | mis | null"
     )
     is_cap: float = Field(2.0, description="tis / mis: cap of the importance weight", gt=0.0)
+    # YAML reads a bare `off` as false: both mean off
+    routing_replay: Literal["off", "rollout", False] | None = Field(
+        None,
+        description="mixture of experts: rollout: the trainer routes each token to the experts "
+        "the engine routed it to (R3) | off (false): the trainer's router picks them; null: "
+        "rollout for a mixture of experts on the megatron backend, else off",
+    )
 
 
 @config

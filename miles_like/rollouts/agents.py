@@ -34,6 +34,7 @@ import random
 from collections.abc import Sequence
 
 from miles_like.data import Problem
+from miles_like.rollouts import sample_routes
 from miles_like.rollouts.functions import function_failed
 from miles_like.rollouts.partial import EMPTY, OpenGroup, Partial
 from miles_like.rollouts.replica_batcher import Generation
@@ -80,7 +81,12 @@ class AgentCalls:
                 for n, (s, j) in enumerate(zip(samples, requests[k][2])):
                     per_token = tuple(versions[n]) if n < len(versions) else ()
                     gen = Generation(
-                        list(s.token_ids), list(s.logprobs), s.finish_reason, version, per_token
+                        list(s.token_ids),
+                        list(s.logprobs),
+                        s.finish_reason,
+                        version,
+                        per_token,
+                        s.routes,
                     )
                     parts[j] = parts[j].extended(gen)
                     if parts[j].versions:
@@ -91,7 +97,9 @@ class AgentCalls:
             version = s.versions[-1] if s.versions else last
             mixed = s.versions if set(s.versions) - {version} else ()
             out.append(
-                Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version, mixed)
+                Generation(
+                    list(s.token_ids), list(s.logprobs), s.finish_reason, version, mixed, s.routes
+                )
             )
         return out
 
@@ -197,7 +205,8 @@ class AgentGroups:
 
 def trajectory_to_state(t: Trajectory) -> dict:
     """JSON-ready (floats round-trip exactly through json)."""
-    return {**dataclasses.asdict(t), "metrics": dict(t.metrics)}
+    row = {**dataclasses.asdict(t), "metrics": dict(t.metrics)}
+    return row | {"routes": sample_routes.to_state(t.routes)}
 
 
 def trajectory_from_state(row: dict) -> Trajectory:
@@ -211,4 +220,5 @@ def trajectory_from_state(row: dict) -> Trajectory:
         response_text=row["response_text"],
         finish_reason=row["finish_reason"],
         metrics=dict(row["metrics"]),
+        routes=sample_routes.from_state(row.get("routes")),
     )

@@ -91,6 +91,7 @@ class GroupScorer:
                 response_text=self.tokenizer.decode(list(s.token_ids), skip_special_tokens=True),
                 finish_reason=s.finish_reason,
                 metrics={"turns": 1.0},
+                routes=s.routes,
             )
             for s in group.samples
         ]

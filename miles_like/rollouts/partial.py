@@ -6,6 +6,8 @@ new weights, or adopting its parked K/V). So a sample's tokens may come from sev
 versions, and the loss's importance correction (TIS / MIS) uses exactly those behaviour
 log-probs. The over-sampled rollout carries such groups to the next step, the asynchronous
 producer holds them open across updates; both checkpoint them (`to_state` / `from_state`).
+A mixture of experts' sample keeps the routes of the tokens computed so far, and a continuation
+adds the routes of those it computes (`sample_routes`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
+
 from miles_like.data import Problem
+from miles_like.rollouts import sample_routes
 from miles_like.rollouts.replica_batcher import Generation
 
 ABORTED = "abort"  # finish_reason of a sample the engine stopped (unfinished)
@@ -26,6 +31,8 @@ class Partial(NamedTuple):
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]  # the weight version that sampled each token
     finish_reason: str  # ABORTED while unfinished
+    # of prompt + token_ids, the tokens computed so far (`sample_routes`); None: none kept
+    routes: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -37,6 +44,7 @@ class Partial(NamedTuple):
             self.logprobs + tuple(g.logprobs),
             self.versions + (g.versions or (g.weight_version,) * len(g.token_ids)),
             g.finish_reason,
+            sample_routes.extend(self.routes, g.routes),
         )
 
 
@@ -73,6 +81,7 @@ def to_state(groups: Sequence[OpenGroup]) -> list[dict]:
                     "logprobs": list(s.logprobs),
                     "versions": list(s.versions),
                     "finish_reason": s.finish_reason,
+                    "routes": sample_routes.to_state(s.routes),
                 }
                 for s in g.samples
             ],
@@ -91,6 +100,7 @@ def from_state(rows: Sequence[dict]) -> list[OpenGroup]:
                     tuple(float(x) for x in s["logprobs"]),
                     tuple(s["versions"]),
                     s["finish_reason"],
+                    sample_routes.from_state(s.get("routes")),
                 )
                 for s in r["samples"]
             ),

@@ -26,6 +26,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+import torch
+
 from miles_like.rollouts.engine_deaths import RestartRequests, engine_death
 from miles_like.rollouts.prefill_then_decode import PD_COUNTERS, PrefillDecode
 from miles_like.run.calls import Call, CallTimeout
@@ -45,6 +47,9 @@ class Generation(NamedTuple):
     # The version that sampled each token, where an update landed while it ran (in-place
     # updates); () when `weight_version` sampled every token.
     versions: tuple[int, ...] = ()
+    # A mixture of experts' routes of the request's every computed token: [input + generated
+    # - 1, sparse layers, k] (`sample_routes`); None for a dense model or routes not kept.
+    routes: torch.Tensor | None = None
 
 
 class _Request(NamedTuple):
@@ -137,7 +142,13 @@ class ReplicaBatcher:
             if not r.future.done():  # a cancelled waiter (its group failed) takes nothing
                 r.future.set_result(
                     [
-                        Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version)
+                        Generation(
+                            list(s.token_ids),
+                            list(s.logprobs),
+                            s.finish_reason,
+                            version,
+                            routes=s.routes,
+                        )
                         for s in samples
                     ]
                 )
@@ -184,6 +195,7 @@ class ReplicaBatcher:
                                     s.finish_reason,
                                     version,
                                     tuple(v) if set(v) - {version} else (),
+                                    s.routes,
                                 )
                                 for s, v in zip(samples, sample_versions)
                             ],

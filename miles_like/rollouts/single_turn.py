@@ -19,6 +19,7 @@ async def single_turn(ctx: RolloutContext, problem: Problem) -> list[trajectory.
             s.weight_version,
             s.finish_reason,
             ctx.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+            s.routes,
         )
         for s in samples
     ]

@@ -77,6 +77,7 @@ class Conversation:
             generation.weight_version,
             generation.finish_reason,
             versions=generation.versions,
+            routes=generation.routes,
         )
         text = self.tok.decode(generation.token_ids, skip_special_tokens=True)
         if generation.finish_reason != "stop":

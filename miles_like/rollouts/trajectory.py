@@ -5,7 +5,10 @@ and, between turns, the tokens the rollout function appended (a tool's result, a
 the chat template's markers). Per token after the prompt, `loss_mask` says which the engine
 sampled (1) and which it did not (0); `logprobs` and `weight_versions` hold the engine's
 log-prob and weight version of the sampled tokens (0.0 and -1 elsewhere). A single-turn sample
-is a one-turn trajectory: the prompt, then the sampled tokens, mask all ones.
+is a one-turn trajectory: the prompt, then the sampled tokens, mask all ones. A mixture of
+experts' `routes` are the experts the engine routed each computed token to (`sample_routes`):
+[tokens - 1, sparse layers, k], for the trainer to replay; None for a dense model or with
+`algorithm.routing_replay: off`.
 
 Sampled tokens are never decoded and re-encoded: a multi-turn function builds a turn's input as
 the previous tokens plus the template's tokens for the new messages (`TrajectoryBuilder`).
@@ -16,6 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import torch
+
+from miles_like.rollouts import sample_routes
 
 NOT_SAMPLED = -1  # weight version of a token the engine did not sample
 
@@ -31,6 +38,8 @@ class Trajectory:
     response_text: str = ""  # what the reward function sees
     finish_reason: str = "stop"  # of the last turn: "stop" | "length" | "abort" | ...
     metrics: Mapping[str, float] = field(default_factory=dict)  # e.g. turns, tool_calls
+    # a mixture of experts' routes per computed token (module doc); None: none kept
+    routes: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def response_len(self) -> int:
@@ -88,13 +97,15 @@ class Trajectory:
         for k, v in self.metrics.items():
             if not isinstance(k, str) or not isinstance(v, (int, float)):
                 raise TypeError(f"metrics[{k!r}]={v!r}: metrics map names to numbers")
+        sample_routes.check(self.routes, len(self.token_ids), "Trajectory.routes")
 
 
 class TrajectoryBuilder:
     """Assembles a multi-turn trajectory token by token, so the mask cannot drift from the
     tokens: `sampled(...)` appends what the engine returned, `appended(ids)` what the rollout
     function adds between turns (e.g. `chat.delta_ids(...)`); `token_ids` is the next turn's
-    input."""
+    input. A mixture's routes come with each turn (`Generation.routes`): the turn computed the
+    tokens appended before it too, so its routes cover them (`sample_routes`)."""
 
     def __init__(self, prompt_ids: Sequence[int]):
         self.prompt_len = len(prompt_ids)
@@ -102,6 +113,8 @@ class TrajectoryBuilder:
         self._mask: list[int] = []
         self._logprobs: list[float] = []
         self._versions: list[int] = []
+        self._routes: torch.Tensor | None = None
+        self._routed_turns = 0
         self.finish_reason = "stop"
         self.turns = 0
 
@@ -116,9 +129,12 @@ class TrajectoryBuilder:
         weight_version: int,
         finish_reason: str = "stop",
         versions: Sequence[int] | None = None,
+        routes: torch.Tensor | None = None,
     ) -> None:
         """`versions`: the version that sampled each token where they differ (a turn that ran
-        across a weight update: `Generation.versions`); else `weight_version` sampled all."""
+        across a weight update: `Generation.versions`); else `weight_version` sampled all.
+        `routes`: the turn's `Generation.routes`, for the input `token_ids` was (None: a dense
+        model, or routes not kept)."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} sampled tokens but {len(logprobs)} logprobs")
         if versions and len(versions) != len(token_ids):
@@ -129,6 +145,9 @@ class TrajectoryBuilder:
         self._versions += (
             [int(v) for v in versions] if versions else [int(weight_version)] * len(token_ids)
         )
+        if routes is not None:
+            self._routes = sample_routes.extend(self._routes, routes, len(self._tokens))
+            self._routed_turns += 1
         self.finish_reason = finish_reason
         self.turns += 1
 
@@ -145,7 +164,13 @@ class TrajectoryBuilder:
         reward: float | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> Trajectory:
-        """The trajectory so far; `metrics` gets `turns` unless it has its own."""
+        """The trajectory so far; `metrics` gets `turns` unless it has its own. Routes only
+        when every turn gave them (a turn without leaves rows no request computed)."""
+        if self._routed_turns not in (0, self.turns):
+            raise ValueError(
+                f"{self._routed_turns} of {self.turns} turns gave routes; pass every turn's "
+                "Generation.routes to TrajectoryBuilder.sampled"
+            )
         return Trajectory(
             tuple(self._tokens),
             self.prompt_len,
@@ -156,6 +181,7 @@ class TrajectoryBuilder:
             response_text=response_text,
             finish_reason=self.finish_reason,
             metrics={"turns": float(self.turns), **(metrics or {})},
+            routes=self._routes,
         )
 
 
@@ -166,8 +192,10 @@ def single_turn(
     weight_version: int,
     finish_reason: str,
     response_text: str,
+    routes: torch.Tensor | None = None,
 ) -> Trajectory:
-    """A one-turn trajectory: the prompt, then the sampled tokens."""
+    """A one-turn trajectory: the prompt, then the sampled tokens (`routes`: the sample's
+    `Generation.routes`)."""
     b = TrajectoryBuilder(prompt_ids)
-    b.sampled(token_ids, logprobs, weight_version, finish_reason)
+    b.sampled(token_ids, logprobs, weight_version, finish_reason, routes=routes)
     return b.build(response_text=response_text)

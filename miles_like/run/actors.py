@@ -16,10 +16,14 @@ trainer's devices; the trainer offloads and onloads only when that is on GPUs
 Every wait on the actors goes through `calls.wait_all` with `cluster.call_timeout_s`. An engine
 that dies during a rollout is replaced (`restart_engine`); any other actor death raises
 `calls.ActorDied` for the loop to stop the run.
+
+A mixture of experts' routes (routing replay) go to each trainer rank only for the samples it
+trains on (`trainer_worker.route_shares`); the rest of the batch is put once for all ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -27,8 +31,10 @@ import ray
 
 from miles_like.errors import RunFailed
 from miles_like.models.store import write_model_files
+from miles_like.rollouts.sample_routes import nbytes
 from miles_like.run import placement
 from miles_like.run.calls import ActorDied, Call, start_call, start_on_all, wait_all
+from miles_like.run.trainer_worker import route_shares
 from trainer.tensor_lists import unpack
 
 
@@ -39,7 +45,8 @@ class RunActors:
     same lists. `model_files`: the model's config and tokenizer files, kept in memory (the directory
     may be deleted: `checkpoint.keep_last`). `reference_dir`: the frozen reference's weights (runs
     with a KL term; None without). `front`: the HTTP router in front of the engines
-    (`rollout.serve_http`), or None."""
+    (`rollout.serve_http`), or None. `replay_routes`: the engines return a mixture's routes,
+    which the trainer replays (`algorithm.routing_replay`)."""
 
     def __init__(
         self,
@@ -54,6 +61,7 @@ class RunActors:
         reference_dir: Path | None,
         weight_version: int,
         log=print,
+        replay_routes: bool = False,
     ):
         self.recipe, self.layout, self.pg, self.tag, self.log = recipe, layout, pg, tag, log
         self.timeout_s = recipe.cluster.call_timeout_s
@@ -65,6 +73,9 @@ class RunActors:
         self.weight_version = weight_version  # of the weights in the engines
         self.sync_bytes_per_rank = 0.0  # the last push's: the most one trainer rank sent
         self.engine_restarts = 0
+        self.replay_routes = replay_routes
+        self.route_bytes = 0  # the last train call's: route bytes sent to the trainer ranks
+        self._dp_places: list[tuple[int, int]] | None = None  # per rank: (DP rank, DP size)
 
     # ---------------------------------------------------------------------------- waiting
     def on_trainers(self, method: str, *args):
@@ -147,13 +158,40 @@ class RunActors:
 
     def start_train(self, batch) -> list[Call]:
         """`train`'s calls, started (the trainer ranks run them in call order); the caller may
-        do other work before `finish_train` waits for them. Rank 0's policy call is first."""
-        ref = ray.put(batch)
+        do other work before `finish_train` waits for them. Rank 0's policy call is first.
+        The batch is put once; its routes, if any, go to each rank for its own samples."""
+        routes = batch.routed_experts
+        ref = ray.put(batch if routes is None else dataclasses.replace(batch, routed_experts=None))
         updates = self.recipe.trainer.updates_per_rollout
-        calls = start_on_all("trainer rank", self.trainers, "train", ref, updates)
+        per_rank = self._routes_per_rank(routes, updates)
+        self.route_bytes = sum(nbytes(r) for mine in per_rank if mine for r in mine)
+        calls = [
+            start_call(f"trainer rank {i}", t, "train", ref, updates, mine)
+            for i, (t, mine) in enumerate(zip(self.trainers, per_rank))
+        ]
         if batch.returns is not None:
             calls += start_on_all("trainer rank", self.trainers, "train_critic", ref, updates)
         return calls
+
+    def _routes_per_rank(self, routes, updates: int) -> list[list | None]:
+        """Per trainer rank, the routes of the samples it trains on, None elsewhere (None: no
+        routes at all)."""
+        if routes is None:
+            return [None] * len(self.trainers)
+        if self._dp_places is None:
+            calls = start_on_all("trainer rank", self.trainers, "data_parallel_place")
+            self._dp_places = [tuple(p) for p in wait_all(calls, self.timeout_s)]
+        shares = route_shares(len(routes), updates, self._dp_places[0][1])
+        out = []
+        for dp_rank, _ in self._dp_places:
+            mine = set(shares[dp_rank])
+            out.append([r if i in mine else None for i, r in enumerate(routes)])
+        return out
+
+    def route_metrics(self) -> dict[str, float]:
+        """`rollout/route_bytes` with routing replay: the last train call's route bytes, summed
+        over the trainer ranks."""
+        return {"route_bytes": float(self.route_bytes)} if self.replay_routes else {}
 
     def finish_train(self, calls: list[Call]) -> dict[str, float]:
         ranks = len(self.trainers)
@@ -215,6 +253,7 @@ class RunActors:
                 [placement.engine_name(self.tag, index, self.engine_restarts)],
                 self.timeout_s,
                 indices=[index],
+                return_routes=self.replay_routes,
             )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -134,6 +134,7 @@ def steps(recipe: Recipe, run, tracker: Tracker, out: Path, first: int) -> None:
                 "engine_restarts": actors.engine_restarts - restarts,
                 "data_consumed": run.source.consumed,
                 **adv_metrics,
+                **actors.route_metrics(),
             }
         row = step_row(
             step,

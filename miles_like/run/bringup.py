@@ -24,6 +24,7 @@ from miles_like.errors import RecipeError
 from miles_like.models.store import base_model_dir, read_model_files
 from miles_like.models.tokenizer import HFTokenizer, load_tokenizer
 from miles_like.recipe.build_configs import context_len, critic_config, trainer_config
+from miles_like.recipe.preflight import replays_routes
 from miles_like.rollouts.functions import resolve_rollout_function
 from miles_like.rollouts.manager import RolloutManager
 from miles_like.run import checkpoint, placement
@@ -68,6 +69,7 @@ class Inputs(NamedTuple):
     max_prompt_tokens: int
     rollout_fn: object
     source: PromptSource
+    replay_routes: bool  # algorithm.routing_replay resolved for the model (`replays_routes`)
 
 
 class Weights(NamedTuple):
@@ -102,7 +104,16 @@ def read_inputs(recipe, state: dict | None) -> Inputs:
                 "with the same data"
             )
         source.skip_to(state["data_consumed"])
-    return Inputs(base_dir, tokenizer, context, hf["vocab_size"], max_prompt, rollout_fn, source)
+    return Inputs(
+        base_dir,
+        tokenizer,
+        context,
+        hf["vocab_size"],
+        max_prompt,
+        rollout_fn,
+        source,
+        replays_routes(recipe, hf),
+    )
 
 
 def start(recipe, log=print, resume: Path | None = None, state: dict | None = None) -> Run:
@@ -121,7 +132,7 @@ def start(recipe, log=print, resume: Path | None = None, state: dict | None = No
         trainers = placement.create_trainers(layout, pg, tag, timeout_s)
         weights = run_weights(recipe, inputs, trainers, resume, log)
         replicas, reference_dir = start_trainers_and_engines(
-            recipe, layout, pg, tag, trainers, weights, resume
+            recipe, layout, pg, tag, trainers, weights, resume, inputs.replay_routes
         )
         actors = RunActors(
             recipe,
@@ -144,6 +155,7 @@ def start(recipe, log=print, resume: Path | None = None, state: dict | None = No
             reference_dir,
             weight_version=state["weight_version"] if state else 0,
             log=log,
+            replay_routes=inputs.replay_routes,
         )
         if actors.weight_version:
             actors.set_engines_version()
@@ -208,7 +220,14 @@ def run_weights(recipe, inputs: Inputs, trainers: list, resume: Path | None, log
 
 
 def start_trainers_and_engines(
-    recipe, layout, pg, tag: str, trainers: list, weights: Weights, resume: Path | None
+    recipe,
+    layout,
+    pg,
+    tag: str,
+    trainers: list,
+    weights: Weights,
+    resume: Path | None,
+    replay_routes: bool = False,
 ) -> tuple[list[list], Path | None]:
     """The trainer ranks build the policy (and the critic) while the engines start, in separate
     processes: megatron's import and the engines' start-up overlap. Except where an engine sizes
@@ -246,6 +265,7 @@ def start_trainers_and_engines(
         placement.engine_settings(recipe, layout, weights.engine_dir),
         [placement.engine_name(tag, i) for i in range(layout.num_replicas)],
         timeout_s,
+        return_routes=replay_routes,  # a mixture's routes, for the trainer to replay
     )
     wait_all(build, timeout_s)
     if resume is not None:

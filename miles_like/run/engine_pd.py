@@ -14,6 +14,7 @@ import time
 import ray
 
 from miles_like.run.handoff_transport import nbytes
+from miles_like.run.routed_samples import routed_samples
 
 CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
@@ -72,7 +73,7 @@ class PrefillDecodeRoles:
             if not was_open:
                 self.async_engine.pause()
         version = results[0].weight_version if results else self.engine.weight_version
-        return [r.samples for r in results], {
+        return [routed_samples(r, self.return_routes) for r in results], {
             "weight_version": version,
             "pd_transfer_bytes": nbytes(opened),
             "pd_transfer_s": transfer_s,

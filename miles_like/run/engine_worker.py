@@ -11,6 +11,9 @@ Ray runs `generate_one`, `generate_wave` and `cancel_wave` in the `serve` concur
 many concurrent calls are batched together by the engine; every other method is in the default
 group, one at a time. Weight receiving is `EngineWeightReceiver`'s; the tensor-parallel ranks'
 control is `engine_tp`'s.
+
+The batch calls return each sample as a `RoutedSample`: with `return_routes` (routing replay)
+a mixture of experts' routes travel with it, else none are sent.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from miles_like.run import engine_tp
 from miles_like.run.engine_endpoint import EngineEndpoint
 from miles_like.run.engine_pd import CACHE_COUNTERS, PrefillDecodeRoles, cache_counters
+from miles_like.run.routed_samples import routed_samples
 from miles_like.run.engine_weight_receiver import EngineWeightReceiver
 from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
 from miles_like.run.rendezvous import held_rendezvous, pin_process, start_actor_process
@@ -33,7 +37,8 @@ CLOSED = "closed"  # generate_wave: the window was closed, no request was admitt
 
 @ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1})
 class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
-    def __init__(self, engine_cfg, threads: int, tp_rank: int = 0):
+    def __init__(self, engine_cfg, threads: int, tp_rank: int = 0, return_routes: bool = False):
+        self.return_routes = return_routes  # a mixture's routes with its samples
         self.device = torch.device(engine_cfg.device)  # the recipe's accelerator
         start_actor_process(threads, self.device)
         if self.device.type == "cuda":
@@ -144,7 +149,7 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
             if not was_open:
                 self.async_engine.pause()
         # the window stays open for the whole call: no update can land between its requests
-        return [r.samples for r in results], {
+        return [routed_samples(r, self.return_routes) for r in results], {
             **cache_counters(before, after),
             "weight_version": results[0].weight_version if results else after["weight_version"],
         }
@@ -175,7 +180,8 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
             for f in concurrent.futures.as_completed(futures):
                 result = f.result()
                 version = result.weight_version
-                yield index[id(f)], result.samples, version, result.sample_versions
+                samples = routed_samples(result, self.return_routes)
+                yield index[id(f)], samples, version, result.sample_versions
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
             after = self.engine.stats()
         finally:
@@ -209,7 +215,8 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
             index = {id(f): i for i, f in enumerate(futures)}
             for f in concurrent.futures.as_completed(futures):
                 result = self.followers.intact(f.result)
-                yield index[id(f)], result.samples, result.weight_version, result.sample_versions
+                samples = routed_samples(result, self.return_routes)
+                yield index[id(f)], samples, result.weight_version, result.sample_versions
         finally:
             self._waves.pop(wave, None)
 

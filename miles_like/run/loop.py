@@ -165,7 +165,7 @@ def _steps(recipe: Recipe, run: Run, tracker: Tracker, out: Path, first: int) ->
             step,
             timer,
             time.perf_counter() - start,
-            rollout={**rollout.metrics, **adv_metrics},
+            rollout={**rollout.metrics, **adv_metrics, **actors.route_metrics()},
             train=train_metrics,
             sync_bytes=sync_bytes,
             sync_bytes_per_rank=actors.sync_bytes_per_rank,

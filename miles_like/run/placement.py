@@ -216,18 +216,20 @@ def create_engines(
     names: list[str],
     timeout_s: float,
     indices: list[int] | None = None,
+    return_routes: bool = False,
 ) -> list[list]:
     """Engine replicas `indices` (default all) in their bundles, named `names`, ready: each a list
     of its `layout.engine_tp` EngineWorkers, rank 0 first (named `names[i]`, rank j
     `names[i].rank{j}`). A TP replica's ranks meet where its rank 0 chose, on its node; then the
-    followers serve (`EngineWorker.follow`) and rank 0 watches them."""
+    followers serve (`EngineWorker.follow`) and rank 0 watches them. `return_routes`: they
+    return a mixture's routes with its samples (routing replay)."""
     indices = list(range(layout.num_replicas)) if indices is None else indices
     k = layout.engine_tp
     replicas = [
         [
             EngineWorker.options(
                 name=name if rank == 0 else f"{name}.rank{rank}", **actor_options(layout, pg, b)
-            ).remote(engine_cfg, layout.threads, rank)
+            ).remote(engine_cfg, layout.threads, rank, return_routes)
             for rank, b in enumerate(layout.replica_bundles(i))
         ]
         for i, name in zip(indices, names, strict=True)

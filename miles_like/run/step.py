@@ -5,6 +5,7 @@ write where it stands into a checkpoint's state.json.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 
@@ -41,7 +42,9 @@ def batch_with_advantages(recipe, actors, groups) -> tuple:
     algorithm needs them (`actors`: the run's `RunActors`, its trainer onloaded)."""
     batch = samples_batch(groups)
     gae, kl = recipe.algorithm.advantage == "gae", recipe.algorithm.kl_reward_coef > 0
-    ref = ray.put(batch) if gae or kl else None  # one copy for both calls; none without them
+    # one copy for both calls, none without them; neither replays routes
+    plain = dataclasses.replace(batch, routed_experts=None)
+    ref = ray.put(plain) if gae or kl else None
     values = actors.values(ref) if gae else None
     ref_lp = actors.ref_logprobs(ref) if kl else None
     return with_advantages(batch, groups, recipe.algorithm, values=values, ref_logprobs=ref_lp)

@@ -51,6 +51,17 @@ def mini_batches(n: int, updates: int) -> list[list[int]]:
     return [list(share) for share in near_equal_shares(n, updates)]
 
 
+def route_shares(n: int, updates: int, dp_size: int) -> list[list[int]]:
+    """Per data-parallel rank, the samples of a batch of `n` whose routes it replays: its
+    strided share (`trainer.megatron_runner.dp_share`) of every mini-batch (`mini_batches`),
+    which is all its forwards see, the scoring passes included."""
+    out: list[list[int]] = [[] for _ in range(dp_size)]
+    for mini in mini_batches(n, updates):
+        for rank in range(dp_size):
+            out[rank] += mini[rank::dp_size]
+    return out
+
+
 @ray.remote
 class TrainerWorker:
     def __init__(self, rank: int, world_size: int, threads: int, accelerator: str):
@@ -176,11 +187,24 @@ class TrainerWorker:
         out, self._busy = self._busy, []
         return out
 
-    def train(self, batch, updates: int) -> dict[str, float]:
+    def data_parallel_place(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size), after `build`."""
+        from megatron.core import parallel_state
+
+        return (
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+        )
+
+    def train(self, batch, updates: int, routes: list | None = None) -> dict[str, float]:
         """The policy's part of one RL step: `updates` optimizer steps on consecutive
-        mini-batches (`trainer.rl_updates.train_policy`)."""
+        mini-batches (`trainer.rl_updates.train_policy`). `routes`: a mixture's routes to
+        replay, per sample, given for this rank's samples only (`route_shares`; None
+        elsewhere)."""
         from trainer.rl_updates import train_policy
 
+        if routes is not None:
+            batch = dataclasses.replace(batch, routed_experts=routes)
         with self._computing("train"):
             return train_policy(
                 self.policy, batch, mini_batches(len(batch.tokens), updates), self.off_policy

@@ -6,7 +6,8 @@ the group estimators' [groups, n] reward matrix assumes. A trajectory's response
 after its prompt: the tokens the engine sampled (the stop token included: the policy must learn
 to stop) and, in a multi-turn trajectory, the tokens appended between turns. `loss_masks` (1 on
 sampled tokens) keeps the latter out of every loss and metric; the engine's log-probs travel
-along for the trainer's mismatch metrics and TIS / MIS.
+along for the trainer's mismatch metrics and TIS / MIS, a mixture of experts' routes for the
+trainer to replay (`RLBatch.routed_experts`; every trajectory has them or none does).
 
 Token-level estimators (REINFORCE++, GAE) see only the sampled tokens, in order: appended tokens
 are the environment's answer, not actions, so rewards are discounted, KL-penalized and bootstrapped
@@ -27,16 +28,27 @@ from trainer import RLBatch
 
 
 def samples_batch(groups: Sequence[Group]) -> RLBatch:
-    tokens, prompt_lens, engine_lp, masks = [], [], [], []
+    tokens, prompt_lens, engine_lp, masks, routes = [], [], [], [], []
     for g in groups:
         for t in g.trajectories:
+            routes.append(t.routes)
             tokens.append(list(t.token_ids))
             prompt_lens.append(t.prompt_len)
             # float64 holds the engine's values exactly, whether it ran in float32 or float64
             engine_lp.append(torch.tensor(t.logprobs, dtype=torch.float64))
             masks.append(torch.tensor(t.loss_mask, dtype=torch.float32))
+    routed = sum(r is not None for r in routes)
+    if routed not in (0, len(routes)):
+        raise ValueError(
+            f"{routed} of {len(routes)} trajectories have routes; a rollout function must pass "
+            "every turn's Generation.routes to TrajectoryBuilder.sampled"
+        )
     return RLBatch(
-        tokens=tokens, prompt_lens=prompt_lens, rollout_logprobs=engine_lp, loss_masks=masks
+        tokens=tokens,
+        prompt_lens=prompt_lens,
+        rollout_logprobs=engine_lp,
+        loss_masks=masks,
+        routed_experts=routes if routed else None,
     )
 
 

@@ -85,7 +85,9 @@ async def _three_turns(ctx, problem, wait_for_update: bool):
         mismatches = 0
         for turn in range(TURNS):
             g = await ctx.generate(b.token_ids, ctx.sampling(j, turn))
-            b.sampled(g.token_ids, g.logprobs, g.weight_version, g.finish_reason, g.versions)
+            b.sampled(
+                g.token_ids, g.logprobs, g.weight_version, g.finish_reason, g.versions, g.routes
+            )
             if AFTER_FIRST_TURN:
                 AFTER_FIRST_TURN.pop()()
             oldest = min(g.versions or (g.weight_version,))

@@ -99,6 +99,19 @@ def _cases(f: dict[str, Path]) -> dict[str, tuple[list[str], list[str]]]:
             ["data.synthetic=null", f"data.path={f['data']}"],
             ["data.prompt_key='prompt'", "questions.jsonl", "no such column", "question"],
         ),
+        "routing replay on a dense model": (
+            ["algorithm.routing_replay=rollout"],
+            ["algorithm.routing_replay=rollout", "not a mixture of experts", "routing_replay: off"],
+        ),
+        "routing replay on the deepspeed backend": (
+            [
+                "model.builtin=tiny-qwen3-moe",
+                "model.dtype=float32",
+                "trainer.backend=deepspeed",
+                "algorithm.routing_replay=rollout",
+            ],
+            ["algorithm.routing_replay=rollout", "trainer.backend: megatron"],
+        ),
     }
 
 

@@ -18,6 +18,7 @@ import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.async_engine import EngineUnavailable
+from rollout.sequence import SampleOutput
 
 from tiny_hf import make_hf_model, save_bpe_tokenizer, save_hf_model
 
@@ -70,7 +71,10 @@ def test_worker_window_generate_one_lifecycle_and_endpoint(ray_local, model_dir)
 
     # closed at start: the batch generate still works (today's controller flow) ...
     outs, counters = ray.get(worker.generate.remote(PROMPTS, params), timeout=120)
-    assert outs == want and counters["prefill_tokens_computed"] > 0
+    # each sample as the engine's, with no routes (a dense model; not asked for either)
+    assert [[SampleOutput(*s[:4]) for s in o] for o in outs] == want
+    assert all(s.routes is None for o in outs for s in o)
+    assert counters["prefill_tokens_computed"] > 0
     assert not ray.get(worker.is_open.remote())
     # ... while generate_one is refused until the window opens
     with pytest.raises(EngineUnavailable):

@@ -160,7 +160,9 @@ class Sender:
         now = list(slot.group.samples) or [EMPTY] * len(js)
         for k, (j, s) in enumerate(zip(js, samples)):
             per_token = tuple(versions[k]) if k < len(versions) else ()
-            g = Generation(list(s.token_ids), list(s.logprobs), s.finish_reason, version, per_token)
+            g = Generation(
+                list(s.token_ids), list(s.logprobs), s.finish_reason, version, per_token, s.routes
+            )
             now[j] = now[j].extended(g)
         slot.group = slot.group._replace(samples=tuple(now))
         slot.pending -= 1
