@@ -26,11 +26,11 @@ import torch
 from miles_like.run import engine_tp
 from miles_like.run.engine_endpoint import EngineEndpoint
 from miles_like.run.engine_pd import CACHE_COUNTERS, PrefillDecodeRoles, cache_counters
-from miles_like.run.routed_samples import routed_samples
 from miles_like.run.engine_weight_receiver import EngineWeightReceiver
 from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
 from miles_like.run.rendezvous import held_rendezvous, pin_process, start_actor_process
 from miles_like.run.rendezvous import node_id as this_node_id
+from miles_like.run.routed_samples import routed_samples
 
 CLOSED = "closed"  # generate_wave: the window was closed, no request was admitted
 
