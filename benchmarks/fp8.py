@@ -6,7 +6,9 @@ and time, and decode throughput.
   bytes per push in total and for the linear layers alone (FP8 + float32 scales vs bf16; the
   acceptance bound is 0.55x), best-of-`--syncs` time of a push.
 * `decode`: greedy decode of `--batch` sequences, `--new-tokens` each, tokens/s, the FP8 engine
-  (weights dequantized per layer on the fly) against the bf16 one; both engines' outputs are
+  against the bf16 one, timed alternately (`--rounds` each, the median kept); on a GPU the FP8
+  engine dequantizes each layer's weight on the fly at every forward, on a CPU it keeps the
+  dequantized weights between updates (`rollout.fp8_linear`). Both engines' outputs are
   compared too (the FP8 engine samples from rounded weights: its tokens may differ).
 
 Prints one JSON object (`--save`: benchmarks/results/fp8.json).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +38,7 @@ from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noq
 from rollout.weights import iter_safetensors  # noqa: E402
 from weight_sync import BucketReceiver, ColocatedSender, Done  # noqa: E402
 
+ENGINES = (("bf16", None), ("fp8", "fp8"))
 ACCEPT_LINEAR_BYTES = 0.55  # FP8 linear-layer bytes per push / bf16's
 
 
@@ -107,31 +111,43 @@ def run_sync(model_dir, weights, device, quantization, bucket_bytes, syncs) -> d
     }
 
 
-def run_decode(model_dir, device, quantization, batch, new_tokens) -> dict:
-    engine = _engine(model_dir, device, quantization, batch * 160)
-    vocab = engine.model_config.vocab_size
+def run_decode(model_dir, device, batch, new_tokens, rounds) -> dict:
+    """Both engines built first, then timed alternately (bf16, fp8, bf16, ...) `rounds` times
+    each, so a change of load on a shared box falls on both; the median round is reported."""
+    engines = {name: _engine(model_dir, device, q, batch * 160) for name, q in ENGINES}
+    vocab = engines["bf16"].model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, vocab, (32,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts[:1], params)  # warm-up: first-call allocations
-    _sync(device)
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    linear_bytes = sum(
-        p.numel() * p.element_size()
-        for n, p in engine.model.named_parameters()
-        if p.dtype == FP8_DTYPE or n.endswith("_scale_inv") or is_quantized_weight(n)
-    )
-    return {
-        "tokens_per_s": batch * new_tokens / elapsed,
-        "elapsed_s": elapsed,
-        "weight_bytes": weight_bytes,
-        "linear_weight_bytes": linear_bytes,
-        "tokens": [s.token_ids for per in outs for s in per],
-    }
+    for engine in engines.values():
+        engine.generate(prompts[:1], params)  # warm-up: first-call allocations
+    times = {name: [] for name in engines}
+    outs = {}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            _sync(device)
+            start = time.perf_counter()
+            outs[name] = engine.generate(prompts, params)
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    result = {}
+    for name, engine in engines.items():
+        elapsed = statistics.median(times[name])
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        linear_bytes = sum(
+            p.numel() * p.element_size()
+            for n, p in engine.model.named_parameters()
+            if p.dtype == FP8_DTYPE or n.endswith("_scale_inv") or is_quantized_weight(n)
+        )
+        result[name] = {
+            "tokens_per_s": batch * new_tokens / elapsed,
+            "elapsed_s": elapsed,
+            "elapsed_s_per_round": times[name],
+            "weight_bytes": weight_bytes,
+            "linear_weight_bytes": linear_bytes,
+            "tokens": [s.token_ids for per in outs[name] for s in per],
+        }
+    return result
 
 
 def main(argv=None) -> dict:
@@ -145,6 +161,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--syncs", type=int, default=3, help="pushes per setting (best kept)")
     parser.add_argument("--batch", type=int, default=8, help="decoding sequences")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timed decodes per engine, alternating (median kept)"
+    )
     parser.add_argument("--skip-decode", action="store_true")
     add_output_args(parser)
     args = parser.parse_args(argv)
@@ -160,10 +179,9 @@ def main(argv=None) -> dict:
         }
         decode = None
         if not args.skip_decode:
-            decode = {
-                name: run_decode(model_dir, args.device, q, args.batch, args.new_tokens)
-                for name, q in (("bf16", None), ("fp8", "fp8"))
-            }
+            decode = run_decode(
+                model_dir, args.device, args.batch, args.new_tokens, max(1, args.rounds)
+            )
     linear_ratio = sync["fp8"]["linear_bytes"] / sync["bf16"]["linear_bytes"]
     result = {
         "device": args.device,
@@ -184,6 +202,7 @@ def main(argv=None) -> dict:
             **decode,
             "batch": args.batch,
             "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
             "fp8_over_bf16_tokens_per_s": fp8["tokens_per_s"] / bf16["tokens_per_s"],
             "greedy_sequences_identical": same,
         }

@@ -160,6 +160,38 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ),
         ("FP8 engine decode tokens/s / bf16", "decode/fp8_over_bf16_tokens_per_s", "{:.2f}x"),
     ),
+    "fp8_parity": _figures(
+        (
+            "FP8 rollout + TIS vs bf16 rollout, reward gain, paired difference (bf16 model)",
+            "comparisons/fp8_minus_bf16/paired/mean",
+            "{:+.3f}",
+        ),
+        (
+            "FP8 rollout + TIS vs bf16 rollout, paired non-inferiority p",
+            "comparisons/fp8_minus_bf16/paired/tost_p_lower",
+            "{:.3f}",
+        ),
+        (
+            "train/mismatch_kl, FP8 rollout (mean over steps, seeds)",
+            "arms/fp8/mismatch_kl_mean",
+            "{:.1e}",
+        ),
+        (
+            "FP8 weights + FP8 KV + TIS vs bf16 rollout, reward gain, paired difference",
+            "comparisons/fp8_kv_minus_bf16/paired/mean",
+            "{:+.3f}",
+        ),
+        (
+            "train/mismatch_kl, FP8 weights + FP8 KV rollout (mean over steps, seeds)",
+            "arms/fp8_kv/mismatch_kl_mean",
+            "{:.1e}",
+        ),
+        (
+            "train/mismatch_kl, bf16 rollout (mean over steps, seeds)",
+            "arms/bf16/mismatch_kl_mean",
+            "{:.1e}",
+        ),
+    ),
     "decode_roofline": _figures(
         ("decode step memory bandwidth, first batch size", "rows/0/achieved_gbps", "{:.1f} GB/s"),
         (

@@ -5,10 +5,18 @@
 float8_e4m3fn tensor [out, in] and `weight_scale_inv` its float32 block scales [ceil(out / 128),
 ceil(in / 128)]; the bias stays in the model dtype. It computes x @ dequantize(weight).T in the
 activations' dtype: weights-only quantization, so the FP8 engine is exactly a bf16 / fp32 engine
-running the dequantized weights (the activations are never rounded to FP8). The weights are
-dequantized on the fly, one layer at a time, on every device; a fused FP8 GEMM
-(`torch._scaled_mm` with block scales) would also round the activations to FP8, a different
-function.
+running the dequantized weights (the activations are never rounded to FP8). On an accelerator
+the weights are dequantized on the fly, one layer at a time, at every forward: the engine's
+memory holds FP8, which is the point there; a fused FP8 GEMM (`torch._scaled_mm` with block
+scales) would also round the activations to FP8, a different function. On a CPU, where
+dequantizing every weight at every forward is most of a decode step's time, each layer keeps its
+dequantized weight (in the activations' dtype) once built, so a CPU engine saves the sync's
+bytes, not memory. The FP8 weight and its scales stay the layer's canonical weights (what is
+loaded and checked); the dequantized copy is keyed by their version counters (and storage
+addresses): every in-place load (`copy_`, whichever path: an update, a bucketed load, a tensor-
+parallel follower's shard) bumps a counter, which a storage swap (`release_storage` /
+`restore_storage`) keeps, so the copy is rebuilt at the first forward after any change and is
+never stale; a release drops it.
 
 Under tensor parallelism a column- or row-parallel linear keeps its `Shard`, and its scales are
 sharded by blocks along the same dimension. The FP8 blocks must not straddle two ranks' shards
@@ -54,6 +62,8 @@ class Fp8Linear(nn.Module):
         self.bias = bias
         self.shard = shard
         self.tp = tp
+        # CPU only: (key of the FP8 weight and scales it came from, the dequantized weight)
+        self._dequantized: tuple[tuple, torch.Tensor] | None = None
 
     @classmethod
     def like(cls, linear: nn.Linear) -> Fp8Linear:
@@ -79,13 +89,33 @@ class Fp8Linear(nn.Module):
             out["bias"] = s
         return out
 
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's weight dequantized to `dtype`: built at every call on an accelerator,
+        kept on a CPU until the FP8 weight or its scales change."""
+        weight, scale = self.weight, self.weight_scale_inv
+        if weight.device.type != "cpu":
+            return dequantize(weight, scale, dtype)
+        key = (weight.data_ptr(), weight._version, scale.data_ptr(), scale._version, dtype)
+        if self._dequantized is None or self._dequantized[0] != key:
+            self._dequantized = (key, dequantize(weight, scale, dtype))
+        return self._dequantized[1]
+
+    @property
+    def keeps_dequantized(self) -> bool:
+        """Whether a dequantized copy of the weight is kept (on a CPU, after a forward)."""
+        return self._dequantized is not None
+
+    def forget_dequantized(self) -> None:
+        """Drop the kept dequantized weight (its memory goes back with the FP8 storage)."""
+        self._dequantized = None
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with this rank's weight, no bias and no all-reduce."""
-        return F.linear(x, dequantize(self.weight, self.weight_scale_inv, x.dtype))
+        return F.linear(x, self.dequantized_weight(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.linear(x, dequantize(self.weight, self.weight_scale_inv, x.dtype), self.bias)
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 

@@ -301,6 +301,9 @@ class CausalLM(nn.Module):
             released += p.numel() * p.element_size()
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.fuse_projections()  # the fused tensors must not keep the storage alive
+        for module in self.modules():  # nor the dequantized copies of FP8 weights
+            if isinstance(module, Fp8Linear):
+                module.forget_dequantized()
         return released
 
     def restore_storage(self, shapes: dict[str, torch.Size]) -> None:

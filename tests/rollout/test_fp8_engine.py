@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from quantization import FP8_DTYPE, dequantize, is_quantized_weight, quantize, scale_name
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.fp8_linear import Fp8Linear
 
 from tiny_hf import make_hf_model, save_hf_model
 
@@ -169,3 +170,59 @@ def test_float64_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model_path=str(tmp_path), quantization="int4")
+
+
+def _fp8_stream(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint as a sender quantizing at sync time sends it: FP8 weights and scales."""
+    out = []
+    for name, t in load_file(str(model_dir / "model.safetensors")).items():
+        if is_quantized_weight(name):
+            q = quantize(t)
+            out += [(name, q.weight), (scale_name(name), q.scale_inv)]
+        else:
+            out.append((name, t))
+    return out
+
+
+def test_kept_dequantized_weights_follow_every_update(tmp_path):
+    """On a CPU an FP8 layer keeps its dequantized weight between forwards. After each change
+    of weights (an FP8 push, a full-precision push, a release / resume with a push) the engine
+    still computes exactly as an engine holding the new weights dequantized, so the kept copy
+    is never stale (within float32 rounding: the reference fuses projections; and exactly as
+    a fresh FP8 engine of the new weights); the FP8 weights stay the held ones, bitwise; a
+    release frees the copies."""
+    a = save_hf_model(make_hf_model("qwen2", seed=0), tmp_path / "a")
+    b = save_hf_model(make_hf_model("qwen2", seed=1), tmp_path / "b")
+    want = {
+        name: _outputs(
+            _engine(_dequantized_copy(d, tmp_path / f"deq_{name}", torch.float32), "float32")
+        )
+        for name, d in (("a", a), ("b", b))
+    }
+    assert want["a"][0][0] != want["b"][0][0]  # the two checkpoints generate apart
+    fresh = {name: _outputs(_engine(d, "float32", "fp8")) for name, d in (("a", a), ("b", b))}
+
+    def check(name: str) -> None:
+        _assert_same(_outputs(engine), want[name], TOLERANCE["float32"])
+        _assert_same(_outputs(engine), fresh[name], (0.0, 0.0))
+
+    engine = _engine(a, "float32", "fp8")
+    layers = [m for m in engine.model.modules() if isinstance(m, Fp8Linear)]
+    check("a")
+    assert all(m.keeps_dequantized for m in layers)  # kept after a forward
+
+    engine.update_weights(_fp8_stream(b))  # FP8 weights and scales from the sender
+    _assert_holds_quantized(engine, b, torch.float32)
+    check("b")
+
+    engine.update_weights(load_file(str(a / "model.safetensors")).items())  # quantized here
+    _assert_holds_quantized(engine, a, torch.float32)
+    check("a")
+
+    engine.release_memory(weights=True)
+    assert not any(m.keeps_dequantized for m in layers)
+    engine.resume_weights()
+    engine.update_weights(load_file(str(b / "model.safetensors")).items())
+    engine.alloc_kv()
+    _assert_holds_quantized(engine, b, torch.float32)
+    check("b")
