@@ -25,6 +25,7 @@ import torch
 
 from miles_like.run import engine_tp
 from miles_like.run.engine_endpoint import EngineEndpoint
+from miles_like.run.engine_inspection import EngineInspection
 from miles_like.run.engine_pd import CACHE_COUNTERS, PrefillDecodeRoles, cache_counters
 from miles_like.run.engine_weight_receiver import EngineWeightReceiver
 from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
@@ -36,7 +37,7 @@ CLOSED = "closed"  # generate_wave: the window was closed, no request was admitt
 
 
 @ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1})
-class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
+class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
     def __init__(self, engine_cfg, threads: int, tp_rank: int = 0, return_routes: bool = False):
         self.return_routes = return_routes  # a mixture's routes with its samples
         self.device = torch.device(engine_cfg.device)  # the recipe's accelerator
@@ -308,19 +309,6 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
         self.close()
         self.engine.weight_version = version
 
-    def weight_digests(self) -> dict[str, str]:
-        """sha256 of every parameter's bytes, by HF name: to check a sync bitwise from outside
-        (under TP: this rank's shards)."""
-        return parameter_digests((self.engine or self.follower).model)
-
-    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """An FP8 KV pool's K and V scales [layers, KV heads] (under TP: this rank's heads), on
-        the CPU; None for a pool in the model dtype. To check a calibration from outside."""
-        pool = (self.engine or self.follower).pool
-        if pool.k_scale is None:
-            return None
-        return pool.k_scale.cpu().clone(), pool.v_scale.cpu().clone()
-
     def shutdown(self) -> None:
         """Stop the HTTP endpoint and the step loop (rank 0 of a TP replica also stops its
         followers' `follow`)."""
@@ -333,15 +321,3 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint):
         self.engine.close()
         self.handoff_sender.release_all()
         self.handoff_receiver.close()
-
-
-def parameter_digests(model: torch.nn.Module) -> dict[str, str]:
-    """sha256 of every parameter's bytes, by name."""
-    import hashlib
-
-    return {
-        name: hashlib.sha256(
-            p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        ).hexdigest()
-        for name, p in model.named_parameters()
-    }
