@@ -1,6 +1,6 @@
 """The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c), the
-element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; these in
-bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
+element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; all but
+SiLU * up in bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
 sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
 transposing copy that fills a column-major weight from a row-major update (transpose.c, any
 2-, 4- or 8-byte dtype).
@@ -49,9 +49,8 @@ def declare_pointwise(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rotary_f32.restype = lib.scatter_rows_f32.restype = _INT
     lib.rms_norm_bf16.argtypes = [_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _I64, _INT]
     lib.rotary_bf16.argtypes = lib.rotary_f32.argtypes
-    lib.silu_mul_bf16.argtypes = lib.silu_mul_f32.argtypes
     lib.scatter_rows_16.argtypes = lib.scatter_rows_f32.argtypes
-    lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
+    lib.rms_norm_bf16.restype = None
     lib.rotary_bf16.restype = lib.scatter_rows_16.restype = _INT
     lib.pointwise_has_avx2.restype = _INT
     return lib
@@ -238,16 +237,12 @@ def rotary_(
 
 
 def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate, up [T, I] float32 or bfloat16 (rows contiguous) -> a new [T, I]
-    tensor."""
-    assert gate.dtype == up.dtype, (gate.dtype, up.dtype)
+    """silu(gate) * up for gate, up [T, I] float32 (rows contiguous) -> a new [T, I] tensor."""
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    kernel = lib.silu_mul_bf16 if gate.dtype == torch.bfloat16 else lib.silu_mul_f32
     if gate.shape[0]:
-        kernel(
-            gate.data_ptr(), _rows(gate, "gate", POINTWISE_DTYPES), up.data_ptr(),
-            _rows(up, "up", POINTWISE_DTYPES), out.data_ptr(), out.stride(0), gate.shape[0],
-            gate.shape[1], torch.get_num_threads(),
+        lib.silu_mul_f32(
+            gate.data_ptr(), _rows(gate, "gate"), up.data_ptr(), _rows(up, "up"),
+            out.data_ptr(), out.stride(0), gate.shape[0], gate.shape[1], torch.get_num_threads(),
         )  # fmt: skip
     return out
 

@@ -128,18 +128,28 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, 
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *xt = x + t * x_stride;
     uint16_t *ot = out + t * out_stride;
-    float part[8] = {0.f};
-    int64_t i = 0;
-    for (; i + 8 <= H; i += 8)
-      for (int k = 0; k < 8; k++) {
-        const float v = bf16_load(xt[i + k]);
-        part[k] += v * v;
-      }
     float sum = 0.f;
-    for (int k = 0; k < 8; k++) sum += part[k];
+    int64_t i = 0;
+#if HAVE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= H; i += 8) {
+      __m256 v = bf16_load8(xt + i);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, acc);
+    for (int k = 0; k < 8; k++) sum += lane[k];
+#endif
     for (; i < H; i++) sum += bf16_load(xt[i]) * bf16_load(xt[i]);
     const float inv = 1.f / sqrtf(sum / (float)H + eps);
-    for (i = 0; i < H; i++)
+    i = 0;
+#if HAVE_AVX2
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; i + 8 <= H; i += 8)
+      bf16_store8(ot + i, _mm256_mul_ps(bf16_load8(weight + i),
+                                        bf16_rounded8(_mm256_mul_ps(bf16_load8(xt + i), vinv))));
+#endif
+    for (; i < H; i++)
       ot[i] = bf16_round(bf16_load(weight[i]) * bf16_rounded(bf16_load(xt[i]) * inv));
   }
 }
@@ -158,7 +168,21 @@ int rotary_bf16(uint16_t *x, int64_t x_stride, int64_t T, int64_t heads, int64_t
     const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
     for (int64_t h = 0; h < heads; h++) {
       uint16_t *v = x + t * x_stride + h * D;
-      for (int64_t i = 0; i < half; i++) {
+      int64_t i = 0;
+#if HAVE_AVX2
+      for (; i + 8 <= half; i += 8) {
+        const __m256 x1 = bf16_load8(v + i), x2 = bf16_load8(v + i + half);
+        const __m256 c1 = bf16_rounded8(_mm256_loadu_ps(c + i));
+        const __m256 s1 = bf16_rounded8(_mm256_loadu_ps(s + i));
+        const __m256 c2 = bf16_rounded8(_mm256_loadu_ps(c + i + half));
+        const __m256 s2 = bf16_rounded8(_mm256_loadu_ps(s + i + half));
+        bf16_store8(v + i, _mm256_sub_ps(bf16_rounded8(_mm256_mul_ps(x1, c1)),
+                                         bf16_rounded8(_mm256_mul_ps(x2, s1))));
+        bf16_store8(v + i + half, _mm256_add_ps(bf16_rounded8(_mm256_mul_ps(x2, c2)),
+                                                bf16_rounded8(_mm256_mul_ps(x1, s2))));
+      }
+#endif
+      for (; i < half; i++) {
         const float x1 = bf16_load(v[i]), x2 = bf16_load(v[i + half]);
         const float c1 = bf16_rounded(c[i]), s1 = bf16_rounded(s[i]);
         const float c2 = bf16_rounded(c[i + half]), s2 = bf16_rounded(s[i + half]);
@@ -168,31 +192,6 @@ int rotary_bf16(uint16_t *x, int64_t x_stride, int64_t T, int64_t heads, int64_t
     }
   }
   return 0;
-}
-
-/* out = bfloat16(bfloat16(silu(gate)) * up): F.silu rounds to bfloat16, then the product does. */
-void silu_mul_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t *up,
-                   int64_t up_stride, uint16_t *out, int64_t out_stride, int64_t T, int64_t I,
-                   int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_ELEMENTS) schedule(static)
-  for (int64_t t = 0; t < T; t++) {
-    const uint16_t *g = gate + t * gate_stride, *u = up + t * up_stride;
-    uint16_t *o = out + t * out_stride;
-    int64_t i = 0;
-#if HAVE_AVX2
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    uint16_t silu_bf16[8];
-    for (; i + 8 <= I; i += 8) {
-      __m256 vg = bf16_load8(g + i);
-      bf16_store8(silu_bf16, _mm256_div_ps(vg, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, vg)))));
-      bf16_store8(o + i, _mm256_mul_ps(bf16_load8(silu_bf16), bf16_load8(u + i)));
-    }
-#endif
-    for (; i < I; i++) {
-      const float vg = bf16_load(g[i]);
-      o[i] = bf16_round(bf16_rounded(vg / (1.f + expf(-vg))) * bf16_load(u[i]));
-    }
-  }
 }
 
 /* `scatter_rows_f32` for 2-byte rows (bfloat16, float16): rows copied exactly. */

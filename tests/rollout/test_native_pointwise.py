@@ -139,8 +139,8 @@ def test_native_pieces_match_the_reference_pieces(tmp_path):
 
 
 def _within_one_bf16_ulp_mostly_equal(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """bfloat16 results that round float32 values computed in another order (a sum of squares,
-    another exp): each within one bfloat16 ulp of the reference, and all but a few equal."""
+    """bfloat16 results that round float32 values computed in another order (a sum of squares):
+    each within one bfloat16 ulp of the reference, and all but a few equal."""
     ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(1e-30)
     assert ((got.float() - ref.float()).abs() <= ulp).all()
     assert (got == ref).float().mean() >= 0.99
@@ -176,16 +176,6 @@ def test_rotary_bf16_equals_the_module_bitwise(build, head_dim):
     native.rotary_(BUILDS[build], qk, rope.cos, rope.sin, positions)
     assert torch.equal(qkv[:, : heads + kv_heads], expected)
     assert torch.equal(qkv[:, heads + kv_heads :], v_before)
-
-
-@pytest.mark.parametrize("build", sorted(BUILDS))
-@pytest.mark.parametrize("width", [1, 7, 8, 704, 1001])
-def test_silu_mul_bf16_matches_torch(build, width):
-    """bfloat16(bfloat16(silu(gate)) * up), as torch's two bfloat16 ops round."""
-    gate_up = _randn(9, 2 * width, seed=width, scale=6.0).bfloat16()
-    gate, up = gate_up.chunk(2, dim=-1)
-    got = native.silu_mul(BUILDS[build], gate, up)
-    _within_one_bf16_ulp_mostly_equal(got, F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
