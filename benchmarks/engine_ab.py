@@ -2,7 +2,8 @@
 
 Two worker processes, one importing `rollout` from this tree and one from a temporary git
 worktree of `--baseline`, each hold a warm engine on the same model (the vocab-512 / 8-head one
-by default: 32 prompts x 8 samples x 128 new tokens, radix on, float32, 2 threads).
+by default: 32 prompts x 8 samples x 128 new tokens, radix on, float32, 2 threads; `--dtype`
+and `--no-prefix-cache` change the last three).
 They take turns, one `generate()` each per round, alternating which goes first, so a noisy
 machine slows both alike; the figure is the median of the per-round time ratios baseline / this
 tree (> 1: this tree is faster). Prints one JSON object.
@@ -37,8 +38,9 @@ import rollout
 from rollout import Engine, EngineConfig, SamplingParams
 assert rollout.__file__.startswith(tree), rollout.__file__
 cfg = json.loads(sys.stdin.readline())
-engine = Engine(EngineConfig(model_path=model_dir, device="cpu", dtype="float32",
-                             kv_cache_tokens=cfg["kv_tokens"], seed=0))
+engine = Engine(EngineConfig(model_path=model_dir, device="cpu", dtype=cfg["dtype"],
+                             kv_cache_tokens=cfg["kv_tokens"], seed=0,
+                             enable_prefix_cache=cfg["prefix_cache"]))
 params = SamplingParams(n=cfg["n"], temperature=1.0, max_new_tokens=cfg["new_tokens"],
                         ignore_eos=True)
 def prompts(seed):
@@ -66,6 +68,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--no-prefix-cache", action="store_true", help="both engines without the radix cache"
+    )
     add_output_args(ap)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -81,6 +87,8 @@ def main(argv=None) -> dict:
         prompt_len=args.prompt_len,
         n=args.n,
         new_tokens=args.new_tokens,
+        dtype=args.dtype,
+        prefix_cache=not args.no_prefix_cache,
         kv_tokens=args.prompts * args.n * (args.prompt_len + args.new_tokens) + 1024,
     )
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,10 +28,11 @@ from rollout.routes import RouteLayout
 
 def store_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """dst [Hkv, N, D][:, index[t]] = src [T, Hkv, D][t]: the K/V stores of the pool and the
-    suffix lanes. float32 on CPU through the C row scatter (its rows copied by all threads);
-    otherwise `index_copy_`, its reference."""
+    suffix lanes. float32 or bfloat16 on CPU through the C row scatter (its rows copied by all
+    threads); otherwise `index_copy_`, its reference."""
     if (
-        src.dtype == dst.dtype == torch.float32
+        src.dtype == dst.dtype
+        and src.dtype in native.POINTWISE_DTYPES
         and src.device.type == "cpu"
         and src.stride(-1) == 1
         and src.stride(-2) == src.shape[-1]

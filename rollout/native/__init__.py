@@ -1,5 +1,6 @@
 """The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c), the
-element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores) and
+element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; all but
+SiLU * up in bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
 sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
 transposing copy that fills a column-major weight from a row-major update (transpose.c, any
 2-, 4- or 8-byte dtype).
@@ -46,6 +47,11 @@ def declare_pointwise(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.scatter_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]
     lib.rms_norm_f32.restype = lib.silu_mul_f32.restype = None
     lib.rotary_f32.restype = lib.scatter_rows_f32.restype = _INT
+    lib.rms_norm_bf16.argtypes = [_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _I64, _INT]
+    lib.rotary_bf16.argtypes = lib.rotary_f32.argtypes
+    lib.scatter_rows_16.argtypes = lib.scatter_rows_f32.argtypes
+    lib.rms_norm_bf16.restype = None
+    lib.rotary_bf16.restype = lib.scatter_rows_16.restype = _INT
     lib.pointwise_has_avx2.restype = _INT
     return lib
 
@@ -181,20 +187,33 @@ def cascade_decode(
     return out
 
 
-def _rows(t: torch.Tensor, what: str) -> int:
-    """Token stride of a [T, ...] float32 tensor whose rows are each contiguous."""
+POINTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the element-wise kernels' dtypes
+
+
+def _rows(t: torch.Tensor, what: str, dtypes=(torch.float32,)) -> int:
+    """Token stride of a [T, ...] tensor of one of `dtypes` whose rows are each contiguous."""
     inner = t[0] if t.dim() > 1 and t.shape[0] > 0 else t
-    assert t.dtype == torch.float32 and inner.is_contiguous(), (what, t.dtype, t.stride())
+    assert t.dtype in dtypes and inner.is_contiguous(), (what, t.dtype, t.stride())
     return t.stride(0)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rollout.model.RMSNorm` of x [T, H] float32 -> a new [T, H] tensor."""
+    """`rollout.model.RMSNorm` of x [T, H] float32 or bfloat16 (weight the same dtype) -> a new
+    [T, H] tensor."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    if x.shape[0]:
+    if not x.shape[0]:
+        return out
+    stride, threads = _rows(x, "x", POINTWISE_DTYPES), torch.get_num_threads()
+    weight = weight.to(x.dtype).contiguous()
+    if x.dtype == torch.bfloat16:
+        lib.rms_norm_bf16(
+            x.data_ptr(), stride, weight.data_ptr(), eps, out.data_ptr(), out.stride(0),
+            x.shape[0], x.shape[1], threads,
+        )  # fmt: skip
+    else:
         lib.rms_norm_f32(
-            x.data_ptr(), _rows(x, "x"), None, 0, weight.contiguous().data_ptr(), eps,
-            out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], torch.get_num_threads(),
+            x.data_ptr(), stride, None, 0, weight.data_ptr(), eps, out.data_ptr(), out.stride(0),
+            x.shape[0], x.shape[1], threads,
         )  # fmt: skip
     return out
 
@@ -202,12 +221,14 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
 def rotary_(
     lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
 ) -> None:
-    """Rotate x [T, heads, D] float32 in place (`RotaryEmbedding.rotate`): heads of D contiguous
-    floats, cos / sin [max_positions, D] tables, positions [T] int64."""
+    """Rotate x [T, heads, D] float32 or bfloat16 in place (`RotaryEmbedding.rotate`): heads of D
+    contiguous elements, cos / sin [max_positions, D] float32 tables, positions [T] int64."""
     assert x.stride(1) == x.shape[2] and x.stride(2) == 1, x.stride()
+    assert x.dtype in POINTWISE_DTYPES and cos.dtype == sin.dtype == torch.float32
     positions = positions.to(torch.int64).contiguous()
     assert cos.shape == sin.shape and cos.shape[1] == x.shape[2], (cos.shape, x.shape)
-    if x.shape[0] and lib.rotary_f32(
+    kernel = lib.rotary_bf16 if x.dtype == torch.bfloat16 else lib.rotary_f32
+    if x.shape[0] and kernel(
         x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), cos.shape[0],
         positions.data_ptr(), torch.get_num_threads(),
@@ -229,14 +250,16 @@ def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
 def scatter_rows_(
     lib: ctypes.CDLL, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor
 ) -> None:
-    """dst[h, index[t]] = src[t, h] for dst [Hkv, N, D] (rows of D contiguous floats, any head
-    stride) and src [T, Hkv, D] float32: `dst.index_copy_(1, index, src.transpose(0, 1))`."""
+    """dst[h, index[t]] = src[t, h] for dst [Hkv, N, D] (rows of D contiguous elements, any head
+    stride) and src [T, Hkv, D], both float32 or both bfloat16:
+    `dst.index_copy_(1, index, src.transpose(0, 1))`."""
     num_tokens, num_kv_heads, head_dim = src.shape
-    assert dst.dtype == src.dtype == torch.float32, (dst.dtype, src.dtype)
+    assert dst.dtype == src.dtype and src.dtype in POINTWISE_DTYPES, (dst.dtype, src.dtype)
     assert dst.stride(1) == head_dim and dst.stride(2) == 1, dst.stride()
     assert src.stride(1) == head_dim and src.stride(2) == 1, src.stride()
     assert index.dtype == torch.int64 and index.is_contiguous() and index.numel() == num_tokens
-    if num_tokens and lib.scatter_rows_f32(
+    kernel = lib.scatter_rows_16 if src.dtype == torch.bfloat16 else lib.scatter_rows_f32
+    if num_tokens and kernel(
         dst.data_ptr(), dst.stride(0), dst.shape[1], src.data_ptr(), src.stride(0),
         index.data_ptr(), num_tokens, num_kv_heads, head_dim, torch.get_num_threads(),
     ):  # fmt: skip

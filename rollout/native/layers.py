@@ -1,14 +1,18 @@
 """The model's per-layer pieces (`rollout.model.LayerPieces`) on the C kernels of
-`rollout.native`, for float32 on the CPU: the same functions as `DecoderLayer.attention_inputs`,
-`DecoderLayer.attention_outputs` and `CausalLM._logits` (their reference), with
+`rollout.native`, for float32 and bfloat16 on the CPU: the same functions as
+`DecoderLayer.attention_inputs`, `DecoderLayer.attention_outputs` and `CausalLM._logits` (their
+reference), with
 
-* RMSNorm, rotary and SiLU * up each one pass (`pointwise.c`) instead of a chain of ops;
+* RMSNorm, rotary and (in float32) SiLU * up each one pass (`pointwise.c`) instead of a chain
+  of ops;
 * q and k rotated in place in the fused q/k/v projection's output;
-* the residual adds folded into the o_proj and down_proj matrix multiplies (`addmm`, beta = 1):
-  no separate pass over the hidden states.
+* in float32, the residual adds folded into the o_proj and down_proj matrix multiplies
+  (`addmm`, beta = 1): no separate pass over the hidden states. Not in bfloat16: addmm would add
+  the residual before rounding the product to bfloat16, where the reference rounds both.
 
-Used where `applies` says so: a CPU float32 model without tensor parallelism (the row-parallel
-all-reduce would come between the multiply and the add) whose kernels are available, eagerly
+Used where `applies` says so: a CPU float32 or bfloat16 model without tensor parallelism (the
+row-parallel all-reduce would come between the multiply and the add) whose kernels are available,
+eagerly
 (`EngineConfig.compile` keeps the torch pieces, which inductor fuses). Layers it does not cover
 (q/k-norm, biases on o_proj / down_proj, unfused projections) run their reference code.
 """
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout import native
+from rollout.config import accum_dtype
 from rollout.model import CausalLM, DecoderLayer, LayerPieces, RMSNorm
 from rollout.rope import RotaryEmbedding
 
@@ -28,7 +33,7 @@ def applies(model: CausalLM) -> bool:
     return (
         model.tp is None
         and param.device.type == "cpu"
-        and param.dtype == torch.float32
+        and param.dtype in native.POINTWISE_DTYPES
         and native.pointwise() is not None
     )
 
@@ -57,8 +62,12 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
 
 
 def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x + linear(inputs), in one matrix multiply when the linear has no bias."""
-    if linear.bias is None and isinstance(linear, torch.nn.Linear):  # not an FP8 layer
+    """x + linear(inputs), in one matrix multiply for a float32 linear without bias."""
+    if (
+        linear.bias is None
+        and isinstance(linear, torch.nn.Linear)  # not an FP8 layer
+        and x.dtype == torch.float32
+    ):
         return torch.addmm(x, inputs, linear.weight.t())
     return x + linear(inputs)
 
@@ -70,8 +79,12 @@ def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tens
     if mlp.gate_up_weight is None:
         return x + mlp(h)
     gate, up = F.linear(h, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
-    return _add_linear(x, native.silu_mul(native.pointwise(), gate, up), mlp.down_proj)
+    if x.dtype == torch.float32:
+        return _add_linear(x, native.silu_mul(native.pointwise(), gate, up), mlp.down_proj)
+    # bfloat16: torch's two vectorised ops beat a C pass that must round twice per element
+    return x + mlp.down_proj(F.silu(gate) * up)
 
 
 def logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(_norm(model.model.norm, hidden))
+    logits = model.lm_head(_norm(model.model.norm, hidden))
+    return logits.to(accum_dtype(logits.dtype))

@@ -115,3 +115,95 @@ int scatter_rows_f32(float *dst, int64_t dst_head_stride, int64_t dst_rows, cons
              sizeof(float) * (size_t)D);
   return 0;
 }
+
+/* The bfloat16 kernels: the same steps on bfloat16 tensors, each rounding where the torch
+   reference's bfloat16 ops round (an op computes in float32 and stores bfloat16), so the results
+   are the reference's up to the float32 differences noted above. */
+
+/* out[t] = weight * bfloat16(x * 1 / sqrt(mean(x^2) + eps)): RMSNorm normalises in float32 and
+   rounds to the model dtype before the (bfloat16) weight multiplies. */
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, float eps,
+                   uint16_t *out, int64_t out_stride, int64_t T, int64_t H, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *xt = x + t * x_stride;
+    uint16_t *ot = out + t * out_stride;
+    float sum = 0.f;
+    int64_t i = 0;
+#if HAVE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= H; i += 8) {
+      __m256 v = bf16_load8(xt + i);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, acc);
+    for (int k = 0; k < 8; k++) sum += lane[k];
+#endif
+    for (; i < H; i++) sum += bf16_load(xt[i]) * bf16_load(xt[i]);
+    const float inv = 1.f / sqrtf(sum / (float)H + eps);
+    i = 0;
+#if HAVE_AVX2
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; i + 8 <= H; i += 8)
+      bf16_store8(ot + i, _mm256_mul_ps(bf16_load8(weight + i),
+                                        bf16_rounded8(_mm256_mul_ps(bf16_load8(xt + i), vinv))));
+#endif
+    for (; i < H; i++)
+      ot[i] = bf16_round(bf16_load(weight[i]) * bf16_rounded(bf16_load(xt[i]) * inv));
+  }
+}
+
+/* `rotary_f32` on bfloat16 x with float32 tables: the tables are rounded to bfloat16 (the
+   reference converts them to the model dtype) and each product and sum is rounded as a bfloat16
+   op rounds it (x * cos, rotate_half(x) * sin, their sum). */
+int rotary_bf16(uint16_t *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D,
+                const float *cos_table, const float *sin_table, int64_t table_rows,
+                const int64_t *positions, int num_threads) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; t++)
+    if (positions[t] < 0 || positions[t] >= table_rows) return -1;  // nothing written
+#pragma omp parallel for num_threads(num_threads) if (T * heads * D >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+    for (int64_t h = 0; h < heads; h++) {
+      uint16_t *v = x + t * x_stride + h * D;
+      int64_t i = 0;
+#if HAVE_AVX2
+      for (; i + 8 <= half; i += 8) {
+        const __m256 x1 = bf16_load8(v + i), x2 = bf16_load8(v + i + half);
+        const __m256 c1 = bf16_rounded8(_mm256_loadu_ps(c + i));
+        const __m256 s1 = bf16_rounded8(_mm256_loadu_ps(s + i));
+        const __m256 c2 = bf16_rounded8(_mm256_loadu_ps(c + i + half));
+        const __m256 s2 = bf16_rounded8(_mm256_loadu_ps(s + i + half));
+        bf16_store8(v + i, _mm256_sub_ps(bf16_rounded8(_mm256_mul_ps(x1, c1)),
+                                         bf16_rounded8(_mm256_mul_ps(x2, s1))));
+        bf16_store8(v + i + half, _mm256_add_ps(bf16_rounded8(_mm256_mul_ps(x2, c2)),
+                                                bf16_rounded8(_mm256_mul_ps(x1, s2))));
+      }
+#endif
+      for (; i < half; i++) {
+        const float x1 = bf16_load(v[i]), x2 = bf16_load(v[i + half]);
+        const float c1 = bf16_rounded(c[i]), s1 = bf16_rounded(s[i]);
+        const float c2 = bf16_rounded(c[i + half]), s2 = bf16_rounded(s[i + half]);
+        v[i] = bf16_round(bf16_rounded(x1 * c1) - bf16_rounded(x2 * s1));
+        v[i + half] = bf16_round(bf16_rounded(x2 * c2) + bf16_rounded(x1 * s2));
+      }
+    }
+  }
+  return 0;
+}
+
+/* `scatter_rows_f32` for 2-byte rows (bfloat16, float16): rows copied exactly. */
+int scatter_rows_16(uint16_t *dst, int64_t dst_head_stride, int64_t dst_rows, const uint16_t *src,
+                    int64_t src_stride, const int64_t *index, int64_t T, int64_t Hkv, int64_t D,
+                    int num_threads) {
+  for (int64_t t = 0; t < T; t++)
+    if (index[t] < 0 || index[t] >= dst_rows) return -1;  // nothing written
+#pragma omp parallel for num_threads(num_threads) if (T * Hkv * D >= PARALLEL_ELEMENTS / 2) schedule(static)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < Hkv; h++)
+      memcpy(dst + h * dst_head_stride + index[t] * D, src + t * src_stride + h * D,
+             sizeof(uint16_t) * (size_t)D);
+  return 0;
+}

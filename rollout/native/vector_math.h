@@ -33,4 +33,50 @@ static inline __m256 exp8(__m256 x) {
 #define HAVE_AVX2 0
 #endif
 
+/* bfloat16 <-> float32, as torch converts: a bfloat16 is the top 16 bits of a float32; rounding
+   is to nearest, ties to even; a NaN becomes the quiet NaN 0x7FC0. */
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if (f != f) return 0x7FC0;
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to bfloat16 and back: the value a bfloat16 torch op stores. */
+static inline float bf16_rounded(float f) { return bf16_load(bf16_round(f)); }
+
+#if HAVE_AVX2
+static inline __m256 bf16_load8(const uint16_t *p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* 8 floats rounded to bfloat16 (ties to even; NaN -> the quiet NaN), kept as floats. */
+static inline __m256 bf16_rounded8(__m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  b = _mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(b, _mm256_set1_epi32(0x7FC00000), nan));
+}
+
+static inline void bf16_store8(uint16_t *p, __m256 v) {
+  __m256i b = _mm256_srli_epi32(_mm256_castps_si256(bf16_rounded8(v)), 16);
+  // each lane holds a value <= 0xFFFF, so the unsigned saturating pack keeps it as it is
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128((__m128i *)p, packed);
+}
+#endif
+
 #endif

@@ -136,3 +136,85 @@ def test_native_pieces_match_the_reference_pieces(tmp_path):
             torch.testing.assert_close(
                 torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-5, rtol=0
             )
+
+
+def _within_one_bf16_ulp_mostly_equal(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """bfloat16 results that round float32 values computed in another order (a sum of squares):
+    each within one bfloat16 ulp of the reference, and all but a few equal."""
+    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(1e-30)
+    assert ((got.float() - ref.float()).abs() <= ulp).all()
+    assert (got == ref).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("tokens, hidden", [(1, 8), (5, 20), (300, 256), (3, 1000)])
+def test_rms_norm_bf16_matches_the_module(build, tokens, hidden):
+    """A bfloat16 RMSNorm: normalised in float32, rounded to bfloat16, times the bfloat16 weight
+    and rounded again, as the module computes it (strided input read in place)."""
+    norm = RMSNorm(hidden, 1e-6).to(torch.bfloat16)
+    norm.weight.data = _randn(hidden, seed=1).bfloat16()
+    x = _randn(tokens, 2 * hidden, seed=2, scale=3.0).bfloat16()[:, :hidden]
+    got = native.rms_norm(BUILDS[build], x, norm.weight, norm.eps)
+    with torch.no_grad():
+        expected = norm(x)
+    assert got.dtype == torch.bfloat16
+    _within_one_bf16_ulp_mostly_equal(got, expected)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rotary_bf16_equals_the_module_bitwise(build, head_dim):
+    """bfloat16 q/k rotated with the float32 tables rounded to bfloat16 and each product and sum
+    rounded: bitwise the module's bfloat16 x * cos + rotate_half(x) * sin."""
+    rope = RotaryEmbedding(RopeSpec(theta=10000.0), head_dim, 512)
+    heads, kv_heads, tokens = 6, 2, 37
+    qkv = _randn(tokens, heads + 2 * kv_heads, head_dim, seed=head_dim, scale=4.0).bfloat16()
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(3))
+    qk = qkv[:, : heads + kv_heads]
+    expected = rope.rotate(qk, positions)
+    v_before = qkv[:, heads + kv_heads :].clone()
+    native.rotary_(BUILDS[build], qk, rope.cos, rope.sin, positions)
+    assert torch.equal(qkv[:, : heads + kv_heads], expected)
+    assert torch.equal(qkv[:, heads + kv_heads :], v_before)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_row_scatter_bf16_equals_index_copy(build):
+    kv_heads, slots, head_dim, tokens = 2, 500, 16, 130
+    qkv = _randn(tokens, 4 + 2 * kv_heads, head_dim, seed=4).bfloat16()
+    k = qkv[:, 4 : 4 + kv_heads]
+    index = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[:tokens]
+    dst = _randn(kv_heads, slots, head_dim, seed=6).bfloat16()
+    expected = dst.clone().index_copy_(1, index, k.transpose(0, 1))
+    native.scatter_rows_(BUILDS[build], dst, index, k)
+    assert torch.equal(dst, expected)
+
+
+def test_bf16_native_pieces_match_the_reference_pieces(tmp_path):
+    """A bfloat16 engine runs on the native pieces too, and its tokens and log-probs are those of
+    the reference pieces (the kernels round where the reference's bfloat16 ops round)."""
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.model import CausalLM, DecoderLayer, LayerPieces
+    from rollout.native import layers
+
+    from tiny_hf import make_hf_model, save_hf_model
+
+    save_hf_model(make_hf_model("qwen2", seed=0), tmp_path)
+    config = EngineConfig(model_path=str(tmp_path), dtype="bfloat16", kv_cache_tokens=2048, seed=0)
+    engine = Engine(config)
+    assert engine.model.pieces.attention_inputs is layers.attention_inputs
+    reference = LayerPieces(
+        DecoderLayer.attention_inputs, DecoderLayer.attention_outputs, CausalLM._logits
+    )
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=1)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    native_out = engine.generate(prompts, params)
+    engine.model.pieces = reference
+    engine.flush_prefix_cache()
+    reference_out = engine.generate(prompts, params)
+    for a, b in zip(native_out, reference_out):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            torch.testing.assert_close(
+                torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-2, rtol=0
+            )
