@@ -5,7 +5,7 @@ Measures, in one run:
 * `colocated`: ColocatedSender -> shared memory -> BucketReceiver -> the engine's parameters;
 * `broadcast`: BroadcastSender -> gloo broadcast -> BroadcastReceiver -> the engine's parameters;
 each with checksums on (the default) and, for colocated, off, to report verification's cost.
-Prints one JSON object. Goal: colocated <= 3x the copy time on CPU.
+Prints one JSON object. Goal: colocated <= 2x the copy time on CPU, checksums on.
 
     python benchmarks/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--bucket-mb 512]
                                      [--syncs 3] [--skip-broadcast]

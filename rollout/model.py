@@ -232,9 +232,10 @@ class CausalLM(nn.Module):
         self.tie_weights()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         # Linear weights stored transposed ([in, out] in memory, the parameters [out, in] views
-        # of it): x @ W.t() then multiplies by a contiguous matrix, which MKL's CPU GEMM runs
-        # faster at the engine's shapes than the transposed operand of HF's row-major layout.
-        # Set by `build` on CPU; the values, names and shapes of the parameters are unchanged.
+        # of it) when set before `fuse_projections`; the values, names and shapes of the
+        # parameters are unchanged. Off by default on every device: at the engine's shapes CPU GEMMs
+        # measured no gain from it beyond noise, and it turns every weight update into a
+        # transposing copy (`rollout.weights.copy_into`) where row-major weights take a plain one.
         self.column_major = False
         # The per-layer pieces and the logits head: these plain functions (the reference), or
         # their torch.compile'd versions (`rollout.compiled.compile_model`).
@@ -269,7 +270,6 @@ class CausalLM(nn.Module):
         model.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions, accum_dtype(dtype)
         ).to(device)
-        model.column_major = device.type == "cpu"
         model.fuse_projections()
         return model.eval().requires_grad_(False)
 

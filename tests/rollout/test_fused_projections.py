@@ -7,8 +7,9 @@ projections they replace, on the same weights, in one process, float64:
   the fused engine's outputs with the reference's;
 * after `release_memory(weights=True)` the fused tensors hold no storage (the memory is really
   released), and after `resume_memory` + a full update the outputs agree again;
-* on CPU every linear weight is stored column-major (`CausalLM.column_major`), also after a
-  release / resume, and a row-major engine on the same weights gives the same tokens.
+* the engine stores linear weights row-major (HF's layout) by default; one set to
+  column-major (`CausalLM.column_major`) keeps that layout after a release / resume, and gives
+  the same tokens as the row-major engine on the same weights.
 
 The reference is the same engine class with each layer's fused tensors set to None, which is
 the separate-projection code path (nn.Linear per projection, rotary on q and k apart).
@@ -75,6 +76,9 @@ def test_fused_projections_equal_separate(tiny_hf_checkpoints, family):
     prompts = prompts_for(model.config.vocab_size, 4)
     config = dict(model_path=str(directory), page_size=4, max_model_len=96, dtype="float64")
     fused = Engine(EngineConfig(**config))
+    assert all(w.stride(1) == 1 for w in linear_weights(fused))  # row-major by default
+    fused.model.column_major = True  # the other layout must survive release / resume too
+    fused.model.fuse_projections()
     reference = unfused(Engine(EngineConfig(**config)))
     greedy = SamplingParams(n=3, temperature=0.0, max_new_tokens=12, ignore_eos=True)
     sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=7)
@@ -115,14 +119,14 @@ def test_fused_projections_equal_separate(tiny_hf_checkpoints, family):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_column_major_weights_equal_row_major(tiny_hf_checkpoints, family):
-    """The CPU engine's column-major linear weights against the same engine laid out row-major
+    """An engine's column-major linear weights against the same engine laid out row-major
     (HF's layout): same values, same tokens, log-probs within 1e-12 (float64; the two layouts
     sum the products in other orders)."""
     model, directory = tiny_hf_checkpoints(family)
     config = dict(model_path=str(directory), page_size=4, max_model_len=96, dtype="float64")
     engine, row_major = Engine(EngineConfig(**config)), Engine(EngineConfig(**config))
-    row_major.model.column_major = False
-    row_major.model.fuse_projections()
+    engine.model.column_major = True
+    engine.model.fuse_projections()
     assert column_major(engine)
     assert all(w.stride(1) == 1 for w in linear_weights(row_major))
     params = dict(row_major.model.named_parameters())
