@@ -114,8 +114,8 @@ def check_engine_tp(recipe) -> None:
 
 def replays_routes(recipe, config: dict[str, Any]) -> bool:
     """Whether the run replays the engine's expert routes in the trainer
-    (`algorithm.routing_replay`; null: a mixture of experts on the megatron backend does), for
-    the model's `config`."""
+    (`algorithm.routing_replay`; null: a mixture of experts does, on either backend), for the
+    model's `config`."""
     from model_spec import MOE_MODEL_TYPES
 
     moe = config.get("model_type") in MOE_MODEL_TYPES
@@ -126,7 +126,7 @@ def replays_routes(recipe, config: dict[str, Any]) -> bool:
             "a mixture of experts, it has no routes; set algorithm.routing_replay: off"
         )
     if choice is None:
-        return moe and recipe.trainer.backend == "megatron"
+        return moe
     return choice == "rollout"
 
 

@@ -166,11 +166,6 @@ def check_trainer(
             "algorithm.advantage=gae trains a critic, which the megatron "
             "backend provides; set trainer.backend: megatron"
         )
-    if alg.routing_replay == "rollout" and trainer.backend != "megatron":
-        raise RecipeError(
-            "algorithm.routing_replay=rollout replays routes in the megatron backend only; set "
-            "trainer.backend: megatron or algorithm.routing_replay: off"
-        )
     zero3 = trainer.backend == "deepspeed" and trainer.zero_stage == 3
     if zero3 and cluster.colocate and cluster.device_type() == "cuda":
         raise RecipeError(

@@ -412,7 +412,7 @@ class AlgorithmSection(Section):
         None,
         description="mixture of experts: rollout: the trainer routes each token to the experts "
         "the engine routed it to (R3) | off (false): the trainer's router picks them; null: "
-        "rollout for a mixture of experts on the megatron backend, else off",
+        "rollout for a mixture of experts, else off",
     )
 
 

@@ -53,7 +53,8 @@ def mini_batches(n: int, updates: int) -> list[list[int]]:
 
 def route_shares(n: int, updates: int, dp_size: int) -> list[list[int]]:
     """Per data-parallel rank, the samples of a batch of `n` whose routes it replays: its
-    strided share (`trainer.megatron_runner.dp_share`) of every mini-batch (`mini_batches`),
+    strided share (`trainer.megatron_runner.dp_share`, and the deepspeed backend's
+    `trainer.deepspeed_trainer.dp_share`, the same split) of every mini-batch (`mini_batches`),
     which is all its forwards see, the scoring passes included."""
     out: list[list[int]] = [[] for _ in range(dp_size)]
     for mini in mini_batches(n, updates):
@@ -188,9 +189,13 @@ class TrainerWorker:
         return out
 
     def data_parallel_place(self) -> tuple[int, int]:
-        """(this rank's data-parallel rank, the data-parallel size), after `build`."""
+        """(this rank's data-parallel rank, the data-parallel size), after `build`: megatron's
+        data-parallel group, or on the deepspeed backend (no model parallelism, no megatron
+        groups) the world, every rank of which trains its own share."""
         from megatron.core import parallel_state
 
+        if not parallel_state.model_parallel_is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
         return (
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(),

@@ -2,10 +2,13 @@
 float64): every trained token is routed in the trainer to the experts the engine routed it to,
 so the engine-vs-trainer log-probs agree to rounding (`train/logprob_diff_max` <= 1e-10) and the
 first update's PPO-KL is exactly 0, colocated (two data-parallel trainer ranks, each given only
-its own samples' routes), disaggregated and fully asynchronous. The runs are the dense tests'
-(`test_oversampling_e2e`, `test_async_e2e`) with the model swapped, sampling at T = 1
-(`EXACT_T`); over-sampling with retract and a kill -9 resume is `test_oversampling_e2e`'s `moe`
-case.
+its own samples' routes), disaggregated and fully asynchronous. The deepspeed backend replays on
+HF's mixture (`trainer.hf_routing_replay`), float32 (it has no float64 path): two data-parallel
+ranks, each given only its own samples' routes (a rank missing one it packs is refused), the
+first update's PPO-KL exactly 0 and engine-vs-trainer log-probs within the float32 bound. The
+runs are the dense tests' (`test_oversampling_e2e`, `test_async_e2e`) with the model swapped,
+sampling at T = 1 (`EXACT_T`); over-sampling with retract and a kill -9 resume is
+`test_oversampling_e2e`'s `moe` case.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from test_oversampling_e2e import EXACT_T, MOE
 pytestmark = pytest.mark.slow
 
 
-def replayed_exactly(rows: list[dict]) -> None:
+def replayed_exactly(rows: list[dict], logprob_bound: float = 1e-10) -> None:
+    """Every step: engine-vs-trainer log-probs within `logprob_bound` (float64's by default),
+    first-update PPO-KL exactly 0, routes shipped and the agreement reported."""
+    assert rows
     for r in rows:
-        assert r["train/logprob_diff_max"] <= 1e-10
+        assert r["train/logprob_diff_max"] <= logprob_bound
         assert r["train/ppo_kl_first_update"] == 0.0
         assert r["rollout/route_bytes"] > 0 and 0.0 <= r["train/routing_agreement"] <= 1.0
 
@@ -49,3 +55,18 @@ def test_disaggregated_and_fully_async(ray_local, cache, tmp_path):
     sync, asynchronous = test_async_e2e.sync_and_zero_staleness_runs(runner, tmp_path)
     replayed_exactly(sync)
     replayed_exactly(asynchronous)
+
+
+def test_deepspeed_two_trainer_ranks(ray_local, cache, tmp_path):
+    rows = test_oversampling_e2e.run_in_process(
+        tmp_path / "deepspeed",
+        *MOE,
+        *EXACT_T,
+        "model.dtype=float32",
+        "trainer.backend=deepspeed",
+        "trainer.zero_stage=2",
+        "steps=2",
+        "checkpoint.every_steps=0",
+        "cluster.devices=2",
+    )
+    replayed_exactly(rows, logprob_bound=1e-5)

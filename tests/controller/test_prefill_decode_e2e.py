@@ -15,6 +15,10 @@
 * Colocated (each replica shares a device with a trainer rank, releasing it while the trainer
   trains): one prefill and two decode replicas against three plain replicas, the same trainer;
   floats within 1e-12 (the decode batches differ from the plain replicas').
+* A mixture of experts with routing replay (`tiny-qwen3-moe`, float64, T = 1): the decode
+  replicas return every sample's routes (the prompt's from the prefill replica's handoff), so
+  the trainer replays them and engine-vs-trainer log-probs agree to 1e-10, the first update's
+  PPO-KL exactly 0.
 * The prefill replica killed after the first step and a decode replica killed mid-rollout (no
   answer to a probe while it generates long samples): both are replaced (two restarts counted),
   the run completes and every step trains every prompt's whole group once.
@@ -29,6 +33,8 @@ from pathlib import Path
 import pytest
 import ray
 from test_fault_tolerance_e2e import FEW_LONG_SAMPLES, in_background, new_actor
+from test_moe_replay_e2e import replayed_exactly
+from test_oversampling_e2e import EXACT_T, MOE
 from test_resume_e2e import RECIPE, is_timing, rows_of
 
 from miles_like.recipe.cli import main
@@ -110,6 +116,11 @@ def test_colocated_pd_is_the_colocated_run_without(ray_four, cache, tmp_path):
     plain = run_in_process(tmp_path / "plain", *colocated)
     pd = run_in_process(tmp_path / "pd", *colocated, "rollout.prefill_replicas=1")
     assert_same_run(plain, pd, atol=1e-12)
+
+
+def test_mixture_of_experts_routes_come_back_through_the_decode_replicas(ray_four, cache, tmp_path):
+    rows = run_in_process(tmp_path / "pd_moe", *ONE_PREFILL_TWO_DECODE, *MOE, *EXACT_T, "steps=2")
+    replayed_exactly(rows)
 
 
 AGENT = str(Path(RECIPE).parent / "tiny_calc_agent_grpo.yaml")

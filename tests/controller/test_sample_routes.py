@@ -136,9 +136,12 @@ def test_the_recipe_field_resolves_for_the_model_and_backend():
     assert replays_routes(on, moe)
     with pytest.raises(RecipeError, match="routing_replay=rollout.*not a mixture"):
         replays_routes(on, dense)
-    assert not replays_routes(recipe(trainer={"backend": "deepspeed"}), moe)
-    with pytest.raises(RecipeError, match="routing_replay=rollout replays routes in the megatron"):
-        recipe(trainer={"backend": "deepspeed"}, algorithm={"routing_replay": "rollout"})
+    # the deepspeed backend replays on HF's mixture (`trainer.hf_routing_replay`): the same
+    assert replays_routes(recipe(trainer={"backend": "deepspeed"}), moe)
+    deepspeed_on = recipe(trainer={"backend": "deepspeed"}, algorithm={"routing_replay": "rollout"})
+    assert replays_routes(deepspeed_on, moe)
+    with pytest.raises(RecipeError, match="routing_replay=rollout.*not a mixture"):
+        replays_routes(deepspeed_on, dense)
 
 
 def test_multi_turn_routes_equal_a_cold_prefill_of_the_whole_sequence(tmp_path, monkeypatch):

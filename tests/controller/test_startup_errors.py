@@ -103,14 +103,14 @@ def _cases(f: dict[str, Path]) -> dict[str, tuple[list[str], list[str]]]:
             ["algorithm.routing_replay=rollout"],
             ["algorithm.routing_replay=rollout", "not a mixture of experts", "routing_replay: off"],
         ),
-        "routing replay on the deepspeed backend": (
+        "load-balancing loss on the deepspeed backend": (
             [
                 "model.builtin=tiny-qwen3-moe",
                 "model.dtype=float32",
                 "trainer.backend=deepspeed",
-                "algorithm.routing_replay=rollout",
+                "trainer.moe_aux_loss_coeff=0.01",
             ],
-            ["algorithm.routing_replay=rollout", "trainer.backend: megatron"],
+            ["trainer.moe_aux_loss_coeff > 0", "megatron", "set it to 0"],
         ),
     }
 
