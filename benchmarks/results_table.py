@@ -220,6 +220,19 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ),
         ("decode tokens/s, fp8 KV / bf16 KV (CPU, tiny model)", "decode/fp8_vs_bf16", "{:.2f}x"),
     ),
+    "moe_replay": _figures(
+        ("MoE routing replay: route bytes per trained token", "route_bytes_per_token", "{:.1f} B"),
+        (
+            "MoE routing replay: step time, replay on / off (median)",
+            "replay_cost/step_s_on_over_off",
+            "{:.2f}x",
+        ),
+        (
+            "MoE routing replay: train phase time, replay on / off (median)",
+            "replay_cost/train_s_on_over_off",
+            "{:.2f}x",
+        ),
+    ),
     "decode_attention_kernel": _figures(
         ("C decode-attention kernel vs the baseline's, first setting", "runs/0/speedup", "{:.2f}x"),
     ),

@@ -75,6 +75,7 @@ class RunActors:
         self.engine_restarts = 0
         self.replay_routes = replay_routes
         self.route_bytes = 0  # the last train call's: route bytes sent to the trainer ranks
+        self.route_tokens = 0  # and the tokens those routes are for (one row per token)
         self._dp_places: list[tuple[int, int]] | None = None  # per rank: (DP rank, DP size)
 
     # ---------------------------------------------------------------------------- waiting
@@ -165,6 +166,7 @@ class RunActors:
         updates = self.recipe.trainer.updates_per_rollout
         per_rank = self._routes_per_rank(routes, updates)
         self.route_bytes = sum(nbytes(r) for mine in per_rank if mine for r in mine)
+        self.route_tokens = sum(len(r) for mine in per_rank if mine for r in mine if r is not None)
         calls = [
             start_call(f"trainer rank {i}", t, "train", ref, updates, mine)
             for i, (t, mine) in enumerate(zip(self.trainers, per_rank))
@@ -189,9 +191,11 @@ class RunActors:
         return out
 
     def route_metrics(self) -> dict[str, float]:
-        """`rollout/route_bytes` with routing replay: the last train call's route bytes, summed
-        over the trainer ranks."""
-        return {"route_bytes": float(self.route_bytes)} if self.replay_routes else {}
+        """`rollout/route_bytes` and `rollout/route_tokens` with routing replay: the last train
+        call's route bytes and the tokens they route, summed over the trainer ranks."""
+        if not self.replay_routes:
+            return {}
+        return {"route_bytes": float(self.route_bytes), "route_tokens": float(self.route_tokens)}
 
     def finish_train(self, calls: list[Call]) -> dict[str, float]:
         ranks = len(self.trainers)

@@ -21,14 +21,21 @@ from test_oversampling_e2e import EXACT_T, MOE
 pytestmark = pytest.mark.slow
 
 
+# the built-in tiny-qwen3-moe's routes per token: 2 sparse layers x top-2 expert ids of 1 byte
+# each (8 experts fit a uint8)
+ROUTE_BYTES_PER_TOKEN = 2 * 2 * 1
+
+
 def replayed_exactly(rows: list[dict], logprob_bound: float = 1e-10) -> None:
     """Every step: engine-vs-trainer log-probs within `logprob_bound` (float64's by default),
-    first-update PPO-KL exactly 0, routes shipped and the agreement reported."""
+    first-update PPO-KL exactly 0, routes shipped (their bytes the closed form per token) and
+    the agreement reported."""
     assert rows
     for r in rows:
         assert r["train/logprob_diff_max"] <= logprob_bound
         assert r["train/ppo_kl_first_update"] == 0.0
         assert r["rollout/route_bytes"] > 0 and 0.0 <= r["train/routing_agreement"] <= 1.0
+        assert r["rollout/route_bytes"] == ROUTE_BYTES_PER_TOKEN * r["rollout/route_tokens"]
 
 
 def test_colocated_two_trainer_ranks(ray_local, cache, tmp_path):
@@ -46,6 +53,7 @@ def test_colocated_two_trainer_ranks(ray_local, cache, tmp_path):
         "algorithm.routing_replay=off",
     )
     assert "rollout/route_bytes" not in off[0] and "train/routing_agreement" not in off[0]
+    assert "rollout/route_tokens" not in off[0]
 
 
 def test_disaggregated_and_fully_async(ray_local, cache, tmp_path):
