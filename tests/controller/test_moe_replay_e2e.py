@@ -3,9 +3,9 @@ float64): every trained token is routed in the trainer to the experts the engine
 so the engine-vs-trainer log-probs agree to rounding (`train/logprob_diff_max` <= 1e-10) and the
 first update's PPO-KL is exactly 0, colocated (two data-parallel trainer ranks, each given only
 its own samples' routes), disaggregated and fully asynchronous. The runs are the dense tests'
-(`test_oversampling_e2e`, `test_async_e2e`) with the model swapped, sampling at T = 1
-(`EXACT_T`); over-sampling with retract and a kill -9 resume is `test_oversampling_e2e`'s `moe`
-case.
+(`test_oversampling_e2e`, `test_async_e2e`) with the model swapped, at their temperatures
+(T != 1 included: both sides divide by the same T); over-sampling with retract and a kill -9
+resume is `test_oversampling_e2e`'s `moe` case.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import test_async_e2e
 import test_oversampling_e2e
-from test_oversampling_e2e import EXACT_T, MOE
+from test_oversampling_e2e import MOE
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_colocated_two_trainer_ranks(ray_local, cache, tmp_path):
 
 def test_disaggregated_and_fully_async(ray_local, cache, tmp_path):
     def runner(out, *overrides):
-        return test_async_e2e.run_in_process(out, *MOE, *EXACT_T, *overrides)
+        return test_async_e2e.run_in_process(out, *MOE, *overrides)
 
     sync, asynchronous = test_async_e2e.sync_and_zero_staleness_runs(runner, tmp_path)
     replayed_exactly(sync)
