@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rollout.sampler import row_temperature
 from rollout.sequence import Request, Sequence, TopLogprobs
 
 if TYPE_CHECKING:
@@ -21,9 +22,11 @@ if TYPE_CHECKING:
 
 
 def top_logprobs(logits: torch.Tensor, temperature: torch.Tensor, k: int) -> list[TopLogprobs]:
-    """logits [R, V], temperature [R] float32 (0 = greedy: T = 1) -> per row the k most likely
-    (token id, log-prob), descending; log-probs in the logits' dtype."""
-    t = torch.where(temperature == 0, 1.0, temperature).to(logits.device).unsqueeze(-1)
+    """logits [R, V], temperature [R] float64 (0 = greedy: T = 1) -> per row the k most likely
+    (token id, log-prob), descending; log-probs in the logits' dtype, of logits / T with T in
+    the logits' dtype (as `rollout.sampler.sample` divides)."""
+    t = torch.where(temperature == 0, 1.0, temperature).to(logits.device, logits.dtype)
+    t = t.unsqueeze(-1)
     values, ids = torch.log_softmax(logits / t, dim=-1).topk(k, dim=-1)
     return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
@@ -44,8 +47,8 @@ def top_logprobs_of(
         device=logits.device,
     )
     temps = torch.tensor(
-        [seqs[i].request.params.temperature for i in asking for _ in range(spans[i][1])],
-        dtype=torch.float32,
+        [row_temperature(seqs[i].request.params) for i in asking for _ in range(spans[i][1])],
+        dtype=torch.float64,
     )
     k = max(seqs[i].request.params.top_logprobs for i in asking)
     tops = iter(top_logprobs(logits[rows], temps, k))

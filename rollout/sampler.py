@@ -23,11 +23,15 @@ import torch
 from rollout import native
 
 if TYPE_CHECKING:
+    from rollout.config import SamplingParams
     from rollout.sequence import Sequence
 
 
 class SamplingBatch(NamedTuple):
-    temperature: torch.Tensor  # [R] float, 0 = greedy
+    # [R] float64 (the request's Python float exactly), 0 = greedy; `sample` divides by it in
+    # the logits' dtype, as the trainer divides by the same Python float: a float32 T would
+    # put a ~1e-8 relative error into every float64 log-prob at T != 1.
+    temperature: torch.Tensor
     top_p: torch.Tensor  # [R] float in (0, 1]
     top_k: torch.Tensor  # [R] int, <= 0 = off
     min_p: torch.Tensor  # [R] float in [0, 1)
@@ -58,22 +62,22 @@ class SamplingBatch(NamedTuple):
             distinct = params[:1]
         else:
             distinct = list({id(p): p for p in params}.values())
-        settings = {(p.temperature, p.top_p, p.min_p, p.top_k) for p in distinct}
+        settings = {(row_temperature(p), p.top_p, p.min_p, p.top_k) for p in distinct}
         flags = _host_flags(settings)
         if len(settings) == 1:  # one setting for all (the RL case)
             ((temperature, top_p, min_p, top_k),), rows = settings, len(params)
             return cls(
-                temperature=torch.full((rows,), temperature, dtype=torch.float32),
+                temperature=torch.full((rows,), temperature, dtype=torch.float64),
                 top_p=torch.full((rows,), top_p, dtype=torch.float32),
                 top_k=torch.full((rows,), top_k, dtype=torch.int64),
                 min_p=torch.full((rows,), min_p, dtype=torch.float32),
                 uniforms=uniforms,
                 **flags,
             )
-        keys = [(p.temperature, p.top_p, p.min_p, p.top_k) for p in params]
+        keys = [(row_temperature(p), p.top_p, p.min_p, p.top_k) for p in params]
         floats = torch.tensor([k[:3] for k in keys], dtype=torch.float32).reshape(-1, 3)
         return cls(
-            temperature=floats[:, 0],
+            temperature=torch.tensor([k[0] for k in keys], dtype=torch.float64),
             top_p=floats[:, 1],
             top_k=torch.tensor([k[3] for k in keys], dtype=torch.int64),
             min_p=floats[:, 2],
@@ -86,13 +90,22 @@ class SamplingBatch(NamedTuple):
         return self._replace(**{f: getattr(self, f)[rows] for f in _TENSOR_FIELDS})
 
 
+def row_temperature(params: SamplingParams) -> float:
+    """The temperature a row is sampled at: the request's, exactly (a Python float, float64),
+    except that a positive T that rounds to 0 in float32 is 0 (greedy), so no dtype the logits
+    may have divides by zero."""
+    t = float(params.temperature)
+    return 0.0 if np.float32(t) == 0 else t
+
+
 _TENSOR_FIELDS = ("temperature", "top_p", "top_k", "min_p", "uniforms")
 
 
 def _host_flags(settings: set[tuple[float, float, float, int]]) -> dict[str, bool]:
     """SamplingBatch's host-side flags from the distinct (temperature, top_p, min_p, top_k)
-    settings of its rows, compared in float32 as `sample` compares the tensors."""
-    temperatures = [np.float32(t) for t, *_ in settings]
+    settings of its rows, compared as `sample` compares the tensors: the temperature in float64
+    (its tensor's dtype), top-p and min-p in float32."""
+    temperatures = [float(t) for t, *_ in settings]
     no_truncation = all(
         top_k <= 0 and np.float32(top_p) >= 1 and np.float32(min_p) <= 0
         for _, top_p, min_p, top_k in settings
@@ -200,10 +213,11 @@ def _sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     temperature = batch.temperature.to(device)
     greedy = temperature == 0
     # x / 1.0 == x exactly, so skipping the division when every temperature is 1 changes nothing.
+    # T is rounded to the logits' dtype (a float64 T would promote float32 logits to float64).
     scaled = (
         logits
         if batch.unit_temperature
-        else logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+        else logits / torch.where(greedy, 1.0, temperature).to(logits.dtype).unsqueeze(-1)
     )
     shifted = scaled - scaled.amax(dim=-1, keepdim=True)  # <= 0, exactly 0 at the max
     weights = shifted.exp()  # the only pass computing exp: e = exp(x / T - m)

@@ -44,8 +44,9 @@ def sampling_distribution(
     T = 1 here (their draw is the argmax). Which rows truncate is decided from `params` on the
     host: nothing is read back."""
     device, vocab = logits.device, logits.shape[-1]
+    # float64 first (the Python floats exactly), then the logits' dtype, as `sample` divides
     temperature = torch.tensor(
-        [p.temperature if not p.greedy else 1.0 for p in params], device=device
+        [p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float64, device=device
     )
     logprobs_all = torch.log_softmax(logits / temperature.to(logits.dtype).unsqueeze(-1), dim=-1)
     probs = logprobs_all.exp()

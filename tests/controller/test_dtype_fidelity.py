@@ -120,3 +120,18 @@ def test_a_wrong_temperature_breaks_the_bounds(model_dir, dtype):
     # in bf16 one token's rounding can be as large as a 10% temperature error: the averages
     # are what separate them
     assert {"mean", "mismatch_kl", "large_frac"} <= {v.split()[0] for v in broken}, broken
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.8, 1.3])
+def test_float64_engine_and_trainer_agree_at_any_temperature(model_dir, temperature):
+    """In float64 both sides compute log_softmax(logits / T) with the same T, so the gap is
+    rounding (~1e-14) at any temperature, and the trainer's `logprob_diff_max` reports it; a
+    float32 rounding of T on one side puts it near 1e-7 on these logits of tens."""
+    batch, engine_lp = engine_samples(
+        model_dir, "float64", **SAMPLING, temperature=temperature, seed=11
+    )
+    cfg = trainer_config(model_dir, "float64", "megatron", temperature=temperature)
+    trainer_lp = make_trainer(cfg).compute_logprobs(batch)
+    metrics = mismatch_metrics(dataclasses.replace(batch, old_logprobs=trainer_lp), cfg.loss)
+    assert metrics["logprob_diff_max"] <= 1e-10, metrics["logprob_diff_max"]
+    assert gap(engine_lp, trainer_lp).max <= 1e-10

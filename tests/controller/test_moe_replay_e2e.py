@@ -6,9 +6,9 @@ its own samples' routes), disaggregated and fully asynchronous. The deepspeed ba
 HF's mixture (`trainer.hf_routing_replay`), float32 (it has no float64 path): two data-parallel
 ranks, each given only its own samples' routes (a rank missing one it packs is refused), the
 first update's PPO-KL exactly 0 and engine-vs-trainer log-probs within the float32 bound. The
-runs are the dense tests' (`test_oversampling_e2e`, `test_async_e2e`) with the model swapped,
-sampling at T = 1 (`EXACT_T`); over-sampling with retract and a kill -9 resume is
-`test_oversampling_e2e`'s `moe` case.
+runs are the dense tests' (`test_oversampling_e2e`, `test_async_e2e`) with the model swapped, at
+their temperatures (T != 1 included: both sides divide by the same T); over-sampling with
+retract and a kill -9 resume is `test_oversampling_e2e`'s `moe` case.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import test_async_e2e
 import test_oversampling_e2e
-from test_oversampling_e2e import EXACT_T, MOE
+from test_oversampling_e2e import MOE
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_colocated_two_trainer_ranks(ray_local, cache, tmp_path):
 
 def test_disaggregated_and_fully_async(ray_local, cache, tmp_path):
     def runner(out, *overrides):
-        return test_async_e2e.run_in_process(out, *MOE, *EXACT_T, *overrides)
+        return test_async_e2e.run_in_process(out, *MOE, *overrides)
 
     sync, asynchronous = test_async_e2e.sync_and_zero_staleness_runs(runner, tmp_path)
     replayed_exactly(sync)
@@ -69,7 +69,6 @@ def test_deepspeed_two_trainer_ranks(ray_local, cache, tmp_path):
     rows = test_oversampling_e2e.run_in_process(
         tmp_path / "deepspeed",
         *MOE,
-        *EXACT_T,
         "model.dtype=float32",
         "trainer.backend=deepspeed",
         "trainer.zero_stage=2",

@@ -91,12 +91,9 @@ DELAY_S = 0.3  # steps take ~0.3-1 s on a quiet box: well inside the run either 
 # the built-in mixture of experts with routing replay (its default): the carried samples' routes
 # are kept across the steps, the kill and the resume (`sample_routes`)
 MOE = ("model.builtin=tiny-qwen3-moe",)
-# sampling at T = 1: at another temperature engine and trainer log-probs differ by ~1e-8 in
-# float64, dense or not (a float32 rounding of T on one side), above the replay tests' bound
-EXACT_T = ("rollout.temperature=1.0",)
 
 
-@pytest.mark.parametrize("model", [(), (*MOE, *EXACT_T)], ids=["dense", "moe"])
+@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
 def test_retract_kill9_mid_step_and_resume_is_exact(ray_local, cache, tmp_path, capsys, model):
     over = (*OVER, "rollout.partial=retract", *model)
     reference, killed = tmp_path / "reference", tmp_path / "killed"

@@ -34,7 +34,7 @@ import pytest
 import ray
 from test_fault_tolerance_e2e import FEW_LONG_SAMPLES, in_background, new_actor
 from test_moe_replay_e2e import replayed_exactly
-from test_oversampling_e2e import EXACT_T, MOE
+from test_oversampling_e2e import MOE
 from test_resume_e2e import RECIPE, is_timing, rows_of
 
 from miles_like.recipe.cli import main
@@ -119,7 +119,7 @@ def test_colocated_pd_is_the_colocated_run_without(ray_four, cache, tmp_path):
 
 
 def test_mixture_of_experts_routes_come_back_through_the_decode_replicas(ray_four, cache, tmp_path):
-    rows = run_in_process(tmp_path / "pd_moe", *ONE_PREFILL_TWO_DECODE, *MOE, *EXACT_T, "steps=2")
+    rows = run_in_process(tmp_path / "pd_moe", *ONE_PREFILL_TWO_DECODE, *MOE, "steps=2")
     replayed_exactly(rows)
 
 

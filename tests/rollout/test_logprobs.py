@@ -20,6 +20,7 @@ import torch
 from exact_float64 import exact_float64
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.speculative.verify import sampling_distribution
 
 from tiny_hf import make_hf_model, save_hf_model
 
@@ -52,9 +53,8 @@ def _hf_logprobs(hf, ids: list[int], temperature: float) -> torch.Tensor:
     """[len(ids), V]: log_softmax(logits / T) at every position (row i predicts ids[i + 1])."""
     with torch.inference_mode():
         logits = hf(torch.tensor([ids])).logits[0].double()
-    # the engine holds temperatures in float32 (`SamplingBatch`): divide by that same number
-    t = float(torch.tensor(temperature or 1.0, dtype=torch.float32))
-    return torch.log_softmax(logits / t, dim=-1)
+    # divided by the request's T itself, as the trainer does (never a float32 rounding of it)
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
 
 
 def _check_top(hf, prompt, sample, k, temperature):
@@ -87,6 +87,36 @@ def test_top_logprobs_are_hf_top_k_and_leave_the_sample_unchanged(model64, sampl
             assert r.top_logprobs is None
             assert s.token_ids == r.token_ids and s.logprobs == r.logprobs
             _check_top(hf, prompt, s, 5, sampling["temperature"])
+
+
+TIGHT_ATOL = 1e-12  # float64 engine vs exact-float64 HF on the sampled tokens: rounding only
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.8, 1.3])
+def test_sampled_logprobs_divide_by_the_exact_temperature(model64, temperature):
+    """At T != 1 every float64 log-prob is log_softmax(logits / T) with T the request's own
+    float64 number: a float32 rounding of T (a relative error ~1e-8) is far above the bound.
+    The RL case (no truncation), with top-k alternatives, and speculative verification's
+    distribution."""
+    hf, directory = model64
+    params = SamplingParams(
+        n=2, max_new_tokens=8, ignore_eos=True, seed=5, temperature=temperature, top_logprobs=3
+    )
+    for prompt, out in zip(PROMPTS, _run(_engine(directory), PROMPTS, params)):
+        for sample in out.samples:
+            ref = _hf_logprobs(hf, prompt + sample.token_ids, temperature)
+            for i, (token, lp, top) in enumerate(
+                zip(sample.token_ids, sample.logprobs, sample.top_logprobs)
+            ):
+                row = ref[len(prompt) - 1 + i]
+                assert abs(lp - float(row[token])) <= TIGHT_ATOL, (i, lp, float(row[token]))
+                assert max(abs(v - float(row[t])) for t, v in top) <= TIGHT_ATOL
+    # speculative verification's distribution (the log-probs of accepted drafts), on the side
+    logits = torch.randn(3, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    logprobs_all, _ = sampling_distribution(logits, [params] * 3)
+    assert torch.allclose(
+        logprobs_all, torch.log_softmax(logits / temperature, -1), atol=TIGHT_ATOL, rtol=0
+    )
 
 
 def test_prompt_logprobs_chunked_and_cached_prefix(model64):
