@@ -134,6 +134,39 @@ def test_multi_turn_sessions_in_pd_mode_are_the_run_without(ray_four, cache, tmp
     assert max(r["rollout/turns_mean"] for r in plain) > 1  # later turns were served
 
 
+# over-sampled groups of varied lengths (`test_oversampling_e2e.OVER`): some are cut mid-sample
+OVER = (
+    "rollout.over_sampling=2",
+    "rollout.max_new_tokens=40",
+    "reward.function=user_rewards:brevity_score",
+)
+
+
+def assert_each_group_trained_once(rows: list[dict], n: int = 2) -> None:
+    """Every step trains prompts_per_step whole groups; every fresh group launched is trained
+    once, carried (then launched again, not drawn again) or still carried after the last step:
+    none lost, none trained twice."""
+    assert all(r["rollout/samples"] == 4 * n for r in rows)
+    fresh = sum(r["rollout/launched_groups"] for r in rows) - sum(
+        r["rollout/carried_groups"] for r in rows[:-1]
+    )
+    trained = sum(r["rollout/samples"] for r in rows) / n
+    assert trained + rows[-1]["rollout/carried_groups"] == fresh
+
+
+def test_over_sampled_partial_rollouts_in_pd_mode_are_the_run_without(ray_four, cache, tmp_path):
+    over = (*OVER, "rollout.partial=retract")
+    plain = run_in_process(tmp_path / "plain", *over, *TWO_REPLICAS)
+    pd = run_in_process(tmp_path / "pd", *over, *ONE_PREFILL_TWO_DECODE)
+    assert_same_run(plain, pd)
+    # partial samples were carried and continued under newer weights (prefilled again)
+    assert any(r["rollout/carried_samples"] > 0 for r in plain)
+    assert any(r["rollout/continued_groups"] > 0 for r in plain)
+    assert any(r["rollout/staleness_max"] >= 1 for r in plain)
+    assert_each_group_trained_once(plain)
+    assert_each_group_trained_once(pd)
+
+
 def kill_prefill_then_decode(out: Path, known: set[str], done: threading.Event) -> list[str]:
     """engine 0 (the prefill replica) once the first step's row is logged; engine 1 (a decode
     replica) once a later row is and it does not answer a probe within 0.2 s (generating: right
