@@ -15,6 +15,8 @@
 * Colocated (each replica shares a device with a trainer rank, releasing it while the trainer
   trains): one prefill and two decode replicas against three plain replicas, the same trainer;
   floats within 1e-12 (the decode batches differ from the plain replicas').
+* Over-sampled with partial rollouts (`over_sampling: 2`, `partial: retract`): the same as the
+  run without, and every fresh group launched is trained once or still carried (counted).
 * The prefill replica killed after the first step and a decode replica killed mid-rollout (no
   answer to a probe while it generates long samples): both are replaced (two restarts counted),
   the run completes and every step trains every prompt's whole group once.
