@@ -191,6 +191,23 @@ class _Quota:
             self.complete.set_result(list(self._done))
 
 
+def quota_of(futures: list[Future], groups: Seq[int] | None, quota: int | None) -> _Quota | None:
+    """The `_Quota` of one submission of requests (one future each) in `groups`, each future
+    naming it (`AsyncEngine.complete_groups`); None without a quota."""
+    if quota is None:
+        return None
+    if groups is None or len(groups) != len(futures):
+        raise ValueError("a quota needs one group id per request")
+    if quota < 1:
+        raise ValueError(f"quota={quota}: must be >= 1")
+    q = _Quota(groups, quota)
+    if not futures:
+        q.complete.set_result([])
+    for f in futures:
+        f.quota = q  # type: ignore[attr-defined]
+    return q
+
+
 class _PrefillDecodeRequests:
     """`AsyncEngine`'s prefill-decode requests (module doc), and how its step loop adds any."""
 
@@ -214,15 +231,29 @@ class _PrefillDecodeRequests:
         return futures
 
     def submit_prefilled(
-        self, requests: Seq[tuple[PrefillHandoff, SamplingParams]]
+        self,
+        requests: Seq[tuple[PrefillHandoff, SamplingParams]],
+        *,
+        groups: Seq[int] | None = None,
+        quota: int | None = None,
     ) -> list[Future[GenerationResult]]:
         """Prefill-decode, the decode side (`Engine.admit_prefilled`): requests another engine
-        prefilled, with the params they were prefilled with, admitted together in order."""
+        prefilled, with the params they were prefilled with, admitted together in order; with
+        `groups` and `quota` as `submit_many` (over-sampling)."""
         futures: list[Future] = [Future() for _ in requests]
+        q = quota_of(futures, groups, quota)
         self._enqueue(
             [
-                _Submission(list(h.prompt_token_ids), params, None, future, handoff=h)
-                for (h, params), future in zip(requests, futures)
+                _Submission(
+                    list(h.prompt_token_ids),
+                    params,
+                    None,
+                    future,
+                    q,
+                    groups[k] if q else 0,
+                    handoff=h,
+                )
+                for k, ((h, params), future) in enumerate(zip(requests, futures))
             ]
         )
         return futures
@@ -295,17 +326,7 @@ class AsyncEngine(_PrefillDecodeRequests):
         once `quota` groups are complete (module doc); `self.complete_groups(futures)` then
         gives those groups in completion order."""
         futures: list[Future] = [Future() for _ in requests]
-        q = None
-        if quota is not None:
-            if groups is None or len(groups) != len(requests):
-                raise ValueError("a quota needs one group id per request")
-            if quota < 1:
-                raise ValueError(f"quota={quota}: must be >= 1")
-            q = _Quota(groups, quota)
-            if not requests:
-                q.complete.set_result([])
-            for f in futures:
-                f.quota = q  # type: ignore[attr-defined]
+        q = quota_of(futures, groups, quota)
         self._enqueue(
             [
                 _Submission(list(prompt_ids), params, stop_check, future, q, groups[k] if q else 0)

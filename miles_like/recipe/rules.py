@@ -134,8 +134,9 @@ def check_prefill_decode(rollout: RolloutSection, cluster: ClusterSection) -> No
     unsupported = {
         "rollout.tp > 1": rollout.tp > 1,
         "rollout.speculative_method=draft": rollout.speculative_method == "draft",
-        "rollout.over_sampling > 1": rollout.over_sampling > 1,
         "rollout.stream_scoring": rollout.stream_scoring,
+        # a parked K/V stays on the decode replica, the continuation is prefilled elsewhere
+        "rollout.partial=in_place": rollout.partial == "in_place",
         "cluster.fully_async": cluster.fully_async,
     }
     for what, used in unsupported.items():

@@ -3,11 +3,13 @@
 
 A step launches ceil(prompts_per_step x over_sampling) groups: the groups carried over from the
 previous step first (oldest first), then fresh prompts. Groups spread over the replicas in
-contiguous shares; replica i must complete quota_i groups (share i of prompts_per_step, split
-the same way) and its engine aborts the rest at the step its quota is met
-(`AsyncEngine.submit_many(quota=)`). **The batch** is, on every replica, the groups complete
-within its quota: carried groups already complete first (by group index), then by the engine
-step that completed them (ties by group index); it is trained in launch order. Nothing in it
+contiguous shares (prefill-decode: over the decode replicas; each share is prefilled on a
+prefill replica and decoded on its own, `ReplicaBatcher.stream`); replica i must complete
+quota_i groups (share i of prompts_per_step, split the same way) and its engine aborts the rest
+at the step its quota is met (`AsyncEngine.submit_many(quota=)`). **The batch** is, on every
+replica, the groups complete within its quota: carried groups already complete first (by group
+index), then by the engine step that completed them (ties by group index); it is trained in
+launch order. Nothing in it
 depends on timing, so a resumed run (same carried groups, same data position, same seeds)
 makes the same batch and cuts the same tokens.
 
@@ -23,7 +25,9 @@ The launched groups outside the batch (`rollout.partial`):
   unfinished ones with the tokens, engine log-probs and weight versions they have. The engine
   dropped their KV when it aborted them; the next step prefills prompt + tokens again under
   the new weights and samples on (seed from the new step), up to `rollout.max_new_tokens` in
-  all. So a trajectory's tokens may come from several weight versions, each token with the
+  all (prefill-decode: prefilled again on a prefill replica and its K/V sent to the decode
+  replica: the K/V the decode replica had was the old weights', which retract does not keep).
+  So a trajectory's tokens may come from several weight versions, each token with the
   log-prob of the version that sampled it: the loss's importance correction (TIS / MIS) uses
   exactly those behaviour log-probs.
 * in_place (disaggregated engines only): carried as with retract, but the engine keeps their
@@ -123,10 +127,12 @@ class OverSampledRollout:
 
     async def run(self) -> Outcome:
         r = self.recipe.rollout
-        shares = near_equal_shares(len(self.groups), len(self.engines))
+        # the replicas that generate (prefill-decode: the decode replicas, engines[k:])
+        replicas = range(r.prefill_replicas, len(self.engines))
+        shares = near_equal_shares(len(self.groups), len(replicas))
         batch_ids: list[int] = []
         calls = []
-        for i, (share, quota) in enumerate(zip(shares, quotas(r.prompts_per_step, shares))):
+        for i, share, quota in zip(replicas, shares, quotas(r.prompts_per_step, shares)):
             ready = [g for g in share if self.groups[g].done]
             for g in ready:
                 self._score_soon(g)

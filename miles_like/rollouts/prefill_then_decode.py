@@ -44,10 +44,7 @@ class PrefillDecode:
     async def generate(self, d: int, prompts: list[list[int]], params: list):
         """`generate(prompts, params)` served by a prefill replica and decode replica d:
         (samples per prompt, counters) as `EngineWorker.generate` returns them."""
-        p = self.router.choose(prompts[0])
-        for prompt in prompts[1:]:
-            self.router.record(p, prompt)
-        self.router.started(p)
+        p = self._choose(prompts)
         try:
             share = await self._node(p) == await self._node(d)
             while True:
@@ -67,6 +64,47 @@ class PrefillDecode:
             **{k: decoded[k] for k in PD_COUNTERS},
             "weight_version": decoded["weight_version"],
         }
+
+    async def stream(self, d: int, prompts, params, groups, quota, consume) -> dict:
+        """An over-sampled rollout's `generate_stream` on decode replica d, in two calls: the
+        prompts prefilled on a prefill replica, then decode replica d's `decode_stream` (the
+        same groups and quota: it aborts the rest once `quota` groups are complete) read by
+        `consume(stream, method)`, which hands each finished request on once. Counters as
+        `generate_stream`'s, with the prefill's cache counters and the transfer's."""
+        p = self._choose(prompts)
+        try:
+            share = await self._node(p) == await self._node(d)
+            while True:
+                counters, handoffs, prefiller = await self._prefill(p, prompts, params, share)
+
+                async def attempt(handoffs=handoffs):
+                    gen = self.batcher.engines[d].decode_stream.remote(
+                        [handoffs], params, groups, quota
+                    )
+                    return await consume(gen, "decode_stream")
+
+                try:
+                    decoded = await self.batcher.with_replacement(
+                        d, "decode_stream", len(params), attempt
+                    )
+                except HandoffGone:  # its prefill replica died meanwhile: prefill again
+                    continue
+                finally:
+                    if counters["handoff_key"] is not None:  # best effort: it may have died
+                        prefiller.release_handoffs.remote(counters["handoff_key"])
+                break
+        finally:
+            self.router.finished(p)
+        return {**{k: counters[k] for k in PREFILL_COUNTERS}, **decoded}
+
+    def _choose(self, prompts: list[list[int]]) -> int:
+        """The prefill replica for `prompts` (the router's choice for the first; it then
+        remembers all of them there), counted as started."""
+        p = self.router.choose(prompts[0])
+        for prompt in prompts[1:]:
+            self.router.record(p, prompt)
+        self.router.started(p)
+        return p
 
     async def _prefill(self, p: int, prompts, params, share: bool):
         b = self.batcher

@@ -165,51 +165,71 @@ class ReplicaBatcher:
         """One `generate_stream` call on engine i (over-sampled rollouts): `on_result(index,
         samples)` as each request finishes, on this loop; returns the groups complete within
         `quota` in completion order. An engine that dies is replaced and the whole call sent
-        again (same seeds, same outcome); what was already delivered is not delivered twice."""
+        again (same seeds, same outcome); what was already delivered is not delivered twice.
+        Prefill-decode: the requests are prefilled on a prefill replica and streamed from engine
+        i's `decode_stream` (`PrefillDecode.stream`)."""
         delivered: set[int] = set()
 
-        async def attempt() -> dict:
-            gen = self.engines[i].generate_stream.remote(prompts, params, groups, quota)
-            try:
-                while True:
-                    try:
-                        ref = await asyncio.wait_for(gen.__anext__(), self.timeout_s)
-                    except StopAsyncIteration:
-                        raise RuntimeError(
-                            f"engine {i} generate_stream ended without its counters"
-                        ) from None
-                    item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
-                    self.last_progress = time.monotonic()
-                    if isinstance(item, dict):
-                        return item
-                    k, samples, version, sample_versions = item
-                    if k not in delivered:
-                        delivered.add(k)
-                        self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
-                        on_result(
-                            k,
-                            [
-                                Generation(
-                                    list(s.token_ids),
-                                    list(s.logprobs),
-                                    s.finish_reason,
-                                    version,
-                                    tuple(v) if set(v) - {version} else (),
-                                    s.routes,
-                                )
-                                for s, v in zip(samples, sample_versions)
-                            ],
-                        )
-            except TimeoutError:
-                raise CallTimeout(
-                    [Call(f"engine {i}", "generate_stream", None)], self.timeout_s
-                ) from None
+        def consume(gen, method: str) -> Awaitable[dict]:
+            return self._consume(i, method, gen, delivered, on_result)
 
-        counters = await self.with_replacement(i, "generate_stream", len(prompts), attempt)
+        if self.pd is not None:
+            counters = await self.pd.stream(i, prompts, params, groups, quota, consume)
+        else:
+
+            async def attempt() -> dict:
+                gen = self.engines[i].generate_stream.remote(prompts, params, groups, quota)
+                return await consume(gen, "generate_stream")
+
+            counters = await self.with_replacement(i, "generate_stream", len(prompts), attempt)
         for k in COUNTERS:
             self.tallies[k] += counters[k]
+        for k in PD_COUNTERS:
+            if k in counters:
+                self.tallies[k] += counters[k]
         self.tallies["parked_reused_tokens"] += counters.get("parked_reused_tokens", 0)
         return list(counters["complete"])
+
+    async def _consume(
+        self,
+        i: int,
+        method: str,
+        gen,
+        delivered: set[int],
+        on_result: Callable[[int, list[Generation]], None],
+    ) -> dict:
+        """Engine i's stream `gen` (`generate_stream` / `decode_stream`) read to its closing
+        counters, each request not yet `delivered` handed to `on_result`."""
+        try:
+            while True:
+                try:
+                    ref = await asyncio.wait_for(gen.__anext__(), self.timeout_s)
+                except StopAsyncIteration:
+                    raise RuntimeError(f"engine {i} {method} ended without its counters") from None
+                item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+                self.last_progress = time.monotonic()
+                if isinstance(item, dict):
+                    return item
+                k, samples, version, sample_versions = item
+                if k not in delivered:
+                    delivered.add(k)
+                    self.tallies["generated_tokens"] += sum(len(s.token_ids) for s in samples)
+                    on_result(
+                        k,
+                        [
+                            Generation(
+                                list(s.token_ids),
+                                list(s.logprobs),
+                                s.finish_reason,
+                                version,
+                                tuple(v) if set(v) - {version} else (),
+                                s.routes,
+                            )
+                            for s, v in zip(samples, sample_versions)
+                        ],
+                    )
+        except TimeoutError:
+            raise CallTimeout([Call(f"engine {i}", method, None)], self.timeout_s) from None
 
     async def _call(self, i: int, prompts: list[list[int]], params: list):
         """One `generate` on engine i, sent again to its replacement if it dies (prefill-decode:

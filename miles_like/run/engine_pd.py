@@ -80,6 +80,45 @@ class PrefillDecodeRoles:
             "pd_requests": len(opened),
         }
 
+    @ray.method(num_returns="streaming")
+    def decode_stream(self, handoffs: list, params: list, groups: list[int], quota: int | None):
+        """`decode` as `generate_stream` streams (over-sampling): yields `(index, samples, weight
+        version, per-sample token versions)` as each prefilled request finishes, then one dict:
+        `decode`'s transfer counters, `weight_version` and `complete`, the groups complete
+        within `quota` in completion order (the others aborted once `quota` were)."""
+        import concurrent.futures
+
+        from rollout.async_engine import AsyncEngine
+
+        start = time.perf_counter()
+        (shared,) = ray.get(handoffs)
+        opened = self.handoff_receiver.open(shared)
+        transfer_s = time.perf_counter() - start
+        was_open = self.async_engine.is_open
+        self.async_engine.resume()
+        try:
+            version = self.engine.weight_version
+            futures = self.async_engine.submit_prefilled(
+                list(zip(opened, params)), groups=groups, quota=quota
+            )
+            index = {id(f): i for i, f in enumerate(futures)}
+            for f in concurrent.futures.as_completed(futures):
+                result = self.followers.intact(f.result)
+                version = result.weight_version
+                samples = routed_samples(result, self.return_routes)
+                yield index[id(f)], samples, version, result.sample_versions
+            complete = AsyncEngine.complete_groups(futures).result() if futures else []
+        finally:
+            if not was_open:
+                self.async_engine.pause()
+        yield {
+            "weight_version": version,
+            "complete": complete,
+            "pd_transfer_bytes": nbytes(opened),
+            "pd_transfer_s": transfer_s,
+            "pd_requests": len(opened),
+        }
+
     @ray.method(num_returns=2, concurrency_group="serve")
     def prefill_one(self, prompt_ids: list[int], params):
         """The HTTP endpoint's prefill (`RemotePrefill`), one request batched with every other

@@ -15,10 +15,12 @@
 * Colocated (each replica shares a device with a trainer rank, releasing it while the trainer
   trains): one prefill and two decode replicas against three plain replicas, the same trainer;
   floats within 1e-12 (the decode batches differ from the plain replicas').
-* A mixture of experts with routing replay (`tiny-qwen3-moe`, float64, T = 1): the decode
+* A mixture of experts with routing replay (`tiny-qwen3-moe`, float64): the decode
   replicas return every sample's routes (the prompt's from the prefill replica's handoff), so
   the trainer replays them and engine-vs-trainer log-probs agree to 1e-10, the first update's
   PPO-KL exactly 0.
+* Over-sampled with partial rollouts (`over_sampling: 2`, `partial: retract`): the same as the
+  run without, and every fresh group launched is trained once or still carried (counted).
 * The prefill replica killed after the first step and a decode replica killed mid-rollout (no
   answer to a probe while it generates long samples): both are replaced (two restarts counted),
   the run completes and every step trains every prompt's whole group once.
@@ -143,6 +145,39 @@ def test_multi_turn_sessions_in_pd_mode_are_the_run_without(ray_four, cache, tmp
     # so float64 log-probs (and what is computed from them) may differ in their last bits
     assert_same_run(plain, pd, atol=1e-12, single_turn=False)
     assert max(r["rollout/turns_mean"] for r in plain) > 1  # later turns were served
+
+
+# over-sampled groups of varied lengths (`test_oversampling_e2e.OVER`): some are cut mid-sample
+OVER = (
+    "rollout.over_sampling=2",
+    "rollout.max_new_tokens=40",
+    "reward.function=user_rewards:brevity_score",
+)
+
+
+def assert_each_group_trained_once(rows: list[dict], n: int = 2) -> None:
+    """Every step trains prompts_per_step whole groups; every fresh group launched is trained
+    once, carried (then launched again, not drawn again) or still carried after the last step:
+    none lost, none trained twice."""
+    assert all(r["rollout/samples"] == 4 * n for r in rows)
+    fresh = sum(r["rollout/launched_groups"] for r in rows) - sum(
+        r["rollout/carried_groups"] for r in rows[:-1]
+    )
+    trained = sum(r["rollout/samples"] for r in rows) / n
+    assert trained + rows[-1]["rollout/carried_groups"] == fresh
+
+
+def test_over_sampled_partial_rollouts_in_pd_mode_are_the_run_without(ray_four, cache, tmp_path):
+    over = (*OVER, "rollout.partial=retract")
+    plain = run_in_process(tmp_path / "plain", *over, *TWO_REPLICAS)
+    pd = run_in_process(tmp_path / "pd", *over, *ONE_PREFILL_TWO_DECODE)
+    assert_same_run(plain, pd)
+    # partial samples were carried and continued under newer weights (prefilled again)
+    assert any(r["rollout/carried_samples"] > 0 for r in plain)
+    assert any(r["rollout/continued_groups"] > 0 for r in plain)
+    assert any(r["rollout/staleness_max"] >= 1 for r in plain)
+    assert_each_group_trained_once(plain)
+    assert_each_group_trained_once(pd)
 
 
 def kill_prefill_then_decode(out: Path, known: set[str], done: threading.Event) -> list[str]:

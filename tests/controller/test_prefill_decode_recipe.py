@@ -1,6 +1,6 @@
-"""Recipe validation of rollout.prefill_replicas: off by default; a value that leaves no decode
-replica, or that meets what prefill-decode does not serve yet, is one RecipeError line naming
-the field and the fix."""
+"""Recipe validation of rollout.prefill_replicas: off by default, over-sampling with partial
+rollouts served; a value that leaves no decode replica, or that meets what prefill-decode does
+not serve yet, is one RecipeError line naming the field and the fix."""
 
 from pathlib import Path
 
@@ -21,6 +21,13 @@ def test_default_is_off_and_valid_values_load():
     assert r.prefill_replicas == 1
     r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", "rollout.serve_http=true"])
     assert r.rollout.serve_http
+    # over-sampling with partial rollouts (`rollouts/oversampling.py`)
+    for extra in (
+        ["rollout.over_sampling=1.5", "rollout.partial=retract"],
+        ["rollout.partial=abort", "rollout.over_sampling=2"],
+    ):
+        r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", *extra]).rollout
+        assert r.prefill_replicas == 1
 
 
 @pytest.mark.parametrize(
@@ -45,6 +52,17 @@ def test_default_is_off_and_valid_values_load():
         (
             [*THREE, "rollout.prefill_replicas=1", "rollout.stream_scoring=true"],
             r"stream_scoring yet",
+        ),
+        (
+            [
+                "cluster.devices=4",
+                "cluster.colocate=false",
+                "cluster.rollout_devices=3",
+                "rollout.prefill_replicas=1",
+                "rollout.over_sampling=1.5",
+                "rollout.partial=in_place",
+            ],
+            r"does not support rollout\.partial=in_place yet; turn one of them off$",
         ),
     ],
 )

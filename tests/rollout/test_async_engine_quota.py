@@ -69,3 +69,31 @@ def test_a_quota_never_reached_lets_everything_finish(qwen2):
     complete, outs = _run(qwen2, quota=len(PROMPTS) + 1)
     assert sorted(complete) == GROUPS
     assert all(s.finish_reason == "length" for g in outs for s in g)
+
+
+def _run_prefilled(directory, quota: int):
+    """The same batch prefilled on one `AsyncEngine` and decoded, with the quota, on another
+    (prefill-decode: `submit_prefilled(groups=, quota=)`)."""
+    prefiller, decoder = AsyncEngine(_engine(directory)), AsyncEngine(_engine(directory))
+    try:
+        requests = [(p, _params(i)) for i, p in enumerate(PROMPTS)]
+        handoffs = [f.result(timeout=120) for f in prefiller.submit_prefill(requests)]
+        futures = decoder.submit_prefilled(
+            [(h, _params(i)) for i, h in enumerate(handoffs)], groups=GROUPS, quota=quota
+        )
+        complete = AsyncEngine.complete_groups(futures).result(timeout=120)
+        return complete, [f.result(timeout=120).samples for f in futures]
+    finally:
+        prefiller.close()
+        decoder.close()
+
+
+@pytest.mark.parametrize("quota", [3, len(PROMPTS) + 1])
+def test_a_quota_on_prefilled_requests_is_the_quota_on_one_engine(qwen2, quota):
+    complete, outs = _run(qwen2, quota)
+    pd_complete, pd_outs = _run_prefilled(qwen2, quota)
+    assert pd_complete == complete
+    for samples, want in zip(pd_outs, outs):
+        assert [(s.token_ids, s.logprobs, s.finish_reason) for s in samples] == [
+            (w.token_ids, w.logprobs, w.finish_reason) for w in want
+        ]
