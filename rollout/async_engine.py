@@ -37,6 +37,7 @@ Prefill-decode disaggregation (`rollout.prefill_decode`) goes through the same s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -571,6 +572,19 @@ class AsyncEngine(_PrefillDecodeRequests):
         with self._cond:
             self._in_flight -= count
             self._cond.notify_all()
+
+
+@contextlib.contextmanager
+def held_open(engine: AsyncEngine):
+    """The serving window open for the block (a batch call's requests admitted together, no
+    update landing between them), closed again afterwards only if it was closed before."""
+    was_open = engine.is_open
+    engine.resume()
+    try:
+        yield engine
+    finally:
+        if not was_open:
+            engine.pause()
 
 
 def _thread_to_loop_queue() -> tuple[asyncio.Queue, StreamListener]:

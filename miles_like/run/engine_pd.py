@@ -31,16 +31,13 @@ class PrefillDecodeRoles:
         tokens sampled. Two returns, so the caller can wait for the small one alone: `generate`'s
         counters (plus `handoff_key`), and the handoffs, their tensors in shared buffers when
         `share` (the decode replica is on this node: `handoff_transport`), else themselves."""
-        was_open = self.async_engine.is_open
-        self.async_engine.resume()
-        try:
+        from rollout.async_engine import held_open
+
+        with held_open(self.async_engine):
             before = self.engine.stats()
             futures = self.async_engine.submit_prefill(list(zip(prompts, params)))
             handoffs = [self.followers.intact(f.result) for f in futures]
             after = self.engine.stats()
-        finally:
-            if not was_open:
-                self.async_engine.pause()
         key = None
         if share:
             key, handoffs = self.handoff_sender.share(handoffs)
@@ -64,14 +61,11 @@ class PrefillDecodeRoles:
         (shared,) = ray.get(handoffs)
         opened = self.handoff_receiver.open(shared)
         transfer_s = time.perf_counter() - start
-        was_open = self.async_engine.is_open
-        self.async_engine.resume()
-        try:
+        from rollout.async_engine import held_open
+
+        with held_open(self.async_engine):
             futures = self.async_engine.submit_prefilled(list(zip(opened, params)))
             results = [self.followers.intact(f.result) for f in futures]
-        finally:
-            if not was_open:
-                self.async_engine.pause()
         version = results[0].weight_version if results else self.engine.weight_version
         return [routed_samples(r, self.return_routes) for r in results], {
             "weight_version": version,
@@ -94,9 +88,9 @@ class PrefillDecodeRoles:
         (shared,) = ray.get(handoffs)
         opened = self.handoff_receiver.open(shared)
         transfer_s = time.perf_counter() - start
-        was_open = self.async_engine.is_open
-        self.async_engine.resume()
-        try:
+        from rollout.async_engine import held_open
+
+        with held_open(self.async_engine):
             version = self.engine.weight_version
             futures = self.async_engine.submit_prefilled(
                 list(zip(opened, params)), groups=groups, quota=quota
@@ -108,9 +102,6 @@ class PrefillDecodeRoles:
                 samples = routed_samples(result, self.return_routes)
                 yield index[id(f)], samples, version, result.sample_versions
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
-        finally:
-            if not was_open:
-                self.async_engine.pause()
         yield {
             "weight_version": version,
             "complete": complete,

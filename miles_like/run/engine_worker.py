@@ -138,17 +138,14 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
                 f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                 "give one or one per prompt"
             )
-        was_open = self.async_engine.is_open
-        self.async_engine.resume()
-        try:
+        from rollout.async_engine import held_open
+
+        with held_open(self.async_engine):
             before = self.engine.stats()
             # all at once: admitted together, as Engine.generate does (no timing in the batch)
             futures = self.async_engine.submit_many(list(zip(prompts, params)))
             results = [self.followers.intact(f.result) for f in futures]
             after = self.engine.stats()
-        finally:
-            if not was_open:
-                self.async_engine.pause()
         # the window stays open for the whole call: no update can land between its requests
         return [routed_samples(r, self.return_routes) for r in results], {
             **cache_counters(before, after),
@@ -167,11 +164,9 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
         it has the one `weight_version` reported."""
         import concurrent.futures
 
-        from rollout.async_engine import AsyncEngine
+        from rollout.async_engine import AsyncEngine, held_open
 
-        was_open = self.async_engine.is_open
-        self.async_engine.resume()
-        try:
+        with held_open(self.async_engine):
             before = self.engine.stats()
             futures = self.async_engine.submit_many(
                 list(zip(prompts, params)), groups=groups, quota=quota
@@ -185,9 +180,6 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
                 yield index[id(f)], samples, version, result.sample_versions
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
             after = self.engine.stats()
-        finally:
-            if not was_open:
-                self.async_engine.pause()
         yield {
             **cache_counters(before, after, (*CACHE_COUNTERS, "parked_reused_tokens")),
             "weight_version": version,

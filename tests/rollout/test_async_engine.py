@@ -6,7 +6,9 @@
 * pause: submissions raise EngineUnavailable, in-flight requests finish (or are aborted), nothing
   steps while paused, a weight update in the window is seen by every later request only;
 * `cached_tokens` counts the prompt tokens a request took from the prefix cache;
-* a stop check ends a sample with "stop", keeping the token that completed it.
+* a stop check ends a sample with "stop", keeping the token that completed it;
+* `held_open` serves a closed window for its block only (an open one stays open), also when the
+  block raises.
 """
 
 import asyncio
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.async_engine import AsyncEngine, EngineUnavailable
+from rollout.async_engine import AsyncEngine, EngineUnavailable, held_open
 from rollout.weights import iter_safetensors
 
 PROMPTS = [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 3, 3], [8, 1, 4, 1, 5, 9, 2, 6]]
@@ -212,3 +214,21 @@ def test_stop_check_inside_accepted_speculative_drafts(qwen2):
         assert stats["spec_accepted_tokens"] >= stats["generated_tokens"] / 2
     finally:
         async_engine.close()
+
+
+def test_held_open_restores_the_window_it_found(qwen2):
+    async_engine = AsyncEngine(_engine(qwen2), open=False)
+    with held_open(async_engine):
+        out = async_engine.submit(PROMPTS[0], PARAMS[0]).result(timeout=60)
+        assert len(out.samples) == 2
+    assert not async_engine.is_open
+    with pytest.raises(EngineUnavailable):
+        async_engine.submit(PROMPTS[0], PARAMS[0])
+    with pytest.raises(KeyError), held_open(async_engine):
+        raise KeyError("the block failed")
+    assert not async_engine.is_open
+    async_engine.resume()
+    with held_open(async_engine):
+        pass
+    assert async_engine.is_open  # it was open: left open
+    async_engine.close()
