@@ -10,7 +10,14 @@ transformers loads the same weights from disk.
 
 from __future__ import annotations
 
+import os
 import sys
+
+# Triton decides between compiling and interpreting when `triton.language` and each kernel are
+# first imported, and torch may import triton early (its native-op registrations do, on first
+# use). The kernel tests run interpreted on CPU (tests/kernels/conftest.py), so the process is
+# set to interpret before anything can import triton; nothing else in the suite runs Triton.
+os.environ["TRITON_INTERPRET"] = "1"
 from pathlib import Path
 
 import pytest

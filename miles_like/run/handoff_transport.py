@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from rollout.handoff import PrefillHandoff
+from weight_sync.device_ops import DeviceOps
 from weight_sync.identity import visible_gpus
 from weight_sync.shared_buffers import BufferHandle, BufferOpener, SharedBufferAllocator
 
@@ -52,8 +53,7 @@ class HandoffSender:
                 return None
             buffer = allocator(t.numel(), t.dtype)
             buffer.copy_(t.reshape(-1))
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # filled before shared
+            DeviceOps().synchronize(self.device)  # filled before shared (a no-op on CPU)
             return (allocator.handle(buffer), tuple(t.shape))
 
         return key, [
@@ -103,8 +103,7 @@ class HandoffReceiver:
             return buffer.reshape(shape).to(self.device, copy=True)
 
         opened = [h._replace(k=local(h.k), v=local(h.v), routes=local(h.routes)) for h in handoffs]
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # copied before the release
+        DeviceOps().synchronize(self.device)  # copied before the release (a no-op on CPU)
         return opened
 
     def close(self) -> None:

@@ -89,11 +89,10 @@ def reference(model_dir):
 
 
 def _hf_logprobs(hf, ids: list[int], temperature: float) -> torch.Tensor:
-    """[len(ids), V] log_softmax(logits / T), T as the engine holds it (float32)."""
+    """[len(ids), V] log_softmax(logits / T) in float64, T exactly as given."""
     with torch.inference_mode():
         logits = hf(torch.tensor([ids])).logits[0].double()
-    t = float(torch.tensor(temperature or 1.0, dtype=torch.float32))
-    return torch.log_softmax(logits / t, dim=-1)
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
 
 
 def _text(tokenizer, token: int) -> str:
