@@ -99,7 +99,7 @@ def _text(tokenizer, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=True)
 
 
-def test_completion_logprobs_5_are_the_true_top_5(served, model_dir, reference):
+def test_completion_logprobs_5_are_the_true_top_5(served, model_dir, reference, request):
     tokenizer, client, _ = served
     hf = model_dir[1]
     prompt = "the cat sat on"
@@ -118,7 +118,12 @@ def test_completion_logprobs_5_are_the_true_top_5(served, model_dir, reference):
         [ids], SamplingParams(max_new_tokens=8, temperature=0.8, seed=4, ignore_eos=True)
     )
     assert choice.token_ids == ref[0].token_ids
-    assert choice.logprobs.token_logprobs == ref[0].logprobs  # exactly the engine's
+    if request.node.callspec.params["served"] == "one_engine":
+        assert choice.logprobs.token_logprobs == ref[0].logprobs  # exactly the engine's
+    else:
+        # the decode engine's prefix cache holds K/V the prefill engine computed in other
+        # batches (earlier tests' handoffs): float64 equal to rounding, PD's bound
+        assert choice.logprobs.token_logprobs == pytest.approx(ref[0].logprobs, rel=0, abs=1e-12)
     hf_lp = _hf_logprobs(hf, ids + choice.token_ids, 0.8)
     text_offset = 0
     for i, token in enumerate(choice.token_ids):
