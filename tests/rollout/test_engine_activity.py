@@ -52,16 +52,7 @@ def test_forwards_add_up_to_the_engine_counters(tiny_hf_checkpoints):
     done = sorted(completions(forwards, window))
     assert done[-2] < forwards[-EXTRA].start and done[-1] == forwards[-1].end
 
-    # EXTRA single-sequence decode steps on a fresh engine, timed from outside, the fastest of
-    # several runs: the tail cannot be shorter (the same steps, however loaded the machine)
-    alone = engine_for(directory)
-    best = float("inf")
-    for _ in range(3):
-        alone.add_request([2, 4, 6], SamplingParams(max_new_tokens=SHORT + EXTRA, ignore_eos=True))
-        for _ in range(SHORT):
-            alone.step()
-        start = time.perf_counter()
-        while alone.has_unfinished():
-            alone.step()
-        best = min(best, time.perf_counter() - start)
-    assert m["rollout_tail_s"] >= 0.8 * best, (m["rollout_tail_s"], best)
+    # the tail spans at least the EXTRA passes the long sample decoded alone (their recorded
+    # spans, whose sum is the engine's busy_s above): a bound that holds however loaded the
+    # machine is, unlike a solo run timed in another period
+    assert m["rollout_tail_s"] >= forwards[-1].end - forwards[-EXTRA].start > 0
