@@ -172,6 +172,13 @@ class KVPool:
             for x, s in ((k, self.k_scale), (v, self.v_scale))
         )
 
+    def count_stored(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Count new k, v [T, Hkv, D] that a backend's own kernel stored in a quantized pool,
+        when nothing attends them as held (a decode-only step reads them from the cache)."""
+        for x, s in ((k, self.k_scale), (v, self.v_scale)):
+            self.clipped += count_clipped(x, head_scale(s[layer], -2, 3))
+            self.stored += x.numel()
+
     def _held(self, layer, x: torch.Tensor, x8: torch.Tensor, scales) -> torch.Tensor:
         scale = head_scale(scales[layer], -2, 3)
         self.clipped += count_clipped(x, scale)

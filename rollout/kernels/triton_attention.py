@@ -48,8 +48,10 @@ class TritonAttention:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, D]
         scales = self.pool.scales(layer)
         triton_store_kv(k, v, k_cache, v_cache, meta.out_slots, *(scales or ()))
-        if scales is not None:  # prefill attends the new K/V as stored (and they are counted)
+        if scales is not None and meta.prefill:  # prefill attends the new K/V as stored
             k, v = self.pool.held(layer, k, v)
+        elif scales is not None:  # decode reads them from the cache: only counted
+            self.pool.count_stored(layer, k, v)
         out = torch.empty_like(q)
         if meta.decode is not None:
             if self._plan_for is not meta.decode:

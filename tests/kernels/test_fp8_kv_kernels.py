@@ -137,6 +137,16 @@ def test_triton_backend_over_an_fp8_pool_matches_the_torch_backend():
     for a, b in ((pools[0].k, pools[1].k), (pools[0].v, pools[1].v)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert (got - want).abs().max().item() <= 1e-5
+    # a decode-only step: the Triton backend counts the stored K/V without dequantizing them
+    decode_only = AttentionMetadata(out_slots[: meta_decode.num_tokens], meta_decode, ())
+    rows = slice(0, meta_decode.num_tokens)
+    want = TorchAttention(pools[0]).forward(0, q[rows], 600 * k[rows], v[rows], decode_only)
+    got = TritonAttention(pools[1], chunk_tokens=16).forward(
+        0, q[rows], 600 * k[rows], v[rows], decode_only
+    )
+    assert (got - want).abs().max().item() <= 1e-5
+    assert int(pools[0].stored) == int(pools[1].stored) > 0
+    assert int(pools[0].clipped) == int(pools[1].clipped) > 0  # 600 x k saturates some
 
 
 def test_fp8_engine_generates_the_same_with_the_triton_backend(tmp_path):
