@@ -285,7 +285,9 @@ def figures_of(name: str, record: dict) -> tuple[Figure, ...]:
 
 
 def rows(records: dict[str, dict]) -> list[list[str]]:
-    out = []
+    """One row per figure of every record; a figure two records hold with the same value (the
+    same arm of two studies, say) is shown once, from the first."""
+    out, shown = [], set()
     for name, record in sorted(records.items()):
         result = record["result"]
         texts = {k: v for k, v in result.items() if isinstance(v, str)}
@@ -294,6 +296,10 @@ def rows(records: dict[str, dict]) -> list[list[str]]:
         if not found:
             raise MissingFigures(f"benchmarks/results/{name}: holds none of its figures")
         for fig, value in found:
+            cell = (fig.label.format(**texts), fig.fmt.format(value))
+            if cell in shown:
+                continue
+            shown.add(cell)
             out.append(
                 [
                     fig.label.format(**texts),

@@ -109,3 +109,18 @@ def test_a_file_of_an_unknown_benchmark_is_refused(tmp_path, capsys):
     (results / "x.json").write_text(json.dumps({"benchmark": "nope", "result": {}}))
     assert results_table.main(["--results-md", str(md), "--results-dir", str(results)]) == 2
     assert "no figures for benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_a_figure_two_files_hold_with_the_same_value_is_shown_once():
+    record = json.loads((RESULTS / "fp8_parity.json").read_text())
+    again = json.loads(json.dumps(record))
+    again["result"]["arms"]["bf16"]["mismatch_kl_mean"] *= 2  # another value: its own row
+    rows = results_table.rows({"a.json": record, "b.json": record})
+    assert len(rows) == len(results_table.rows({"a.json": record}))
+    assert all(row[-1] == "[a.json](results/a.json)" for row in rows)
+    label = "train/mismatch_kl, bf16 rollout (mean over steps, seeds)"
+    rows = results_table.rows({"a.json": record, "b.json": again})
+    assert [r[-1] for r in rows if r[0] == label] == [
+        "[a.json](results/a.json)",
+        "[b.json](results/b.json)",
+    ]
