@@ -247,3 +247,81 @@ class MegatronTrainerWorker:
 
     def onload(self) -> int:
         return self.trainer.onload()
+
+
+def digest(t: torch.Tensor | None) -> str | None:
+    """A tensor's bytes, hashed (bitwise equality across processes)."""
+    import hashlib
+
+    if t is None:
+        return None
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+class PrefillDecodeWorker(EngineWorker):
+    """One role of prefill-decode disaggregation: `prefill` computes prompts and shares their
+    handoffs (CUDA IPC on a GPU, shared memory on CPU: `miles_like.run.handoff_transport`, the
+    engine actors' transport on one node); `decode` opens such handoffs in this process and
+    decodes them. Each returns its side's digests of the K/V, so the caller checks the bytes
+    arrived unchanged."""
+
+    def __init__(self, model_dir: str, engine_kwargs: dict, role: str):
+        from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
+
+        super().__init__(model_dir, engine_kwargs)
+        self.sender = HandoffSender(self.device) if role == "prefill" else None
+        self.receiver = HandoffReceiver(self.device) if role == "decode" else None
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def prefill(self, prompts: list[list[int]], params: dict) -> tuple[int, list, dict]:
+        """(key, the shared handoffs, figures: prefill and share seconds, cached tokens,
+        digests)."""
+        import time
+
+        from rollout import SamplingParams
+        from rollout.prefill_decode import prefill
+
+        self._synchronize()
+        start = time.perf_counter()
+        handoffs = prefill(self.engine, prompts, SamplingParams(**params))
+        self._synchronize()
+        shared_at = time.perf_counter()
+        key, shared = self.sender.share(handoffs)
+        done = time.perf_counter()
+        return (
+            key,
+            shared,
+            {
+                "prefill_s": shared_at - start,
+                "share_s": done - shared_at,
+                "bytes": sum(h.nbytes for h in handoffs),
+                "cached_tokens": [h.cached_tokens for h in handoffs],
+                "digests": [(digest(h.k), digest(h.v)) for h in handoffs],
+            },
+        )
+
+    def release_handoffs(self, key: int) -> None:
+        self.sender.release(key)
+
+    def decode(self, shared: list, params: dict) -> tuple[list[list[dict]], dict]:
+        """The shared handoffs opened here and decoded: (samples per prompt, figures)."""
+        import time
+
+        from rollout import SamplingParams
+
+        start = time.perf_counter()
+        opened = self.receiver.open(shared)
+        open_s = time.perf_counter() - start
+        params = SamplingParams(**params)
+        ids = [self.engine.admit_prefilled(h, params) for h in opened]
+        done = {}
+        while self.engine.has_unfinished():
+            done.update((out.request_id, out) for out in self.engine.step())
+        self.engine.check_integrity()
+        outs = [done[i].samples for i in ids]
+        figures = {"open_s": open_s, "digests": [(digest(h.k), digest(h.v)) for h in opened]}
+        return samples_of(outs), figures

@@ -25,6 +25,7 @@ CPU_SECTIONS = (
     "speculation",
     "throughput",
     "fp8",
+    "prefill_decode",
 )
 
 
@@ -75,3 +76,7 @@ def test_dry_run_prints_the_plan_and_one_line_per_section(tmp_path):
         "fp8_engine_equals_dequantized_weights",
         "fp8_weights_are_the_checkpoints_quantized",
     } <= (fp8)
+    pd = {c["name"]: c for c in by_name["prefill_decode"]["checks"]}
+    assert all(c["kv_bitwise"] for c in pd.values())
+    assert pd["pd_equals_one_engine_with_prefix_hits"]["cached_tokens"] > 0
+    assert by_name["prefill_decode"]["result"]["transfer"]["handoff_bytes"] > 0

@@ -47,7 +47,7 @@ SECTIONS: tuple[Section, ...] = (
         "benchmarks.gpu_suite.sections.engine_vs_hf:run",
         "bf16 engine log-probs (Triton, graphs) vs HF transformers bf16, both against HF float32 "
         "on the same bf16 weights",
-        budget_s=30,
+        budget_s=22,
         requires=(*ROLLOUT, *TRITON, "transformers"),
         cpu=True,
     ),
@@ -65,7 +65,7 @@ SECTIONS: tuple[Section, ...] = (
         "benchmarks.gpu_suite.sections.speculation:run",
         "greedy output with group / draft speculation equals no speculation; tokens/s and"
         " accepted length at batch 8",
-        budget_s=30,
+        budget_s=23,
         requires=(*ROLLOUT, *TRITON),
         cpu=True,
     ),
@@ -85,6 +85,16 @@ SECTIONS: tuple[Section, ...] = (
         "bytes / time and decode tokens/s vs bf16",
         budget_s=15,
         requires=(*ROLLOUT, *TRITON, "weight_sync", "quantization"),
+        cpu=True,
+    ),
+    Section(
+        "prefill_decode",
+        "benchmarks.gpu_suite.sections.prefill_decode:run",
+        "prefill-decode disaggregation between two processes over CUDA IPC: the decode process "
+        "samples what one engine samples (cold, prefix hits), the K/V arrive bitwise; handoff "
+        "bytes and copy GB/s against the prefill",
+        budget_s=15,
+        requires=(*ROLLOUT, *TRITON, "weight_sync", "miles_like.run.handoff_transport"),
         cpu=True,
     ),
     Section(
