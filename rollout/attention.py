@@ -173,7 +173,8 @@ def prefill_attention(
 
     A chunk without a cached prefix attends over its own new K/V, read from `k` / `v`;
     consecutive such chunks of one length (a batch of fresh prompts) form one batched causal
-    SDPA call. A chunk after a cached prefix gathers its context from the caches
+    call: of the C kernel (`rollout.native`, on CPU in float32 / bfloat16, q / k / v read in
+    place) or else of SDPA. A chunk after a cached prefix gathers its context from the caches
     (`attend_after_prefix`)."""
     i = 0
     while i < len(segments):
@@ -197,6 +198,14 @@ def prefill_attention(
             j += 1
         count, n = j - i, seg.num_new
         rows = slice(seg.token_start, seg.token_start + count * n)
+        if (lib := _native_prefill(q)) is not None:  # [count, n, heads, D] views, in place
+            queries, keys, values = (x[rows].unflatten(0, (count, n)) for x in (q, k, v))
+            chunk_out = out[rows].unflatten(0, (count, n))
+            native.prefill_attention(
+                lib, queries, keys.transpose(1, 2), values.transpose(1, 2), chunk_out
+            )
+            i = j
+            continue
         queries, keys, values = (_chunks(x[rows], count) for x in (q, k, v))
         attended = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, enable_gqa=True
@@ -221,8 +230,9 @@ def attend_after_prefix(
     memory-efficient takes no GQA (fewer K/V heads than query heads); anything else falls to
     the math kernel, which materialises the [H, n, C] scores. So there (`per_head_kv`, the
     default off the CPU) the K/V are gathered once per *query* head, and the causal offset is a
-    lower-right-aligned `CausalBias`, which both kernels take without a mask tensor. The CPU
-    kernel takes a boolean mask with GQA, and reads each K/V head once."""
+    lower-right-aligned `CausalBias`, which both kernels take without a mask tensor. On the CPU
+    each K/V head is gathered once; in float32 / bfloat16 the C kernel (`rollout.native`)
+    attends with the causal offset built in, else SDPA with a boolean mask and GQA."""
     num_heads, n = queries.shape[1], queries.shape[2]
     num_kv, context = k_cache.shape[0], context_slots.shape[0]
     if per_head_kv is None:
@@ -245,9 +255,21 @@ def attend_after_prefix(
         _held(index_select(cache, 1, context_slots), scale, None, queries)
         for cache, scale in zip((k_cache, v_cache), kv_scales or (None, None))
     )
+    if (lib := _native_prefill(queries)) is not None:
+        out = queries.new_empty(1, n, num_heads, queries.shape[-1])
+        native.prefill_attention(lib, queries.transpose(1, 2), keys, values, out)
+        return out.transpose(1, 2)
     positions = torch.arange(context, device=queries.device)
     mask = positions.unsqueeze(0) <= positions[context - n :].unsqueeze(-1)  # [n, C]
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def _native_prefill(q: torch.Tensor):
+    """The C prefill attention kernel where it computes this attention (CPU, float32 or
+    bfloat16, the kernel built), else None: the torch path (float64 stays there, exact)."""
+    if q.device.type == "cpu" and q.dtype in native.PREFILL_DTYPES:
+        return native.prefill()
+    return None
 
 
 def _rows_per_head(cache: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c), the
+"""The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c),
+causal prefill attention (prefill_attention.c, float32 and bfloat16 inputs, float32 arithmetic), the
 element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; all but
 SiLU * up in bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
 sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
@@ -37,6 +38,19 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.cascade_decode_f32.restype = _INT
     lib.cascade_decode_has_avx2.restype = _INT
+    return lib
+
+
+def declare_prefill(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.prefill_attention.argtypes = [
+        *(_I64,) * 6,  # count, n, C, H, Hkv, Dh
+        *(_PTR, _I64, _I64),  # q, its chunk and token strides
+        *(_PTR, _PTR, _I64, _I64, _I64),  # K, V, their chunk, head and token strides
+        *(_PTR, _I64, _I64),  # out, its chunk and token strides
+        *(_F32, _INT, _INT),  # scale, bfloat16?, threads
+    ]
+    lib.prefill_attention.restype = _INT
+    lib.prefill_attention_has_avx512.restype = _INT
     return lib
 
 
@@ -81,6 +95,7 @@ def _library(source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: s
 
 
 attention = _library("cascade_decode.c", declare_attention, "decode attention")
+prefill = _library("prefill_attention.c", declare_prefill, "prefill attention")
 pointwise = _library("pointwise.c", declare_pointwise, "element-wise kernels")
 sampling = _library("sampling.c", declare_sampling, "sampling")
 transpose = _library("transpose.c", declare_transpose, "transposing copy")
@@ -188,6 +203,51 @@ def cascade_decode(
 
 
 POINTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the element-wise kernels' dtypes
+PREFILL_DTYPES = POINTWISE_DTYPES  # the prefill attention kernel's
+
+
+def _heads_of_dh(t: torch.Tensor) -> torch.Tensor:
+    """`t` [..., heads, Dh] with each token's heads one contiguous run (a view if it has)."""
+    if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]:
+        return t
+    return t.contiguous()
+
+
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of `count` chunks into `out` (written in place):
+    `F.scaled_dot_product_attention(q, k, v, attn_mask=causal lower-right, enable_gqa=True)`
+    per chunk, with softmax and products in float32.
+
+    q, out [count, n, H, Dh]; k, v [count, Hkv, C, Dh] (C >= n: query i sees keys
+    <= C - n + i), all float32 or all bfloat16, each row of Dh elements contiguous, any chunk,
+    token and head strides for K / V; q's and out's heads of a token one contiguous run (the
+    q heads of the fused projection's output are read in place)."""
+    count, n, num_heads, head_dim = q.shape
+    num_kv_heads, context = k.shape[1], k.shape[2]
+    assert q.dtype == k.dtype == v.dtype == out.dtype and q.dtype in PREFILL_DTYPES, q.dtype
+    assert out.shape == q.shape and k.shape == v.shape, (q.shape, out.shape, k.shape, v.shape)
+    assert context >= n and num_heads % num_kv_heads == 0, (q.shape, k.shape)
+    q = _heads_of_dh(q)
+    assert out.stride()[2:] == (head_dim, 1), out.stride()
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if not count or not n:
+        return
+    status = lib.prefill_attention(
+        count, n, context, num_heads, num_kv_heads, head_dim,
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        1.0 / math.sqrt(head_dim), int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("prefill attention: a buffer could not be allocated")
 
 
 def _rows(t: torch.Tensor, what: str, dtypes=(torch.float32,)) -> int:
