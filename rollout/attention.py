@@ -306,15 +306,18 @@ def _gather(
     page_size: int,
     scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    as_stored: bool = False,
 ) -> torch.Tensor:
     """cache [Hkv, slots, D], pages [B, N] -> [Hkv, B, N * page_size, D] (contiguous) in
-    `accum_dtype` of `dtype` (default the cache's); an FP8 cache is dequantized with its
-    `scale` [Hkv].
+    `accum_dtype` of `dtype` (default the cache's), or in the cache's own dtype with
+    `as_stored`; an FP8 cache is dequantized with its `scale` [Hkv].
     Whole pages are copied: contiguous runs make the gather close to memcpy speed."""
     num_kv_heads, _, head_dim = cache.shape
     paged = cache.view(num_kv_heads, -1, page_size * head_dim)
     gathered = index_select(paged, 1, pages.reshape(-1))
     gathered = gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim)
+    if as_stored and scale is None:
+        return gathered
     wide = accum_dtype(dtype or cache.dtype)
     if scale is not None:
         return dequantize(gathered, head_scale(scale, 0, 4), wide)
@@ -347,30 +350,56 @@ def cascade_decode_attention(
     [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the
     pool. `prefix_kv`: the groups' prefix K, V as [Hkv, G, Lp, Dh], `accum_dtype` (kept across
     steps by the lanes); None gathers them. `kv_scales`: an FP8 pool's K and V scales [Hkv];
-    the gathers dequantize, so every path below reads float K/V.
+    the gathers dequantize, so every path below reads float K/V. Where the C kernel runs, a
+    bfloat16 pool's K/V stay bfloat16 (gathered and kept in lanes as stored, `decode_kv_dtype`):
+    the kernel widens each row as it reads it.
 
-    On CPU, in float32, one C kernel computes both parts in one softmax per (sequence, KV head)
-    (`rollout.native`); in float64, or without that kernel, the two parts run through torch's
+    On CPU, in float32 and bfloat16, one C kernel computes both parts in one softmax per
+    (sequence, KV head) (`rollout.native`); in float64, or without that kernel, the two parts
+    run through torch's
     fused flash-attention kernel and are merged by their log-sum-exps
     (`cascade_decode_attention_flash`); elsewhere as explicit matrix products and one softmax
     (`cascade_decode_attention_matmul`, the reference all are tested against).
     """
     k_scale, v_scale = kv_scales or (None, None)
+    lib = _native_decode(q)
+    as_stored = lib is not None and k_cache.dtype == torch.bfloat16
     if suffix_kv is None:
         suffix_kv = (
-            _gather(k_cache, meta.suffix_pages, page_size, k_scale, q.dtype),
-            _gather(v_cache, meta.suffix_pages, page_size, v_scale, q.dtype),
+            _gather(k_cache, meta.suffix_pages, page_size, k_scale, q.dtype, as_stored),
+            _gather(v_cache, meta.suffix_pages, page_size, v_scale, q.dtype, as_stored),
         )
     if prefix_kv is None and meta.prefix_pages.shape[1] > 0:
         prefix_kv = (
-            _gather(k_cache, meta.prefix_pages, page_size, k_scale, q.dtype),
-            _gather(v_cache, meta.prefix_pages, page_size, v_scale, q.dtype),
+            _gather(k_cache, meta.prefix_pages, page_size, k_scale, q.dtype, as_stored),
+            _gather(v_cache, meta.prefix_pages, page_size, v_scale, q.dtype, as_stored),
         )
+    if lib is not None:
+        return cascade_decode_attention_native(lib, q, meta, suffix_kv, prefix_kv)
+    wide = accum_dtype(q.dtype)  # the torch paths read float K/V
+    suffix_kv = tuple(t.to(wide) for t in suffix_kv)
+    prefix_kv = None if prefix_kv is None else tuple(t.to(wide) for t in prefix_kv)
     if q.device.type != "cpu":
         return cascade_decode_attention_matmul(q, meta, suffix_kv, prefix_kv)
-    if accum_dtype(q.dtype) == torch.float32 and (lib := native.attention()) is not None:
-        return cascade_decode_attention_native(lib, q, meta, suffix_kv, prefix_kv)
     return cascade_decode_attention_flash(q, meta, suffix_kv, prefix_kv)
+
+
+def _native_decode(q: torch.Tensor):
+    """The C decode attention kernel where it computes this attention (CPU, float32 or
+    bfloat16 queries, the kernel built), else None."""
+    if q.device.type == "cpu" and accum_dtype(q.dtype) == torch.float32:
+        return native.attention()
+    return None
+
+
+def decode_kv_dtype(pool: KVPool) -> torch.dtype:
+    """The dtype decode attention reads `pool`'s K/V in (what the suffix lanes hold): a
+    bfloat16 pool's own on the CPU where the C kernel reads its rows as stored (half the bytes
+    of a float32 copy, and no widening pass), else `accum_dtype`."""
+    if pool.k.dtype == torch.bfloat16 and pool.k.device.type == "cpu":
+        if native.attention() is not None:
+            return torch.bfloat16
+    return accum_dtype(pool.dtype)
 
 
 def _grid_queries(q: torch.Tensor, meta: DecodeMetadata, num_kv_heads: int) -> torch.Tensor:

@@ -37,6 +37,8 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
         *(_PTR, _I64, _F32, _PTR, _INT),  # group_of, G, scale, out, threads
     ]
     lib.cascade_decode_f32.restype = _INT
+    lib.cascade_decode_bf16.argtypes = lib.cascade_decode_f32.argtypes
+    lib.cascade_decode_bf16.restype = _INT
     lib.cascade_decode_has_avx2.restype = _INT
     return lib
 
@@ -146,7 +148,9 @@ def cascade_decode(
 ) -> torch.Tensor:
     """Softmax attention of each sequence's grid rows over (its group's prefix ++ its suffix).
 
-    grid_q [D, Hkv, R, Dh] float32, rows ordered (query token, head in the KV group), read in
+    K and V float32, or all bfloat16 (read as stored, widened exactly on load; float32
+    arithmetic either way; a mix is widened to float32 first). grid_q [D, Hkv, R, Dh] float32,
+    rows ordered (query token, head in the KV group), read in
     place where each sequence's Hkv * R rows are contiguous, whatever the stride between
     sequences (the q heads of the fused projection's output); suffix K, V [Hkv, D, Ls, Dh];
     suffix_bias [D, Q, Ls] additive (row r reads query r // (R / Q)); prefix K, V
@@ -154,6 +158,11 @@ def cascade_decode(
     num_seqs, num_kv_heads, rows, head_dim = grid_q.shape
     if grid_q.stride()[1:] != (rows * head_dim, head_dim, 1):
         grid_q = grid_q.contiguous()
+    kv = (*suffix_kv, *(prefix_kv or ()))
+    bf16 = all(t.dtype == torch.bfloat16 for t in kv)
+    if not bf16 and any(t.dtype != torch.float32 for t in kv):
+        suffix_kv = tuple(t.to(torch.float32) for t in suffix_kv)
+        prefix_kv = None if prefix_kv is None else tuple(t.to(torch.float32) for t in prefix_kv)
     suffix_k, suffix_v = (_rows_of_dh(t) for t in suffix_kv)
     if suffix_k.stride() != suffix_v.stride():
         suffix_k, suffix_v = suffix_k.contiguous(), suffix_v.contiguous()
@@ -169,7 +178,8 @@ def cascade_decode(
         assert prefix_bias.shape[1] == prefix_len, (prefix_bias.shape, prefix_k.shape)
     group_of = group_of.to(torch.int64).contiguous()
     out = torch.empty(grid_q.shape, dtype=torch.float32)
-    status = lib.cascade_decode_f32(
+    kernel = lib.cascade_decode_bf16 if bf16 else lib.cascade_decode_f32
+    status = kernel(
         num_seqs,
         num_kv_heads,
         rows,
