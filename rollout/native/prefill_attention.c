@@ -17,8 +17,11 @@
    Items are handed out heaviest first (the last query blocks see the most keys).
 
    With AVX-512 (-march=native on a machine that has it) the products are vector code and exp
-   is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere, or for head sizes that are not a
-   multiple of 16, plain C loops compute the same function. Results differ from torch's in
+   is a vector polynomial (Cephes' expf, ~1 ulp); with AVX-512 BF16 too, bfloat16 scores come
+   from vdpbf16ps on the stored pairs (each bfloat16 product is exact in float32, so only the
+   order of the float32 sums differs), K transposed by 32-bit pairs instead of widened;
+   elsewhere, or for head sizes that are not a multiple of 16, plain C loops compute the same
+   function. Results differ from torch's in
    float32 rounding only (for bfloat16, torch's kernel also rounds the probabilities to
    bfloat16 before the PV product; this one keeps them in float32). */
 
@@ -33,6 +36,11 @@
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
+#endif
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1  // vdpbf16ps: two bfloat16 products a float32 lane, products exact
+#else
+#define HAVE_BF16_DOT 0
 #endif
 
 int prefill_attention_has_avx512(void) { return HAVE_AVX512; }
@@ -150,6 +158,48 @@ static inline __attribute__((always_inline)) void scores(const int64_t Dh, int64
   }
 }
 
+#if HAVE_BF16_DOT
+/* s[r][0..BK) = scale * <q_r, keys> for RB rows of bfloat16 pairs (qw [RB, Dh / 2] words,
+   ktw [Dh / 2, BK] words: key t's elements 2p, 2p + 1 at ktw[p * BK + t]). */
+static inline __attribute__((always_inline)) void qk_block_bf16(const int RB, const int64_t Dh,
+                                                                const uint32_t *qw,
+                                                                const uint32_t *ktw,
+                                                                float scale, float *s) {
+  __m512 a[6][4];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < Dh / 2; p++) {
+    __m512bh k[4];
+    for (int c = 0; c < 4; c++)
+      k[c] = (__m512bh)_mm512_loadu_si512((const void *)(ktw + p * BK + 16 * c));
+    for (int r = 0; r < RB; r++) {
+      const __m512bh vq = (__m512bh)_mm512_set1_epi32((int)qw[r * (Dh / 2) + p]);
+      for (int c = 0; c < 4; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], vq, k[c]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + r * BK + 16 * c, _mm512_mul_ps(a[r][c], vs));
+}
+
+static inline __attribute__((always_inline)) void scores_bf16(const int64_t Dh, int64_t R,
+                                                              float scale, const buffers *b) {
+  const uint32_t *qw = (const uint32_t *)b->q, *ktw = (const uint32_t *)b->kt;
+  const int64_t W = Dh / 2;
+  int64_t r = 0;
+  for (; r + 6 <= R; r += 6) qk_block_bf16(6, Dh, qw + r * W, ktw, scale, b->s + r * BK);
+  const uint32_t *q = qw + r * W;
+  float *s = b->s + r * BK;
+  switch (R - r) {
+    case 5: qk_block_bf16(5, Dh, q, ktw, scale, s); break;
+    case 4: qk_block_bf16(4, Dh, q, ktw, scale, s); break;
+    case 3: qk_block_bf16(3, Dh, q, ktw, scale, s); break;
+    case 2: qk_block_bf16(2, Dh, q, ktw, scale, s); break;
+    case 1: qk_block_bf16(1, Dh, q, ktw, scale, s); break;
+  }
+}
+#endif
+
 /* O += P V over the block's first nk keys. */
 static inline __attribute__((always_inline)) void weighted_values(const int64_t Dh, int64_t R,
                                                                   int64_t nk, const buffers *b) {
@@ -218,7 +268,21 @@ static inline float softmax_step(float *s, float *m, float *l) {
 static inline __attribute__((always_inline)) void load_block(const int64_t Dh, const void *k,
                                                              const void *v, int64_t kb,
                                                              int64_t nk, int64_t kv_t, int bf16,
-                                                             const buffers *b) {
+                                                             int dot, const buffers *b) {
+  if (dot) {  // K as bfloat16 pairs, transposed by 32-bit words (scores_bf16)
+    uint32_t *ktw = (uint32_t *)b->kt;
+    for (int64_t t = 0; t < nk; t++) {
+      const uint32_t *ks = (const uint32_t *)((const uint16_t *)k + (kb + t) * kv_t);
+      const uint16_t *vs = (const uint16_t *)v + (kb + t) * kv_t;
+      for (int64_t p = 0; p < Dh / 2; p++) ktw[p * BK + t] = ks[p];
+      for (int64_t x = 0; x < Dh; x++) b->v[t * Dh + x] = bf16_load(vs[x]);
+    }
+    for (int64_t t = nk; t < BK; t++) {
+      for (int64_t p = 0; p < Dh / 2; p++) ktw[p * BK + t] = 0;
+      for (int64_t x = 0; x < Dh; x++) b->v[t * Dh + x] = 0.f;
+    }
+    return;
+  }
   for (int64_t t = 0; t < nk; t++) {
     if (bf16) {
       const uint16_t *ks = (const uint16_t *)k + (kb + t) * kv_t;
@@ -246,9 +310,19 @@ static inline __attribute__((always_inline)) void item(
     int64_t o_t, float scale, int bf16, const buffers *b) {
   const int64_t R = nq * g, offset = C - n, kend = offset + i0 + nq;  // keys [0, kend) seen
   const size_t esize = bf16 ? 2 : 4;
+#if HAVE_BF16_DOT
+  const int dot = bf16 && Dh % 16 == 0;
+#else
+  const int dot = 0;
+#endif
   for (int64_t i = 0; i < nq; i++)
     for (int64_t j = 0; j < g; j++) {
       const char *src = (const char *)q + ((i0 + i) * q_t + (h * g + j) * Dh) * esize;
+      if (dot) {  // as stored: the products' scale is applied to the scores
+        uint16_t *dst = (uint16_t *)b->q + (i * g + j) * Dh;
+        for (int64_t x = 0; x < Dh; x++) dst[x] = ((const uint16_t *)src)[x];
+        continue;
+      }
       float *dst = b->q + (i * g + j) * Dh;
       for (int64_t x = 0; x < Dh; x++) dst[x] = load_at(src, x, bf16) * scale;
     }
@@ -256,8 +330,12 @@ static inline __attribute__((always_inline)) void item(
   for (int64_t e = 0; e < R * Dh; e++) b->o[e] = 0.f;
   for (int64_t kb = 0; kb < kend; kb += BK) {
     const int64_t nk = kend - kb < BK ? kend - kb : BK;
-    load_block(Dh, k, v, kb, nk, kv_t, bf16, b);
-    scores(Dh, R, b);
+    load_block(Dh, k, v, kb, nk, kv_t, bf16, dot, b);
+#if HAVE_BF16_DOT
+    if (dot) scores_bf16(Dh, R, scale, b);
+    else
+#endif
+      scores(Dh, R, b);
     // causal mask: key kb + t is visible to token i0 + i iff kb + t <= offset + i0 + i
     // (padding keys t >= nk lie past every row's limit)
     const int64_t first_hidden = offset + i0 + 1 - kb;  // the first row's first masked key
@@ -302,7 +380,7 @@ int prefill_attention(int64_t count, int64_t n, int64_t C, int64_t H, int64_t Hk
   int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
-    buffers b;
+    buffers b = {0};
     float *buf = (float *)malloc(sizeof(float) *
                                  (size_t)(2 * rows * Dh + 2 * Dh * BK + rows * BK + 2 * rows));
     failed = buf == NULL;
