@@ -356,8 +356,7 @@ def cascade_decode_attention(
 
     On CPU, in float32 and bfloat16, one C kernel computes both parts in one softmax per
     (sequence, KV head) (`rollout.native`); in float64, or without that kernel, the two parts
-    run through torch's
-    fused flash-attention kernel and are merged by their log-sum-exps
+    run through torch's fused flash-attention kernel and are merged by their log-sum-exps
     (`cascade_decode_attention_flash`); elsewhere as explicit matrix products and one softmax
     (`cascade_decode_attention_matmul`, the reference all are tested against).
     """
