@@ -80,6 +80,8 @@ def main(argv=None) -> dict:
     shape = rollout_throughput.parse_args(
         ["--vocab-size", str(args.vocab_size), "--heads", str(args.heads)]
         + ["--kv-heads", str(args.kv_heads)]
+        # the model's positions cover prompt + new tokens
+        + ["--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
     )
     cfg = dict(
         vocab=args.vocab_size,

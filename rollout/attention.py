@@ -173,7 +173,8 @@ def prefill_attention(
 
     A chunk without a cached prefix attends over its own new K/V, read from `k` / `v`;
     consecutive such chunks of one length (a batch of fresh prompts) form one batched causal
-    SDPA call. A chunk after a cached prefix gathers its context from the caches
+    call: of the C kernel (`rollout.native`, on CPU in float32 / bfloat16, q / k / v read in
+    place) or else of SDPA. A chunk after a cached prefix gathers its context from the caches
     (`attend_after_prefix`)."""
     i = 0
     while i < len(segments):
@@ -197,6 +198,14 @@ def prefill_attention(
             j += 1
         count, n = j - i, seg.num_new
         rows = slice(seg.token_start, seg.token_start + count * n)
+        if (lib := _native_prefill(q)) is not None:  # [count, n, heads, D] views, in place
+            queries, keys, values = (x[rows].unflatten(0, (count, n)) for x in (q, k, v))
+            chunk_out = out[rows].unflatten(0, (count, n))
+            native.prefill_attention(
+                lib, queries, keys.transpose(1, 2), values.transpose(1, 2), chunk_out
+            )
+            i = j
+            continue
         queries, keys, values = (_chunks(x[rows], count) for x in (q, k, v))
         attended = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, enable_gqa=True
@@ -221,8 +230,9 @@ def attend_after_prefix(
     memory-efficient takes no GQA (fewer K/V heads than query heads); anything else falls to
     the math kernel, which materialises the [H, n, C] scores. So there (`per_head_kv`, the
     default off the CPU) the K/V are gathered once per *query* head, and the causal offset is a
-    lower-right-aligned `CausalBias`, which both kernels take without a mask tensor. The CPU
-    kernel takes a boolean mask with GQA, and reads each K/V head once."""
+    lower-right-aligned `CausalBias`, which both kernels take without a mask tensor. On the CPU
+    each K/V head is gathered once; in float32 / bfloat16 the C kernel (`rollout.native`)
+    attends with the causal offset built in, else SDPA with a boolean mask and GQA."""
     num_heads, n = queries.shape[1], queries.shape[2]
     num_kv, context = k_cache.shape[0], context_slots.shape[0]
     if per_head_kv is None:
@@ -245,9 +255,21 @@ def attend_after_prefix(
         _held(index_select(cache, 1, context_slots), scale, None, queries)
         for cache, scale in zip((k_cache, v_cache), kv_scales or (None, None))
     )
+    if (lib := _native_prefill(queries)) is not None:
+        out = queries.new_empty(1, n, num_heads, queries.shape[-1])
+        native.prefill_attention(lib, queries.transpose(1, 2), keys, values, out)
+        return out.transpose(1, 2)
     positions = torch.arange(context, device=queries.device)
     mask = positions.unsqueeze(0) <= positions[context - n :].unsqueeze(-1)  # [n, C]
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def _native_prefill(q: torch.Tensor):
+    """The C prefill attention kernel where it computes this attention (CPU, float32 or
+    bfloat16, the kernel built), else None: the torch path (float64 stays there, exact)."""
+    if q.device.type == "cpu" and q.dtype in native.PREFILL_DTYPES:
+        return native.prefill()
+    return None
 
 
 def _rows_per_head(cache: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -284,15 +306,18 @@ def _gather(
     page_size: int,
     scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    as_stored: bool = False,
 ) -> torch.Tensor:
     """cache [Hkv, slots, D], pages [B, N] -> [Hkv, B, N * page_size, D] (contiguous) in
-    `accum_dtype` of `dtype` (default the cache's); an FP8 cache is dequantized with its
-    `scale` [Hkv].
+    `accum_dtype` of `dtype` (default the cache's), or in the cache's own dtype with
+    `as_stored`; an FP8 cache is dequantized with its `scale` [Hkv].
     Whole pages are copied: contiguous runs make the gather close to memcpy speed."""
     num_kv_heads, _, head_dim = cache.shape
     paged = cache.view(num_kv_heads, -1, page_size * head_dim)
     gathered = index_select(paged, 1, pages.reshape(-1))
     gathered = gathered.view(num_kv_heads, pages.shape[0], pages.shape[1] * page_size, head_dim)
+    if as_stored and scale is None:
+        return gathered
     wide = accum_dtype(dtype or cache.dtype)
     if scale is not None:
         return dequantize(gathered, head_scale(scale, 0, 4), wide)
@@ -325,30 +350,55 @@ def cascade_decode_attention(
     [Hkv, D, Ls, Dh] in grid order, `accum_dtype` (suffix lanes); None gathers them from the
     pool. `prefix_kv`: the groups' prefix K, V as [Hkv, G, Lp, Dh], `accum_dtype` (kept across
     steps by the lanes); None gathers them. `kv_scales`: an FP8 pool's K and V scales [Hkv];
-    the gathers dequantize, so every path below reads float K/V.
+    the gathers dequantize, so every path below reads float K/V. Where the C kernel runs, a
+    bfloat16 pool's K/V stay bfloat16 (gathered and kept in lanes as stored, `decode_kv_dtype`):
+    the kernel widens each row as it reads it.
 
-    On CPU, in float32, one C kernel computes both parts in one softmax per (sequence, KV head)
-    (`rollout.native`); in float64, or without that kernel, the two parts run through torch's
-    fused flash-attention kernel and are merged by their log-sum-exps
+    On CPU, in float32 and bfloat16, one C kernel computes both parts in one softmax per
+    (sequence, KV head) (`rollout.native`); in float64, or without that kernel, the two parts
+    run through torch's fused flash-attention kernel and are merged by their log-sum-exps
     (`cascade_decode_attention_flash`); elsewhere as explicit matrix products and one softmax
     (`cascade_decode_attention_matmul`, the reference all are tested against).
     """
     k_scale, v_scale = kv_scales or (None, None)
+    lib = _native_decode(q)
+    as_stored = lib is not None and k_cache.dtype == torch.bfloat16
     if suffix_kv is None:
         suffix_kv = (
-            _gather(k_cache, meta.suffix_pages, page_size, k_scale, q.dtype),
-            _gather(v_cache, meta.suffix_pages, page_size, v_scale, q.dtype),
+            _gather(k_cache, meta.suffix_pages, page_size, k_scale, q.dtype, as_stored),
+            _gather(v_cache, meta.suffix_pages, page_size, v_scale, q.dtype, as_stored),
         )
     if prefix_kv is None and meta.prefix_pages.shape[1] > 0:
         prefix_kv = (
-            _gather(k_cache, meta.prefix_pages, page_size, k_scale, q.dtype),
-            _gather(v_cache, meta.prefix_pages, page_size, v_scale, q.dtype),
+            _gather(k_cache, meta.prefix_pages, page_size, k_scale, q.dtype, as_stored),
+            _gather(v_cache, meta.prefix_pages, page_size, v_scale, q.dtype, as_stored),
         )
+    if lib is not None:
+        return cascade_decode_attention_native(lib, q, meta, suffix_kv, prefix_kv)
+    wide = accum_dtype(q.dtype)  # the torch paths read float K/V
+    suffix_kv = tuple(t.to(wide) for t in suffix_kv)
+    prefix_kv = None if prefix_kv is None else tuple(t.to(wide) for t in prefix_kv)
     if q.device.type != "cpu":
         return cascade_decode_attention_matmul(q, meta, suffix_kv, prefix_kv)
-    if accum_dtype(q.dtype) == torch.float32 and (lib := native.attention()) is not None:
-        return cascade_decode_attention_native(lib, q, meta, suffix_kv, prefix_kv)
     return cascade_decode_attention_flash(q, meta, suffix_kv, prefix_kv)
+
+
+def _native_decode(q: torch.Tensor):
+    """The C decode attention kernel where it computes this attention (CPU, float32 or
+    bfloat16 queries, the kernel built), else None."""
+    if q.device.type == "cpu" and accum_dtype(q.dtype) == torch.float32:
+        return native.attention()
+    return None
+
+
+def decode_kv_dtype(pool: KVPool) -> torch.dtype:
+    """The dtype decode attention reads `pool`'s K/V in (what the suffix lanes hold): a
+    bfloat16 pool's own on the CPU where the C kernel reads its rows as stored (half the bytes
+    of a float32 copy, and no widening pass), else `accum_dtype`."""
+    if pool.k.dtype == torch.bfloat16 and pool.k.device.type == "cpu":
+        if native.attention() is not None:
+            return torch.bfloat16
+    return accum_dtype(pool.dtype)
 
 
 def _grid_queries(q: torch.Tensor, meta: DecodeMetadata, num_kv_heads: int) -> torch.Tensor:

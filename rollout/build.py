@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from model_spec import ModelSpec
 from rollout import device_memory
-from rollout.attention import TorchAttention
+from rollout.attention import TorchAttention, decode_kv_dtype
 from rollout.compiled import compile_model
-from rollout.config import EngineConfig, accum_dtype, kv_storage_dtype
+from rollout.config import EngineConfig, kv_storage_dtype
 from rollout.decode_graphs import DecodeGraphs
 from rollout.kv_pool import KVPool
 from rollout.model import CausalLM
@@ -182,10 +182,13 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
         attention = TritonAttention(pool)
     else:
         if config.decode_suffix_lanes and not use_graphs and tp is None:
-            # Bounded by the pool's own bytes (lanes are in accum_dtype, the pool in its storage
-            # dtype).
-            lane_bytes = torch.empty((), dtype=accum_dtype(dtype)).element_size()
-            suffix_lanes = SuffixLanes(pool, pool.num_slots * pool.k.element_size() // lane_bytes)
+            # Bounded by the pool's own bytes (lanes are in the dtype decode attention reads, the
+            # pool in its storage dtype).
+            lane_dtype = decode_kv_dtype(pool)
+            lane_bytes = torch.empty((), dtype=lane_dtype).element_size()
+            suffix_lanes = SuffixLanes(
+                pool, pool.num_slots * pool.k.element_size() // lane_bytes, lane_dtype
+            )
         attention = TorchAttention(pool, suffix_lanes)
     runner = ModelRunner(model, attention, scheduler.slot_table, config.page_size)
     decode_graphs = (

@@ -3,7 +3,8 @@
 Cascade decode attention reads each sequence's private suffix (its K/V after the shared group
 prefix). Gathering it from the paged pool every step costs a full copy of every suffix, in every
 layer, every step, although only one token per sequence changes. Instead each decode sequence
-owns a *lane*: a contiguous row (in `accum_dtype`: float32, float64 for a float64 model)
+owns a *lane*: a contiguous row (in `accum_dtype`: float32, float64 for a float64 model; or
+in a bfloat16 pool's own dtype, which the CPU decode kernel reads as stored)
 `[layer, kv_head, lane, position - suffix_start, dim]` filled from the pool once, then kept in
 sync by writing each step's new K/V to both the pool and the lane. Attention reads lanes
 `[:num_seqs, :width]` in place (strided batched matmuls).
@@ -70,8 +71,10 @@ class LanePlan:
 
 
 class SuffixLanes:
-    def __init__(self, pool: KVPool, max_tokens: int):
+    def __init__(self, pool: KVPool, max_tokens: int, dtype: torch.dtype | None = None):
         self.pool = pool
+        # accum_dtype by default; the pool's own bfloat16 where the decode kernel reads it
+        self.dtype = dtype or accum_dtype(pool.dtype)
         self.max_tokens = max_tokens  # lanes x capacity bound (memory), else the gather path
         self.k: torch.Tensor | None = None  # [layers, Hkv, lanes, capacity, dim]
         self.v: torch.Tensor | None = None
@@ -106,7 +109,7 @@ class SuffixLanes:
     def prefix(
         self, layer: int, key: tuple, pages: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The groups' prefix K, V of `layer` ([Hkv, G, Lp, dim], accum_dtype) for the prefix
+        """The groups' prefix K, V of `layer` ([Hkv, G, Lp, dim], the lanes' dtype) for the prefix
         `pages` [G, Np]: last step's copy when `key` (DecodeMetadata.prefix_key) is unchanged,
         else gathered from the pool now and kept."""
         if key != self._prefix_key:
@@ -123,12 +126,18 @@ class SuffixLanes:
         self, cache: torch.Tensor, pages: torch.Tensor, which: str, layer: int
     ) -> torch.Tensor:
         """cache [Hkv, slots, dim] (the pool's `which` of `layer`), pages [G, Np] ->
-        [Hkv, G, Np * page_size, dim], accum_dtype (dequantized from an FP8 pool)."""
+        [Hkv, G, Np * page_size, dim], the lanes' dtype (dequantized from an FP8 pool)."""
         heads, _, dim = cache.shape
         page = self.pool.page_size
         gathered = index_select(cache.view(heads, -1, page * dim), 1, pages.reshape(-1))
         gathered = gathered.view(heads, pages.shape[0], pages.shape[1] * page, dim)
-        return self.pool.dequantized(gathered, which, layer)
+        return self._as_lane(gathered, which, layer)
+
+    def _as_lane(self, stored: torch.Tensor, which: str, layer: int | None = None):
+        """Rows read from the pool (`KVPool.dequantized`'s arguments) in the lanes' dtype."""
+        if not self.pool.quantized and stored.dtype == self.dtype:
+            return stored
+        return self.pool.dequantized(stored, which, layer).to(self.dtype)
 
     def _ensure(self, num_lanes: int, width: int) -> bool:
         """Room for `num_lanes` lanes of `width` positions, growing geometrically (contents
@@ -154,7 +163,7 @@ class SuffixLanes:
         pool = self.pool
         shape = (pool.num_layers, pool.num_kv_heads, new_lanes, new_capacity, pool.head_dim)
         # zeros: stale entries must be finite (weight 0 times NaN would be NaN)
-        k = torch.zeros(shape, dtype=accum_dtype(pool.dtype), device=pool.device)
+        k = torch.zeros(shape, dtype=self.dtype, device=pool.device)
         v = torch.zeros_like(k)
         if self.k is not None:
             k[:, :, :lanes, :keep] = self.k[:, :, :, :keep]
@@ -276,7 +285,7 @@ class SuffixLanes:
                 pool.num_layers, pool.num_kv_heads, len(seqs), width
             )
             flat = dst.view(*dst.shape[:3], -1)
-            flat[..., :width].index_copy_(2, index, pool.dequantized(gathered, which))
+            flat[..., :width].index_copy_(2, index, self._as_lane(gathered, which))
 
     def views(self, layer: int, num_seqs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Suffix K, V of lanes [0, num_seqs), `width` positions: [Hkv, num_seqs, width, dim]
@@ -320,7 +329,7 @@ class SuffixLanes:
             pages = torch.tensor(seq.pages[seq.num_tree_pages :], dtype=torch.int64)
             slots = (pages[:, None] * page + torch.arange(page)).flatten()[:count].to(pool.device)
             for which, src, dst in (("k", pool.k, self.k), ("v", pool.v, self.v)):
-                expected = pool.dequantized(index_select(src, 2, slots), which)
+                expected = self._as_lane(index_select(src, 2, slots), which)
                 assert torch.equal(dst[:, :, lane, :count], expected), (
                     "lane differs from the KV pool"
                 )

@@ -1,4 +1,5 @@
-"""The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c), the
+"""The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c),
+causal prefill attention (prefill_attention.c, float32 and bfloat16 inputs, float32 arithmetic), the
 element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; all but
 SiLU * up in bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
 sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
@@ -36,7 +37,22 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
         *(_PTR, _I64, _F32, _PTR, _INT),  # group_of, G, scale, out, threads
     ]
     lib.cascade_decode_f32.restype = _INT
+    lib.cascade_decode_bf16.argtypes = lib.cascade_decode_f32.argtypes
+    lib.cascade_decode_bf16.restype = _INT
     lib.cascade_decode_has_avx2.restype = _INT
+    return lib
+
+
+def declare_prefill(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.prefill_attention.argtypes = [
+        *(_I64,) * 6,  # count, n, C, H, Hkv, Dh
+        *(_PTR, _I64, _I64),  # q, its chunk and token strides
+        *(_PTR, _PTR, _I64, _I64, _I64),  # K, V, their chunk, head and token strides
+        *(_PTR, _I64, _I64),  # out, its chunk and token strides
+        *(_F32, _INT, _INT),  # scale, bfloat16?, threads
+    ]
+    lib.prefill_attention.restype = _INT
+    lib.prefill_attention_has_avx512.restype = _INT
     return lib
 
 
@@ -81,6 +97,7 @@ def _library(source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: s
 
 
 attention = _library("cascade_decode.c", declare_attention, "decode attention")
+prefill = _library("prefill_attention.c", declare_prefill, "prefill attention")
 pointwise = _library("pointwise.c", declare_pointwise, "element-wise kernels")
 sampling = _library("sampling.c", declare_sampling, "sampling")
 transpose = _library("transpose.c", declare_transpose, "transposing copy")
@@ -131,7 +148,9 @@ def cascade_decode(
 ) -> torch.Tensor:
     """Softmax attention of each sequence's grid rows over (its group's prefix ++ its suffix).
 
-    grid_q [D, Hkv, R, Dh] float32, rows ordered (query token, head in the KV group), read in
+    K and V float32, or all bfloat16 (read as stored, widened exactly on load; float32
+    arithmetic either way; a mix is widened to float32 first). grid_q [D, Hkv, R, Dh] float32,
+    rows ordered (query token, head in the KV group), read in
     place where each sequence's Hkv * R rows are contiguous, whatever the stride between
     sequences (the q heads of the fused projection's output); suffix K, V [Hkv, D, Ls, Dh];
     suffix_bias [D, Q, Ls] additive (row r reads query r // (R / Q)); prefix K, V
@@ -139,6 +158,11 @@ def cascade_decode(
     num_seqs, num_kv_heads, rows, head_dim = grid_q.shape
     if grid_q.stride()[1:] != (rows * head_dim, head_dim, 1):
         grid_q = grid_q.contiguous()
+    kv = (*suffix_kv, *(prefix_kv or ()))
+    bf16 = all(t.dtype == torch.bfloat16 for t in kv)
+    if not bf16 and any(t.dtype != torch.float32 for t in kv):
+        suffix_kv = tuple(t.to(torch.float32) for t in suffix_kv)
+        prefix_kv = None if prefix_kv is None else tuple(t.to(torch.float32) for t in prefix_kv)
     suffix_k, suffix_v = (_rows_of_dh(t) for t in suffix_kv)
     if suffix_k.stride() != suffix_v.stride():
         suffix_k, suffix_v = suffix_k.contiguous(), suffix_v.contiguous()
@@ -154,7 +178,8 @@ def cascade_decode(
         assert prefix_bias.shape[1] == prefix_len, (prefix_bias.shape, prefix_k.shape)
     group_of = group_of.to(torch.int64).contiguous()
     out = torch.empty(grid_q.shape, dtype=torch.float32)
-    status = lib.cascade_decode_f32(
+    kernel = lib.cascade_decode_bf16 if bf16 else lib.cascade_decode_f32
+    status = kernel(
         num_seqs,
         num_kv_heads,
         rows,
@@ -188,6 +213,51 @@ def cascade_decode(
 
 
 POINTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the element-wise kernels' dtypes
+PREFILL_DTYPES = POINTWISE_DTYPES  # the prefill attention kernel's
+
+
+def _heads_of_dh(t: torch.Tensor) -> torch.Tensor:
+    """`t` [..., heads, Dh] with each token's heads one contiguous run (a view if it has)."""
+    if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]:
+        return t
+    return t.contiguous()
+
+
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of `count` chunks into `out` (written in place):
+    `F.scaled_dot_product_attention(q, k, v, attn_mask=causal lower-right, enable_gqa=True)`
+    per chunk, with softmax and products in float32.
+
+    q, out [count, n, H, Dh]; k, v [count, Hkv, C, Dh] (C >= n: query i sees keys
+    <= C - n + i), all float32 or all bfloat16, each row of Dh elements contiguous, any chunk,
+    token and head strides for K / V; q's and out's heads of a token one contiguous run (the
+    q heads of the fused projection's output are read in place)."""
+    count, n, num_heads, head_dim = q.shape
+    num_kv_heads, context = k.shape[1], k.shape[2]
+    assert q.dtype == k.dtype == v.dtype == out.dtype and q.dtype in PREFILL_DTYPES, q.dtype
+    assert out.shape == q.shape and k.shape == v.shape, (q.shape, out.shape, k.shape, v.shape)
+    assert context >= n and num_heads % num_kv_heads == 0, (q.shape, k.shape)
+    q = _heads_of_dh(q)
+    assert out.stride()[2:] == (head_dim, 1), out.stride()
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if not count or not n:
+        return
+    status = lib.prefill_attention(
+        count, n, context, num_heads, num_kv_heads, head_dim,
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        1.0 / math.sqrt(head_dim), int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("prefill attention: a buffer could not be allocated")
 
 
 def _rows(t: torch.Tensor, what: str, dtypes=(torch.float32,)) -> int:

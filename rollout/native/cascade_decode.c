@@ -1,5 +1,6 @@
-/* Cascade decode attention on the CPU, float32: the function of
-   rollout.attention.cascade_decode_attention_matmul (its reference, and the test's).
+/* Cascade decode attention on the CPU, float32 arithmetic over float32 or bfloat16 K / V: the
+   function of rollout.attention.cascade_decode_attention_matmul (its reference, and the
+   test's).
 
    Each of the R query rows of sequence d that read KV head h (query token x query head of the
    KV group) attends over [group prefix of d ++ own suffix of d] with one exact softmax. K and V
@@ -35,16 +36,37 @@
 
 int cascade_decode_has_avx2(void) { return HAVE_AVX2; }
 
+/* K / V elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1, widened exactly on load);
+   queries, scores, probabilities and outputs are float32 either way. `bf16` is a constant at
+   every call site below the entry point, so each function is compiled once per element type. */
+static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t elems,
+                                                              const int bf16) {
+  return (const char *)base + elems * (bf16 ? 2 : 4);
+}
+
+static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t i,
+                                                         const int bf16) {
+  return bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+#if HAVE_AVX2
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i,
+                                                            const int bf16) {
+  return bf16 ? bf16_load8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+#endif
+
 /* s[r * ld + j] = scale * <q_r, k_j> + bias[(r / rows_per_bias) * bias_stride + j] for the R
    rows of q [R, Dh] against L keys k [L, Dh]; a masked key's score is -inf. */
 static inline __attribute__((always_inline)) void scores(
-    const float *q, int64_t R, const int64_t Dh, const float *k, int64_t L, const float *bias,
-    int64_t bias_stride, int64_t rows_per_bias, float scale, float *s, int64_t ld) {
+    const float *q, int64_t R, const int64_t Dh, const void *k, int64_t L, const float *bias,
+    int64_t bias_stride, int64_t rows_per_bias, float scale, float *s, int64_t ld,
+    const int bf16) {
   int64_t j = 0;
 #if HAVE_AVX2
   const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
   for (; Dh % 8 == 0 && j + 8 <= L; j += 8) {  // other head sizes: the plain loop below
-    const float *kb = k + j * Dh;
+    const void *kb = kv_at(k, j * Dh, bf16);
     for (int64_t r = 0; r < R; r++) {
       __m256 vb = _mm256_loadu_ps(bias + (r / rows_per_bias) * bias_stride + j);
       const __m256 masked = _mm256_cmp_ps(vb, ninf, _CMP_EQ_OQ);
@@ -58,7 +80,7 @@ static inline __attribute__((always_inline)) void scores(
       for (int64_t x = 0; x + 8 <= Dh; x += 8) {
         __m256 vq = _mm256_loadu_ps(qr + x);
         for (int i = 0; i < 8; i++)
-          a[i] = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kb + i * Dh + x), a[i]);
+          a[i] = _mm256_fmadd_ps(vq, kv_load8(kb, i * Dh + x, bf16), a[i]);
       }
       // horizontal sums of the 8 accumulators: lane i = <q_r, k_{j+i}>
       __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -72,7 +94,7 @@ static inline __attribute__((always_inline)) void scores(
   }
 #endif
   for (; j < L; j++) {
-    const float *kj = k + j * Dh;
+    const void *kj = kv_at(k, j * Dh, bf16);
     for (int64_t r = 0; r < R; r++) {
       float b = bias[(r / rows_per_bias) * bias_stride + j];
       if (b == -INFINITY) {
@@ -80,7 +102,7 @@ static inline __attribute__((always_inline)) void scores(
         continue;
       }
       float acc = 0.f;
-      for (int64_t x = 0; x < Dh; x++) acc += q[r * Dh + x] * kj[x];
+      for (int64_t x = 0; x < Dh; x++) acc += q[r * Dh + x] * kv_get(kj, x, bf16);
       s[r * ld + j] = acc * scale + b;
     }
   }
@@ -132,13 +154,14 @@ static inline float exp_row(float *sr, int64_t L) { return exp_sum(sr, L, row_ma
 /* acc0 += p0[t] V[t], acc1 += p1[t] V[t] over n rows of V [n, Dh]: two query rows share each V
    load, and their 2 x Dh / 8 independent accumulator chains hide the FMA latency. */
 static inline __attribute__((always_inline)) void pv_pair(const int64_t Dh, const float *p0,
-                                                          const float *p1, const float *V,
-                                                          int64_t n, __m256 *acc0, __m256 *acc1) {
+                                                          const float *p1, const void *V,
+                                                          int64_t n, __m256 *acc0, __m256 *acc1,
+                                                          const int bf16) {
   for (int64_t t = 0; t < n; t++) {
     if (p0[t] == 0.f && p1[t] == 0.f) continue;  // masked for both: V[t] is never read
     const __m256 b0 = _mm256_set1_ps(p0[t]), b1 = _mm256_set1_ps(p1[t]);
     for (int64_t x = 0; x < Dh / 8; x++) {
-      const __m256 v = _mm256_loadu_ps(V + t * Dh + x * 8);
+      const __m256 v = kv_load8(V, t * Dh + x * 8, bf16);
       acc0[x] = _mm256_fmadd_ps(b0, v, acc0[x]);
       acc1[x] = _mm256_fmadd_ps(b1, v, acc1[x]);
     }
@@ -150,13 +173,13 @@ static inline __attribute__((always_inline)) void pv_pair(const int64_t Dh, cons
    with Lp = 0: sequences with a prefix go through `group_item`).
    s holds R * (Lp + Ls) scores, then R normalisers. */
 static inline __attribute__((always_inline)) void item(
-    const int64_t Dh, int64_t R, int64_t rows_per_bias, const float *q, const float *pk,
-    const float *pv, int64_t Lp, const float *pbias, const float *sk, const float *sv, int64_t Ls,
-    const float *sbias, float scale, float *out, float *s) {
+    const int64_t Dh, int64_t R, int64_t rows_per_bias, const float *q, const void *pk,
+    const void *pv, int64_t Lp, const float *pbias, const void *sk, const void *sv, int64_t Ls,
+    const float *sbias, float scale, float *out, float *s, const int bf16) {
   const int64_t L = Lp + Ls;
   float *inv = s + R * L;
-  if (Lp > 0) scores(q, R, Dh, pk, Lp, pbias, 0, R, scale, s, L);
-  scores(q, R, Dh, sk, Ls, sbias, Ls, rows_per_bias, scale, s + Lp, L);
+  if (Lp > 0) scores(q, R, Dh, pk, Lp, pbias, 0, R, scale, s, L, bf16);
+  scores(q, R, Dh, sk, Ls, sbias, Ls, rows_per_bias, scale, s + Lp, L, bf16);
   for (int64_t r = 0; r < R; r++) inv[r] = 1.f / exp_row(s + r * L, L);
   int64_t r = 0;
 #if HAVE_AVX2
@@ -165,8 +188,8 @@ static inline __attribute__((always_inline)) void item(
       const float *s0 = s + r * L, *s1 = s0 + L;
       __m256 acc0[16], acc1[16];
       for (int64_t x = 0; x < Dh / 8; x++) acc0[x] = acc1[x] = _mm256_setzero_ps();
-      pv_pair(Dh, s0, s1, pv, Lp, acc0, acc1);
-      pv_pair(Dh, s0 + Lp, s1 + Lp, sv, Ls, acc0, acc1);
+      pv_pair(Dh, s0, s1, pv, Lp, acc0, acc1, bf16);
+      pv_pair(Dh, s0 + Lp, s1 + Lp, sv, Ls, acc0, acc1, bf16);
       const __m256 inv0 = _mm256_set1_ps(inv[r]), inv1 = _mm256_set1_ps(inv[r + 1]);
       for (int64_t x = 0; x < Dh / 8; x++) {
         _mm256_storeu_ps(out + r * Dh + x * 8, _mm256_mul_ps(acc0[x], inv0));
@@ -181,8 +204,8 @@ static inline __attribute__((always_inline)) void item(
     for (int64_t x = 0; x < Dh; x++) o[x] = 0.f;
     for (int64_t t = 0; t < L; t++) {
       if (sr[t] == 0.f) continue;
-      const float *vt = t < Lp ? pv + t * Dh : sv + (t - Lp) * Dh;
-      for (int64_t x = 0; x < Dh; x++) o[x] += sr[t] * vt[x];
+      const void *vt = t < Lp ? kv_at(pv, t * Dh, bf16) : kv_at(sv, (t - Lp) * Dh, bf16);
+      for (int64_t x = 0; x < Dh; x++) o[x] += sr[t] * kv_get(vt, x, bf16);
     }
     for (int64_t x = 0; x < Dh; x++) o[x] *= inv[r];
   }
@@ -235,12 +258,14 @@ static inline void pf_issue(prefetcher *f, int64_t lines) {
 }
 
 #if HAVE_AVX2
-/* 8 x 8 transpose: dst[x * ldd + j] = src[j * lds + x] for j, x < 8. */
-static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
-  __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds);
-  __m256 r2 = _mm256_loadu_ps(src + 2 * lds), r3 = _mm256_loadu_ps(src + 3 * lds);
-  __m256 r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
-  __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
+/* 8 x 8 transpose: dst[x * ldd + j] = src[j * lds + x] for j, x < 8 (as float32). */
+static inline __attribute__((always_inline)) void transpose8(const void *src, int64_t lds,
+                                                             float *dst, int64_t ldd,
+                                                             const int bf16) {
+  __m256 r0 = kv_load8(src, 0, bf16), r1 = kv_load8(src, lds, bf16);
+  __m256 r2 = kv_load8(src, 2 * lds, bf16), r3 = kv_load8(src, 3 * lds, bf16);
+  __m256 r4 = kv_load8(src, 4 * lds, bf16), r5 = kv_load8(src, 5 * lds, bf16);
+  __m256 r6 = kv_load8(src, 6 * lds, bf16), r7 = kv_load8(src, 7 * lds, bf16);
   __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
   __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -290,8 +315,9 @@ static inline __attribute__((always_inline)) void prefix_block(
    (columns [0, NV * 8) of rows of Dh floats): RB rows share each V load; per output element
    one FMA chain over the keys in order, whatever the blocking. */
 static inline __attribute__((always_inline)) void pv_block(
-    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldp, const float *V,
-    int64_t n, const unsigned char *vis, float *o, int64_t ldo, prefetcher *pf, int64_t per_key) {
+    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldp, const void *V,
+    int64_t n, const unsigned char *vis, float *o, int64_t ldo, prefetcher *pf, int64_t per_key,
+    const int bf16) {
   __m256 acc[3][4];
   for (int r = 0; r < RB; r++)
     for (int v = 0; v < NV; v++) acc[r][v] = _mm256_loadu_ps(o + r * ldo + v * 8);
@@ -301,7 +327,7 @@ static inline __attribute__((always_inline)) void pv_block(
     __m256 b[3];
     for (int r = 0; r < RB; r++) b[r] = _mm256_broadcast_ss(p + r * ldp + t);
     for (int v = 0; v < NV; v++) {
-      __m256 vv = _mm256_loadu_ps(V + t * Dh + v * 8);
+      __m256 vv = kv_load8(V, t * Dh + v * 8, bf16);
       __asm__("" : "+x"(vv));  // one load, kept in a register for the RB rows
       for (int r = 0; r < RB; r++) acc[r][v] = _mm256_fmadd_ps(b[r], vv, acc[r][v]);
     }
@@ -315,14 +341,16 @@ static inline __attribute__((always_inline)) void pv_block(
 /* pv_block over n_rows rows for the NV * 8 columns at V, o: blocks of 3 rows (12 accumulators
    at NV = 4), the last 4 rows as 2 + 2 (each V load then serves 2 rows, not 3 + 1). */
 static inline __attribute__((always_inline)) void pv_cols(
-    const int NV, const int64_t Dh, const float *p, int64_t ldp, int64_t n_rows, const float *V,
-    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key) {
+    const int NV, const int64_t Dh, const float *p, int64_t ldp, int64_t n_rows, const void *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
+    const int bf16) {
   int64_t i = 0;
   for (; n_rows - i > 4 || n_rows - i == 3; i += 3)
-    pv_block(3, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key);
+    pv_block(3, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key, bf16);
   for (; n_rows - i >= 2; i += 2)
-    pv_block(2, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key);
-  if (i < n_rows) pv_block(1, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key);
+    pv_block(2, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key, bf16);
+  if (i < n_rows)
+    pv_block(1, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key, bf16);
 }
 #endif
 
@@ -330,18 +358,19 @@ static inline __attribute__((always_inline)) void pv_cols(
    prefetches of pf spread over the keys it visits. */
 static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, const float *p,
                                                           int64_t ldp, int64_t n_rows,
-                                                          const float *V, int64_t n,
+                                                          const void *V, int64_t n,
                                                           const unsigned char *vis, float *o,
-                                                          prefetcher *pf) {
+                                                          prefetcher *pf, const int bf16) {
   const int64_t visits = ((n_rows + 2) / 3) * ((Dh + 31) / 32) * n;
   const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
 #if HAVE_AVX2
   if (Dh % 8 == 0) {
     for (int64_t c = 0; c < Dh; c += 32) {  // columns 32 at a time (4 vectors), then the rest
-      if (Dh - c >= 32) pv_cols(4, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
-      else if (Dh - c == 24) pv_cols(3, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
-      else if (Dh - c == 16) pv_cols(2, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
-      else pv_cols(1, Dh, p, ldp, n_rows, V + c, n, vis, o + c, pf, per_key);
+      const void *Vc = kv_at(V, c, bf16);
+      if (Dh - c >= 32) pv_cols(4, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
+      else if (Dh - c == 24) pv_cols(3, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
+      else if (Dh - c == 16) pv_cols(2, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
+      else pv_cols(1, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
     }
     return;
   }
@@ -351,7 +380,7 @@ static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, cons
       pf_issue(pf, per_key);
       if (!vis[t]) continue;
       const float pt = p[r * ldp + t];
-      for (int64_t x = 0; x < Dh; x++) o[r * Dh + x] += pt * V[t * Dh + x];
+      for (int64_t x = 0; x < Dh; x++) o[r * Dh + x] += pt * kv_get(V, t * Dh + x, bf16);
     }
 }
 
@@ -363,20 +392,20 @@ static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, cons
    prefix ++ suffix, as in `item`. b->q .. b->vis hold at least n * R rows. */
 static inline __attribute__((always_inline)) void group_item(
     const int64_t Dh, int64_t R, int64_t rows_per_bias, const float *q, int64_t q_d,
-    const int64_t *mem, int64_t n, int64_t h, const float *pk, const float *pv, int64_t Lp,
-    int64_t Lpad, const float *pbias, const float *sk, const float *sv, int64_t s_h,
+    const int64_t *mem, int64_t n, int64_t h, const void *pk, const void *pv, int64_t Lp,
+    int64_t Lpad, const float *pbias, const void *sk, const void *sv, int64_t s_h,
     int64_t s_d, int64_t Ls, const float *sbias, int64_t sbias_d, int64_t Hkv, float scale,
-    float *out, const group_buffers *b, const float *next_pk) {
-  const int64_t N = n * R, Q = R / rows_per_bias;
+    float *out, const group_buffers *b, const void *next_pk, const int bf16) {
+  const int64_t N = n * R, Q = R / rows_per_bias, es = bf16 ? 2 : 4;
   prefetcher pf = {0}, pf_v = {0};  // prefix K now; prefix V, suffix K; suffix V
-  pf_add(&pf, pk, Lp * Dh * 4);
+  pf_add(&pf, pk, Lp * Dh * es);
   pf_issue(&pf, pf_lines(&pf));
-  pf_add(&pf, pv, Lp * Dh * 4);
+  pf_add(&pf, pv, Lp * Dh * es);
   for (int64_t i = 0; i < n; i++) {
-    pf_add(&pf, sk + h * s_h + mem[i] * s_d, Ls * Dh * 4);
-    pf_add(&pf_v, sv + h * s_h + mem[i] * s_d, Ls * Dh * 4);
+    pf_add(&pf, kv_at(sk, h * s_h + mem[i] * s_d, bf16), Ls * Dh * es);
+    pf_add(&pf_v, kv_at(sv, h * s_h + mem[i] * s_d, bf16), Ls * Dh * es);
   }
-  pf_add(&pf_v, next_pk, Lp * Dh * 4);  // the next item's first reads
+  pf_add(&pf_v, next_pk, Lp * Dh * es);  // the next item's first reads
   for (int64_t i = 0; i < n; i++) {  // the query rows, member after member
     const float *qi = q + mem[i] * q_d + h * R * Dh;
     for (int64_t e = 0; e < R * Dh; e++) b->q[i * R * Dh + e] = qi[e];
@@ -392,9 +421,10 @@ static inline __attribute__((always_inline)) void group_item(
     if (Dh % 8 == 0)
       for (; j + 8 <= Lp; j += 8)
         for (int64_t x = 0; x < Dh; x += 8)
-          transpose8(pk + j * Dh + x, Dh, b->kt + x * Lpad + j, Lpad);
+          transpose8(kv_at(pk, j * Dh + x, bf16), Dh, b->kt + x * Lpad + j, Lpad, bf16);
     for (int64_t x = 0; x < Dh; x++)
-      for (int64_t t = j; t < Lpad; t++) b->kt[x * Lpad + t] = t < Lp ? pk[t * Dh + x] : 0.f;
+      for (int64_t t = j; t < Lpad; t++)
+        b->kt[x * Lpad + t] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
   }
   const int64_t calls = Lpad / 16 * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
   for (int64_t j = 0; j < Lpad; j += 16) {
@@ -430,7 +460,7 @@ static inline __attribute__((always_inline)) void group_item(
         continue;
       }
       float acc = 0.f;
-      for (int64_t x = 0; x < Dh; x++) acc += b->q[r * Dh + x] * pk[j * Dh + x];
+      for (int64_t x = 0; x < Dh; x++) acc += b->q[r * Dh + x] * kv_get(pk, j * Dh + x, bf16);
       b->sp[r * Lpad + j] = acc * scale + b->pb[j];
     }
 #endif
@@ -438,8 +468,8 @@ static inline __attribute__((always_inline)) void group_item(
   // each member's suffix scores, then one softmax per row over prefix ++ suffix
   for (int64_t i = 0; i < n; i++) {
     const int64_t d = mem[i];
-    scores(b->q + i * R * Dh, R, Dh, sk + h * s_h + d * s_d, Ls, sbias + d * sbias_d, Ls,
-           rows_per_bias, scale, b->ss + i * R * Ls, Ls);
+    scores(b->q + i * R * Dh, R, Dh, kv_at(sk, h * s_h + d * s_d, bf16), Ls, sbias + d * sbias_d,
+           Ls, rows_per_bias, scale, b->ss + i * R * Ls, Ls, bf16);
   }
   for (int64_t r = 0; r < N; r++) {
     float *sp = b->sp + r * Lpad, *ss = b->ss + r * Ls;
@@ -449,7 +479,7 @@ static inline __attribute__((always_inline)) void group_item(
   }
   // prefix PV for all rows, then each member's suffix PV and normalisation
   for (int64_t e = 0; e < N * Dh; e++) b->o[e] = 0.f;
-  pv_rows(Dh, b->sp, Lpad, N, pv, Lp, b->vis, b->o, &pf_v);
+  pv_rows(Dh, b->sp, Lpad, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
   unsigned char *vis = b->vis + Lpad;
   for (int64_t i = 0; i < n; i++) {
     const int64_t d = mem[i];
@@ -460,7 +490,8 @@ static inline __attribute__((always_inline)) void group_item(
       vis[t] = any;
     }
     float *o = b->o + i * R * Dh;
-    pv_rows(Dh, b->ss + i * R * Ls, Ls, R, sv + h * s_h + d * s_d, Ls, vis, o, &pf_v);
+    pv_rows(Dh, b->ss + i * R * Ls, Ls, R, kv_at(sv, h * s_h + d * s_d, bf16), Ls, vis, o, &pf_v,
+            bf16);
     float *dst = out + (d * Hkv + h) * R * Dh;
     for (int64_t r = 0; r < R; r++)
       for (int64_t x = 0; x < Dh; x++) dst[r * Dh + x] = o[r * Dh + x] * b->inv[i * R + r];
@@ -479,12 +510,12 @@ static inline __attribute__((always_inline)) void group_item(
    head): the members of a group in sequence order (any order in the batch), split into runs so
    that a batch of few large groups still spreads over the threads. Without one it is
    (sequence, KV head). */
-int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
-                       const float *q, int64_t q_d, const float *sk, const float *sv, int64_t s_h,
-                       int64_t s_d, int64_t Ls, const float *sbias, const float *pk,
-                       const float *pv, int64_t p_h, int64_t p_g, int64_t Lp, const float *pbias,
-                       const int64_t *group_of, int64_t num_groups, float scale, float *out,
-                       int num_threads) {
+static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
+                          const float *q, int64_t q_d, const void *sk, const void *sv,
+                          int64_t s_h, int64_t s_d, int64_t Ls, const float *sbias,
+                          const void *pk, const void *pv, int64_t p_h, int64_t p_g, int64_t Lp,
+                          const float *pbias, const int64_t *group_of, int64_t num_groups,
+                          float scale, float *out, int num_threads, int bf16) {
   const int64_t L = Lp + Ls, sbias_d = (R / rows_per_bias) * Ls;
   if (Lp > 0)
     for (int64_t d = 0; d < D; d++)
@@ -500,15 +531,27 @@ int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t ro
         if (s == NULL) continue;
         const int64_t d = it / Hkv, h = it % Hkv;
         const float *qi = q + d * q_d + h * R * Dh;
-        const float *ski = sk + h * s_h + d * s_d, *svi = sv + h * s_h + d * s_d;
+        const void *ski = kv_at(sk, h * s_h + d * s_d, bf16);
+        const void *svi = kv_at(sv, h * s_h + d * s_d, bf16);
         const float *sb = sbias + d * sbias_d;
         float *o = out + it * R * Dh;
-        switch (Dh) {  // constant head sizes let the compiler unroll and keep acc in registers
-          case 32: item(32, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s); break;
-          case 64: item(64, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s); break;
-          case 128: item(128, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s); break;
-          default: item(Dh, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s);
-        }
+        // constant head sizes (and element types) let the compiler unroll and keep acc in
+        // registers
+#define ITEM(DH, BF16) \
+  item(DH, R, rows_per_bias, qi, pk, pv, 0, pbias, ski, svi, Ls, sb, scale, o, s, BF16)
+        if (bf16) switch (Dh) {
+            case 32: ITEM(32, 1); break;
+            case 64: ITEM(64, 1); break;
+            case 128: ITEM(128, 1); break;
+            default: ITEM(Dh, 1);
+          }
+        else switch (Dh) {
+            case 32: ITEM(32, 0); break;
+            case 64: ITEM(64, 0); break;
+            case 128: ITEM(128, 0); break;
+            default: ITEM(Dh, 0);
+          }
+#undef ITEM
       }
       free(s);
     }
@@ -555,23 +598,52 @@ int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t ro
       if (buf == NULL) continue;
       const int64_t *run = runs + 2 * (it / Hkv), h = it % Hkv;
       const int64_t *mem = order + run[0], n = run[1], g = group_of[mem[0]];
-      const float *pki = pk + h * p_h + g * p_g, *pvi = pv + h * p_h + g * p_g;
-      const float *pb = pbias + g * Lp, *next_pk = NULL;
+      const void *pki = kv_at(pk, h * p_h + g * p_g, bf16);
+      const void *pvi = kv_at(pv, h * p_h + g * p_g, bf16), *next_pk = NULL;
+      const float *pb = pbias + g * Lp;
       if (it + 1 < num_runs * Hkv)
-        next_pk = pk + ((it + 1) % Hkv) * p_h + group_of[order[runs[2 * ((it + 1) / Hkv)]]] * p_g;
-      switch (Dh) {  // as in `item`
-#define GROUP_ITEM(DH)                                                                        \
+        next_pk = kv_at(pk, ((it + 1) % Hkv) * p_h +
+                                group_of[order[runs[2 * ((it + 1) / Hkv)]]] * p_g, bf16);
+#define GROUP_ITEM(DH, BF16)                                                                  \
   group_item(DH, R, rows_per_bias, q, q_d, mem, n, h, pki, pvi, Lp, Lpad, pb, sk, sv, s_h, s_d, \
-             Ls, sbias, sbias_d, Hkv, scale, out, &b, next_pk)
-        case 32: GROUP_ITEM(32); break;
-        case 64: GROUP_ITEM(64); break;
-        case 128: GROUP_ITEM(128); break;
-        default: GROUP_ITEM(Dh);
+             Ls, sbias, sbias_d, Hkv, scale, out, &b, next_pk, BF16)
+      if (bf16) switch (Dh) {  // as in `item`
+          case 32: GROUP_ITEM(32, 1); break;
+          case 64: GROUP_ITEM(64, 1); break;
+          case 128: GROUP_ITEM(128, 1); break;
+          default: GROUP_ITEM(Dh, 1);
+        }
+      else switch (Dh) {
+          case 32: GROUP_ITEM(32, 0); break;
+          case 64: GROUP_ITEM(64, 0); break;
+          case 128: GROUP_ITEM(128, 0); break;
+          default: GROUP_ITEM(Dh, 0);
+        }
 #undef GROUP_ITEM
-      }
     }
     free(buf);
   }
   free(start), free(order), free(runs);
   return failed ? -1 : 0;
+}
+
+/* The entry points: K and V float32, or K and V bfloat16 (the pool's rows read as stored). */
+int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
+                       const float *q, int64_t q_d, const float *sk, const float *sv, int64_t s_h,
+                       int64_t s_d, int64_t Ls, const float *sbias, const float *pk,
+                       const float *pv, int64_t p_h, int64_t p_g, int64_t Lp, const float *pbias,
+                       const int64_t *group_of, int64_t num_groups, float scale, float *out,
+                       int num_threads) {
+  return cascade_decode(D, Hkv, R, Dh, rows_per_bias, q, q_d, sk, sv, s_h, s_d, Ls, sbias, pk, pv,
+                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 0);
+}
+
+int cascade_decode_bf16(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
+                        const float *q, int64_t q_d, const uint16_t *sk, const uint16_t *sv,
+                        int64_t s_h, int64_t s_d, int64_t Ls, const float *sbias,
+                        const uint16_t *pk, const uint16_t *pv, int64_t p_h, int64_t p_g,
+                        int64_t Lp, const float *pbias, const int64_t *group_of,
+                        int64_t num_groups, float scale, float *out, int num_threads) {
+  return cascade_decode(D, Hkv, R, Dh, rows_per_bias, q, q_d, sk, sv, s_h, s_d, Ls, sbias, pk, pv,
+                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 1);
 }

@@ -1,7 +1,8 @@
 """The C decode-attention kernel (`rollout.native`) against the float64 matmul reference
 (`cascade_decode_attention_matmul`): its vector (AVX2) build and its portable build, head sizes
 with and without an unrolled path, groups with and without a shared prefix, several queries per
-sequence, the suffix read in place from a strided view (as the suffix lanes give it)."""
+sequence, the suffix read in place from a strided view (as the suffix lanes give it), float32
+and bfloat16 K/V."""
 
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ pytestmark = pytest.mark.skipif(
 BUILDS = builds(native.attention)
 
 
-def _gathered(k_cache, v_cache, meta, page_size):
-    suffix = tuple(_gather(c, meta.suffix_pages, page_size) for c in (k_cache, v_cache))
-    prefix = tuple(_gather(c, meta.prefix_pages, page_size) for c in (k_cache, v_cache))
+def _gathered(k_cache, v_cache, meta, page_size, as_stored=False):
+    suffix, prefix = (
+        tuple(_gather(c, pages, page_size, as_stored=as_stored) for c in (k_cache, v_cache))
+        for pages in (meta.suffix_pages, meta.prefix_pages)
+    )
     return suffix, prefix if meta.prefix_pages.shape[1] else None
 
 
@@ -133,6 +136,46 @@ def test_the_dispatcher_uses_the_kernel_in_float32_only():
     torch.testing.assert_close(
         exact, _reference(q, k_cache, v_cache, meta, 4), atol=1e-13, rtol=1e-13
     )
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("head_dim", [8, 20, 32, 64, 128])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_bfloat16_kv_are_read_as_stored_bitwise_as_their_float32_widening(
+    build, head_dim, page_size
+):
+    """bfloat16 K/V (prefix and suffix, as a bfloat16 pool holds them) give bitwise the float32
+    kernel's result on their exact float32 widening (the kernel widens each row as it reads
+    it), and so stay within float32 rounding of the float64 reference."""
+    q, k_cache, v_cache, meta, _ = cascade_case(page_size, seed=head_dim, head_dim=head_dim)
+    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    lib = BUILDS[build]
+    suffix, prefix = _gathered(k_cache, v_cache, meta, page_size, as_stored=True)
+    assert suffix[0].dtype == prefix[0].dtype == torch.bfloat16
+    got = cascade_decode_attention_native(lib, q, meta, suffix, prefix)
+    widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
+    assert torch.equal(got, cascade_decode_attention_native(lib, q, meta, *widened))
+    torch.testing.assert_close(
+        got.double(),
+        _reference(q, k_cache.float(), v_cache.float(), meta, page_size),
+        atol=2e-6,
+        rtol=2e-6,
+    )
+
+
+def test_a_bfloat16_pool_is_gathered_as_stored_for_the_kernel():
+    """The dispatcher on a bfloat16 model and pool: the C kernel on the pool's bfloat16 rows
+    (no float32 copy), within bfloat16 rounding of the float64 reference."""
+    q, k_cache, v_cache, meta, _ = cascade_case(4, seed=9, head_dim=32)
+    q, k_cache, v_cache = (x.to(torch.bfloat16) for x in (q, k_cache, v_cache))
+    got = cascade_decode_attention(q, k_cache, v_cache, meta, 4)
+    assert got.dtype == torch.bfloat16
+    suffix, prefix = _gathered(k_cache, v_cache, meta, 4, as_stored=True)
+    direct = cascade_decode_attention_native(native.attention(), q, meta, suffix, prefix)
+    assert torch.equal(got, direct)
+    want = _reference(q.float(), k_cache.float(), v_cache.float(), meta, 4)
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2.0**-8 + 1e-6).all(), err.max().item()
 
 
 def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

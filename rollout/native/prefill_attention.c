@@ -1,0 +1,413 @@
+/* Causal prefill attention on the CPU, float32 or bfloat16 inputs, float32 arithmetic: the
+   function of torch's scaled_dot_product_attention(q, k, v, attn_mask=causal aligned to the
+   context's end, enable_gqa=True) (rollout.attention.prefill_attention's torch path, the
+   test's reference).
+
+   `count` chunks of n query tokens, each over its own context of C keys (C >= n: the last n
+   keys are the chunk's own tokens, the first C - n a cached prefix); query i of a chunk sees
+   keys j <= C - n + i. H query heads read Hkv K/V heads, query head a reading KV head
+   a / (H / Hkv).
+
+   A work item is (chunk, KV head, block of BQ query tokens, about 128 / g): its rows are those tokens x the
+   g = H / Hkv query heads that read the KV head, so every K and V row loaded serves g * BQ
+   query rows. The item walks its visible keys in blocks of BK with an online softmax (running
+   row maximum m and sum l, the output rescaled by e^(m_old - m_new) when the maximum grows):
+   no [n, C] score matrix exists. K / V blocks are converted to float32 once per item block
+   (K transposed, so that the score micro-kernel broadcasts one q element against 16 keys).
+   Items are handed out heaviest first (the last query blocks see the most keys).
+
+   With AVX-512 (-march=native on a machine that has it) the products are vector code and exp
+   is a vector polynomial (Cephes' expf, ~1 ulp); with AVX-512 BF16 too, bfloat16 scores come
+   from vdpbf16ps on the stored pairs (each bfloat16 product is exact in float32, so only the
+   order of the float32 sums differs), K transposed by 32-bit pairs instead of widened;
+   elsewhere, or for head sizes that are not a multiple of 16, plain C loops compute the same
+   function. Results differ from torch's in
+   float32 rounding only (for bfloat16, torch's kernel also rounds the probabilities to
+   bfloat16 before the PV product; this one keeps them in float32). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vector_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1  // vdpbf16ps: two bfloat16 products a float32 lane, products exact
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+int prefill_attention_has_avx512(void) { return HAVE_AVX512; }
+
+enum { BK = 64 };
+
+#if HAVE_AVX512
+/* e^x for 16 floats: exp8's Cephes polynomial (vector_math.h) in 512-bit registers. */
+static inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
+                                23);
+  return _mm512_maskz_mul_ps((__mmask16)~underflow, y, _mm512_castsi512_ps(e));
+}
+#endif
+
+/* Element i of a row of float32 (bf16 == 0) or bfloat16 values, as float32. */
+static inline float load_at(const void *p, int64_t i, int bf16) {
+  return bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Per-thread buffers of an item of at most `rows` query rows. */
+typedef struct {
+  float *q;   // [rows, Dh] the item's query rows times the softmax scale
+  float *kt;  // [Dh, BK] a key block transposed, keys past the block's end zero
+  float *v;   // [BK, Dh] a value block, rows past the block's end zero
+  float *s;   // [rows, BK] scores, then probabilities
+  float *o;   // [rows, Dh] unnormalised outputs
+  float *m;   // [rows] running maxima
+  float *l;   // [rows] running sums
+} buffers;
+
+#if HAVE_AVX512
+/* s[r][0..BK) = <q_r, keys> for RB rows (q [RB, Dh], kt [Dh, BK]): 4 x RB accumulators, each
+   K vector loaded once for the RB rows. */
+static inline __attribute__((always_inline)) void qk_block(const int RB, const int64_t Dh,
+                                                           const float *q, const float *kt,
+                                                           float *s) {
+  __m512 a[6][4];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < Dh; x++) {
+    __m512 k[4];
+    for (int c = 0; c < 4; c++) k[c] = _mm512_loadu_ps(kt + x * BK + 16 * c);
+    for (int r = 0; r < RB; r++) {
+      const __m512 vq = _mm512_set1_ps(q[r * Dh + x]);
+      for (int c = 0; c < 4; c++) a[r][c] = _mm512_fmadd_ps(vq, k[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + r * BK + 16 * c, a[r][c]);
+}
+
+/* o[r][0 .. NV * 16) += sum over t < nk of p[r][t] v[t][0 .. NV * 16) for RB rows (o and v
+   rows Dh apart, p rows BK apart): each V vector loaded once for the RB rows. */
+static inline __attribute__((always_inline)) void pv_block(const int RB, const int NV,
+                                                           const int64_t Dh, const float *p,
+                                                           const float *v, int64_t nk, float *o) {
+  __m512 acc[8][2];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < NV; c++) acc[r][c] = _mm512_loadu_ps(o + r * Dh + 16 * c);
+  for (int64_t t = 0; t < nk; t++) {
+    __m512 vv[2];
+    for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(v + t * Dh + 16 * c);
+    for (int r = 0; r < RB; r++) {
+      const __m512 b = _mm512_set1_ps(p[r * BK + t]);
+      for (int c = 0; c < NV; c++) acc[r][c] = _mm512_fmadd_ps(b, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < NV; c++) _mm512_storeu_ps(o + r * Dh + 16 * c, acc[r][c]);
+}
+#endif
+
+/* S = Q K^T for the item's R rows against the block's keys (all BK columns; padding keys are
+   zero rows of kt). */
+static inline __attribute__((always_inline)) void scores(const int64_t Dh, int64_t R,
+                                                         const buffers *b) {
+#if HAVE_AVX512
+  if (Dh % 16 == 0) {
+    int64_t r = 0;
+    for (; r + 6 <= R; r += 6) qk_block(6, Dh, b->q + r * Dh, b->kt, b->s + r * BK);
+    const float *q = b->q + r * Dh;
+    float *s = b->s + r * BK;
+    switch (R - r) {  // the last rows: one block of a constant size
+      case 5: qk_block(5, Dh, q, b->kt, s); break;
+      case 4: qk_block(4, Dh, q, b->kt, s); break;
+      case 3: qk_block(3, Dh, q, b->kt, s); break;
+      case 2: qk_block(2, Dh, q, b->kt, s); break;
+      case 1: qk_block(1, Dh, q, b->kt, s); break;
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < R; r++) {
+    float *s = b->s + r * BK;
+    for (int64_t t = 0; t < BK; t++) s[t] = 0.f;
+    for (int64_t x = 0; x < Dh; x++) {
+      const float qx = b->q[r * Dh + x];
+      for (int64_t t = 0; t < BK; t++) s[t] += qx * b->kt[x * BK + t];
+    }
+  }
+}
+
+#if HAVE_BF16_DOT
+/* s[r][0..BK) = scale * <q_r, keys> for RB rows of bfloat16 pairs (qw [RB, Dh / 2] words,
+   ktw [Dh / 2, BK] words: key t's elements 2p, 2p + 1 at ktw[p * BK + t]). */
+static inline __attribute__((always_inline)) void qk_block_bf16(const int RB, const int64_t Dh,
+                                                                const uint32_t *qw,
+                                                                const uint32_t *ktw,
+                                                                float scale, float *s) {
+  __m512 a[6][4];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < Dh / 2; p++) {
+    __m512bh k[4];
+    for (int c = 0; c < 4; c++)
+      k[c] = (__m512bh)_mm512_loadu_si512((const void *)(ktw + p * BK + 16 * c));
+    for (int r = 0; r < RB; r++) {
+      const __m512bh vq = (__m512bh)_mm512_set1_epi32((int)qw[r * (Dh / 2) + p]);
+      for (int c = 0; c < 4; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], vq, k[c]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + r * BK + 16 * c, _mm512_mul_ps(a[r][c], vs));
+}
+
+static inline __attribute__((always_inline)) void scores_bf16(const int64_t Dh, int64_t R,
+                                                              float scale, const buffers *b) {
+  const uint32_t *qw = (const uint32_t *)b->q, *ktw = (const uint32_t *)b->kt;
+  const int64_t W = Dh / 2;
+  int64_t r = 0;
+  for (; r + 6 <= R; r += 6) qk_block_bf16(6, Dh, qw + r * W, ktw, scale, b->s + r * BK);
+  const uint32_t *q = qw + r * W;
+  float *s = b->s + r * BK;
+  switch (R - r) {
+    case 5: qk_block_bf16(5, Dh, q, ktw, scale, s); break;
+    case 4: qk_block_bf16(4, Dh, q, ktw, scale, s); break;
+    case 3: qk_block_bf16(3, Dh, q, ktw, scale, s); break;
+    case 2: qk_block_bf16(2, Dh, q, ktw, scale, s); break;
+    case 1: qk_block_bf16(1, Dh, q, ktw, scale, s); break;
+  }
+}
+#endif
+
+/* O += P V over the block's first nk keys. */
+static inline __attribute__((always_inline)) void weighted_values(const int64_t Dh, int64_t R,
+                                                                  int64_t nk, const buffers *b) {
+#if HAVE_AVX512
+  if (Dh % 16 == 0) {
+    for (int64_t c = 0; c < Dh; c += 32) {  // columns 32 at a time (2 vectors), then 16
+      const float *v = b->v + c;
+      float *o = b->o + c;
+      int64_t r = 0;
+      if (Dh - c >= 32) {
+        for (; r + 8 <= R; r += 8) pv_block(8, 2, Dh, b->s + r * BK, v, nk, o + r * Dh);
+        for (; r < R; r++) pv_block(1, 2, Dh, b->s + r * BK, v, nk, o + r * Dh);
+      } else {
+        for (; r + 8 <= R; r += 8) pv_block(8, 1, Dh, b->s + r * BK, v, nk, o + r * Dh);
+        for (; r < R; r++) pv_block(1, 1, Dh, b->s + r * BK, v, nk, o + r * Dh);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t t = 0; t < nk; t++) {
+      const float p = b->s[r * BK + t];
+      for (int64_t x = 0; x < Dh; x++) b->o[r * Dh + x] += p * b->v[t * Dh + x];
+    }
+}
+
+/* Row s[0..BK) -> e^(s - m_new) in place, with m_new = max(m, max s); updates m and l
+   (l = l e^(m - m_new) + sum) and returns the factor e^(m - m_new) that the row's output must
+   be scaled by. The row's first block always holds a visible key (key 0), so m is finite
+   after it; a later block may be all masked (-inf): its probabilities are then 0. */
+static inline float softmax_step(float *s, float *m, float *l) {
+  float mx = -INFINITY, sum = 0.f;
+  int64_t t = 0;
+#if HAVE_AVX512
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (; t < BK; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
+  mx = _mm512_reduce_max_ps(vm);
+#else
+  for (; t < BK; t++) mx = s[t] > mx ? s[t] : mx;
+#endif
+  const float m_new = mx > *m ? mx : *m;
+  const float alpha = *m == -INFINITY ? 0.f : expf(*m - m_new);
+#if HAVE_AVX512
+  const __m512 vmax = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  for (t = 0; t < BK; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#else
+  for (t = 0; t < BK; t++) {
+    const float e = s[t] == -INFINITY ? 0.f : expf(s[t] - m_new);
+    s[t] = e;
+    sum += e;
+  }
+#endif
+  *m = m_new;
+  *l = *l * alpha + sum;
+  return alpha;
+}
+
+/* The key block [kb, kb + nk) into b->kt (transposed) and b->v, as float32; zero past nk. */
+static inline __attribute__((always_inline)) void load_block(const int64_t Dh, const void *k,
+                                                             const void *v, int64_t kb,
+                                                             int64_t nk, int64_t kv_t, int bf16,
+                                                             int dot, const buffers *b) {
+  if (dot) {  // K as bfloat16 pairs, transposed by 32-bit words (scores_bf16)
+    uint32_t *ktw = (uint32_t *)b->kt;
+    for (int64_t t = 0; t < nk; t++) {
+      const uint32_t *ks = (const uint32_t *)((const uint16_t *)k + (kb + t) * kv_t);
+      const uint16_t *vs = (const uint16_t *)v + (kb + t) * kv_t;
+      for (int64_t p = 0; p < Dh / 2; p++) ktw[p * BK + t] = ks[p];
+      for (int64_t x = 0; x < Dh; x++) b->v[t * Dh + x] = bf16_load(vs[x]);
+    }
+    for (int64_t t = nk; t < BK; t++) {
+      for (int64_t p = 0; p < Dh / 2; p++) ktw[p * BK + t] = 0;
+      for (int64_t x = 0; x < Dh; x++) b->v[t * Dh + x] = 0.f;
+    }
+    return;
+  }
+  for (int64_t t = 0; t < nk; t++) {
+    if (bf16) {
+      const uint16_t *ks = (const uint16_t *)k + (kb + t) * kv_t;
+      const uint16_t *vs = (const uint16_t *)v + (kb + t) * kv_t;
+      for (int64_t x = 0; x < Dh; x++) b->kt[x * BK + t] = bf16_load(ks[x]);
+      for (int64_t x = 0; x < Dh; x++) b->v[t * Dh + x] = bf16_load(vs[x]);
+    } else {
+      const float *ks = (const float *)k + (kb + t) * kv_t;
+      const float *vs = (const float *)v + (kb + t) * kv_t;
+      for (int64_t x = 0; x < Dh; x++) b->kt[x * BK + t] = ks[x];
+      for (int64_t x = 0; x < Dh; x++) b->v[t * Dh + x] = vs[x];
+    }
+  }
+  for (int64_t t = nk; t < BK; t++) {
+    for (int64_t x = 0; x < Dh; x++) b->kt[x * BK + t] = 0.f;
+    for (int64_t x = 0; x < Dh; x++) b->v[t * Dh + x] = 0.f;
+  }
+}
+
+/* One item: chunk c's query tokens [i0, i0 + nq) for KV head h; rows ordered (token, query
+   head of the group). */
+static inline __attribute__((always_inline)) void item(
+    const int64_t Dh, int64_t g, int64_t n, int64_t C, int64_t i0, int64_t nq, int64_t h,
+    const void *q, int64_t q_t, const void *k, const void *v, int64_t kv_t, void *out,
+    int64_t o_t, float scale, int bf16, const buffers *b) {
+  const int64_t R = nq * g, offset = C - n, kend = offset + i0 + nq;  // keys [0, kend) seen
+  const size_t esize = bf16 ? 2 : 4;
+#if HAVE_BF16_DOT
+  const int dot = bf16 && Dh % 16 == 0;
+#else
+  const int dot = 0;
+#endif
+  for (int64_t i = 0; i < nq; i++)
+    for (int64_t j = 0; j < g; j++) {
+      const char *src = (const char *)q + ((i0 + i) * q_t + (h * g + j) * Dh) * esize;
+      if (dot) {  // as stored: the products' scale is applied to the scores
+        uint16_t *dst = (uint16_t *)b->q + (i * g + j) * Dh;
+        for (int64_t x = 0; x < Dh; x++) dst[x] = ((const uint16_t *)src)[x];
+        continue;
+      }
+      float *dst = b->q + (i * g + j) * Dh;
+      for (int64_t x = 0; x < Dh; x++) dst[x] = load_at(src, x, bf16) * scale;
+    }
+  for (int64_t r = 0; r < R; r++) b->m[r] = -INFINITY, b->l[r] = 0.f;
+  for (int64_t e = 0; e < R * Dh; e++) b->o[e] = 0.f;
+  for (int64_t kb = 0; kb < kend; kb += BK) {
+    const int64_t nk = kend - kb < BK ? kend - kb : BK;
+    load_block(Dh, k, v, kb, nk, kv_t, bf16, dot, b);
+#if HAVE_BF16_DOT
+    if (dot) scores_bf16(Dh, R, scale, b);
+    else
+#endif
+      scores(Dh, R, b);
+    // causal mask: key kb + t is visible to token i0 + i iff kb + t <= offset + i0 + i
+    // (padding keys t >= nk lie past every row's limit)
+    const int64_t first_hidden = offset + i0 + 1 - kb;  // the first row's first masked key
+    if (first_hidden < BK)
+      for (int64_t i = 0; i < nq; i++) {
+        const int64_t from = first_hidden + i < 0 ? 0 : first_hidden + i;
+        for (int64_t j = 0; j < g; j++)
+          for (int64_t t = from; t < BK; t++) b->s[(i * g + j) * BK + t] = -INFINITY;
+      }
+    for (int64_t r = 0; r < R; r++) {
+      const float alpha = softmax_step(b->s + r * BK, b->m + r, b->l + r);
+      if (alpha != 1.f)
+        for (int64_t x = 0; x < Dh; x++) b->o[r * Dh + x] *= alpha;
+    }
+    weighted_values(Dh, R, nk, b);
+  }
+  for (int64_t i = 0; i < nq; i++)
+    for (int64_t j = 0; j < g; j++) {
+      const int64_t r = i * g + j;
+      const float inv = 1.f / b->l[r];
+      const int64_t at = (i0 + i) * o_t + (h * g + j) * Dh;
+      if (bf16)
+        for (int64_t x = 0; x < Dh; x++)
+          ((uint16_t *)out)[at + x] = bf16_round(b->o[r * Dh + x] * inv);
+      else
+        for (int64_t x = 0; x < Dh; x++) ((float *)out)[at + x] = b->o[r * Dh + x] * inv;
+    }
+}
+
+/* q: chunk c's query token i, head a at q + c * q_c + i * q_t + a * Dh (elements); K, V: chunk
+   c's key j of KV head h at k + c * kv_c + h * kv_h + j * kv_t; out like q with o_c, o_t.
+   Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1), rows of Dh contiguous elements.
+   Returns 0, or -1 if a buffer could not be allocated (out is then incomplete). */
+int prefill_attention(int64_t count, int64_t n, int64_t C, int64_t H, int64_t Hkv, int64_t Dh,
+                      const void *q, int64_t q_c, int64_t q_t, const void *k, const void *v,
+                      int64_t kv_c, int64_t kv_h, int64_t kv_t, void *out, int64_t o_c,
+                      int64_t o_t, float scale, int bf16, int num_threads) {
+  // about 128 rows an item (at least 16 tokens): each K / V block converted serves them all
+  const int64_t g = H / Hkv, BQ = 128 / g > 16 ? 128 / g : 16;
+  const int64_t blocks = (n + BQ - 1) / BQ, rows = BQ * g;
+  const size_t esize = bf16 ? 2 : 4;
+  int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+  {
+    buffers b = {0};
+    float *buf = (float *)malloc(sizeof(float) *
+                                 (size_t)(2 * rows * Dh + 2 * Dh * BK + rows * BK + 2 * rows));
+    failed = buf == NULL;
+    if (buf != NULL) {
+      b.q = buf, b.kt = b.q + rows * Dh, b.v = b.kt + Dh * BK, b.s = b.v + BK * Dh;
+      b.o = b.s + rows * BK, b.m = b.o + rows * Dh, b.l = b.m + rows;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < blocks * count * Hkv; it++) {
+      if (buf == NULL) continue;
+      const int64_t blk = blocks - 1 - it / (count * Hkv);  // heaviest (last) blocks first
+      const int64_t c = it % (count * Hkv) / Hkv, h = it % Hkv;
+      const int64_t i0 = blk * BQ, nq = n - i0 < BQ ? n - i0 : BQ;
+      const char *qc = (const char *)q + c * q_c * esize;
+      const char *kc = (const char *)k + (c * kv_c + h * kv_h) * esize;
+      const char *vc = (const char *)v + (c * kv_c + h * kv_h) * esize;
+      char *oc = (char *)out + c * o_c * esize;
+      switch (Dh) {  // constant head sizes let the compiler unroll the micro-kernels
+#define ITEM(DH) item(DH, g, n, C, i0, nq, h, qc, q_t, kc, vc, kv_t, oc, o_t, scale, bf16, &b)
+        case 32: ITEM(32); break;
+        case 64: ITEM(64); break;
+        case 128: ITEM(128); break;
+        default: ITEM(Dh);
+#undef ITEM
+      }
+    }
+    free(buf);
+  }
+  return failed ? -1 : 0;
+}
