@@ -56,20 +56,35 @@ def build_app(
     app = FastAPI(title="miles_like engine")
     state = app.state.serving = routes.ServingState.of(async_engine, tokenizer, model_name, prefill)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        if route is not None:  # matched routes only: the label set stays bounded
-            state.metrics.request(route.path, response.status_code)
-        return response
-
+    app.add_middleware(CountRequests, metrics=state.metrics)
     require_api_key(app, api_key)  # outermost: a refused request is not counted
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Exception, _internal)
     app.include_router(routes.engine_routes)
     return app
+
+
+class CountRequests:
+    """ASGI middleware counting answered requests by matched route and status (unmatched paths
+    are not counted: the label set stays bounded). Plain ASGI rather than `@app.middleware`:
+    that one relays every streamed chunk through a memory stream of its own."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                route = scope.get("route")  # set in place by the router once it matched
+                if route is not None:
+                    self.metrics.request(route.path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 async def _api_error(_: Request, exc: APIError):
