@@ -14,6 +14,7 @@ checkout faster); the load average before and after.
 
     .venv/bin/python benchmarks/serving_ab.py --base main --rounds 3
     .venv/bin/python benchmarks/serving_ab.py --base main --vllm-venv /path/.venv-vllm --quick
+    .venv/bin/python benchmarks/serving_ab.py --dry-run          # the plan and commands only
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-venv", type=Path, default=vllm_env.VENV)
     ap.add_argument("--quick", action="store_true", help="16 requests of 32 / 32, concurrency 8")
     ap.add_argument("--verbose", action="store_true", help="show the servers' logs")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
     add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
@@ -108,17 +110,42 @@ def serve_once(tree: Path, args, model_dir: Path, cpus: list[int], work: Path, n
     return {k: raw.get(k) for k in KEYS}
 
 
+def commit_of(ref: str) -> str:
+    """The commit `ref` names; one clear line if it names none."""
+    proc = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"--base {ref!r}: not a commit of this repository; name a branch or hash")
+    return proc.stdout.strip()
+
+
+def plan(args, cpus: list[int]) -> dict:
+    """What the run would do: the base commit, the server and client commands."""
+    model_dir, port = Path("MODEL_DIR"), 0
+    return {
+        "base_commit": commit_of(args.base),
+        "rounds": args.rounds,
+        "order": ["ab" if r % 2 == 0 else "ba" for r in range(args.rounds)],
+        "server_command": pinned(server_command("ours", args, model_dir, port), cpus),
+        "bench_command": pinned(bench_command(args, model_dir, port, Path("WORK"), "a0"), cpus),
+    }
+
+
 def main(argv=None) -> dict:
     record = RunRecord.start("serving_ab", argv)
     args = parse_args(argv)
-    vllm_env.ensure(args.vllm_venv)
     cpus = choose_cpus(args.threads)
+    if args.dry_run:
+        return plan(args, cpus)
+    vllm_env.ensure(args.vllm_venv)
     rounds: dict[str, list[dict]] = {"a": [], "b": []}
     result: dict = {
         "base": args.base,
-        "base_commit": subprocess.run(
-            ["git", "rev-parse", args.base], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        "base_commit": commit_of(args.base),
         "workload": {
             "requests": args.serving_requests,
             "concurrency": args.serving_concurrency,
