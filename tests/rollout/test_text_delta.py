@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_hf import save_bpe_tokenizer
 
 from rollout.serving.streaming import TextDelta
 from rollout.stop_strings import cut_at_stop, decode
+
+from tiny_hf import save_bpe_tokenizer
 
 CORPUS = [
     "the cat sat on the mat, déjà vu: naïve café",
