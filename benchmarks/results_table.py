@@ -91,6 +91,13 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "{:.2f}x",
         ),
     ),
+    "serving_ab": _figures(
+        (
+            "serving output tokens/s, this commit vs `{base}` (`vllm bench serve`, c=64)",
+            "b_over_a",
+            "{:.2f}x",
+        ),
+    ),
     "async_learning": _figures(
         (
             "fully async vs sync reward gain, paired non-inferiority p",

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
@@ -592,11 +593,47 @@ def _thread_to_loop_queue() -> tuple[asyncio.Queue, StreamListener]:
     (a no-op once that loop is closed: nobody is listening)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    with _HANDOFFS_LOCK:
+        handoff = _HANDOFFS.get(loop)
+        if handoff is None:
+            handoff = _HANDOFFS[loop] = _LoopHandoff(loop)
 
     def listener(item) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass
+        handoff.put(queue, item)
 
     return queue, listener
+
+
+class _LoopHandoff:
+    """Items from other threads into one event loop's queues, the loop woken once per burst:
+    the step loop hands every stream its delta after each step, and one wake-up (a write to the
+    loop's self-pipe and a callback) then delivers them all, not one per stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)  # the registry's value must not keep its key alive
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, object]] = []
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:  # a delivery is already scheduled and not yet run
+                return
+        loop = self._loop()
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_HANDOFFS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopHandoff] = (
+    weakref.WeakKeyDictionary()
+)
+_HANDOFFS_LOCK = threading.Lock()

@@ -38,20 +38,27 @@ def require_api_key(app: FastAPI, api_key: str | None) -> None:
     app.state.api_key = api_key
     if api_key is None:
         return
-    from fastapi import Request
-
     from rollout.serving.openai_api import error_response
 
-    expected = f"Bearer {api_key}".encode()
+    app.add_middleware(BearerKey, expected=f"Bearer {api_key}".encode(), refusal=error_response)
 
-    @app.middleware("http")
-    async def bearer(request: Request, call_next):
-        if request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response(
+
+class BearerKey:
+    """ASGI middleware answering 401 to an HTTP request without the expected `Authorization`
+    header (every path but `OPEN_PATHS`). Plain ASGI rather than `@app.middleware`: that one
+    relays every streamed chunk through a memory stream of its own."""
+
+    def __init__(self, app, expected: bytes, refusal):
+        self.app, self.expected, self.refusal = app, expected, refusal
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = self.refusal(
                     401,
                     "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
                 )
-        return await call_next(request)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)

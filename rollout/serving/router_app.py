@@ -136,7 +136,8 @@ def build_router_app(
     return app
 
 
-def router_front(request: Request) -> RouterFront:
+async def router_front(request: Request) -> RouterFront:
+    # async: FastAPI runs a plain function dependency in a worker thread, once per request
     return request.app.state.front
 
 

@@ -67,7 +67,8 @@ class ServingState:
         )
 
 
-def serving_state(request: Request) -> ServingState:
+async def serving_state(request: Request) -> ServingState:
+    # async: FastAPI runs a plain function dependency in a worker thread, once per request
     return request.app.state.serving
 
 

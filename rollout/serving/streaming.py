@@ -5,9 +5,10 @@ carries, per choice that advanced, its new text, the new token ids (`token_ids`,
 what was sampled) and their log-probs when asked; a choice's last chunk carries its finish reason.
 With `stream_options.include_usage` a last chunk has no choices and the usage.
 
-Text is decoded incrementally (`TextDelta`): the whole text so far is decoded and the part not yet
-sent goes out, holding back an incomplete UTF-8 character and, with stop strings, the characters a
-stop string could still claim; so the concatenated deltas equal the non-streamed text.
+Text is decoded incrementally (`TextDelta`: only the new tokens, in the context of the few before
+them) and the part not yet sent goes out, holding back an incomplete UTF-8 character and, with
+stop strings, the characters a stop string could still claim; a choice's last delta decodes its
+whole sample, so the concatenated deltas equal the non-streamed text.
 """
 
 from __future__ import annotations
@@ -36,12 +37,22 @@ def event(chunk: dict[str, Any]) -> str:
 
 
 class TextDelta:
-    """One choice's text as its tokens arrive: `add` returns the text not sent before."""
+    """One choice's text as its tokens arrive: `add` returns the text not sent before.
+
+    The text is decoded incrementally, as vLLM's detokenizer does: each step decodes only the
+    tokens from `prefix` on, once with and once without the tokens not yet read into `text`,
+    and the difference is the new text (the few tokens before them keep what decoding a word
+    mid-sequence means, e.g. a leading space); a tail ending in an incomplete UTF-8 character
+    waits for its bytes. The last `add` decodes the whole sample, which is what the non-streamed
+    response returns."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
+        self.text = ""  # the decoded text of ids[:read]
+        self.prefix = 0  # ids[prefix:read]: the context the next tokens are decoded in
+        self.read = 0
         self.sent = 0  # characters sent
         self.chars = 0  # characters of the token pieces so far (log-prob text offsets)
 
@@ -49,14 +60,28 @@ class TextDelta:
         self.ids.extend(ids)
         if self.tokenizer is None:
             return ""
-        text, cut = cut_at_stop(decode(self.tokenizer, self.ids), self.stops)
+        if final:
+            self.text = decode(self.tokenizer, self.ids)
+            self.prefix = self.read = len(self.ids)
+        else:
+            self._read()
+        text, cut = cut_at_stop(self.text, self.stops) if self.stops else (self.text, False)
         if not final and not cut:
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its bytes
-                text = text[:-1]
             text = text[: max(len(text) - self.hold, self.sent)]
         new = text[self.sent :]
         self.sent = max(self.sent, len(text))
         return new
+
+    def _read(self) -> None:
+        """The tokens after `read` into `text`, unless they end in an incomplete character."""
+        if self.read == len(self.ids):
+            return
+        window = self.ids[self.prefix :]
+        before = decode(self.tokenizer, window[: self.read - self.prefix])
+        after = decode(self.tokenizer, window)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
 
 
 async def merged(
@@ -64,6 +89,14 @@ async def merged(
 ) -> AsyncIterator[tuple[int, TokenDelta | GenerationResult]]:
     """The items of several streams as they come, each with its stream's index. Closing this
     iterator closes every stream (which aborts their requests)."""
+    if len(streams) == 1:  # nothing to merge: no pump task and queue hop per item
+        (only,) = streams
+        try:
+            async for item in only:
+                yield 0, item
+        finally:
+            await only.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream) -> None:
