@@ -24,6 +24,7 @@ prefix cache), `ParkedKVStore` (parked.py) and, under speculation, `Drafting`
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -61,6 +62,9 @@ class Scheduler:
     speculation: Speculation | None = None  # speculative decoding when set
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     weight_version: int = 0  # recorded with every token sampled (the engine sets it)
+    # K, V of slots, every KV head (a prefill handoff's); None: the pool's `read_slots`. A
+    # tensor-parallel engine gathers its ranks' heads.
+    read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         self.page_size = self.pool.page_size
@@ -248,8 +252,6 @@ class Scheduler:
         keeps its whole pages, or its own where it had them), its samples forked, each given
         its first token and a uniform stream past the draws the prefill consumed. They decode
         from this step on. False (nothing taken) if rows or pages are short."""
-        if self.pool.copy_log is not None:  # the other ranks would need the K/V too
-            raise RuntimeError("prefilled requests under tensor parallelism are not supported")
         seqs = self._prefilled_sequences(request)
         prompt_len = len(request.prompt)
         pages_each = -(-prompt_len // self.page_size)
@@ -274,7 +276,8 @@ class Scheduler:
             seq.new_kv_epoch()
             self.allocator.write_pages(seq)
             slots = self.slot_table[seq.row, :prompt_len]
-            pool.write_slots(slots, handoff.k, handoff.v)  # quantized if the pool is FP8
+            # quantized if the pool is FP8; under tensor parallelism each rank keeps its heads
+            pool.write_slots(slots, handoff.k, handoff.v)
             if pool.routes is not None and handoff.routes is not None:
                 pool.routes.index_copy_(0, slots, handoff.routes.to(pool.device, pool.routes.dtype))
             seq.num_computed = prompt_len
@@ -378,7 +381,7 @@ class Scheduler:
         # Stopping inside an accepted draft: K/V past the last kept token is not the sequence's.
         seq.num_computed = min(seq.num_computed, len(seq.token_ids))
         if self.exports and (capture := self.exports.get(seq.request.request_id)) is not None:
-            capture.take(seq, self.pool, self.slot_table)  # before its pages go back
+            capture.take(seq, self.pool, self.slot_table, self.read_kv)  # before pages go back
         if seq.status is Status.RUNNING:
             self._release(seq, cache_kv=True)
         else:  # a fork that found no page: it never held KV

@@ -175,6 +175,9 @@ def test_handoff_payload_and_refusals(checkpoints):
     )
     with pytest.raises(ValueError, match="speculative_method='draft'"):
         drafting.admit_prefilled(handoff, SAMPLED)
+    halved = handoff._replace(k=handoff.k[:, :1], v=handoff.v[:, :1])  # one rank's heads only
+    with pytest.raises(ValueError, match=f"K/V of 1 KV heads, .* model has {kv_heads}; "):
+        decoder.admit_prefilled(halved, SAMPLED)
     decoder.update_weights([])  # a new weight version: the handoff's K/V is stale
     with pytest.raises(ValueError, match="weight version 0"):
         decoder.admit_prefilled(handoff, SAMPLED)
