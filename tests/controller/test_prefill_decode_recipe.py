@@ -21,6 +21,9 @@ def test_default_is_off_and_valid_values_load():
     assert r.prefill_replicas == 1
     r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", "rollout.serve_http=true"])
     assert r.rollout.serve_http
+    # engine TP: one prefill and one decode replica of 2 ranks each
+    r = load_recipe(RECIPE, ["cluster.devices=4", "rollout.tp=2", "rollout.prefill_replicas=1"])
+    assert (r.rollout.tp, r.rollout.prefill_replicas) == (2, 1)
     # over-sampling with partial rollouts (`rollouts/oversampling.py`)
     for extra in (
         ["rollout.over_sampling=1.5", "rollout.partial=retract"],
@@ -35,11 +38,11 @@ def test_default_is_off_and_valid_values_load():
     [
         (["rollout.prefill_replicas=-1"], r"^rollout\.prefill_replicas"),
         (["rollout.prefill_replicas=1"], r"leaves no decode replica of the 1 engine replicas; "),
-        ([*THREE, "rollout.prefill_replicas=3"], r"no decode replica of the 3 engine replicas"),
-        (
-            ["cluster.devices=4", "rollout.tp=2", "rollout.prefill_replicas=1"],
-            r"does not support rollout\.tp > 1 yet; turn one of them off$",
+        (  # two devices of TP 2: one replica
+            ["cluster.devices=2", "rollout.tp=2", "rollout.prefill_replicas=1"],
+            r"leaves no decode replica of the 1 engine replicas; ",
         ),
+        ([*THREE, "rollout.prefill_replicas=3"], r"no decode replica of the 3 engine replicas"),
         (
             [
                 *THREE,
