@@ -136,8 +136,6 @@ def check_prefill_decode(rollout: RolloutSection, cluster: ClusterSection) -> No
     unsupported = {
         "rollout.speculative_method=draft": rollout.speculative_method == "draft",
         "rollout.stream_scoring": rollout.stream_scoring,
-        # a parked K/V stays on the decode replica, the continuation is prefilled elsewhere
-        "rollout.partial=in_place": rollout.partial == "in_place",
         "cluster.fully_async": cluster.fully_async,
     }
     for what, used in unsupported.items():

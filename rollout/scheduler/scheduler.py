@@ -121,13 +121,17 @@ class Scheduler:
         if request is None:
             return
         request.aborted = True
+        for entry in [e for e in self.prefilled if e[0] is request]:
+            self.prefilled.remove(entry)
+            # Its first tokens are sampled (by the prefill engine): where there is room it ends
+            # with them, as a request aborted after its first step does (below: a `park_kv` one
+            # parks its K/V); else with none.
+            if not (self._room_for_prefilled(request) and self._admit_prefilled(*entry)):
+                for seq in self._prefilled_sequences(request):
+                    self._record(seq, "abort")
         for seq in [s for s in self.waiting if s.request is request]:
             self.waiting.remove(seq)
             self._record(seq, "abort")
-        for entry in [e for e in self.prefilled if e[0] is request]:
-            self.prefilled.remove(entry)
-            for seq in self._prefilled_sequences(request):
-                self._record(seq, "abort")
         park = request.params.park_kv
         for seq in [s for s in self.running if s.request is request]:
             if park and seq.num_forks == 1 and seq.num_generated > 0:  # its K/V waits
@@ -247,25 +251,33 @@ class Scheduler:
             return [Sequence(request, 0, num_forks=n)]
         return [Sequence(request, j) for j in range(n)]
 
+    def _prefilled_pages(self, request: Request) -> int:
+        """The pages admitting a prefilled request takes: the prompt's (per sequence), and one
+        per sample for its tail page copy or its next token."""
+        pages_each = -(-len(request.prompt) // self.page_size)
+        return pages_each * len(self._prefilled_sequences(request)) + request.params.n
+
+    def _room_for_prefilled(self, request: Request) -> bool:
+        return len(self.allocator.free_rows) >= request.params.n and (
+            self.allocator.available_pages() >= self._prefilled_pages(request)
+        )
+
     def _admit_prefilled(self, request: Request, handoff: PrefillHandoff) -> bool:
         """Admit a prefilled request: pages with the handoff's K/V copied in (the prefix cache
         keeps its whole pages, or its own where it had them), its samples forked, each given
         its first token and a uniform stream past the draws the prefill consumed. They decode
         from this step on. False (nothing taken) if rows or pages are short."""
+        if not self._room_for_prefilled(request):
+            if not self.running:
+                raise RuntimeError(
+                    f"a prefilled request needs {self._prefilled_pages(request)} KV pages and "
+                    f"{request.params.n} rows with nothing running; raise kv_cache_tokens or "
+                    "max_running_requests"
+                )
+            return False
         seqs = self._prefilled_sequences(request)
         prompt_len = len(request.prompt)
         pages_each = -(-prompt_len // self.page_size)
-        # the prompt's pages, and one per sample for its tail page copy or its next token
-        need = pages_each * len(seqs) + request.params.n
-        if len(self.allocator.free_rows) < request.params.n or (
-            self.allocator.available_pages() < need
-        ):
-            if not self.running:
-                raise RuntimeError(
-                    f"a prefilled request needs {need} KV pages and {request.params.n} rows with "
-                    "nothing running; raise kv_cache_tokens or max_running_requests"
-                )
-            return False
         pool = self.pool
         forks: list[Sequence] = []
         for seq in seqs:

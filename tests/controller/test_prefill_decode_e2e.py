@@ -21,6 +21,9 @@
   PPO-KL exactly 0.
 * Over-sampled with partial rollouts (`over_sampling: 2`, `partial: retract`): the same as the
   run without, and every fresh group launched is trained once or still carried (counted).
+* The same with `partial: in_place`: a carried sample's continuation goes to its decode replica
+  directly (no prefill replica, nothing re-sent), which adopts the K/V it parked: the parked
+  tokens reused (`rollout/in_place_reused_tokens`) equal the run without's, and are not zero.
 * The prefill replica killed after the first step and a decode replica killed mid-rollout (no
   answer to a probe while it generates long samples): both are replaced (two restarts counted),
   the run completes and every step trains every prompt's whole group once.
@@ -176,6 +179,24 @@ def test_over_sampled_partial_rollouts_in_pd_mode_are_the_run_without(ray_four, 
     assert any(r["rollout/carried_samples"] > 0 for r in plain)
     assert any(r["rollout/continued_groups"] > 0 for r in plain)
     assert any(r["rollout/staleness_max"] >= 1 for r in plain)
+    assert_each_group_trained_once(plain)
+    assert_each_group_trained_once(pd)
+
+
+def test_over_sampled_in_place_partial_rollouts_in_pd_mode_are_the_run_without(
+    ray_four, cache, tmp_path
+):
+    over = (*OVER, "rollout.partial=in_place", "steps=4")  # step 3 continues parked samples
+    plain = run_in_process(tmp_path / "plain", *over, *TWO_REPLICAS)
+    pd = run_in_process(tmp_path / "pd", *over, *ONE_PREFILL_TWO_DECODE)
+    # continuations that adopt parked K/V compute on the decode replicas, outside the prefill
+    # replica's cache counters: no bound between the two hit rates; their decode batches differ
+    # from the plain run's, so float64 log-probs may differ in their last bits
+    assert_same_run(plain, pd, atol=1e-12, single_turn=False)
+    # the same parked tokens were adopted (a key of both runs, compared above): the decode
+    # replica holding a carried sample's K/V continued it, nothing was prefilled again
+    assert any(r["rollout/in_place_reused_tokens"] > 0 for r in pd)
+    assert any(r["rollout/continued_groups"] > 0 for r in pd)
     assert_each_group_trained_once(plain)
     assert_each_group_trained_once(pd)
 

@@ -31,6 +31,10 @@ def test_default_is_off_and_valid_values_load():
     ):
         r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", *extra]).rollout
         assert r.prefill_replicas == 1
+    # in_place (disaggregated engines): a continuation goes to the decode replica that parked
+    in_place = ["rollout.over_sampling=1.5", "rollout.partial=in_place"]
+    r = load_recipe(RECIPE, [*disaggregated, "rollout.prefill_replicas=1", *in_place]).rollout
+    assert (r.partial, r.prefill_replicas) == ("in_place", 1)
 
 
 @pytest.mark.parametrize(
@@ -62,10 +66,9 @@ def test_default_is_off_and_valid_values_load():
                 "cluster.colocate=false",
                 "cluster.rollout_devices=3",
                 "rollout.prefill_replicas=1",
-                "rollout.over_sampling=1.5",
-                "rollout.partial=in_place",
+                "cluster.fully_async=true",
             ],
-            r"does not support rollout\.partial=in_place yet; turn one of them off$",
+            r"does not support cluster\.fully_async yet; turn one of them off$",
         ),
     ],
 )
