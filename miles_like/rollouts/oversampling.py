@@ -182,7 +182,8 @@ class OverSampledRollout:
         keep = r.partial in ("retract", "in_place")
         carried = [
             self.groups[g]._replace(
-                rollouts=self.groups[g].rollouts + 1, replica=home[g] if in_place else None
+                rollouts=self.groups[g].rollouts + 1,
+                replica=home[g] if in_place and self._parked_on_replica(g) else None,
             )
             for g in rest
         ]
@@ -202,6 +203,10 @@ class OverSampledRollout:
         if r.partial == "in_place":
             metrics["in_place_reused_tokens"] = float(self.tallies["parked_reused_tokens"])
         return Outcome(batch, carried if keep else [], self.tallies, metrics)
+
+    def _parked_on_replica(self, g: int) -> bool:
+        """Group g has a sample cut mid-way (in_place: its replica parked that K/V)."""
+        return any(s.token_ids and not s.done for s in self.groups[g].samples)
 
     async def _replica(self, i: int, ids: list[int], quota: int) -> list[int]:
         prompts, params, groups, owners, direct = [], [], [], [], []

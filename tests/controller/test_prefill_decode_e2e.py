@@ -86,11 +86,21 @@ def differs(a, b, atol: float) -> bool:
     return a != b
 
 
+PD_KEYS = {"rollout/pd_transfer_bytes", "rollout/pd_transfer_s"}
+
+
 def assert_same_run(
-    plain: list[dict], pd: list[dict], atol: float = 0.0, single_turn: bool = True
+    plain: list[dict],
+    pd: list[dict],
+    atol: float = 0.0,
+    single_turn: bool = True,
+    transfers_every_step: bool = True,
 ) -> None:
     """Every key equal but timings and the cache topology's (floats within `atol`); single
-    turn, the prefill replica's cache hits at least what the plain replicas' did."""
+    turn, the prefill replica's cache hits at least what the plain replicas' did. Every step
+    moved handoffs (its row has the transfer's keys), or with `transfers_every_step=False` some
+    step did and the others prefilled nothing (in_place: only continuations on their decode
+    replicas, or no request at all)."""
     assert len(plain) == len(pd)
     for s, p in zip(plain, pd):
         same = [k for k in sorted(s) if not is_timing(k) and k not in CACHE_TOPOLOGY]
@@ -98,8 +108,10 @@ def assert_same_run(
         assert not diff, f"step {s['step']}: {diff}"
         if single_turn:
             assert p["rollout/prefix_cache_hit_rate"] >= s["rollout/prefix_cache_hit_rate"]
-        assert set(p) - set(s) == {"rollout/pd_transfer_bytes", "rollout/pd_transfer_s"}
-        assert p["rollout/pd_transfer_bytes"] > 0 and p["rollout/pd_transfer_s"] > 0
+        if transfers_every_step or set(p) - set(s):
+            assert set(p) - set(s) == PD_KEYS
+            assert p["rollout/pd_transfer_bytes"] > 0 and p["rollout/pd_transfer_s"] > 0
+    assert any(PD_KEYS <= set(p) for p in pd)
 
 
 def test_one_prefill_two_decode_replicas_is_the_run_without(ray_four, cache, tmp_path):
@@ -192,7 +204,7 @@ def test_over_sampled_in_place_partial_rollouts_in_pd_mode_are_the_run_without(
     # continuations that adopt parked K/V compute on the decode replicas, outside the prefill
     # replica's cache counters: no bound between the two hit rates; their decode batches differ
     # from the plain run's, so float64 log-probs may differ in their last bits
-    assert_same_run(plain, pd, atol=1e-12, single_turn=False)
+    assert_same_run(plain, pd, atol=1e-12, single_turn=False, transfers_every_step=False)
     # the same parked tokens were adopted (a key of both runs, compared above): the decode
     # replica holding a carried sample's K/V continued it, nothing was prefilled again
     assert any(r["rollout/in_place_reused_tokens"] > 0 for r in pd)
