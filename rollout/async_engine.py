@@ -150,6 +150,9 @@ class _Submission(NamedTuple):
     listener: StreamListener | None = None
     prefill: bool = False  # prefill-decode: compute the prompt, resolve with its handoff
     handoff: PrefillHandoff | None = None  # prefill-decode: admit this prefilled request
+    # prefill-decode: admitted after one step of the requests submitted with it that this
+    # engine computes itself (`submit_prefilled`)
+    after_a_step: bool = False
 
 
 class _Quota:
@@ -164,6 +167,11 @@ class _Quota:
         self.complete: Future[list[int]] = Future()  # -> the complete groups, in order
         self._done: list[int] = []
         self._unresolved = len(groups)
+
+    @property
+    def reached(self) -> bool:
+        """`quota` groups are complete: the rest are aborted."""
+        return len(self._done) >= self.quota
 
     def finished(self, groups_now: list[int]) -> list[int] | None:
         """The groups whose requests finished in one step; the request ids to abort once the
@@ -234,30 +242,35 @@ class _PrefillDecodeRequests:
 
     def submit_prefilled(
         self,
-        requests: Seq[tuple[PrefillHandoff, SamplingParams]],
+        requests: Seq[tuple[PrefillHandoff | Seq[int], SamplingParams]],
         *,
         groups: Seq[int] | None = None,
         quota: int | None = None,
     ) -> list[Future[GenerationResult]]:
         """Prefill-decode, the decode side (`Engine.admit_prefilled`): requests another engine
         prefilled, with the params they were prefilled with, admitted together in order; with
-        `groups` and `quota` as `submit_many` (over-sampling)."""
+        `groups` and `quota` as `submit_many` (over-sampling).
+
+        A request given as prompt ids instead is this engine's to compute (an in-place
+        continuation adopting the K/V it parked here: nothing to re-send). Those run one step
+        before the prefilled ones are admitted: a prefilled request's first token was sampled
+        by the prefill engine, one step ahead of where one engine doing both would be, so its
+        own requests must be one step ahead too for the steps that complete each group (a
+        quota's order) to be those of one engine."""
         futures: list[Future] = [Future() for _ in requests]
         q = quota_of(futures, groups, quota)
-        self._enqueue(
-            [
-                _Submission(
-                    list(h.prompt_token_ids),
-                    params,
-                    None,
-                    future,
-                    q,
-                    groups[k] if q else 0,
-                    handoff=h,
-                )
-                for k, ((h, params), future) in enumerate(zip(requests, futures))
-            ]
-        )
+        own = any(not isinstance(r, PrefillHandoff) for r, _ in requests)
+        subs = []
+        for k, ((request, params), future) in enumerate(zip(requests, futures)):
+            group = groups[k] if q else 0
+            if isinstance(request, PrefillHandoff):
+                sub = _Submission(
+                    list(request.prompt_token_ids), params, None, future, q, group
+                )._replace(handoff=request, after_a_step=own)
+            else:
+                sub = _Submission(list(request), params, None, future, q, group)
+            subs.append(sub)
+        self._enqueue(subs)
         return futures
 
     def _add_to_engine(self, sub: _Submission) -> int:
@@ -296,6 +309,7 @@ class AsyncEngine(_PrefillDecodeRequests):
         self._futures: dict[int, Future] = {}  # request id -> future (thread-owned)
         self._groups: dict[int, tuple[_Quota, int]] = {}  # request id -> its quota, group
         self._prefills: dict[int, PendingPrefill] = {}  # prefill requests: their captures
+        self._after_a_step: list[_Submission] = []  # admitted at the next pass of the loop
         self._streams = _Streams()
         self._cancels: list[Future] = []
         self._holds = 0  # callers holding the step loop parked between two steps
@@ -493,8 +507,12 @@ class AsyncEngine(_PrefillDecodeRequests):
                 self._inbox.clear()
                 cancels, self._cancels = self._cancels, []
                 abort = self._abort_all
-            for sub in new:
-                self._add(sub)
+            later, self._after_a_step = self._after_a_step, []
+            for sub in later + new:
+                if sub.after_a_step:
+                    self._after_a_step.append(sub._replace(after_a_step=False))
+                else:
+                    self._add(sub)
             for request_id, future in self._futures.items():
                 if abort or any(future is c for c in cancels):
                     self.engine.abort(request_id)
@@ -545,6 +563,8 @@ class AsyncEngine(_PrefillDecodeRequests):
         if sub.quota is not None:
             sub.quota.request_ids.add(request_id)
             self._groups[request_id] = (sub.quota, sub.group)
+            if sub.quota.reached:  # reached before it was admitted (`after_a_step`)
+                self.engine.abort(request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step raised: every in-flight request fails with it. The engine's requests are

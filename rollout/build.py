@@ -164,6 +164,7 @@ def build_parts(config: EngineConfig, tp: TPGroup | None) -> EngineParts:
     )
     if tp is not None:
         pool.copy_log = []
+        pool.head_offset = tp.rank * pool.num_kv_heads
     suffix_lanes = None
     if config.attention_backend == "triton":
         from rollout.kernels import TritonAttention  # triton decides interpret vs compile here

@@ -25,7 +25,15 @@ from rollout.handoff import PrefillHandoff, transfer
 from rollout.kv_calibration import calibrate_kv_scales
 from rollout.model_runner import execute
 from rollout.sequence import Request, RequestOutput, SampleOutput, StopCheck
-from rollout.tp_group import CalibrateKV, Forward, LoadWeights, Release, Resume, Stop
+from rollout.tp_group import (
+    CalibrateKV,
+    Forward,
+    GatherKV,
+    LoadWeights,
+    Release,
+    Resume,
+    Stop,
+)
 from rollout.weights import WeightStatus, load_weights
 
 
@@ -57,6 +65,8 @@ class Engine:
         self.busy_s = 0.0
         self.forward_passes = 0
         self.activity: ActivityLog | None = None
+        if self.tp is not None:  # a prefill handoff carries every rank's KV heads
+            self.scheduler.read_kv = self._gather_kv
         self._calibrate_kv()
 
     # -- requests ------------------------------------------------------------------------------
@@ -91,13 +101,24 @@ class Engine:
         prompt = list(handoff.prompt_token_ids)
         check_request(prompt, params, self)
         handoff.check(
-            params, self.weight_version, self.tp is not None, self.draft_model is not None
+            params,
+            self.weight_version,
+            self.model_config.num_kv_heads,
+            self.draft_model is not None,
         )
         request_id = self._next_request_id
         self._next_request_id += 1
         request = Request(request_id, prompt, params, handoff.base_seed, stop_check)
         self.scheduler.add_prefilled(request, transfer(handoff, self.device))
         return request_id
+
+    def _gather_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under tensor parallelism: K, V of `slots`, every rank's KV heads (`GatherKV`). The
+        other ranks first replay the pool operations not sent yet (a fork's page copy)."""
+        ops, self.pool.copy_log[:] = tuple(self.pool.copy_log), []
+        self.tp.send(GatherKV(slots, ops))
+        k, v = self.pool.read_slots(slots)
+        return self.tp.gather_heads(k), self.tp.gather_heads(v)
 
     def abort(self, request_id: int) -> None:
         """Stop a request (safe from another thread); its unfinished samples end with

@@ -4,7 +4,8 @@ Prefill-decode disaggregation splits one request across two engines (`rollout.pr
 the prefill engine computes the prompt (reusing its prefix cache) and samples every sample's
 first token; the decode engine copies the prompt's K/V into its own pages and samples on. The
 handoff carries everything the decode side needs to sample exactly what one engine would have:
-the K/V (and a mixture's routes) of every prompt position, each sample's first token and
+the K/V (every KV head, whatever the tensor parallelism of either side; and a mixture's routes)
+of every prompt position, each sample's first token and
 log-prob, and how many uniforms each sample's stream consumed (its seed is `base_seed + j`, so a
 fresh stream that skips them continues it).
 """
@@ -27,18 +28,24 @@ class PrefillHandoff(NamedTuple):
     first_tokens: tuple[int, ...]  # per sample
     first_logprobs: tuple[float, ...]  # per sample, as `SampleOutput.logprobs`
     uniforms_taken: tuple[int, ...]  # per sample: draws its stream consumed for the first token
-    k: torch.Tensor  # [layers, kv heads, prompt tokens, head dim], the pool's dtype
+    k: torch.Tensor  # [layers, the model's kv heads, prompt tokens, head dim], model dtype
     v: torch.Tensor
     routes: torch.Tensor | None  # [prompt tokens, sparse layers, k]; None for a dense model
     weight_version: int  # the prefill engine's; the decode engine must be at the same one
     cached_tokens: int  # prompt tokens the prefill engine took from its prefix cache
 
     def check(
-        self, params: SamplingParams, weight_version: int, tp: bool, draft_model: bool
+        self, params: SamplingParams, weight_version: int, kv_heads: int, draft_model: bool
     ) -> None:
         """The user errors of admitting this handoff with `params` on a decode engine at
-        `weight_version`, each one line naming what to change."""
-        check_supported(params, tp)
+        `weight_version` whose model has `kv_heads` KV heads, each one line naming what to
+        change."""
+        check_supported(params)
+        if self.k.shape[1] != kv_heads:  # every head, whatever either side's tensor parallelism
+            raise ValueError(
+                f"the handoff holds K/V of {self.k.shape[1]} KV heads, the decode engine's "
+                f"model has {kv_heads}; prefill it on an engine of the same model"
+            )
         if draft_model:  # its own K/V of the prompt would be missing
             raise ValueError(
                 "a decode engine with speculative_method='draft' cannot admit prefilled "
@@ -62,10 +69,8 @@ class PrefillHandoff(NamedTuple):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def check_supported(params: SamplingParams, tp: bool) -> None:
+def check_supported(params: SamplingParams) -> None:
     """What prefill-decode disaggregation does not serve yet, refused in one line."""
-    if tp:
-        raise ValueError("prefill-decode disaggregation does not support engine tp > 1 yet")
     if params.top_logprobs or params.prompt_logprobs:
         raise ValueError(
             "prefill-decode disaggregation does not serve top_logprobs or prompt_logprobs yet; "
@@ -81,7 +86,9 @@ class HandoffCapture:
         self.first: list[tuple[int, float, int] | None] = [None] * num_samples
         self.kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
-    def take(self, seq: Sequence, pool: KVPool, slot_table: torch.Tensor) -> None:
+    def take(self, seq: Sequence, pool: KVPool, slot_table: torch.Tensor, read_kv=None) -> None:
+        """`read_kv(slots)`: K, V of every KV head (under tensor parallelism gathered from
+        every rank); default `pool.read_slots`."""
         prompt_len = seq.prompt_len
         self.first[seq.sample_index] = (
             seq.token_ids[prompt_len],
@@ -95,7 +102,8 @@ class HandoffCapture:
             routes = None
             if pool.routes is not None:
                 routes = read_routes(pool.routes, slot_table, seq.row, prompt_len)
-            self.kv = (*pool.read_slots(slots), routes)  # model dtype, also from an FP8 pool
+            read_kv = read_kv or pool.read_slots
+            self.kv = (*read_kv(slots), routes)  # model dtype, also from an FP8 pool
 
     def handoff(self, prompt: list[int], base_seed: int, version: int, cached: int):
         assert self.kv is not None and all(f is not None for f in self.first), "not finished"

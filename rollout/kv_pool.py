@@ -18,6 +18,8 @@ uncalibrated pool is NaN, never silently scaled by 1.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -49,6 +51,15 @@ def index_select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor
     if x.dtype == torch.float8_e4m3fn:
         return x.view(torch.uint8).index_select(dim, index).view(x.dtype)
     return x.index_select(dim, index)
+
+
+class SlotWrite(NamedTuple):
+    """K/V written into slots from outside a forward (a prefill handoff admitted), every KV head
+    of the model: [L, Hkv, len(slots), D]."""
+
+    slots: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 class KVPool:
@@ -91,9 +102,13 @@ class KVPool:
         self.route_layout = route_layout  # None: no routes kept (a dense model, a TP follower)
         self.routes: torch.Tensor | None = None
         self._free_pages: list[int] = []
-        # Set by a tensor-parallel rank 0: the page copies its scheduler made since the last step,
-        # which the other ranks replay on their pools before that step's forward.
-        self.copy_log: list[tuple[int, int, int]] | None = None
+        # Under tensor parallelism this pool holds the model's KV heads
+        # [head_offset, head_offset + num_kv_heads) (`write_slots` takes its share of all of them).
+        self.head_offset = 0
+        # Set by a tensor-parallel rank 0: the page copies (`(src page, dst page, tokens)`) and
+        # slot writes (`SlotWrite`) its scheduler made since the last step, in order, which the
+        # other ranks replay on their pools (`replay`) before that step's forward.
+        self.copy_log: list[tuple[int, int, int] | SlotWrite] | None = None
         self.allocate()
 
     @staticmethod
@@ -208,7 +223,14 @@ class KVPool:
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """`read_slots`' inverse: k, v [L, Hkv, len(slots), D] (any float dtype) into `slots` of
-        every layer, quantized with this pool's scales if it is FP8."""
+        every layer, quantized with this pool's scales if it is FP8. Under tensor parallelism
+        k, v may hold every KV head of the model: this rank keeps its own (`head_offset`), and a
+        rank 0 logs the write for the other ranks to keep theirs."""
+        if self.copy_log is not None:
+            self.copy_log.append(SlotWrite(slots.clone(), k, v))  # the row may change
+        if k.shape[1] != self.num_kv_heads:
+            k = k.narrow(1, self.head_offset, self.num_kv_heads)
+            v = v.narrow(1, self.head_offset, self.num_kv_heads)
         if not self.quantized:
             self.k.index_copy_(2, slots, k.to(self.device, self.dtype))
             self.v.index_copy_(2, slots, v.to(self.device, self.dtype))
@@ -267,6 +289,14 @@ class KVPool:
 
     def free_pages(self, pages: list[int]) -> None:
         self._free_pages.extend(pages)
+
+    def replay(self, ops) -> None:
+        """A tensor-parallel rank 0's `copy_log` entries, in order, on another rank's pool."""
+        for op in ops:
+            if isinstance(op, SlotWrite):
+                self.write_slots(op.slots, op.k, op.v)
+            else:
+                self.copy_page_prefix(*op)
 
     def copy_page_prefix(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` slots of a page (all layers): used when samples fork

@@ -48,7 +48,7 @@ class PendingPrefill(NamedTuple):
 def start_prefill(engine: Engine, prompt: Seq[int], params: SamplingParams) -> PendingPrefill:
     """Queue `prompt`'s prefill on `engine` (its first tokens only); the engine's `step()` runs
     it, and returns its output (one token per sample) when the handoff is ready."""
-    check_supported(params, tp=engine.tp is not None)
+    check_supported(params)
     check_request([int(t) for t in prompt], params, engine)  # the whole request must fit
     request_id = engine.add_request(prompt, dataclasses.replace(params, max_new_tokens=1))
     capture = engine.scheduler.exports[request_id] = HandoffCapture(params.n)

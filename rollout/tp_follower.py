@@ -1,9 +1,11 @@
 """Ranks 1..k-1 of a tensor-parallel replica: no scheduler, they replay rank 0's commands.
 
 Each follower holds its shard of the model and a KV pool of its KV heads with as many pages as
-rank 0's. It loops on `TPGroup.receive`: a `Forward` replays rank 0's page copies, then runs the
+rank 0's. It loops on `TPGroup.receive`: a `Forward` replays rank 0's pool operations (page copies,
+and the K/V of admitted prefill handoffs, of which it keeps its own heads), then runs the
 same plan (same token ids, positions, slots) through its shard, joining the forward's
-collectives; the logits it also receives are dropped (rank 0 samples). `LoadWeights` takes this
+collectives; the logits it also receives are dropped (rank 0 samples). `GatherKV` sends its
+heads of some slots to rank 0 (a prefill handoff's K/V, every head). `LoadWeights` takes this
 rank's slice of the same tensors rank 0 loads; `Release` / `Resume` free and re-create the same
 memory rank 0 does; `ReceiveShards` runs this rank's part of a weight push over the weight-sync
 group (`shard_receive`, set by whoever joined that group); `Stop` ends the loop. Every collective
@@ -31,6 +33,7 @@ from rollout.model_runner import execute
 from rollout.tp_group import (
     CalibrateKV,
     Forward,
+    GatherKV,
     LoadWeights,
     ReceiveShards,
     Release,
@@ -73,6 +76,7 @@ class EngineFollower:
             device=self.device,
             storage_dtype=kv_storage_dtype(config),
         )
+        self.pool.head_offset = self.tp.rank * self.pool.num_kv_heads
         self.attention = TorchAttention(self.pool)
         # the receive of this rank's own shards on the weight-sync group (`ReceiveShards`);
         # set by the process that joined that group
@@ -98,9 +102,12 @@ class EngineFollower:
         while True:
             command = self.tp.receive(self.device)
             if isinstance(command, Forward):
-                for src, dst, tokens in command.page_copies:
-                    self.pool.copy_page_prefix(src, dst, tokens)
+                self.pool.replay(command.pool_ops)
                 execute(self.model, self.attention, command.plan)
+            elif isinstance(command, GatherKV):
+                self.pool.replay(command.pool_ops)
+                for x in self.pool.read_slots(command.slots):
+                    self.tp.gather_heads(x)
             elif isinstance(command, LoadWeights):
                 try:
                     self.load_weights(command.named_tensors)

@@ -31,13 +31,21 @@ import collectives
 
 class Forward(NamedTuple):
     plan: Any  # rollout.model_runner.StepPlan
-    page_copies: tuple[
-        tuple[int, int, int], ...
-    ]  # (src page, dst page, tokens), before the forward
+    # rank 0's pool operations since the last command (`KVPool.copy_log`: page copies, slot
+    # writes), replayed before the forward
+    pool_ops: tuple
 
 
 class LoadWeights(NamedTuple):
     named_tensors: list[tuple[str, torch.Tensor]]  # full Hugging Face tensors (or pre-sharded)
+
+
+class GatherKV(NamedTuple):
+    """Every rank reads its KV heads of `slots` (after replaying `pool_ops`, as `Forward`) and
+    joins `TPGroup.gather_heads`: rank 0 gets every head (a prefill handoff's K/V)."""
+
+    slots: torch.Tensor
+    pool_ops: tuple
 
 
 class Release(NamedTuple):
@@ -199,6 +207,10 @@ class TPGroup:
             pad = local.new_full((local.shape[0], chunk - local.shape[-1]), float("-inf"))
             local = torch.cat([local, pad], dim=-1)
         return collectives.all_gather(local, dim=-1, group=self.group)[:, :vocab]
+
+    def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[L, local KV heads, ...] of every rank -> [L, KV heads, ...], heads in rank order."""
+        return collectives.all_gather(x, dim=1, group=self.group)
 
     def min_int(self, value: int, device: torch.device) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=device)

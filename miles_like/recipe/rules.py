@@ -131,12 +131,11 @@ def check_prefill_decode(rollout: RolloutSection, cluster: ClusterSection) -> No
             "replicas; lower it, or give the engines more devices (cluster.devices / "
             "cluster.rollout_devices)"
         )
+    # Engine TP is served: every replica, prefill or decode, has rollout.tp ranks (one size for
+    # all), and a handoff carries every KV head whatever either side's TP.
     unsupported = {
-        "rollout.tp > 1": rollout.tp > 1,
         "rollout.speculative_method=draft": rollout.speculative_method == "draft",
         "rollout.stream_scoring": rollout.stream_scoring,
-        # a parked K/V stays on the decode replica, the continuation is prefilled elsewhere
-        "rollout.partial=in_place": rollout.partial == "in_place",
         "cluster.fully_async": cluster.fully_async,
     }
     for what, used in unsupported.items():

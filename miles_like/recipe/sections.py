@@ -311,7 +311,9 @@ class RolloutSection(Section):
         0,
         description="prefill-decode disaggregation: this many of the engine replicas only "
         "prefill (prompt K/V and first tokens, handed to the others, which decode); 0: off, "
-        "every replica does both",
+        "every replica does both. With rollout.tp every replica, prefill or decode, has "
+        "rollout.tp ranks; with partial: in_place a carried sample continues on the decode "
+        "replica that parked its K/V",
         ge=0,
     )
 

@@ -3,8 +3,9 @@
 
 A step launches ceil(prompts_per_step x over_sampling) groups: the groups carried over from the
 previous step first (oldest first), then fresh prompts. Groups spread over the replicas in
-contiguous shares (prefill-decode: over the decode replicas; each share is prefilled on a
-prefill replica and decoded on its own, `ReplicaBatcher.stream`); replica i must complete
+contiguous shares (in_place: a carried group in the share of the replica holding its K/V;
+prefill-decode: over the decode replicas; each share is prefilled on a prefill replica and
+decoded on its own, `ReplicaBatcher.stream`); replica i must complete
 quota_i groups (share i of prompts_per_step, split the same way) and its engine aborts the rest
 at the step its quota is met (`AsyncEngine.submit_many(quota=)`). **The batch** is, on every
 replica, the groups complete within its quota: carried groups already complete first (by group
@@ -33,11 +34,13 @@ The launched groups outside the batch (`rollout.partial`):
 * in_place (disaggregated engines only): carried as with retract, but the engine keeps their
   K/V across the weight update instead of dropping it: their requests carry
   `SamplingParams.park_kv`, so an aborted sample's K/V is parked in the engine and the next
-  step's continuation (prompt + tokens, the same request retract sends) adopts it and computes
-  only its pending token: the tokens before the update keep the K/V the old weights computed
-  (as in AReaL), the new weights sample on. Parked K/V gives way to memory pressure, and is
-  gone after an engine restart or a resume; that continuation then prefills, as retract does
-  (`rollout/in_place_reused_tokens` counts the tokens that were not prefilled again).
+  step's continuation (prompt + tokens, the same request retract sends) goes to that replica
+  (`homed_shares`; prefill-decode: to that decode replica directly, no prefill replica in
+  between), which adopts it and computes only its pending token: the tokens before the update
+  keep the K/V the old weights computed (as in AReaL), the new weights sample on. Parked K/V
+  gives way to memory pressure, and is gone after an engine restart or a resume; that
+  continuation then prefills, as retract does (`rollout/in_place_reused_tokens` counts the
+  tokens that were not prefilled again).
   In the synchronous loop the carried requests wait parked while the trainer trains rather
   than decode on: how far they got would depend on timing, and the batch must not.
 
@@ -76,6 +79,25 @@ class Outcome(NamedTuple):
 def quotas(batch: int, shares: Sequence[range]) -> list[int]:
     """Replica i's quota: its contiguous share of `batch`, split as the groups are."""
     return [len(r) for r in near_equal_shares(batch, len(shares))]
+
+
+def homed_shares(groups: Sequence[OpenGroup], parts: int) -> list[list[int]]:
+    """`near_equal_shares`' sizes, but each carried group whose K/V a replica parked
+    (`OpenGroup.replica`, `partial: in_place`) in that replica's share while it has room; the
+    other groups fill the shares in order. Each share ascending (carried groups first)."""
+    sizes = [len(r) for r in near_equal_shares(len(groups), parts)]
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    rest = []
+    for g, group in enumerate(groups):
+        home = group.replica
+        if home is not None and home < parts and len(shares[home]) < sizes[home]:
+            shares[home].append(g)
+        else:
+            rest.append(g)
+    for share, size in zip(shares, sizes):
+        while len(share) < size:
+            share.append(rest.pop(0))
+    return [sorted(share) for share in shares]
 
 
 def launched(prompts_per_step: int, over_sampling: float) -> int:
@@ -129,7 +151,12 @@ class OverSampledRollout:
         r = self.recipe.rollout
         # the replicas that generate (prefill-decode: the decode replicas, engines[k:])
         replicas = range(r.prefill_replicas, len(self.engines))
-        shares = near_equal_shares(len(self.groups), len(replicas))
+        in_place = r.partial == "in_place"
+        if in_place:  # a carried group continues where its K/V is parked
+            shares = homed_shares(self.groups, len(replicas))
+        else:
+            shares = [list(share) for share in near_equal_shares(len(self.groups), len(replicas))]
+        home = {g: position for position, share in enumerate(shares) for g in share}
         batch_ids: list[int] = []
         calls = []
         for i, share, quota in zip(replicas, shares, quotas(r.prompts_per_step, shares)):
@@ -153,7 +180,13 @@ class OverSampledRollout:
             self.tallies.update(counts)
         rest = [g for g in range(len(self.groups)) if g not in chosen]
         keep = r.partial in ("retract", "in_place")
-        carried = [self.groups[g]._replace(rollouts=self.groups[g].rollouts + 1) for g in rest]
+        carried = [
+            self.groups[g]._replace(
+                rollouts=self.groups[g].rollouts + 1,
+                replica=home[g] if in_place and self._parked_on_replica(g) else None,
+            )
+            for g in rest
+        ]
         stale = []
         if r.max_carry_versions is not None:  # rollouts, this one counted = updates crossed
             stale = [g for g in carried if g.rollouts > r.max_carry_versions]
@@ -171,14 +204,23 @@ class OverSampledRollout:
             metrics["in_place_reused_tokens"] = float(self.tallies["parked_reused_tokens"])
         return Outcome(batch, carried if keep else [], self.tallies, metrics)
 
+    def _parked_on_replica(self, g: int) -> bool:
+        """Group g has a sample cut mid-way (in_place: its replica parked that K/V)."""
+        return any(s.token_ids and not s.done for s in self.groups[g].samples)
+
     async def _replica(self, i: int, ids: list[int], quota: int) -> list[int]:
-        prompts, params, groups, owners = [], [], [], []
+        prompts, params, groups, owners, direct = [], [], [], [], []
+        # in_place, prefill-decode: a carried group's continuation goes to its decode replica
+        # directly, not through a prefill replica: the replica adopts the K/V it parked (nothing
+        # re-sent), or computes what it lacks, as one engine doing both would
+        in_place = self.recipe.rollout.partial == "in_place"
         for g in ids:
             for prompt, p, js in self._requests(g):
                 prompts.append(prompt)
                 params.append(p)
                 groups.append(g)
                 owners.append((g, js))
+                direct.append(in_place and bool(self.groups[g].samples))
 
         def on_result(k: int, samples: list[Generation]) -> None:
             g, js = owners[k]
@@ -190,7 +232,7 @@ class OverSampledRollout:
             if self.groups[g].done:
                 self._score_soon(g)
 
-        return await self.batcher.stream(i, prompts, params, groups, quota, on_result)
+        return await self.batcher.stream(i, prompts, params, groups, quota, on_result, direct)
 
     # -------------------------------------------------------------------------------- scoring
     def _score_soon(self, g: int) -> None:

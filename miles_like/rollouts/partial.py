@@ -54,6 +54,9 @@ class OpenGroup(NamedTuple):
     problem: Problem
     samples: tuple[Partial, ...]  # () until its first request returns
     rollouts: int = 0  # the rollouts it has been part of before this one
+    # `partial: in_place`: the generating replica (its position among them) that parked its
+    # K/V in its last rollout, where its continuation goes (`oversampling.homed_shares`)
+    replica: int | None = None
 
     @property
     def done(self) -> bool:
@@ -75,6 +78,7 @@ def to_state(groups: Sequence[OpenGroup]) -> list[dict]:
             "prompt_ids": list(g.problem.prompt_ids),
             "answer": g.problem.answer,
             "rollouts": g.rollouts,
+            **({"replica": g.replica} if g.replica is not None else {}),
             "samples": [
                 {
                     "token_ids": list(s.token_ids),
@@ -105,6 +109,7 @@ def from_state(rows: Sequence[dict]) -> list[OpenGroup]:
                 for s in r["samples"]
             ),
             r["rollouts"],
+            r.get("replica"),
         )
         for r in rows
     ]

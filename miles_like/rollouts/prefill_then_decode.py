@@ -65,21 +65,33 @@ class PrefillDecode:
             "weight_version": decoded["weight_version"],
         }
 
-    async def stream(self, d: int, prompts, params, groups, quota, consume) -> dict:
+    async def stream(
+        self, d: int, prompts, params, groups, quota, consume, direct: list[bool] | None = None
+    ) -> dict:
         """An over-sampled rollout's `generate_stream` on decode replica d, in two calls: the
         prompts prefilled on a prefill replica, then decode replica d's `decode_stream` (the
         same groups and quota: it aborts the rest once `quota` groups are complete) read by
         `consume(stream, method)`, which hands each finished request on once. Counters as
-        `generate_stream`'s, with the prefill's cache counters and the transfer's."""
-        p = self._choose(prompts)
+        `generate_stream`'s, with the prefill's cache counters and the transfer's.
+
+        The requests flagged in `direct` (in-place continuations: their K/V is parked on d) go
+        to d as they are, not through a prefill replica: d adopts its parked K/V and computes
+        only what is missing, so nothing is re-sent."""
+        direct = direct or [False] * len(prompts)
+        own = {i: prompts[i] for i, flag in enumerate(direct) if flag}
+        to_prefill = [i for i, flag in enumerate(direct) if not flag]
+        if not to_prefill:
+            return await self._decode_own(d, params, groups, quota, consume, own)
+        prompts_p, params_p = [prompts[i] for i in to_prefill], [params[i] for i in to_prefill]
+        p = self._choose(prompts_p)
         try:
             share = await self._node(p) == await self._node(d)
             while True:
-                counters, handoffs, prefiller = await self._prefill(p, prompts, params, share)
+                counters, handoffs, prefiller = await self._prefill(p, prompts_p, params_p, share)
 
                 async def attempt(handoffs=handoffs):
                     gen = self.batcher.engines[d].decode_stream.remote(
-                        [handoffs], params, groups, quota
+                        [handoffs], params, groups, quota, own
                     )
                     return await consume(gen, "decode_stream")
 
@@ -96,6 +108,16 @@ class PrefillDecode:
         finally:
             self.router.finished(p)
         return {**{k: counters[k] for k in PREFILL_COUNTERS}, **decoded}
+
+    async def _decode_own(self, d: int, params, groups, quota, consume, own: dict) -> dict:
+        """`stream` when every request is d's own (nothing prefilled elsewhere)."""
+
+        async def attempt():
+            gen = self.batcher.engines[d].decode_stream.remote([], params, groups, quota, own)
+            return await consume(gen, "decode_stream")
+
+        decoded = await self.batcher.with_replacement(d, "decode_stream", len(params), attempt)
+        return {**dict.fromkeys(PREFILL_COUNTERS, 0), **decoded}
 
     def _choose(self, prompts: list[list[int]]) -> int:
         """The prefill replica for `prompts` (the router's choice for the first; it then

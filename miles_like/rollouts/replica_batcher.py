@@ -161,20 +161,22 @@ class ReplicaBatcher:
         groups: list[int],
         quota: int | None,
         on_result: Callable[[int, list[Generation]], None],
+        direct: list[bool] | None = None,
     ) -> list[int]:
         """One `generate_stream` call on engine i (over-sampled rollouts): `on_result(index,
         samples)` as each request finishes, on this loop; returns the groups complete within
         `quota` in completion order. An engine that dies is replaced and the whole call sent
         again (same seeds, same outcome); what was already delivered is not delivered twice.
         Prefill-decode: the requests are prefilled on a prefill replica and streamed from engine
-        i's `decode_stream` (`PrefillDecode.stream`)."""
+        i's `decode_stream` (`PrefillDecode.stream`), but those flagged in `direct` (in-place
+        continuations, whose K/V engine i parked), which engine i computes itself."""
         delivered: set[int] = set()
 
         def consume(gen, method: str) -> Awaitable[dict]:
             return self._consume(i, method, gen, delivered, on_result)
 
         if self.pd is not None:
-            counters = await self.pd.stream(i, prompts, params, groups, quota, consume)
+            counters = await self.pd.stream(i, prompts, params, groups, quota, consume, direct)
         else:
 
             async def attempt() -> dict:

@@ -75,25 +75,39 @@ class PrefillDecodeRoles:
         }
 
     @ray.method(num_returns="streaming")
-    def decode_stream(self, handoffs: list, params: list, groups: list[int], quota: int | None):
+    def decode_stream(
+        self,
+        handoffs: list,
+        params: list,
+        groups: list[int],
+        quota: int | None,
+        direct: dict[int, list[int]] | None = None,
+    ):
         """`decode` as `generate_stream` streams (over-sampling): yields `(index, samples, weight
-        version, per-sample token versions)` as each prefilled request finishes, then one dict:
-        `decode`'s transfer counters, `weight_version` and `complete`, the groups complete
-        within `quota` in completion order (the others aborted once `quota` were)."""
+        version, per-sample token versions)` as each request finishes, then one dict:
+        `decode`'s transfer counters, `weight_version`, `complete`, the groups complete within
+        `quota` in completion order (the others aborted once `quota` were), and
+        `parked_reused_tokens`. Request i is `direct[i]`'s prompt ids where given (computed
+        here: an in-place continuation adopting the K/V this replica parked), else the next of
+        the prefilled `handoffs` (`AsyncEngine.submit_prefilled`)."""
         import concurrent.futures
 
         from rollout.async_engine import AsyncEngine
 
+        direct = direct or {}
         start = time.perf_counter()
-        (shared,) = ray.get(handoffs)
+        (shared,) = ray.get(handoffs) if handoffs else ([],)
         opened = self.handoff_receiver.open(shared)
         transfer_s = time.perf_counter() - start
+        prefilled = iter(opened)
+        requests = [direct[i] if i in direct else next(prefilled) for i in range(len(params))]
         from rollout.async_engine import held_open
 
         with held_open(self.async_engine):
             version = self.engine.weight_version
+            before = self.engine.stats()
             futures = self.async_engine.submit_prefilled(
-                list(zip(opened, params)), groups=groups, quota=quota
+                list(zip(requests, params)), groups=groups, quota=quota
             )
             index = {id(f): i for i, f in enumerate(futures)}
             for f in concurrent.futures.as_completed(futures):
@@ -102,9 +116,11 @@ class PrefillDecodeRoles:
                 samples = routed_samples(result, self.return_routes)
                 yield index[id(f)], samples, version, result.sample_versions
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
+            after = self.engine.stats()
         yield {
             "weight_version": version,
             "complete": complete,
+            **cache_counters(before, after, ("parked_reused_tokens",)),
             "pd_transfer_bytes": nbytes(opened),
             "pd_transfer_s": transfer_s,
             "pd_requests": len(opened),

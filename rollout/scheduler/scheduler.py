@@ -24,6 +24,7 @@ prefix cache), `ParkedKVStore` (parked.py) and, under speculation, `Drafting`
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -61,6 +62,9 @@ class Scheduler:
     speculation: Speculation | None = None  # speculative decoding when set
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     weight_version: int = 0  # recorded with every token sampled (the engine sets it)
+    # K, V of slots, every KV head (a prefill handoff's); None: the pool's `read_slots`. A
+    # tensor-parallel engine gathers its ranks' heads.
+    read_kv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         self.page_size = self.pool.page_size
@@ -117,13 +121,17 @@ class Scheduler:
         if request is None:
             return
         request.aborted = True
+        for entry in [e for e in self.prefilled if e[0] is request]:
+            self.prefilled.remove(entry)
+            # Its first tokens are sampled (by the prefill engine): where there is room it ends
+            # with them, as a request aborted after its first step does (below: a `park_kv` one
+            # parks its K/V); else with none.
+            if not (self._room_for_prefilled(request) and self._admit_prefilled(*entry)):
+                for seq in self._prefilled_sequences(request):
+                    self._record(seq, "abort")
         for seq in [s for s in self.waiting if s.request is request]:
             self.waiting.remove(seq)
             self._record(seq, "abort")
-        for entry in [e for e in self.prefilled if e[0] is request]:
-            self.prefilled.remove(entry)
-            for seq in self._prefilled_sequences(request):
-                self._record(seq, "abort")
         park = request.params.park_kv
         for seq in [s for s in self.running if s.request is request]:
             if park and seq.num_forks == 1 and seq.num_generated > 0:  # its K/V waits
@@ -243,27 +251,33 @@ class Scheduler:
             return [Sequence(request, 0, num_forks=n)]
         return [Sequence(request, j) for j in range(n)]
 
+    def _prefilled_pages(self, request: Request) -> int:
+        """The pages admitting a prefilled request takes: the prompt's (per sequence), and one
+        per sample for its tail page copy or its next token."""
+        pages_each = -(-len(request.prompt) // self.page_size)
+        return pages_each * len(self._prefilled_sequences(request)) + request.params.n
+
+    def _room_for_prefilled(self, request: Request) -> bool:
+        return len(self.allocator.free_rows) >= request.params.n and (
+            self.allocator.available_pages() >= self._prefilled_pages(request)
+        )
+
     def _admit_prefilled(self, request: Request, handoff: PrefillHandoff) -> bool:
         """Admit a prefilled request: pages with the handoff's K/V copied in (the prefix cache
         keeps its whole pages, or its own where it had them), its samples forked, each given
         its first token and a uniform stream past the draws the prefill consumed. They decode
         from this step on. False (nothing taken) if rows or pages are short."""
-        if self.pool.copy_log is not None:  # the other ranks would need the K/V too
-            raise RuntimeError("prefilled requests under tensor parallelism are not supported")
+        if not self._room_for_prefilled(request):
+            if not self.running:
+                raise RuntimeError(
+                    f"a prefilled request needs {self._prefilled_pages(request)} KV pages and "
+                    f"{request.params.n} rows with nothing running; raise kv_cache_tokens or "
+                    "max_running_requests"
+                )
+            return False
         seqs = self._prefilled_sequences(request)
         prompt_len = len(request.prompt)
         pages_each = -(-prompt_len // self.page_size)
-        # the prompt's pages, and one per sample for its tail page copy or its next token
-        need = pages_each * len(seqs) + request.params.n
-        if len(self.allocator.free_rows) < request.params.n or (
-            self.allocator.available_pages() < need
-        ):
-            if not self.running:
-                raise RuntimeError(
-                    f"a prefilled request needs {need} KV pages and {request.params.n} rows with "
-                    "nothing running; raise kv_cache_tokens or max_running_requests"
-                )
-            return False
         pool = self.pool
         forks: list[Sequence] = []
         for seq in seqs:
@@ -274,7 +288,8 @@ class Scheduler:
             seq.new_kv_epoch()
             self.allocator.write_pages(seq)
             slots = self.slot_table[seq.row, :prompt_len]
-            pool.write_slots(slots, handoff.k, handoff.v)  # quantized if the pool is FP8
+            # quantized if the pool is FP8; under tensor parallelism each rank keeps its heads
+            pool.write_slots(slots, handoff.k, handoff.v)
             if pool.routes is not None and handoff.routes is not None:
                 pool.routes.index_copy_(0, slots, handoff.routes.to(pool.device, pool.routes.dtype))
             seq.num_computed = prompt_len
@@ -378,7 +393,7 @@ class Scheduler:
         # Stopping inside an accepted draft: K/V past the last kept token is not the sequence's.
         seq.num_computed = min(seq.num_computed, len(seq.token_ids))
         if self.exports and (capture := self.exports.get(seq.request.request_id)) is not None:
-            capture.take(seq, self.pool, self.slot_table)  # before its pages go back
+            capture.take(seq, self.pool, self.slot_table, self.read_kv)  # before pages go back
         if seq.status is Status.RUNNING:
             self._release(seq, cache_kv=True)
         else:  # a fork that found no page: it never held KV

@@ -21,6 +21,9 @@ def test_default_is_off_and_valid_values_load():
     assert r.prefill_replicas == 1
     r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", "rollout.serve_http=true"])
     assert r.rollout.serve_http
+    # engine TP: one prefill and one decode replica of 2 ranks each
+    r = load_recipe(RECIPE, ["cluster.devices=4", "rollout.tp=2", "rollout.prefill_replicas=1"])
+    assert (r.rollout.tp, r.rollout.prefill_replicas) == (2, 1)
     # over-sampling with partial rollouts (`rollouts/oversampling.py`)
     for extra in (
         ["rollout.over_sampling=1.5", "rollout.partial=retract"],
@@ -28,6 +31,10 @@ def test_default_is_off_and_valid_values_load():
     ):
         r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", *extra]).rollout
         assert r.prefill_replicas == 1
+    # in_place (disaggregated engines): a continuation goes to the decode replica that parked
+    in_place = ["rollout.over_sampling=1.5", "rollout.partial=in_place"]
+    r = load_recipe(RECIPE, [*disaggregated, "rollout.prefill_replicas=1", *in_place]).rollout
+    assert (r.partial, r.prefill_replicas) == ("in_place", 1)
 
 
 @pytest.mark.parametrize(
@@ -35,11 +42,11 @@ def test_default_is_off_and_valid_values_load():
     [
         (["rollout.prefill_replicas=-1"], r"^rollout\.prefill_replicas"),
         (["rollout.prefill_replicas=1"], r"leaves no decode replica of the 1 engine replicas; "),
-        ([*THREE, "rollout.prefill_replicas=3"], r"no decode replica of the 3 engine replicas"),
-        (
-            ["cluster.devices=4", "rollout.tp=2", "rollout.prefill_replicas=1"],
-            r"does not support rollout\.tp > 1 yet; turn one of them off$",
+        (  # two devices of TP 2: one replica
+            ["cluster.devices=2", "rollout.tp=2", "rollout.prefill_replicas=1"],
+            r"leaves no decode replica of the 1 engine replicas; ",
         ),
+        ([*THREE, "rollout.prefill_replicas=3"], r"no decode replica of the 3 engine replicas"),
         (
             [
                 *THREE,
@@ -59,10 +66,9 @@ def test_default_is_off_and_valid_values_load():
                 "cluster.colocate=false",
                 "cluster.rollout_devices=3",
                 "rollout.prefill_replicas=1",
-                "rollout.over_sampling=1.5",
-                "rollout.partial=in_place",
+                "cluster.fully_async=true",
             ],
-            r"does not support rollout\.partial=in_place yet; turn one of them off$",
+            r"does not support cluster\.fully_async yet; turn one of them off$",
         ),
     ],
 )

@@ -120,3 +120,28 @@ def test_only_an_actor_death_is_an_engine_death():
     assert isinstance(died, ActorDied) and str(died).startswith("engine 2 died (during stats): ")
     with pytest.raises(ValueError, match="own error"):
         engine_death(0, "generate", ValueError("the method's own error"))
+
+
+def test_in_place_groups_go_home_while_there_is_room():
+    """`homed_shares`: the sizes of `near_equal_shares`; a carried group in the share of the
+    replica that parked its K/V while that share has room, the rest filling shares in order;
+    `OpenGroup.replica` survives a checkpoint (an old state without it reads as None)."""
+    from miles_like.rollouts.oversampling import homed_shares
+    from miles_like.rollouts.partial import from_state, to_state
+
+    def group(replica=None) -> OpenGroup:
+        return OpenGroup(Problem("p", [1, 2], "a"), (), 1 if replica is not None else 0, replica)
+
+    fresh = [group() for _ in range(5)]
+    groups = [group(1), group(1), group(0), group(1), *fresh]  # 9 groups over 2: sizes 5, 4
+    assert homed_shares(groups, 2) == [[2, 4, 5, 6, 7], [0, 1, 3, 8]]
+    assert homed_shares(groups, 3) == [[2, 4, 5], [0, 1, 3], [6, 7, 8]]
+    # four carried groups homed on replica 1, whose share has room for three: the fourth (and
+    # a home beyond the replicas) fills in order like a fresh group
+    crowded = [group(1), group(1), group(1), group(1), group(5), *fresh[:4]]
+    assert homed_shares(crowded, 3) == [[3, 4, 5], [0, 1, 2], [6, 7, 8]]
+    no_home = [group() for _ in range(7)]
+    assert homed_shares(no_home, 2) == [list(r) for r in near_equal_shares(7, 2)]
+    back = from_state(to_state(groups))
+    assert [g.replica for g in back] == [g.replica for g in groups]
+    assert "replica" not in to_state(fresh)[0]

@@ -11,8 +11,12 @@ without a prefix cache, and with samples that end at their first token.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.prefill_decode import prefill, transfer
@@ -175,6 +179,9 @@ def test_handoff_payload_and_refusals(checkpoints):
     )
     with pytest.raises(ValueError, match="speculative_method='draft'"):
         drafting.admit_prefilled(handoff, SAMPLED)
+    halved = handoff._replace(k=handoff.k[:, :1], v=handoff.v[:, :1])  # one rank's heads only
+    with pytest.raises(ValueError, match=f"K/V of 1 KV heads, .* model has {kv_heads}; "):
+        decoder.admit_prefilled(halved, SAMPLED)
     decoder.update_weights([])  # a new weight version: the handoff's K/V is stale
     with pytest.raises(ValueError, match="weight version 0"):
         decoder.admit_prefilled(handoff, SAMPLED)
@@ -330,3 +337,134 @@ def _as_output(result):
         routed_experts=result.routed_experts,
         weight_versions=result.sample_versions,
     )
+
+
+def test_in_place_continuations_decode_where_their_kv_is_parked(checkpoints):
+    """Over-sampling's `partial: in_place` under prefill-decode, through `AsyncEngine`s: a first
+    batch of groups with a quota (the rest aborted, their K/V parked on the decode engine), a
+    weight update, then a second batch of the carried samples' continuations and fresh groups.
+    The continuations go to the decode engine as prompt ids (`submit_prefilled`): it adopts its
+    parked K/V (nothing re-sent), one step ahead of the prefilled fresh groups. Every request's
+    tokens, log-probs and finish reasons, the groups completing within the quota (in order) and
+    the parked tokens reused equal one engine doing both."""
+    from rollout.async_engine import AsyncEngine
+
+    directory = checkpoints["qwen2"]
+    weights = list(load_file(str(Path(directory) / "model.safetensors")).items())
+
+    def params(max_new: int, seed: int, n: int = 2) -> SamplingParams:
+        return SamplingParams(
+            n=n, temperature=1.0, max_new_tokens=max_new, seed=seed, ignore_eos=True, park_kv=True
+        )
+
+    first = [(p, params(m, 7 + g)) for g, (p, m) in enumerate(zip(PROMPTS, [3, 14, 5, 14]))]
+    first.append(([43, 8, 61], params(9, 12)))  # cut mid-way: its samples are carried
+
+    def continuations(results) -> list:
+        """Group g's unfinished samples, each its own request (prompt + tokens, n = 1)."""
+        out = []
+        for g, (result, (prompt, p)) in enumerate(zip(results, first)):
+            for j, s in enumerate(result.samples):
+                if s.finish_reason == "abort":
+                    left = p.max_new_tokens - len(s.token_ids)
+                    cont = dataclasses.replace(p, n=1, seed=p.seed + j, max_new_tokens=left)
+                    out.append((g, list(prompt) + list(s.token_ids), cont))
+        return out
+
+    fresh = [([5, 9, 13, 2, 7, 3], params(2, 21)), ([8, 61, 3], params(12, 22))]
+
+    def one_engine():
+        engine = AsyncEngine(make_engine(directory, "float64"))
+        try:
+            futures = engine.submit_many(first, groups=[0, 1, 2, 3, 4], quota=2)
+            done1 = AsyncEngine.complete_groups(futures).result(timeout=120)
+            results1 = [f.result(timeout=120) for f in futures]
+            engine.pause()
+            engine.engine.update_weights(weights)
+            engine.resume()
+            conts = continuations(results1)
+            requests = [(prompt, p) for _, prompt, p in conts] + fresh
+            groups = [g for g, _, _ in conts] + [5, 6]
+            before = engine.stats()["parked_reused_tokens"]
+            futures = engine.submit_many(requests, groups=groups, quota=2)
+            done2 = AsyncEngine.complete_groups(futures).result(timeout=120)
+            results2 = [f.result(timeout=120) for f in futures]
+            reused = engine.stats()["parked_reused_tokens"] - before
+        finally:
+            engine.close()
+        return results1, done1, results2, done2, reused
+
+    def prefill_decode():
+        prefiller = AsyncEngine(make_engine(directory, "float64"))
+        decoder = AsyncEngine(make_engine(directory, "float64"))
+        try:
+            handoffs = [f.result(timeout=120) for f in prefiller.submit_prefill(first)]
+            requests = [(h, p) for h, (_, p) in zip(handoffs, first)]
+            futures = decoder.submit_prefilled(requests, groups=[0, 1, 2, 3, 4], quota=2)
+            done1 = AsyncEngine.complete_groups(futures).result(timeout=120)
+            results1 = [f.result(timeout=120) for f in futures]
+            for engine in (prefiller, decoder):
+                engine.pause()
+                engine.engine.update_weights(weights)
+                engine.resume()
+            handoffs = [f.result(timeout=120) for f in prefiller.submit_prefill(fresh)]
+            conts = continuations(results1)
+            requests = [(prompt, p) for _, prompt, p in conts]
+            requests += [(h, p) for h, (_, p) in zip(handoffs, fresh)]
+            groups = [g for g, _, _ in conts] + [5, 6]
+            before = decoder.stats()["parked_reused_tokens"]
+            futures = decoder.submit_prefilled(requests, groups=groups, quota=2)
+            done2 = AsyncEngine.complete_groups(futures).result(timeout=120)
+            results2 = [f.result(timeout=120) for f in futures]
+            reused = decoder.stats()["parked_reused_tokens"] - before
+            decoder.engine.check_integrity()
+        finally:
+            prefiller.close()
+            decoder.close()
+        return results1, done1, results2, done2, reused
+
+    want, got = one_engine(), prefill_decode()
+    for w, g in ((want[0], got[0]), (want[2], got[2])):
+        assert_same([_as_output(r) for r in g], [_as_output(r) for r in w], TOLERANCE["float64"])
+    assert got[1] == want[1] and got[3] == want[3]  # the same groups complete, in order
+    assert got[4] == want[4] > 0  # the parked tokens adopted, not prefilled again
+    assert len(continuations(want[0])) >= 2  # samples were carried
+    # some continuations and fresh groups were cut by the second quota, too
+    assert any(s.finish_reason == "abort" for r in want[2] for s in r.samples)
+
+
+def test_a_quota_met_before_the_prefilled_requests_are_admitted(checkpoints):
+    """The decode engine's own request completes its group in the step before the prefilled
+    ones are admitted, meeting the quota: they are admitted and cut at once, ending with their
+    first token (their K/V parked), as one engine cuts them after the step that sampled it."""
+    from rollout.async_engine import AsyncEngine
+
+    directory = checkpoints["qwen2"]
+    own = SamplingParams(n=1, temperature=1.0, max_new_tokens=1, seed=3, park_kv=True)
+    cut = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=4, park_kv=True)
+    own_prompt, fresh_prompt = PROMPTS[0] + [9, 4], PROMPTS[2]
+
+    single = AsyncEngine(make_engine(directory, "float64"))
+    prefiller = AsyncEngine(make_engine(directory, "float64"))
+    decoder = AsyncEngine(make_engine(directory, "float64"))
+    try:
+        requests = [(own_prompt, own), (fresh_prompt, cut)]
+        futures = single.submit_many(requests, groups=[0, 1], quota=1)
+        want = [f.result(timeout=120) for f in futures]
+        (handoff,) = [f.result(timeout=120) for f in prefiller.submit_prefill([requests[1]])]
+        futures = decoder.submit_prefilled(
+            [(own_prompt, own), (handoff, cut)], groups=[0, 1], quota=1
+        )
+        assert AsyncEngine.complete_groups(futures).result(timeout=120) == [0]
+        got = [f.result(timeout=120) for f in futures]
+        assert_same([_as_output(r) for r in got], [_as_output(r) for r in want], 1e-12)
+        assert [len(s.token_ids) for s in got[1].samples] == [1, 1]
+        assert [s.finish_reason for s in got[1].samples] == ["abort", "abort"]
+        parked = decoder.engine.scheduler.parked
+        assert sorted(p.tokens for p in parked) == sorted(
+            tuple(fresh_prompt) + tuple(s.token_ids) for s in want[1].samples
+        )
+        decoder.engine.check_integrity()
+    finally:
+        for engine in (single, prefiller, decoder):
+            engine.close()
