@@ -26,7 +26,9 @@
 
    With AVX2 + FMA (x86-64, -march=native on a machine that has them) the products are vector
    code and exp is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere plain C loops compute
-   the same function. Results differ from torch's in float32 rounding only. */
+   the same function. With AVX-512 BF16, bfloat16 K and a q of bfloat16 values (a bfloat16
+   model's), the prefix scores are bfloat16 dot products: the same exact products, summed in
+   another order. Results differ from torch's in float32 rounding only. */
 
 #include <math.h>
 #include <stdint.h>
