@@ -439,6 +439,53 @@ static inline __attribute__((always_inline)) void pv_cols(
 }
 #endif
 
+#if HAVE_AVX512
+/* pv_block in 16-lane registers: RB rows of NV * 16 columns. Each output element is the same
+   FMA chain over the keys in order as in pv_block, so the results are bitwise the same. */
+static inline __attribute__((always_inline)) void pv_block16(
+    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldp, const void *V,
+    int64_t n, const unsigned char *vis, float *o, int64_t ldo, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  __m512 acc[6][2];
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * ldo + v * 16);
+  for (int64_t t = 0; t < n; t++) {
+    pf_issue(pf, per_key);
+    if (!vis[t]) continue;  // masked for every row: V[t] is never read
+    __m512 vv[2];
+    for (int v = 0; v < NV; v++)
+      vv[v] = bf16 ? bf16_load16((const uint16_t *)V + t * Dh + v * 16)
+                   : _mm512_loadu_ps((const float *)V + t * Dh + v * 16);
+    for (int r = 0; r < RB; r++) {
+      const __m512 b = _mm512_set1_ps(p[r * ldp + t]);
+      for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(b, vv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + r * ldo + v * 16, acc[r][v]);
+}
+
+/* pv_block16 over n_rows rows for the NV * 16 columns at V, o: blocks of 6 rows, then one
+   block of the rest. */
+static inline __attribute__((always_inline)) void pv_cols16(
+    const int NV, const int64_t Dh, const float *p, int64_t ldp, int64_t n_rows, const void *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  int64_t i = 0;
+  for (; i + 6 <= n_rows; i += 6)
+    pv_block16(6, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key, bf16);
+  const float *pr = p + i * ldp;
+  float *orr = o + i * Dh;
+  switch (n_rows - i) {
+    case 5: pv_block16(5, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 4: pv_block16(4, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 3: pv_block16(3, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 2: pv_block16(2, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 1: pv_block16(1, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+  }
+}
+#endif
+
 /* o [n_rows, Dh] += p [n_rows, ldp] @ V [n, Dh] over the keys with vis[t]; issues the pending
    prefetches of pf spread over the keys it visits. */
 static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, const float *p,
@@ -446,6 +493,18 @@ static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, cons
                                                           const void *V, int64_t n,
                                                           const unsigned char *vis, float *o,
                                                           prefetcher *pf, const int bf16) {
+#if HAVE_AVX512
+  if (Dh % 16 == 0) {
+    const int64_t visits = ((n_rows + 5) / 6) * ((Dh + 31) / 32) * n;
+    const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
+    for (int64_t c = 0; c < Dh; c += 32) {  // columns 32 at a time (2 vectors), then 16
+      const void *Vc = kv_at(V, c, bf16);
+      if (Dh - c >= 32) pv_cols16(2, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
+      else pv_cols16(1, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
+    }
+    return;
+  }
+#endif
   const int64_t visits = ((n_rows + 2) / 3) * ((Dh + 31) / 32) * n;
   const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
 #if HAVE_AVX2
