@@ -322,6 +322,26 @@ static inline __attribute__((always_inline)) void prefix_block(
   }
 }
 
+#if HAVE_AVX512
+/* prefix_block with the 16 keys in one 16-lane register: each dot the same FMA chain over x,
+   so the scores are bitwise prefix_block's. */
+static inline __attribute__((always_inline)) void prefix_block16(
+    const int RB, const int64_t Dh, const float *q, const float *kt, int64_t ldk,
+    const float *bias, float scale, float *s, int64_t lds) {
+  __m512 a[8];
+  for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < Dh; x++) {
+    const __m512 k = _mm512_loadu_ps(kt + x * ldk);
+    for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * Dh + x]), k, a[r]);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 b = _mm512_loadu_ps(bias);
+  const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
+  for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
+    _mm512_storeu_ps(s + r * lds, _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r], vscale, b), ninf));
+}
+#endif
+
 #if HAVE_BF16_DOT
 /* prefix_block on bfloat16 pairs: q rows qp [RB, Dh / 2] and keys ktp [Dh / 2, ldk] as pairs of
    bfloat16 (element 2x in the low half), 16 keys per register. Used only where every q value
@@ -586,6 +606,23 @@ static inline __attribute__((always_inline)) void group_item(
         continue;
       }
       int64_t r = 0;
+#if HAVE_AVX512
+      for (; r + 8 <= N; r += 8) {
+        prefix_block16(8, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+        pf_issue(&pf, per_call);
+      }
+      const float *q8 = b->q + r * Dh;
+      switch (N - r) {  // the last rows: one block of a constant size
+        case 7: prefix_block16(7, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 6: prefix_block16(6, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 5: prefix_block16(5, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 4: prefix_block16(4, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 3: prefix_block16(3, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 2: prefix_block16(2, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 1: prefix_block16(1, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      }
+      r = N;
+#endif
       for (; r + 6 <= N; r += 6) {
         prefix_block(6, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
         pf_issue(&pf, per_call);
