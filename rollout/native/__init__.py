@@ -1,7 +1,7 @@
 """The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c),
 causal prefill attention (prefill_attention.c, float32 and bfloat16 inputs, float32 arithmetic), the
-element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; all but
-SiLU * up in bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
+element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; all in
+bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
 sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
 transposing copy that fills a column-major weight from a row-major update (transpose.c, any
 2-, 4- or 8-byte dtype).
@@ -39,7 +39,7 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cascade_decode_f32.restype = _INT
     lib.cascade_decode_bf16.argtypes = lib.cascade_decode_f32.argtypes
     lib.cascade_decode_bf16.restype = _INT
-    lib.cascade_decode_has_avx2.restype = _INT
+    lib.cascade_decode_has_avx2.restype = lib.cascade_decode_has_bf16_dot.restype = _INT
     return lib
 
 
@@ -66,7 +66,8 @@ def declare_pointwise(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rms_norm_bf16.argtypes = [_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _I64, _INT]
     lib.rotary_bf16.argtypes = lib.rotary_f32.argtypes
     lib.scatter_rows_16.argtypes = lib.scatter_rows_f32.argtypes
-    lib.rms_norm_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = lib.silu_mul_f32.argtypes
+    lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
     lib.rotary_bf16.restype = lib.scatter_rows_16.restype = _INT
     lib.pointwise_has_avx2.restype = _INT
     return lib
@@ -307,11 +308,15 @@ def rotary_(
 
 
 def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate, up [T, I] float32 (rows contiguous) -> a new [T, I] tensor."""
+    """silu(gate) * up for gate, up [T, I] float32 or bfloat16 (rows contiguous) -> a new [T, I]
+    tensor."""
+    dtypes = (torch.float32, torch.bfloat16)
     out = torch.empty(gate.shape, dtype=gate.dtype)
+    kernel = lib.silu_mul_bf16 if gate.dtype == torch.bfloat16 else lib.silu_mul_f32
+    assert up.dtype == gate.dtype, (gate.dtype, up.dtype)
     if gate.shape[0]:
-        lib.silu_mul_f32(
-            gate.data_ptr(), _rows(gate, "gate"), up.data_ptr(), _rows(up, "up"),
+        kernel(
+            gate.data_ptr(), _rows(gate, "gate", dtypes), up.data_ptr(), _rows(up, "up", dtypes),
             out.data_ptr(), out.stride(0), gate.shape[0], gate.shape[1], torch.get_num_threads(),
         )  # fmt: skip
     return out

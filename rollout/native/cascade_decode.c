@@ -26,7 +26,9 @@
 
    With AVX2 + FMA (x86-64, -march=native on a machine that has them) the products are vector
    code and exp is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere plain C loops compute
-   the same function. Results differ from torch's in float32 rounding only. */
+   the same function. With AVX-512 BF16, bfloat16 K and a q of bfloat16 values (a bfloat16
+   model's), the prefix scores are bfloat16 dot products: the same exact products, summed in
+   another order. Results differ from torch's in float32 rounding only. */
 
 #include <math.h>
 #include <stdint.h>
@@ -34,7 +36,14 @@
 
 #include "vector_math.h"
 
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1  // vdpbf16ps: two bfloat16 products a float32 lane, products exact
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 int cascade_decode_has_avx2(void) { return HAVE_AVX2; }
+int cascade_decode_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 /* K / V elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1, widened exactly on load);
    queries, scores, probabilities and outputs are float32 either way. `bf16` is a constant at
@@ -216,7 +225,9 @@ static inline __attribute__((always_inline)) void item(
 /* Per-thread buffers of a group item of at most `rows` query rows. */
 typedef struct {
   float *q;      // [rows, Dh] the item's query rows, member after member
-  float *kt;     // [Dh, Lpad] prefix K transposed, keys Lp..Lpad zero (AVX2 build)
+  uint32_t *qp;  // [rows, Dh / 2] the same rows as bfloat16 pairs (the bfloat16 dot path)
+  float *kt;     // [Dh, Lpad] prefix K transposed, keys Lp..Lpad zero (AVX2 build); on the
+                 // bfloat16 dot path [Dh / 2, Lpad] pairs of bfloat16 (32-bit words)
   float *pb;     // [Lpad] prefix bias, -inf past Lp
   float *sp;     // [rows, Lpad] prefix scores, then probabilities
   float *ss;     // [rows, Ls] suffix scores, then probabilities
@@ -311,6 +322,100 @@ static inline __attribute__((always_inline)) void prefix_block(
   }
 }
 
+#if HAVE_AVX512
+/* prefix_block with the 16 keys in one 16-lane register: each dot the same FMA chain over x,
+   so the scores are bitwise prefix_block's. */
+static inline __attribute__((always_inline)) void prefix_block16(
+    const int RB, const int64_t Dh, const float *q, const float *kt, int64_t ldk,
+    const float *bias, float scale, float *s, int64_t lds) {
+  __m512 a[8];
+  for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < Dh; x++) {
+    const __m512 k = _mm512_loadu_ps(kt + x * ldk);
+    for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * Dh + x]), k, a[r]);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 b = _mm512_loadu_ps(bias);
+  const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
+  for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
+    _mm512_storeu_ps(s + r * lds, _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r], vscale, b), ninf));
+}
+#endif
+
+#if HAVE_BF16_DOT
+/* prefix_block on bfloat16 pairs: q rows qp [RB, Dh / 2] and keys ktp [Dh / 2, ldk] as pairs of
+   bfloat16 (element 2x in the low half), 16 keys per register. Used only where every q value
+   is a bfloat16 (a bfloat16 model's q, widened) and K is bfloat16: each product is then the
+   float32 kernel's exact product and a score differs from the FMA chain's only in summation
+   order (pairs added odd element first, then even) and in bfloat16 subnormals read as zero.
+   Each dot is one chain over the pairs in order, whatever RB. */
+static inline __attribute__((always_inline)) void prefix_block_dot(
+    const int RB, const int64_t Dh, const uint32_t *qp, const uint32_t *ktp, int64_t ldk,
+    const float *bias, float scale, float *s, int64_t lds) {
+  __m512 a[8];
+  for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < Dh / 2; x++) {
+    __m512bh k = (__m512bh)_mm512_loadu_si512((const void *)(ktp + x * ldk));
+    for (int r = 0; r < RB; r++)
+      a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32((int)qp[r * (Dh / 2) + x]), k);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 b = _mm512_loadu_ps(bias);
+  const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
+  for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
+    _mm512_storeu_ps(s + r * lds, _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r], vscale, b), ninf));
+}
+
+/* Prefix scores [N, Lpad] on the bfloat16 dot path: K transposed by 32-bit pairs into b->kt,
+   the q rows packed into pairs, then blocks of 8 rows x 16 keys. */
+static inline __attribute__((always_inline)) void prefix_scores_dot(const int64_t Dh, int64_t N, const uint16_t *pk, int64_t Lp,
+                              int64_t Lpad, float scale, const group_buffers *b, prefetcher *pf) {
+  const int64_t P = Dh / 2;
+  const uint32_t *kw = (const uint32_t *)pk;
+  uint32_t *ktp = (uint32_t *)b->kt;
+  int64_t j = 0;
+  if (P % 8 == 0)
+    for (; j + 8 <= Lp; j += 8)
+      for (int64_t x = 0; x < P; x += 8)  // bit moves only: any pattern goes through unchanged
+        transpose8(kw + j * P + x, P, (float *)(ktp + x * Lpad + j), Lpad, 0);
+  for (int64_t x = 0; x < P; x++)
+    for (int64_t t = j; t < Lpad; t++) ktp[x * Lpad + t] = t < Lp ? kw[t * P + x] : 0u;
+  for (int64_t e = 0; e < N * P; e++) {
+    uint32_t lo, hi;
+    memcpy(&lo, b->q + 2 * e, 4), memcpy(&hi, b->q + 2 * e + 1, 4);
+    b->qp[e] = (lo >> 16) | (hi & 0xFFFF0000u);
+  }
+  const int64_t calls = Lpad / 16 * ((N + 7) / 8), per_call = (pf_lines(pf) + calls - 1) / calls;
+  for (int64_t c = 0; c < Lpad; c += 16) {
+    float *s = b->sp + c;
+    int any = 0;
+    for (int64_t t = 0; t < 16; t++) any |= b->vis[c + t];
+    if (!any) {  // 16 masked keys: no dots
+      for (int64_t r = 0; r < N; r++)
+        for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
+      continue;
+    }
+    const uint32_t *kt = ktp + c;
+    const float *pb = b->pb + c;
+    int64_t r = 0;
+    for (; r + 8 <= N; r += 8) {
+      prefix_block_dot(8, Dh, b->qp + r * P, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+      pf_issue(pf, per_call);
+    }
+    const uint32_t *qr = b->qp + r * P;
+    switch (N - r) {  // the last rows: one block of a constant size
+      case 7: prefix_block_dot(7, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 6: prefix_block_dot(6, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 5: prefix_block_dot(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 4: prefix_block_dot(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 3: prefix_block_dot(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 2: prefix_block_dot(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 1: prefix_block_dot(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+    }
+  }
+}
+#endif
+
 /* o[r] (RB rows of NV * 8 columns, row stride ldo) += sum over visible keys t of p[r][t] V[t]
    (columns [0, NV * 8) of rows of Dh floats): RB rows share each V load; per output element
    one FMA chain over the keys in order, whatever the blocking. */
@@ -354,6 +459,53 @@ static inline __attribute__((always_inline)) void pv_cols(
 }
 #endif
 
+#if HAVE_AVX512
+/* pv_block in 16-lane registers: RB rows of NV * 16 columns. Each output element is the same
+   FMA chain over the keys in order as in pv_block, so the results are bitwise the same. */
+static inline __attribute__((always_inline)) void pv_block16(
+    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldp, const void *V,
+    int64_t n, const unsigned char *vis, float *o, int64_t ldo, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  __m512 acc[6][2];
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * ldo + v * 16);
+  for (int64_t t = 0; t < n; t++) {
+    pf_issue(pf, per_key);
+    if (!vis[t]) continue;  // masked for every row: V[t] is never read
+    __m512 vv[2];
+    for (int v = 0; v < NV; v++)
+      vv[v] = bf16 ? bf16_load16((const uint16_t *)V + t * Dh + v * 16)
+                   : _mm512_loadu_ps((const float *)V + t * Dh + v * 16);
+    for (int r = 0; r < RB; r++) {
+      const __m512 b = _mm512_set1_ps(p[r * ldp + t]);
+      for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(b, vv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + r * ldo + v * 16, acc[r][v]);
+}
+
+/* pv_block16 over n_rows rows for the NV * 16 columns at V, o: blocks of 6 rows, then one
+   block of the rest. */
+static inline __attribute__((always_inline)) void pv_cols16(
+    const int NV, const int64_t Dh, const float *p, int64_t ldp, int64_t n_rows, const void *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  int64_t i = 0;
+  for (; i + 6 <= n_rows; i += 6)
+    pv_block16(6, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key, bf16);
+  const float *pr = p + i * ldp;
+  float *orr = o + i * Dh;
+  switch (n_rows - i) {
+    case 5: pv_block16(5, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 4: pv_block16(4, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 3: pv_block16(3, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 2: pv_block16(2, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+    case 1: pv_block16(1, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+  }
+}
+#endif
+
 /* o [n_rows, Dh] += p [n_rows, ldp] @ V [n, Dh] over the keys with vis[t]; issues the pending
    prefetches of pf spread over the keys it visits. */
 static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, const float *p,
@@ -361,6 +513,18 @@ static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, cons
                                                           const void *V, int64_t n,
                                                           const unsigned char *vis, float *o,
                                                           prefetcher *pf, const int bf16) {
+#if HAVE_AVX512
+  if (Dh % 16 == 0) {
+    const int64_t visits = ((n_rows + 5) / 6) * ((Dh + 31) / 32) * n;
+    const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
+    for (int64_t c = 0; c < Dh; c += 32) {  // columns 32 at a time (2 vectors), then 16
+      const void *Vc = kv_at(V, c, bf16);
+      if (Dh - c >= 32) pv_cols16(2, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
+      else pv_cols16(1, Dh, p, ldp, n_rows, Vc, n, vis, o + c, pf, per_key, bf16);
+    }
+    return;
+  }
+#endif
   const int64_t visits = ((n_rows + 2) / 3) * ((Dh + 31) / 32) * n;
   const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
 #if HAVE_AVX2
@@ -395,7 +559,7 @@ static inline __attribute__((always_inline)) void group_item(
     const int64_t *mem, int64_t n, int64_t h, const void *pk, const void *pv, int64_t Lp,
     int64_t Lpad, const float *pbias, const void *sk, const void *sv, int64_t s_h,
     int64_t s_d, int64_t Ls, const float *sbias, int64_t sbias_d, int64_t Hkv, float scale,
-    float *out, const group_buffers *b, const void *next_pk, const int bf16) {
+    float *out, const group_buffers *b, const void *next_pk, const int bf16, const int dot) {
   const int64_t N = n * R, Q = R / rows_per_bias, es = bf16 ? 2 : 4;
   prefetcher pf = {0}, pf_v = {0};  // prefix K now; prefix V, suffix K; suffix V
   pf_add(&pf, pk, Lp * Dh * es);
@@ -416,39 +580,61 @@ static inline __attribute__((always_inline)) void group_item(
   }
   // prefix scores [N, Lpad] (columns past Lp are -inf)
 #if HAVE_AVX2
-  {
-    int64_t j = 0;
-    if (Dh % 8 == 0)
-      for (; j + 8 <= Lp; j += 8)
-        for (int64_t x = 0; x < Dh; x += 8)
-          transpose8(kv_at(pk, j * Dh + x, bf16), Dh, b->kt + x * Lpad + j, Lpad, bf16);
-    for (int64_t x = 0; x < Dh; x++)
-      for (int64_t t = j; t < Lpad; t++)
-        b->kt[x * Lpad + t] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
-  }
-  const int64_t calls = Lpad / 16 * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
-  for (int64_t j = 0; j < Lpad; j += 16) {
-    float *s = b->sp + j;
-    const float *kt = b->kt + j, *pb = b->pb + j;
-    int any = 0;
-    for (int64_t t = 0; t < 16; t++) any |= b->vis[j + t];
-    if (!any) {  // 16 masked keys: no dots
-      for (int64_t r = 0; r < N; r++)
-        for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
-      continue;
+#if HAVE_BF16_DOT
+  if (dot) prefix_scores_dot(Dh, N, (const uint16_t *)pk, Lp, Lpad, scale, b, &pf);
+#endif
+  if (!dot) {
+    {
+      int64_t j = 0;
+      if (Dh % 8 == 0)
+        for (; j + 8 <= Lp; j += 8)
+          for (int64_t x = 0; x < Dh; x += 8)
+            transpose8(kv_at(pk, j * Dh + x, bf16), Dh, b->kt + x * Lpad + j, Lpad, bf16);
+      for (int64_t x = 0; x < Dh; x++)
+        for (int64_t t = j; t < Lpad; t++)
+          b->kt[x * Lpad + t] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
     }
-    int64_t r = 0;
-    for (; r + 6 <= N; r += 6) {
-      prefix_block(6, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
-      pf_issue(&pf, per_call);
-    }
-    const float *qr = b->q + r * Dh;
-    switch (N - r) {  // the last rows: one block of a constant size
-      case 5: prefix_block(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 4: prefix_block(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 3: prefix_block(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 2: prefix_block(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 1: prefix_block(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+    const int64_t calls = Lpad / 16 * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
+    for (int64_t j = 0; j < Lpad; j += 16) {
+      float *s = b->sp + j;
+      const float *kt = b->kt + j, *pb = b->pb + j;
+      int any = 0;
+      for (int64_t t = 0; t < 16; t++) any |= b->vis[j + t];
+      if (!any) {  // 16 masked keys: no dots
+        for (int64_t r = 0; r < N; r++)
+          for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
+        continue;
+      }
+      int64_t r = 0;
+#if HAVE_AVX512
+      for (; r + 8 <= N; r += 8) {
+        prefix_block16(8, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+        pf_issue(&pf, per_call);
+      }
+      const float *q8 = b->q + r * Dh;
+      switch (N - r) {  // the last rows: one block of a constant size
+        case 7: prefix_block16(7, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 6: prefix_block16(6, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 5: prefix_block16(5, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 4: prefix_block16(4, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 3: prefix_block16(3, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 2: prefix_block16(2, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 1: prefix_block16(1, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      }
+      r = N;
+#endif
+      for (; r + 6 <= N; r += 6) {
+        prefix_block(6, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+        pf_issue(&pf, per_call);
+      }
+      const float *qr = b->q + r * Dh;
+      switch (N - r) {  // the last rows: one block of a constant size
+        case 5: prefix_block(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 4: prefix_block(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 3: prefix_block(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 2: prefix_block(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 1: prefix_block(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      }
     }
   }
 #else
@@ -515,7 +701,7 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
                           int64_t s_h, int64_t s_d, int64_t Ls, const float *sbias,
                           const void *pk, const void *pv, int64_t p_h, int64_t p_g, int64_t Lp,
                           const float *pbias, const int64_t *group_of, int64_t num_groups,
-                          float scale, float *out, int num_threads, int bf16) {
+                          float scale, float *out, int num_threads, int bf16, int dot) {
   const int64_t L = Lp + Ls, sbias_d = (R / rows_per_bias) * Ls;
   if (Lp > 0)
     for (int64_t d = 0; d < D; d++)
@@ -585,13 +771,14 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
   {
     group_buffers b = {0};
     const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + rows * Lpad + rows * Ls +
-                                   rows * Dh + rows);
+                                   rows * Dh + rows + rows * (Dh / 2));
     float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls));
     failed = buf == NULL;
     if (buf != NULL) {
       b.q = buf, b.kt = b.q + rows * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
       b.ss = b.sp + rows * Lpad, b.o = b.ss + rows * Ls, b.inv = b.o + rows * Dh;
-      b.vis = (unsigned char *)(b.inv + rows);
+      b.qp = (uint32_t *)(b.inv + rows);
+      b.vis = (unsigned char *)(b.qp + rows * (Dh / 2));
     }
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < num_runs * Hkv; it++) {
@@ -606,7 +793,7 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
                                 group_of[order[runs[2 * ((it + 1) / Hkv)]]] * p_g, bf16);
 #define GROUP_ITEM(DH, BF16)                                                                  \
   group_item(DH, R, rows_per_bias, q, q_d, mem, n, h, pki, pvi, Lp, Lpad, pb, sk, sv, s_h, s_d, \
-             Ls, sbias, sbias_d, Hkv, scale, out, &b, next_pk, BF16)
+             Ls, sbias, sbias_d, Hkv, scale, out, &b, next_pk, BF16, dot)
       if (bf16) switch (Dh) {  // as in `item`
           case 32: GROUP_ITEM(32, 1); break;
           case 64: GROUP_ITEM(64, 1); break;
@@ -635,7 +822,7 @@ int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t ro
                        const int64_t *group_of, int64_t num_groups, float scale, float *out,
                        int num_threads) {
   return cascade_decode(D, Hkv, R, Dh, rows_per_bias, q, q_d, sk, sv, s_h, s_d, Ls, sbias, pk, pv,
-                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 0);
+                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 0, 0);
 }
 
 int cascade_decode_bf16(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
@@ -644,6 +831,20 @@ int cascade_decode_bf16(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t r
                         const uint16_t *pk, const uint16_t *pv, int64_t p_h, int64_t p_g,
                         int64_t Lp, const float *pbias, const int64_t *group_of,
                         int64_t num_groups, float scale, float *out, int num_threads) {
+  // the prefix scores through bfloat16 dot products where that changes no product: every q
+  // value a bfloat16 (a bfloat16 model's q, widened); decided once per call, so a row's result
+  // never depends on how rows are blocked (the number of threads)
+  int dot = HAVE_BF16_DOT && Dh % 2 == 0 && Lp > 0;
+  for (int64_t d = 0; dot && d < D; d++) {
+    for (int64_t e = 0; e < Hkv * R * Dh; e++) {
+      uint32_t w;
+      memcpy(&w, q + d * q_d + e, sizeof w);
+      if (w & 0xFFFFu) {
+        dot = 0;
+        break;
+      }
+    }
+  }
   return cascade_decode(D, Hkv, R, Dh, rows_per_bias, q, q_d, sk, sv, s_h, s_d, Ls, sbias, pk, pv,
-                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 1);
+                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 1, dot);
 }

@@ -3,8 +3,7 @@
 `DecoderLayer.attention_inputs`, `DecoderLayer.attention_outputs` and `CausalLM._logits` (their
 reference), with
 
-* RMSNorm, rotary and (in float32) SiLU * up each one pass (`pointwise.c`) instead of a chain
-  of ops;
+* RMSNorm, rotary and SiLU * up each one pass (`pointwise.c`) instead of a chain of ops;
 * q and k rotated in place in the fused q/k/v projection's output;
 * in float32, the residual adds folded into the o_proj and down_proj matrix multiplies
   (`addmm`, beta = 1): no separate pass over the hidden states. Not in bfloat16: addmm would add
@@ -79,10 +78,7 @@ def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tens
     if mlp.gate_up_weight is None:
         return x + mlp(h)
     gate, up = F.linear(h, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
-    if x.dtype == torch.float32:
-        return _add_linear(x, native.silu_mul(native.pointwise(), gate, up), mlp.down_proj)
-    # bfloat16: torch's two vectorised ops beat a C pass that must round twice per element
-    return x + mlp.down_proj(F.silu(gate) * up)
+    return _add_linear(x, native.silu_mul(native.pointwise(), gate, up), mlp.down_proj)
 
 
 def logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:

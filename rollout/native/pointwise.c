@@ -194,6 +194,39 @@ int rotary_bf16(uint16_t *x, int64_t x_stride, int64_t T, int64_t heads, int64_t
   return 0;
 }
 
+/* `silu_mul_f32` on bfloat16 gate and up: silu(gate) is rounded to bfloat16 (torch's bfloat16
+   silu computes in float32 and stores bfloat16), then its product with up is rounded again. */
+void silu_mul_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t *up,
+                   int64_t up_stride, uint16_t *out, int64_t out_stride, int64_t T, int64_t I,
+                   int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *g = gate + t * gate_stride, *u = up + t * up_stride;
+    uint16_t *o = out + t * out_stride;
+    int64_t i = 0;
+#if HAVE_AVX512
+    const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+    for (; i + 16 <= I; i += 16) {
+      __m512 vg = bf16_load16(g + i);
+      __m512 silu = _mm512_div_ps(vg, _mm512_add_ps(one16, exp16(_mm512_sub_ps(zero16, vg))));
+      bf16_store16(o + i, _mm512_mul_ps(bf16_rounded16(silu), bf16_load16(u + i)));
+    }
+#endif
+#if HAVE_AVX2
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+      __m256 vg = bf16_load8(g + i);
+      __m256 silu = _mm256_div_ps(vg, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, vg))));
+      bf16_store8(o + i, _mm256_mul_ps(bf16_rounded8(silu), bf16_load8(u + i)));
+    }
+#endif
+    for (; i < I; i++) {
+      const float x = bf16_load(g[i]);
+      o[i] = bf16_round(bf16_rounded(x / (1.f + expf(-x))) * bf16_load(u[i]));
+    }
+  }
+}
+
 /* `scatter_rows_f32` for 2-byte rows (bfloat16, float16): rows copied exactly. */
 int scatter_rows_16(uint16_t *dst, int64_t dst_head_stride, int64_t dst_rows, const uint16_t *src,
                     int64_t src_stride, const int64_t *index, int64_t T, int64_t Hkv, int64_t D,

@@ -31,12 +31,6 @@
 
 #include "vector_math.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
 #if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1  // vdpbf16ps: two bfloat16 products a float32 lane, products exact
 #else
@@ -46,29 +40,6 @@
 int prefill_attention_has_avx512(void) { return HAVE_AVX512; }
 
 enum { BK = 64 };
-
-#if HAVE_AVX512
-/* e^x for 16 floats: exp8's Cephes polynomial (vector_math.h) in 512-bit registers. */
-static inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3762626647949f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
-                                23);
-  return _mm512_maskz_mul_ps((__mmask16)~underflow, y, _mm512_castsi512_ps(e));
-}
-#endif
 
 /* Element i of a row of float32 (bf16 == 0) or bfloat16 values, as float32. */
 static inline float load_at(const void *p, int64_t i, int bf16) {

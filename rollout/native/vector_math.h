@@ -79,4 +79,52 @@ static inline void bf16_store8(uint16_t *p, __m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+/* e^x for 16 floats: exp8's Cephes polynomial in 512-bit registers. */
+static inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
+                                23);
+  return _mm512_maskz_mul_ps((__mmask16)~underflow, y, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 bf16_load16(const uint16_t *p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* 16 floats rounded to bfloat16 as bf16_rounded8 rounds them, kept as floats. */
+static inline __m512 bf16_rounded16(__m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  b = _mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000u));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(b, nan, _mm512_set1_epi32(0x7FC00000)));
+}
+
+static inline void bf16_store16(uint16_t *p, __m512 v) {
+  __m512i b = _mm512_srli_epi32(_mm512_castps_si512(bf16_rounded16(v)), 16);
+  _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(b));
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
 #endif

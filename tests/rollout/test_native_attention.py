@@ -50,8 +50,12 @@ def _reference(q, k_cache, v_cache, meta, page_size):
 def test_the_builds_differ_in_their_vector_path():
     """Guards the test below: the portable build really runs the plain loops."""
     assert BUILDS["native"].cascade_decode_has_avx2() == int("avx2" in open("/proc/cpuinfo").read())
+    assert BUILDS["native"].cascade_decode_has_bf16_dot() == int(
+        "avx512_bf16" in open("/proc/cpuinfo").read()
+    )
     if "portable" in BUILDS:
         assert BUILDS["portable"].cascade_decode_has_avx2() == 0
+        assert BUILDS["portable"].cascade_decode_has_bf16_dot() == 0
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
@@ -314,6 +318,44 @@ def test_a_large_group_is_split_over_threads_with_bitwise_equal_results(build):
     torch.testing.assert_close(
         outs[0].double(), _reference(q, k_cache, v_cache, meta, 4), atol=2e-6, rtol=2e-6
     )
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("head_dim", [20, 32, 64, 128])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_a_bfloat16_models_q_scores_the_prefix_through_bfloat16_dot_products(
+    build, head_dim, page_size
+):
+    """q whose values are all bfloat16 (a bfloat16 model's, widened) against a bfloat16 pool:
+    where the CPU has AVX-512 BF16 the prefix scores are bfloat16 dot products, each product the
+    float32 kernel's exact one and only the summation order different, so the output stays
+    within float32 rounding of the float64 reference (the float32 tests' bound), is bitwise the
+    same for any number of threads, and stale K under masked keys never matters."""
+    q, k_cache, v_cache, meta = _group_case(head_dim, page_size, seed=head_dim + page_size)
+    q = q.bfloat16().float()
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    lib, before, outs = BUILDS[build], torch.get_num_threads(), []
+    suffix, prefix = _gathered(k_cache, v_cache, meta, page_size, as_stored=True)
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            outs.append(cascade_decode_attention_native(lib, q, meta, suffix, prefix))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    want = _reference(q, k_cache.float(), v_cache.float(), meta, page_size)
+    torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-6)
+    widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
+    float32_kernel = cascade_decode_attention_native(lib, q, meta, *widened)
+    # the dot path really ran where the CPU has it: another summation order, other last bits
+    assert torch.equal(outs[0], float32_kernel) != bool(lib.cascade_decode_has_bf16_dot())
+    pk = prefix[0].clone()
+    masked = torch.isneginf(meta.prefix_bias)
+    assert masked.any()
+    pk[:, masked] = torch.tensor([3e38, -3e38]).repeat(head_dim // 2).bfloat16()
+    dirty = cascade_decode_attention_native(lib, q, meta, suffix, (pk, prefix[1]))
+    assert torch.equal(dirty, outs[0])
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))

@@ -179,6 +179,23 @@ def test_rotary_bf16_equals_the_module_bitwise(build, head_dim):
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("tokens, width", [(9, 1), (9, 7), (9, 8), (9, 16), (130, 704), (3, 1001)])
+def test_silu_mul_bf16_matches_torch(build, tokens, width):
+    """bfloat16 silu(gate) * up as torch's two bfloat16 ops compute it: silu in float32 rounded to
+    bfloat16, then the product rounded. Our exp differs from torch's by float32 ulps, which can
+    move silu's rounding by one bfloat16 ulp and the product's by one more: each element within
+    two bfloat16 ulps of torch's, and all but a few equal."""
+    gate_up = _randn(tokens, 2 * width, seed=width, scale=6.0).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = native.silu_mul(BUILDS[build], gate, up)
+    expected = F.silu(gate) * up
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    ulp = torch.finfo(torch.bfloat16).eps * expected.float().abs().clamp_min(1e-30)
+    assert ((got.float() - expected.float()).abs() <= 2 * ulp).all()
+    assert (got == expected).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
 def test_row_scatter_bf16_equals_index_copy(build):
     kv_heads, slots, head_dim, tokens = 2, 500, 16, 130
     qkv = _randn(tokens, 4 + 2 * kv_heads, head_dim, seed=4).bfloat16()
