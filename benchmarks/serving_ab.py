@@ -37,13 +37,13 @@ from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 from benchmarks.vs_vllm import (  # noqa: E402
     MODEL_NAME,
     bench_command,
+    bench_server,
     build_model,
     choose_cpus,
     engine_env,
     free_port,
     pinned,
     server_command,
-    wait_healthy,
 )
 
 KEYS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "failed", "completed")
@@ -80,33 +80,18 @@ def export(ref: str, directory: Path) -> None:
 
 
 def serve_once(tree: Path, args, model_dir: Path, cpus: list[int], work: Path, name: str) -> dict:
-    """One `vllm bench serve` run against our server started from `tree`."""
+    """One `vllm bench serve` run (pinned to the server's CPUs) against our server started from
+    `tree`."""
     port = free_port()
-    cmd = pinned(server_command("ours", args, model_dir, port), cpus)
-    logs = sys.stderr if args.verbose else subprocess.DEVNULL
-    server = subprocess.Popen(
-        cmd, cwd=tree, env=engine_env("ours", args, cpus), stdout=logs, stderr=logs
+    raw = bench_server(
+        pinned(server_command("ours", args, model_dir, port), cpus),
+        engine_env("ours", args, cpus),
+        pinned(bench_command(args, model_dir, port, work, name), cpus),
+        port,
+        work / f"{name}.json",
+        args.verbose,
+        server_cwd=tree,
     )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", server)
-        bench_env = dict(os.environ, OMP_NUM_THREADS="1")
-        bench_env.pop("LD_PRELOAD", None)
-        subprocess.run(
-            pinned(bench_command(args, model_dir, port, work, name), cpus),
-            cwd=ROOT,
-            env=bench_env,
-            check=True,
-            stdout=logs,
-            stderr=logs,
-        )
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    raw = json.loads((work / f"{name}.json").read_text())
     return {k: raw.get(k) for k in KEYS}
 
 

@@ -408,26 +408,25 @@ SERVING_KEYS = (
 )
 
 
-def run_serving(engine: str, args, model_dir: Path, cpus: list[int], work: Path) -> dict:
-    port = free_port()
-    cmd = pinned(server_command(engine, args, model_dir, port), cpus)
-    env = engine_env(engine, args, cpus)
+def bench_server(
+    server_cmd: list[str],
+    server_env: dict[str, str],
+    bench_cmd: list[str],
+    port: int,
+    result_file: Path,
+    verbose: bool,
+    server_cwd: Path = ROOT,
+) -> dict:
+    """Start a server, wait until it answers, drive it with `bench_cmd` (`vllm bench serve`, one
+    OpenMP thread), stop it; returns the load generator's saved result."""
     # --verbose shows the logs on stderr: stdout stays the JSON alone
-    logs = sys.stderr if args.verbose else subprocess.DEVNULL
-    quiet = None if args.verbose else subprocess.DEVNULL
-    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs, stderr=quiet)
+    logs = sys.stderr if verbose else subprocess.DEVNULL
+    server = subprocess.Popen(server_cmd, cwd=server_cwd, env=server_env, stdout=logs, stderr=logs)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", server)
         bench_env = dict(os.environ, OMP_NUM_THREADS="1")
         bench_env.pop("LD_PRELOAD", None)
-        subprocess.run(
-            bench_command(args, model_dir, port, work, engine),
-            cwd=ROOT,
-            env=bench_env,
-            check=True,
-            stdout=logs,
-            stderr=quiet,
-        )
+        subprocess.run(bench_cmd, cwd=ROOT, env=bench_env, check=True, stdout=logs, stderr=logs)
     finally:
         server.terminate()
         try:
@@ -435,7 +434,19 @@ def run_serving(engine: str, args, model_dir: Path, cpus: list[int], work: Path)
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    raw = json.loads((work / f"{engine}.json").read_text())
+    return json.loads(result_file.read_text())
+
+
+def run_serving(engine: str, args, model_dir: Path, cpus: list[int], work: Path) -> dict:
+    port = free_port()
+    raw = bench_server(
+        pinned(server_command(engine, args, model_dir, port), cpus),
+        engine_env(engine, args, cpus),
+        bench_command(args, model_dir, port, work, engine),
+        port,
+        work / f"{engine}.json",
+        args.verbose,
+    )
     out = {k: raw.get(k) for k in SERVING_KEYS}
     errors = [e for e in raw.get("errors", []) if e]
     out["distinct_errors"] = sorted(set(errors))[:5]
