@@ -135,7 +135,6 @@ def check_prefill_decode(rollout: RolloutSection, cluster: ClusterSection) -> No
     # all), and a handoff carries every KV head whatever either side's TP.
     unsupported = {
         "rollout.speculative_method=draft": rollout.speculative_method == "draft",
-        "rollout.stream_scoring": rollout.stream_scoring,
         "cluster.fully_async": cluster.fully_async,
     }
     for what, used in unsupported.items():

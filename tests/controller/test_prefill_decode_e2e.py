@@ -19,6 +19,8 @@
   replicas return every sample's routes (the prompt's from the prefill replica's handoff), so
   the trainer replays them and engine-vs-trainer log-probs agree to 1e-10, the first update's
   PPO-KL exactly 0.
+* Streaming scoring (`rollout.stream_scoring`: each group scored as soon as it finishes): the
+  same as the run without.
 * Over-sampled with partial rollouts (`over_sampling: 2`, `partial: retract`): the same as the
   run without, and every fresh group launched is trained once or still carried (counted).
 * The same with `partial: in_place`: a carried sample's continuation goes to its decode replica
@@ -180,6 +182,15 @@ def assert_each_group_trained_once(rows: list[dict], n: int = 2) -> None:
     )
     trained = sum(r["rollout/samples"] for r in rows) / n
     assert trained + rows[-1]["rollout/carried_groups"] == fresh
+
+
+def test_streaming_scoring_in_pd_mode_is_the_run_without(ray_four, cache, tmp_path):
+    """Each group scored as soon as its samples finish (the over-sampled rollout's path, every
+    group in the quota): the decode replicas' streams hand on each finished request once."""
+    plain = run_in_process(tmp_path / "plain", "rollout.stream_scoring=true", *TWO_REPLICAS)
+    pd = run_in_process(tmp_path / "pd", "rollout.stream_scoring=true", *ONE_PREFILL_TWO_DECODE)
+    assert_same_run(plain, pd)
+    assert all(r["rollout/samples"] == 4 * 2 for r in pd)
 
 
 def test_over_sampled_partial_rollouts_in_pd_mode_are_the_run_without(ray_four, cache, tmp_path):

@@ -35,6 +35,9 @@ def test_default_is_off_and_valid_values_load():
     in_place = ["rollout.over_sampling=1.5", "rollout.partial=in_place"]
     r = load_recipe(RECIPE, [*disaggregated, "rollout.prefill_replicas=1", *in_place]).rollout
     assert (r.partial, r.prefill_replicas) == ("in_place", 1)
+    # streaming scoring: the over-sampled rollout's path with a quota of every group
+    r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", "rollout.stream_scoring=true"])
+    assert r.rollout.stream_scoring
 
 
 @pytest.mark.parametrize(
@@ -55,10 +58,6 @@ def test_default_is_off_and_valid_values_load():
                 f"rollout.speculative_draft_model_path={ROOT}",
             ],
             r"speculative_method=draft",
-        ),
-        (
-            [*THREE, "rollout.prefill_replicas=1", "rollout.stream_scoring=true"],
-            r"stream_scoring yet",
         ),
         (
             [
