@@ -1,7 +1,7 @@
 """Engine tensor parallelism: one replica over 2 CPU processes (gloo) against TP=1 and
 HF transformers on the same weights.
 
-One spawn of 2 ranks (127.0.0.1, bounded in time) runs the same scenario script for every family
+One spawn of 2 ranks (file rendezvous, time-bounded) runs one scenario script for every family
 (Qwen2: QKV bias, untied; Qwen3: q/k-norm, tied embeddings; Llama: llama3 RoPE, 8 heads over 2
 KV heads) in float32 and float64; the vocabularies (97, 101, 89) are odd, so the last vocabulary
 shard is the short one. The parent runs the same script on a TP=1 engine and checks:
@@ -25,7 +25,6 @@ shard is the short one. The parent runs the same script on a TP=1 engine and che
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -79,7 +78,7 @@ def scenarios(engine: Engine, directory: str, other_directory: str) -> dict:
     return result
 
 
-def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
+def _rank(rank: int, rendezvous: str, dirs: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rollout import device_memory
@@ -93,7 +92,9 @@ def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
         return_freed(device)
 
     device_memory.return_freed = counting
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # a file rendezvous: no port chosen here and bound later, which another test's process may
+    # take in between
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     for (family, dtype), (directory, other) in dirs.items():
         engine = run_rank(_config(directory, dtype, tp=2))
         if engine is not None:
@@ -103,12 +104,6 @@ def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
             torch.save(result, Path(out_dir) / f"{family}_{dtype}.pt")
     dist.destroy_process_group()
     torch.save(returned, Path(out_dir) / f"rank{rank}_returned.pt")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +129,11 @@ def tp2_results(checkpoints, tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("tp2_results")
     dirs = {case: (d, other) for case, (_, d, other) in checkpoints.items()}
     context = mp.start_processes(
-        _rank, args=(_free_port(), dirs, str(out_dir)), nprocs=2, join=False, start_method="spawn"
+        _rank,
+        args=(str(out_dir / "rendezvous"), dirs, str(out_dir)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=5):
