@@ -1,6 +1,8 @@
 """`python -m held_open_train RECIPE [key=value ...]`: `python -m miles_like.train` whose fully
-asynchronous producer (single-turn, `rollout.partial: in_place`) holds one group open at every
-checkpoint, so that the checkpoint always shows what a resume does with an open group's tokens.
+asynchronous producer (single-turn) holds one group open at every checkpoint, so that the
+checkpoint always shows what a resume does with an open group's tokens. With `rollout.partial:
+in_place` the group is released at the update before a checkpoint (the only one that aborts);
+with retract (the default) at every update, each of which aborts.
 
 An engine faster than the trainer fills the buffer: at a checkpoint's update nothing runs, and
 no open group has tokens. Here one fresh group is kept back (drawn, not sent; it takes a room
@@ -12,7 +14,8 @@ update's abort stops it. The checkpoint then holds the group open, with tokens o
 the update replaces (one version old: not stale). The engines, the tokens, their log-probs and
 versions are all real.
 
-Run as the killed run of `test_async_in_place_e2e.py` (`killed_run(..., module=...)`).
+Run as the killed run of `test_async_in_place_e2e.py` and `test_async_e2e.py`
+(`killed_run(..., module=...)`).
 """
 
 from __future__ import annotations

@@ -71,14 +71,18 @@ def check_accounting(rows: list[dict]) -> list[int]:
     return trained
 
 
-def killed_and_resumed(out: Path, overrides: tuple[str, ...], every: int) -> list[dict]:
-    """Runs `overrides` (with `steps=` and `checkpoint.every_steps=every`) in a subprocess,
-    SIGKILLs it 0.3 s after its first checkpoint (inside a step, not at a checkpoint), resumes
-    it in this process with checkpoint.resume=auto, and returns the finished run's rows: every
-    step once, and every drawn prompt trained, dropped or held exactly once."""
+def killed_and_resumed(
+    out: Path, overrides: tuple[str, ...], every: int, module: str = "miles_like.train"
+) -> list[dict]:
+    """Runs `overrides` (with `steps=` and `checkpoint.every_steps=every`) in a subprocess
+    (`python -m module`), SIGKILLs it 0.3 s after its first checkpoint (inside a step, not at a
+    checkpoint), resumes it in this process with checkpoint.resume=auto, and returns the
+    finished run's rows: every step once, and every drawn prompt trained, dropped or held
+    exactly once."""
     steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("steps="))
     marker = out / "checkpoints" / f"step_{every:06d}" / "state.json"
-    with killed_run(out, [RECIPE, *BASE, *overrides], marker, delay_s=0.3) as kill:
+    args = [RECIPE, *BASE, *overrides]
+    with killed_run(out, args, marker, delay_s=0.3, module=module) as kill:
         pass  # the run goes on alone until the watcher kills it
     assert kill.rows_at_kill and every <= kill.rows_at_kill[0] < steps, "not killed mid-run"
     rows = run_in_process(out, *overrides, "checkpoint.resume=auto")
@@ -158,10 +162,14 @@ def test_killed_async_run_resumes_without_loss_or_repeat(ray_local, cache, tmp_p
         *LONG,
         *ASYNC,
         "cluster.max_staleness=1",
+        # the default capacity (prompts_per_step x (max_staleness + 1)), and a room for the group
+        # the killed run keeps back for each update (`held_open_train.py`)
+        f"cluster.async_buffer_groups={2 * PROMPTS + 1}",
     )
     # nothing lost, nothing twice (`killed_and_resumed`); the groups open or buffered at the
-    # checkpoint resumed from are among them (after it)
-    rows = killed_and_resumed(out, overrides, every=3)
+    # checkpoint resumed from are among them (after it). The killed run holds a group open with
+    # tokens at every update (an engine faster than the trainer leaves none open by itself)
+    rows = killed_and_resumed(out, overrides, every=3, module="held_open_train")
     # a checkpoint's state holds every untrained group: the step before one takes no batch
     # ahead (checkpoints after steps 2, 5, 8; the resumed run starts at one)
     assert all(r["rollout/taken_ahead"] == 0 for r in rows if r["step"] % 3 == 0)
