@@ -24,6 +24,7 @@ from collectives.ops import (
     all_to_all_single,
     broadcast,
     broadcast_object,
+    gather,
     group_device,
     size,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "all_to_all_single",
     "broadcast",
     "broadcast_object",
+    "gather",
     "group_device",
     "size",
 ]

@@ -95,6 +95,37 @@ def all_gather(tensor: torch.Tensor, *, dim: int = 0, group: Group = None) -> to
     return out.movedim(0, dim).flatten(dim, dim + 1).to(tensor.device)
 
 
+def gather(
+    tensor: torch.Tensor, *, dst: int = 0, dim: int = 0, group: Group = None
+) -> torch.Tensor | None:
+    """`all_gather`'s answer on group rank `dst` only (None on the others), which alone receives:
+    the other ranks send their part and get nothing back."""
+    n = size(group)
+    if n == 1:
+        return tensor if tensor.dim() else tensor.reshape(1)
+    device = group_device(group)
+    local = _on(tensor, device)
+    mine = _rank(group) == dst
+    out = torch.empty((n, *local.shape), dtype=local.dtype, device=device) if mine else None
+    parts = list(out.unbind(0)) if mine else []
+    if _standalone(group):
+        options = dist.GatherOptions()
+        options.rootRank = dst
+        group.gather([parts] if mine else [], [local], options).wait()
+    else:
+        dist.gather(local, parts if mine else None, group=group, group_dst=dst)
+    if not mine:
+        return None
+    if tensor.dim() == 0:
+        return out.to(tensor.device)
+    dim = dim % tensor.dim()
+    return out.movedim(0, dim).flatten(dim, dim + 1).to(tensor.device)
+
+
+def _rank(group: Group) -> int:
+    return group.rank() if _standalone(group) else dist.get_rank(group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     """Group rank `src`'s `tensor` into every rank's `tensor` (in place), returned."""
     if size(group) == 1:

@@ -208,9 +208,10 @@ class TPGroup:
             local = torch.cat([local, pad], dim=-1)
         return collectives.all_gather(local, dim=-1, group=self.group)[:, :vocab]
 
-    def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[L, local KV heads, ...] of every rank -> [L, KV heads, ...], heads in rank order."""
-        return collectives.all_gather(x, dim=1, group=self.group)
+    def gather_heads(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[L, local KV heads, ...] of every rank -> [L, KV heads, ...] on rank 0, heads in rank
+        order (None on the others: only rank 0 hands the K/V on)."""
+        return collectives.gather(x, dst=0, dim=1, group=self.group)
 
     def min_int(self, value: int, device: torch.device) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=device)

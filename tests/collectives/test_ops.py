@@ -56,6 +56,14 @@ def _check_group(group, me: int) -> None:
     assert torch.equal(collectives.all_gather(local, dim=-1, group=group), torch.cat(parts, -1))
     assert collectives.all_gather(torch.tensor(me), group=group).tolist() == [0, 1]
 
+    # gather: all_gather's answer on group rank `dst` only (None elsewhere); any dim
+    for dst in (0, 1):
+        got = collectives.gather(local.t(), dst=dst, dim=1, group=group)
+        if me == dst:
+            assert torch.equal(got, torch.cat([q.t() for q in parts], 1))
+        else:
+            assert got is None
+
     # broadcast: `src` is a group rank
     b = torch.full((4,), float(me))
     collectives.broadcast(b, src=1, group=group)
@@ -85,6 +93,7 @@ def _worker(rank: int, port: int, own_port: int) -> None:
         assert collectives.all_reduce(t, group=alone) is t
         assert collectives.all_gather(t, group=alone) is t
         assert collectives.all_gather(torch.tensor(5.0), group=alone).shape == (1,)
+        assert collectives.gather(t, group=alone) is t
         assert collectives.broadcast_object("x", src=0, group=alone) == "x"
     finally:
         dist.destroy_process_group()
