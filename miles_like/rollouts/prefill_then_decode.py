@@ -8,20 +8,30 @@ holds the handoffs; d then fetches them, copies their K/V into its own pages and
 (`run.engine_pd`). The prefill replica is free for the next batch as soon as its call returns,
 so a handoff's transfer and decode overlap the next prefill.
 
+The batches of a wave (the decode replicas' queues that left together, `ReplicaBatcher`) that
+picked the same prefill replica are prefilled in one call, their handoffs returned per decode
+replica, as a PD prefill server batches every decode server's requests: one larger forward
+instead of several, and the prefix-cache counters of one replica prefilling its whole batch.
+The over-sampled `stream` stays one prefill call per decode replica: the over-sampled rollout
+calls it for each replica's share on its own (no queue forms a wave), so under prefill-decode its
+prefix-cache counters are those of one prefill call per decode replica.
+
 The two calls together return what one `generate` on one engine returns (same seeds, same
 tokens: `rollout.prefill_decode`), with the prefill's prefix-cache counters, and the transfer's
 bytes and seconds (`PD_COUNTERS`). A handoff carries its weight version and a decode replica at
 another refuses it, so nothing is served across a weight update.
 
-Deaths: a prefill replica that dies is replaced and the batch prefilled again; a decode replica
-that dies is replaced and the same handoffs decoded there (the prefill replica still holds
-them); handoffs whose buffers died with their prefill replica (`HandoffGone`) are prefilled
-again. Each replacement is counted as any engine's (`rollout/engine_restarts`).
+Deaths: a prefill replica that dies is replaced and the whole call prefilled again there; a
+decode replica that dies is replaced and the same handoffs decoded there (the prefill replica
+holds them until every decode replica of the call has returned); a decode replica's handoffs
+whose buffers died with their prefill replica (`HandoffGone`) are prefilled again, its batch
+alone. Each replacement is counted as any engine's (`rollout/engine_restarts`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Iterable
 
 from miles_like.run.calls import Call, CallTimeout
 from miles_like.run.handoff_transport import HandoffGone
@@ -41,29 +51,87 @@ class PrefillDecode:
         self.router = Router(prefill_replicas)  # over engines[:k]: index i is engine i
         self._nodes: dict[str, str] = {}  # engine actor id -> its node
 
-    async def generate(self, d: int, prompts: list[list[int]], params: list):
-        """`generate(prompts, params)` served by a prefill replica and decode replica d:
-        (samples per prompt, counters) as `EngineWorker.generate` returns them."""
-        p = self._choose(prompts)
+    async def generate(
+        self,
+        batches: dict[int, tuple[list[list[int]], list]],
+        on_prefilled: Callable[[dict], None],
+        on_decoded: Callable[[int, list, dict], None],
+    ) -> None:
+        """`generate(prompts, params)` of every decode replica d's batch `batches[d]`, a wave
+        that left together: each batch goes to the prefill replica the router picks for it, and
+        the batches that picked the same one (and the same transport) are prefilled in one
+        call, their handoffs split per decode replica; then each decode replica decodes its
+        own, concurrently. `on_prefilled(counters)` once per prefill call (its prefix-cache
+        counters), before its batches are decoded; `on_decoded(d, samples, counters)` as d's
+        decode returns: samples per prompt, and the transfer's counters with the
+        `weight_version` that sampled them."""
+        # every choice before the first await: the wave's calls are fixed by the queues alone
+        chosen = {d: self._choose(prompts) for d, (prompts, _) in batches.items()}
         try:
-            share = await self._node(p) == await self._node(d)
+            calls: dict[tuple[int, bool], list[int]] = {}
+            for d, p in chosen.items():
+                share = await self._node(p) == await self._node(d)
+                calls.setdefault((p, share), []).append(d)
+            await all_of(
+                self._prefill_then_decode(
+                    p, share, {d: batches[d] for d in ds}, on_prefilled, on_decoded
+                )
+                for (p, share), ds in calls.items()
+            )
+        finally:
+            for p in chosen.values():
+                self.router.finished(p)
+
+    async def _prefill_then_decode(
+        self, p: int, share: bool, batches: dict, on_prefilled, on_decoded
+    ) -> None:
+        """One `prefill` call on prefill replica p holding every batch of `batches`, then their
+        decodes; its shared buffers are freed once every decode has returned."""
+        prompts = [prompt for batch, _ in batches.values() for prompt in batch]
+        params = [param for _, batch in batches.values() for param in batch]
+        splits = [len(batch) for batch, _ in batches.values()]
+        counters, handoffs, prefiller = await self._prefill(p, prompts, params, share, splits)
+        try:
+            on_prefilled(counters)
+            await all_of(
+                self._decode_batch(d, p, share, refs, *batches[d], on_decoded)
+                for d, refs in zip(batches, handoffs)
+            )
+        finally:
+            self._release(prefiller, counters["handoff_key"])
+
+    async def _decode_batch(
+        self, d: int, p: int, share: bool, handoffs, prompts, params, on_decoded
+    ) -> None:
+        """Decode replica d's batch from `handoffs` (a ref of its handoffs); if they died with
+        their prefill replica (`HandoffGone`), the batch is prefilled again on p alone (its
+        counters not tallied again: its prompts were counted by the call that lost them)."""
+        own = None  # (prefiller, handoff_key) of a prefill of this batch alone
+        try:
             while True:
-                counters, handoffs, prefiller = await self._prefill(p, prompts, params, share)
                 try:
                     samples, decoded = await self._decode(d, handoffs, params)
+                    break
                 except HandoffGone:  # its prefill replica died meanwhile: prefill again
-                    continue
-                finally:
-                    if counters["handoff_key"] is not None:  # best effort: it may have died
-                        prefiller.release_handoffs.remote(counters["handoff_key"])
-                break
+                    if own is not None:
+                        self._release(*own)
+                    counters, (handoffs,), prefiller = await self._prefill(
+                        p, prompts, params, share, [len(prompts)]
+                    )
+                    own = (prefiller, counters["handoff_key"])
         finally:
-            self.router.finished(p)
-        return samples, {
-            **{k: counters[k] for k in PREFILL_COUNTERS},
-            **{k: decoded[k] for k in PD_COUNTERS},
-            "weight_version": decoded["weight_version"],
-        }
+            if own is not None:
+                self._release(*own)
+        on_decoded(
+            d,
+            samples,
+            {**{k: decoded[k] for k in PD_COUNTERS}, "weight_version": decoded["weight_version"]},
+        )
+
+    @staticmethod
+    def _release(prefiller, key: int | None) -> None:
+        if key is not None:  # best effort: it may have died
+            prefiller.release_handoffs.remote(key)
 
     async def stream(
         self, d: int, prompts, params, groups, quota, consume, direct: list[bool] | None = None
@@ -87,7 +155,9 @@ class PrefillDecode:
         try:
             share = await self._node(p) == await self._node(d)
             while True:
-                counters, handoffs, prefiller = await self._prefill(p, prompts_p, params_p, share)
+                counters, (handoffs,), prefiller = await self._prefill(
+                    p, prompts_p, params_p, share, [len(prompts_p)]
+                )
 
                 async def attempt(handoffs=handoffs):
                     gen = self.batcher.engines[d].decode_stream.remote(
@@ -102,8 +172,7 @@ class PrefillDecode:
                 except HandoffGone:  # its prefill replica died meanwhile: prefill again
                     continue
                 finally:
-                    if counters["handoff_key"] is not None:  # best effort: it may have died
-                        prefiller.release_handoffs.remote(counters["handoff_key"])
+                    self._release(prefiller, counters["handoff_key"])
                 break
         finally:
             self.router.finished(p)
@@ -128,14 +197,18 @@ class PrefillDecode:
         self.router.started(p)
         return p
 
-    async def _prefill(self, p: int, prompts, params, share: bool):
+    async def _prefill(self, p: int, prompts, params, share: bool, splits: list[int]):
+        """One `prefill` call on replica p (again on its replacement if it dies): its counters,
+        one handoffs ref per split, and the engine that holds them."""
         b = self.batcher
 
         async def attempt():
             engine = b.engines[p]
-            counters_ref, handoffs_ref = engine.prefill.remote(prompts, params, share)
+            counters_ref, *handoffs = engine.prefill.options(num_returns=1 + len(splits)).remote(
+                prompts, params, share, splits
+            )
             counters = await self._wait(counters_ref, f"engine {p}", "prefill")
-            return counters, handoffs_ref, engine
+            return counters, handoffs, engine
 
         return await b.with_replacement(p, "prefill", len(prompts), attempt)
 
@@ -166,3 +239,13 @@ class PrefillDecode:
             return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.batcher.timeout_s)
         except TimeoutError:
             raise CallTimeout([Call(actor, method, ref)], self.batcher.timeout_s) from None
+
+
+async def all_of(calls: Iterable[Awaitable]) -> None:
+    """Await every call concurrently; the first failure is raised and the others cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op once done

@@ -7,6 +7,10 @@ all groups leave in one call per replica, in the order of the groups, which is e
 the single-turn rollout always made; later turns that become ready together travel together.
 Batching by the engine's own step loop is what makes concurrent sessions cheap.
 
+Under prefill-decode the queues of every idle replica leave together, as one wave: its batches
+share their prefill calls (`PrefillDecode.generate`: one per prefill replica), as a plain replica
+prefills its whole batch in one call, and each replica is free again once its own decode returns.
+
 A call holds only first turns or only later turns (a request extending an earlier one of its
 group), so the engine's prefix-cache counters of the call say how well later turns reuse the
 KV of the earlier ones (`rollout/prefix_cache_hit_rate_turn2plus`).
@@ -97,43 +101,96 @@ class ReplicaBatcher:
     def _flush(self, i: int) -> None:
         if self._busy[i] or not self._queues[i]:
             return
-        batch, self._queues[i] = self._queues[i], []
-        self._busy[i] = True
-        task = asyncio.get_running_loop().create_task(self._send_all(i, batch))
+        # prefill-decode: every idle replica's queue leaves with i's, a wave whose prompts share
+        # the prefill calls (`PrefillDecode.generate`), as one plain replica prefills its batch
+        # in one call; formed here, from the queues alone, so no timing decides it
+        wave = (
+            [j for j, q in enumerate(self._queues) if q and not self._busy[j]] if self.pd else [i]
+        )
+        batches: dict[int, list[_Request]] = {}
+        for j in wave:
+            batches[j], self._queues[j] = self._queues[j], []
+            self._busy[j] = True
+        task = asyncio.get_running_loop().create_task(self._send_all(batches))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send_all(self, i: int, batch: list[_Request]) -> None:
+    async def _send_all(self, batches: dict[int, list[_Request]]) -> None:
+        """A wave's batches: their first turns, then their later turns (a call holds one kind).
+        A replica is free for its next batch as soon as its part of the last kind it holds has
+        returned."""
+        last_kind = {j: any(r.later_turn for r in batch) for j, batch in batches.items()}
+        held = set(batches)
+
+        def free(j: int) -> None:
+            if j in held:
+                held.discard(j)
+                self._busy[j] = False
+                if self._queues[j]:
+                    self._flush(j)
+
+        def returned(j: int, later: bool) -> None:
+            if last_kind[j] == later:
+                free(j)
+
         try:
             for later in (False, True):
-                part = [r for r in batch if r.later_turn == later]
-                if part:
-                    await self._send(i, part)
+                parts = {j: [r for r in b if r.later_turn == later] for j, b in batches.items()}
+                parts = {j: part for j, part in parts.items() if part}
+                if parts:
+                    await self._send(parts, later, returned)
         finally:
-            self._busy[i] = False
-            if self._queues[i]:
-                self._flush(i)
+            for j in sorted(held):
+                free(j)
 
-    async def _send(self, i: int, part: list[_Request]) -> None:
+    async def _send(
+        self, parts: dict[int, list[_Request]], later: bool, returned: Callable[[int, bool], None]
+    ) -> None:
+        """One kind of a wave's batches: replica j's `parts[j]` served (`_call`), or under
+        prefill-decode every replica's through the shared prefill calls; each replica told once its
+        results are delivered: `returned(j, later)`."""
+
+        def deliver(j: int, outs: list, counters: dict) -> None:
+            self._deliver(parts[j], outs, counters)
+            returned(j, later)
+
         try:
-            outs, counters = await self._call(
-                i, [r.prompt_ids for r in part], [r.params for r in part]
-            )
+            if self.pd is None:
+                ((i, part),) = parts.items()
+                outs, counters = await self._call(
+                    i, [r.prompt_ids for r in part], [r.params for r in part]
+                )
+                self._tally_prefill(counters, later)
+                deliver(i, outs, counters)
+            else:
+                await self.pd.generate(
+                    {
+                        d: ([r.prompt_ids for r in part], [r.params for r in part])
+                        for d, part in parts.items()
+                    },
+                    lambda counters: self._tally_prefill(counters, later),
+                    deliver,
+                )
         except BaseException as e:
             self.failure = self.failure or e
-            for r in part:
-                if not r.future.done():
-                    r.future.set_exception(e)
+            for part in parts.values():
+                for r in part:
+                    if not r.future.done():
+                        r.future.set_exception(e)
             if not isinstance(e, Exception):
                 raise
-            return
-        self.last_progress = time.monotonic()
-        version = int(counters["weight_version"])
-        suffix = "_turn2plus" if part[0].later_turn else ""
+
+    def _tally_prefill(self, counters: dict, later: bool) -> None:
+        """A call's prefix-cache counters (later turns' also under "_turn2plus")."""
         for k in COUNTERS:
             self.tallies[k] += counters[k]
-            if suffix:
-                self.tallies[k + suffix] += counters[k]
+            if later:
+                self.tallies[k + "_turn2plus"] += counters[k]
+
+    def _deliver(self, part: list[_Request], outs: list, counters: dict) -> None:
+        """`part`'s samples to its waiters, stamped with the version that sampled them."""
+        self.last_progress = time.monotonic()
+        version = int(counters["weight_version"])
         for k in PD_COUNTERS:
             if k in counters:
                 self.tallies[k] += counters[k]
@@ -234,10 +291,7 @@ class ReplicaBatcher:
             raise CallTimeout([Call(f"engine {i}", method, None)], self.timeout_s) from None
 
     async def _call(self, i: int, prompts: list[list[int]], params: list):
-        """One `generate` on engine i, sent again to its replacement if it dies (prefill-decode:
-        a prefill on a prefill replica, then a `decode` on engine i)."""
-        if self.pd is not None:
-            return await self.pd.generate(i, prompts, params)
+        """One `generate` on engine i, sent again to its replacement if it dies."""
 
         async def attempt():
             ref = self.engines[i].generate.remote(prompts, params)

@@ -9,6 +9,7 @@ the HTTP endpoints of the decode replicas (`engine_endpoint.RemotePrefill`).
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import ray
@@ -25,14 +26,21 @@ def cache_counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, 
 
 
 class PrefillDecodeRoles:
+    prefill_calls = 0  # `prefill` calls served (in the worker's `stats`)
+
     @ray.method(num_returns=2)
-    def prefill(self, prompts: list[list[int]], params: list, share: bool):
+    def prefill(self, prompts: list[list[int]], params: list, share: bool, splits=None):
         """A prefill replica's part of `generate`: each prompt computed and its samples' first
-        tokens sampled. Two returns, so the caller can wait for the small one alone: `generate`'s
-        counters (plus `handoff_key`), and the handoffs, their tensors in shared buffers when
-        `share` (the decode replica is on this node: `handoff_transport`), else themselves."""
+        tokens sampled, all in one call. Returns first `generate`'s counters (plus
+        `handoff_key`), so the caller can wait for them alone, then the handoffs: one return
+        of them all, or with `splits` (request counts summing to `len(prompts)`: the batches of
+        several decode replicas, called with `.options(num_returns=1 + len(splits))`) one
+        return per batch, in order. Their tensors are in shared buffers when `share` (the
+        decode replicas are on this node: `handoff_transport`; one `handoff_key` frees them
+        all), else the handoffs themselves."""
         from rollout.async_engine import held_open
 
+        self.prefill_calls += 1
         with held_open(self.async_engine):
             before = self.engine.stats()
             futures = self.async_engine.submit_prefill(list(zip(prompts, params)))
@@ -43,7 +51,12 @@ class PrefillDecodeRoles:
             key, handoffs = self.handoff_sender.share(handoffs)
         version = handoffs[0].weight_version if handoffs else after["weight_version"]
         counters = {**cache_counters(before, after), "weight_version": version, "handoff_key": key}
-        return counters, handoffs
+        if splits is None:
+            return counters, handoffs
+        if sum(splits) != len(handoffs):
+            raise ValueError(f"prefill: splits {splits} do not sum to {len(handoffs)} prompts")
+        ends = list(itertools.accumulate(splits))
+        return (counters, *(handoffs[end - n : end] for n, end in zip(splits, ends)))
 
     @ray.method(concurrency_group="handoff")
     def release_handoffs(self, key: int) -> None:

@@ -229,7 +229,9 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
         return self.followers.intact(self.async_engine.submit(prompt_ids, params).result)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """The engine's counters (`Engine.stats`), and the `prefill` calls this replica served
+        (prefill-decode)."""
+        return {**self.engine.stats(), "prefill_calls": self.prefill_calls}
 
     @ray.method(concurrency_group="activity")
     def take_activity(self) -> list:

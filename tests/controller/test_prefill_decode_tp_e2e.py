@@ -1,7 +1,7 @@
 """Prefill-decode disaggregation with engine TP in the RL loop, end to end on Ray: a 2-step
 float64 run with one prefill replica and one decode replica of `rollout.tp=2` each (the trainer
 on its own device) has every metrics.jsonl key of the same run with one TP 2 replica doing both
-equal but the timings and the prefix-cache hit rate (`test_prefill_decode_e2e.assert_same_run`).
+equal but the timings (`test_prefill_decode_e2e.assert_same_run`).
 The handoffs carry every KV head (gathered from the prefill replica's two ranks), and each rank
 of the decode replica copies its own heads in."""
 

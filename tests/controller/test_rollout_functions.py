@@ -225,6 +225,39 @@ def test_the_openai_endpoint_in_prefill_decode_mode(engines):
         ray.kill(prefiller)
 
 
+def test_a_wave_for_two_decode_replicas_is_prefilled_in_one_call(engines):
+    """Prefill-decode: the first turns of every group, queued on two decode replicas, leave as
+    one wave, which the prefill replica serves in one `prefill` call (counted by the replica
+    itself); so the prefix-cache counters are those of two plain replicas each prefilling its
+    own batch in one call (the second call no longer finds the first's prompts in the cache),
+    and the tokens are theirs. Fresh replicas on both sides: empty caches."""
+    _, model = engines
+    cfg = engine_config(recipe_with("single_turn"), str(model))
+    fresh = [EngineWorker.options(num_cpus=0).remote(cfg, 1) for _ in range(5)]
+    ray.get([a.ready.remote() for a in fresh])
+    plain_actors, pd_actors = fresh[:2], fresh[2:]
+    plain = manager("single_turn", (plain_actors, model))
+    pd = manager(
+        "single_turn", (pd_actors, model), "cluster.devices=3", "rollout.prefill_replicas=1"
+    )
+    try:
+        want = plain.finish(plain.launch(0))
+        got = pd.finish(pd.launch(0))
+        stats = ray.get([a.stats.remote() for a in pd_actors])
+    finally:
+        plain.close()
+        pd.close()
+        for a in fresh:
+            ray.kill(a)
+    assert [s["prefill_calls"] for s in stats] == [1, 0, 0]
+    assert all(s["forward_passes"] > 0 for s in stats[1:])  # both decode replicas decoded
+    for key in ("prefix_cache_hit_rate", "prefix_cache_hit_rate_turn2plus"):
+        assert got.metrics[key] == want.metrics[key]
+    assert want.metrics["prefix_cache_hit_rate"] > 0  # the n samples share their prompt
+    for a, b in zip(got.groups, want.groups, strict=True):
+        assert [t.token_ids for t in a.trajectories] == [t.token_ids for t in b.trajectories]
+
+
 def test_an_engine_killed_mid_conversation_is_replaced_and_nothing_changes(engines):
     """Engine 0 dies while it generates some turn: its call is sent again, with the same seeds,
     to a replacement (the controller's thread makes it), and every trajectory is the one a run
