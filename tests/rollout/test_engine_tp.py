@@ -25,14 +25,13 @@ shard is the short one. The parent runs the same script on a TP=1 engine and che
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from exact_float64 import exact_float64
 from safetensors.torch import load_file
+from two_ranks import join_world, run_two_ranks
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.parallel_layers import check_divisible
@@ -92,9 +91,7 @@ def _rank(rank: int, rendezvous: str, dirs: dict, out_dir: str) -> None:
         return_freed(device)
 
     device_memory.return_freed = counting
-    # a file rendezvous: no port chosen here and bound later, which another test's process may
-    # take in between
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    join_world(rank, rendezvous)
     for (family, dtype), (directory, other) in dirs.items():
         engine = run_rank(_config(directory, dtype, tp=2))
         if engine is not None:
@@ -128,19 +125,7 @@ def checkpoints(tmp_path_factory) -> dict:
 def tp2_results(checkpoints, tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("tp2_results")
     dirs = {case: (d, other) for case, (_, d, other) in checkpoints.items()}
-    context = mp.start_processes(
-        _rank,
-        args=(str(out_dir / "rendezvous"), dirs, str(out_dir)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the TP=2 ranks did not finish within {DEADLINE_S} s")
+    run_two_ranks(_rank, (dirs, str(out_dir)), out_dir, DEADLINE_S)
     results = {case: torch.load(out_dir / f"{case[0]}_{case[1]}.pt") for case in CASES}
     for rank in range(2):  # the devices each rank handed freed memory back to
         results["returned", rank] = torch.load(out_dir / f"rank{rank}_returned.pt")

@@ -13,15 +13,13 @@ layers' collectives), at start, after a weight update and after release / resume
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from test_fp8_kv_cache import LOGPROB_ATOL, hf_logprobs
+from two_ranks import join_world, run_two_ranks
 
 from rollout import Engine, EngineConfig, SamplingParams
 
@@ -66,13 +64,13 @@ def scenario(engine: Engine, directory: str, other: str) -> dict:
     return result
 
 
-def _rank(rank: int, port: int, directory: str, other: str, out: str) -> None:
+def _rank(rank: int, rendezvous: str, directory: str, other: str, out: str) -> None:
     import torch.distributed as dist
 
     from rollout.tp_follower import run_rank
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_world(rank, rendezvous)
     engine = run_rank(_config(directory, tp=2))
     if engine is not None:
         result = scenario(engine, directory, other)
@@ -80,12 +78,6 @@ def _rank(rank: int, port: int, directory: str, other: str, out: str) -> None:
         engine.close()
         torch.save(result, out)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +92,9 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp2(models, tmp_path_factory):
     _, _, directory, other = models
-    out = str(tmp_path_factory.mktemp("tp_fp8_out") / "rank0.pt")
-    context = mp.start_processes(
-        _rank,
-        args=(_free_port(), directory, other, out),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the TP=2 ranks did not finish within {DEADLINE_S} s")
+    out_dir = tmp_path_factory.mktemp("tp_fp8_out")
+    out = str(out_dir / "rank0.pt")
+    run_two_ranks(_rank, (directory, other, out), out_dir, DEADLINE_S)
     return torch.load(out)
 
 

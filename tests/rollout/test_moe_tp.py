@@ -18,13 +18,10 @@ engine and checks:
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from moe_reference import (
     CASES,
     DTYPES,
@@ -36,6 +33,7 @@ from moe_reference import (
     run,
 )
 from safetensors.torch import load_file
+from two_ranks import join_world, run_two_ranks
 
 from rollout import Engine, EngineConfig
 
@@ -56,13 +54,13 @@ def scenarios(engine: Engine, other_directory: str) -> dict:
     return result
 
 
-def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
+def _rank(rank: int, rendezvous: str, dirs: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rollout.tp_follower import run_rank
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_world(rank, rendezvous)
     for (family, dtype), (directory, other) in dirs.items():
         engine = run_rank(_config(directory, dtype, tp=2))
         if engine is not None:
@@ -70,12 +68,6 @@ def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
             engine.close()
             torch.save(result, Path(out_dir) / f"{family}_{dtype}.pt")
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +79,7 @@ def checkpoints(tmp_path_factory) -> dict:
 def tp2_results(checkpoints, tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("moe_tp2_results")
     dirs = {case: (d, other) for case, (_, d, other) in checkpoints.items()}
-    context = mp.start_processes(
-        _rank, args=(_free_port(), dirs, str(out_dir)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the TP=2 ranks did not finish within {DEADLINE_S} s")
+    run_two_ranks(_rank, (dirs, str(out_dir)), out_dir, DEADLINE_S)
     return {
         case: torch.load(out_dir / f"{case[0]}_{case[1]}.pt", weights_only=False) for case in CASES
     }

@@ -17,14 +17,12 @@ ranks, and rank 1 serves each as a follower on its own thread.
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from two_ranks import join_world, run_two_ranks
 
 from rollout import EngineConfig, SamplingParams
 
@@ -95,13 +93,13 @@ def scenarios(prefiller, decoder, single) -> dict:
     return result
 
 
-def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
+def _rank(rank: int, rendezvous: str, dirs: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rollout.tp_follower import run_rank
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_world(rank, rendezvous)
     for family, directory in dirs.items():
         config = _config(directory)
         groups = [dist.new_group([0, 1]) for _ in range(3)]  # prefill, decode, reference
@@ -120,12 +118,6 @@ def _rank(rank: int, port: int, dirs: dict, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     dirs = {
@@ -133,15 +125,7 @@ def results(tmp_path_factory) -> dict:
         for f in FAMILIES
     }
     out_dir = tmp_path_factory.mktemp("pd_tp2_results")
-    context = mp.start_processes(
-        _rank, args=(_free_port(), dirs, str(out_dir)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the TP=2 ranks did not finish within {DEADLINE_S} s")
+    run_two_ranks(_rank, (dirs, str(out_dir)), out_dir, DEADLINE_S)
     return {f: torch.load(out_dir / f"{f}.pt") for f in FAMILIES}
 
 
