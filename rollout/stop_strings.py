@@ -9,14 +9,40 @@ the decoded tail of the sample: a stop string of c characters spans at most 4c b
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from rollout.sequence import StopCheck
 
 
 def decode(tokenizer, token_ids: Sequence[int]) -> str:
-    """The text of generated tokens as returned to clients (special tokens skipped)."""
+    """The text of generated tokens as returned to clients (special tokens skipped): the
+    tokenizer's `decode`, or the same call on its Rust backend where that is all it does."""
+    backend = plain_backend(tokenizer)
+    if backend is not None:
+        return backend.decode(list(token_ids), skip_special_tokens=True)
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def plain_backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer whose `decode` returns
+    exactly that backend's decode: its class keeps the base `decode` and `_decode` (they add
+    only argument conversion around the backend call) and the clean-up pass is off. Called
+    for every streamed token, twice (`TextDelta`): the wrapper costs several times the decode
+    of a few tokens. None for anything else (their own `decode` is used)."""
+    base = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    if base is None or tokenizer is None:  # not a transformers tokenizer
+        return None
+    backend_class = base.TokenizersBackend
+    cls = type(tokenizer)
+    if (
+        not isinstance(tokenizer, backend_class)
+        or cls.decode is not backend_class.decode
+        or cls._decode is not backend_class._decode
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
+        return None
+    return tokenizer.backend_tokenizer
 
 
 def make_stop_check(tokenizer, stops: Sequence[str]) -> StopCheck | None:

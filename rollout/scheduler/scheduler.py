@@ -86,6 +86,9 @@ class Scheduler:
         self._sorted_from: list[Sequence] = []
         self._sorted: list[Sequence] = []
         self.requests: dict[int, Request] = {}  # unfinished requests
+        # Those of `requests` whose last sample was recorded (`_record`), for `pop_finished`:
+        # finding them there would test every unfinished request at every step.
+        self._done: list[Request] = []
         self.logprob_outputs = LogprobOutputs()  # top-k and prompt log-probs, when asked
         # Prefill-decode disaggregation (`rollout.prefill_decode`). Prefill side: the requests
         # whose handoff is collected as their samples finish. Decode side: prefilled requests
@@ -147,7 +150,10 @@ class Scheduler:
         return bool(self.requests)
 
     def pop_finished(self) -> list[RequestOutput]:
-        done = [r for r in self.requests.values() if r.done]
+        """The requests whose every sample ended since the last call, in request order (the
+        order of `requests`: ids are assigned in arrival order)."""
+        done = sorted({r.request_id: r for r in self._done}.values(), key=lambda r: r.request_id)
+        self._done = []
         for r in done:
             del self.requests[r.request_id]
             self.logprob_outputs.finished(r)
@@ -434,6 +440,8 @@ class Scheduler:
         if self.drafting is not None:
             self.drafting.forget(seq)
         seq.request.record(seq, reason)
+        if seq.request.done:
+            self._done.append(seq.request)
 
     # -- invariants ----------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -88,3 +88,37 @@ def test_an_incomplete_character_is_held_back(tokenizer):
     pieces = [text.add([i], False) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + text.add([], True) == decode(tokenizer, ids)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_is_the_tokenizers_own(tokenizer, seed):
+    """`decode` may call the Rust backend directly (`plain_backend`); the reference is the
+    transformers tokenizer's `decode` with special tokens skipped, on any ids."""
+    from rollout.stop_strings import plain_backend
+
+    assert plain_backend(tokenizer) is not None  # the fast path is the one under test
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 40))]
+    assert decode(tokenizer, ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_keeps_a_tokenizers_clean_up_and_overrides(tokenizer):
+    """With the clean-up pass on, or a class with its own decode, the tokenizer's decode runs."""
+    from rollout.stop_strings import plain_backend
+
+    ids = tokenizer.encode("one , two . three ' s", add_special_tokens=False)
+    before, tokenizer.clean_up_tokenization_spaces = tokenizer.clean_up_tokenization_spaces, True
+    try:
+        assert plain_backend(tokenizer) is None
+        assert decode(tokenizer, ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    finally:
+        tokenizer.clean_up_tokenization_spaces = before
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    loud = Shouting.__new__(Shouting)
+    loud.__dict__.update(tokenizer.__dict__)
+    assert plain_backend(loud) is None
+    assert decode(loud, ids) == tokenizer.decode(ids, skip_special_tokens=True).upper()
