@@ -271,6 +271,16 @@ class Engine:
         if self.suffix_lanes is not None:
             self.suffix_lanes.forget()
 
+    def cached_prefix_lengths(self, prompts: Seq[Seq[int]]) -> list[int]:
+        """How many leading tokens of each prompt admitting it now would take from the prefix
+        cache (never its last token, whose logits are needed: `PageAllocator.take_prefix`),
+        read without changing the cache (`RadixCache.cached_prefix_length`). Call it between
+        steps (`AsyncEngine.hold`) when a step loop runs."""
+        cache = self.scheduler.cache
+        if cache is None or not self.pool.allocated:
+            return [0] * len(prompts)
+        return [cache.cached_prefix_length(list(p[:-1])) for p in prompts]
+
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix and parked K/V (nothing may be in flight). Returns the pages
         freed."""

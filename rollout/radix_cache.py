@@ -107,6 +107,25 @@ class RadixCache:
             node.last_access = now
         return MatchResult(node, pages, i)
 
+    def cached_prefix_length(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` `match_prefix` would match now (whole pages),
+        read without touching the tree: no split, no access time, no lock, so asking changes
+        neither what is evicted next nor what the next request matches."""
+        if self.retired:
+            return 0
+        end = len(tokens) - len(tokens) % self.page_size
+        node, i = self.root, 0
+        while i < end:
+            child = node.children.get(self._child_key(tokens, i))
+            if child is None:
+                break
+            common = self._common_pages_len(child.key, tokens, i, end)
+            i += common
+            if common < len(child.key):
+                break
+            node = child
+        return i
+
     def insert(self, tokens: list[int], pages: list[int]) -> int:
         """Cache `pages` as the K/V of `tokens` (len(tokens) == len(pages) * page_size).
 

@@ -316,6 +316,15 @@ class RolloutSection(Section):
         "replica that parked its K/V",
         ge=0,
     )
+    pd_local_prefill_tokens: int = Field(
+        256,
+        description="prefill-decode: a session's later turn whose part not yet in its decode "
+        "replica's prefix cache is at most this many tokens is prefilled on that decode replica "
+        "(reusing the earlier turns' K/V it holds, completions included) instead of a prefill "
+        "replica; first turns always go through a prefill replica; 0: every request does. The "
+        "batch rollouts only (not the HTTP endpoint or over-sampled streams)",
+        ge=0,
+    )
 
     def check(self, name: Namer) -> None:
         from miles_like.rollouts.functions import check_rollout_spec  # imports nothing from here

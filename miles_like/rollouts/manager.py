@@ -214,6 +214,7 @@ class RolloutManager:
             self.recipe.cluster.call_timeout_s,
             restarts if self.restart_engine is not None else None,
             self.recipe.rollout.prefill_replicas,
+            self.recipe.rollout.pd_local_prefill_tokens,
         )
         future = asyncio.run_coroutine_threadsafe(rollout(batcher), self.loop)
         future.add_done_callback(lambda _: restarts.close())

@@ -16,6 +16,13 @@ The over-sampled `stream` stays one prefill call per decode replica: the over-sa
 calls it for each replica's share on its own (no queue forms a wave), so under prefill-decode its
 prefix-cache counters are those of one prefill call per decode replica.
 
+Conditional disaggregation (`split_local`, `rollout.pd_local_prefill_tokens`): a later turn of a
+session goes to its decode replica as a plain `generate` when the part of it not in that
+replica's prefix cache is short. The decode replica decoded the earlier turns, so it holds
+their K/V whole, completions included, where a prefill replica holds only the earlier prompts:
+sent there, every later turn would compute most of its context again. First turns always go
+through a prefill replica. The split depends only on the caches' contents, so a run repeats.
+
 The two calls together return what one `generate` on one engine returns (same seeds, same
 tokens: `rollout.prefill_decode`), with the prefill's prefix-cache counters, and the transfer's
 bytes and seconds (`PD_COUNTERS`). A handoff carries its weight version and a decode replica at
@@ -46,8 +53,9 @@ class PrefillDecode:
     """The prefill-then-decode calls of one `ReplicaBatcher` (its engines, timeout and
     `with_replacement`; not imported: it imports this): engines[:prefill_replicas] prefill."""
 
-    def __init__(self, batcher, prefill_replicas: int):
+    def __init__(self, batcher, prefill_replicas: int, local_prefill_tokens: int = 0):
         self.batcher = batcher
+        self.local_prefill_tokens = local_prefill_tokens  # `split_local`; 0: none local
         self.router = Router(prefill_replicas)  # over engines[:k]: index i is engine i
         self._nodes: dict[str, str] = {}  # engine actor id -> its node
 
@@ -81,6 +89,38 @@ class PrefillDecode:
         finally:
             for p in chosen.values():
                 self.router.finished(p)
+
+    async def split_local(self, parts: dict[int, list]) -> tuple[dict[int, list], dict[int, list]]:
+        """Later turns: (local, remote) of every decode replica d's requests `parts[d]` (each
+        with its `prompt_ids`). Local are those whose part not in d's prefix cache is at most
+        `local_prefill_tokens` (`EngineWorker.cached_prefix_lengths`, read without changing the
+        cache): d prefills them itself (a plain `generate`), reusing the K/V of the session's
+        earlier turns it holds, completions included, which a prefill replica never saw (sent
+        there, a later turn computes its context again). The others go through a prefill
+        replica. Decided by the caches' contents alone, which the previous calls fixed: the
+        same run, the same split. With `local_prefill_tokens` 0 none is (d is not asked)."""
+        if not self.local_prefill_tokens:
+            return {}, parts
+        ds = list(parts)
+        cached = await asyncio.gather(
+            *(self._cached_prefix_lengths(d, [r.prompt_ids for r in parts[d]]) for d in ds)
+        )
+        local: dict[int, list] = {}
+        remote: dict[int, list] = {}
+        for d, lengths in zip(ds, cached):
+            for r, n in zip(parts[d], lengths):
+                short = len(r.prompt_ids) - n <= self.local_prefill_tokens
+                (local if short else remote).setdefault(d, []).append(r)
+        return local, remote
+
+    async def _cached_prefix_lengths(self, d: int, prompts: list[list[int]]) -> list[int]:
+        b = self.batcher
+
+        async def attempt():
+            ref = b.engines[d].cached_prefix_lengths.remote(prompts)
+            return await self._wait(ref, f"engine {d}", "cached_prefix_lengths")
+
+        return await b.with_replacement(d, "cached_prefix_lengths", 0, attempt)
 
     async def _prefill_then_decode(
         self, p: int, share: bool, batches: dict, on_prefilled, on_decoded

@@ -10,6 +10,10 @@ Batching by the engine's own step loop is what makes concurrent sessions cheap.
 Under prefill-decode the queues of every idle replica leave together, as one wave: its batches
 share their prefill calls (`PrefillDecode.generate`: one per prefill replica), as a plain replica
 prefills its whole batch in one call, and each replica is free again once its own decode returns.
+But a later turn whose part not yet in its decode replica's prefix cache is short
+(`rollout.pd_local_prefill_tokens`) goes to that replica as a plain `generate`: it holds the
+session's earlier turns whole, completions included, which a prefill replica never saw
+(`PrefillDecode.split_local`); its counters are that replica's (`rollout/pd_local_prefills`).
 
 A call holds only first turns or only later turns (a request extending an earlier one of its
 group), so the engine's prefix-cache counters of the call say how well later turns reuse the
@@ -33,7 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from miles_like.rollouts.engine_deaths import RestartRequests, engine_death
-from miles_like.rollouts.prefill_then_decode import PD_COUNTERS, PrefillDecode
+from miles_like.rollouts.prefill_then_decode import PD_COUNTERS, PrefillDecode, all_of
 from miles_like.run.calls import Call, CallTimeout
 
 T = TypeVar("T")
@@ -73,12 +77,17 @@ class ReplicaBatcher:
         timeout_s: float,
         restarts: RestartRequests | None = None,
         prefill_replicas: int = 0,
+        local_prefill_tokens: int = 0,
     ):
         self.engines = engines
         self.timeout_s = timeout_s
         self.restarts = restarts
         # prefill-decode: engines[:k] prefill, the requests' replicas decode (`prefill_decode`)
-        self.pd = PrefillDecode(self, prefill_replicas) if prefill_replicas else None
+        self.pd = (
+            PrefillDecode(self, prefill_replicas, local_prefill_tokens)
+            if prefill_replicas
+            else None
+        )
         self.tallies: Counter = Counter()  # COUNTERS (+ "_turn2plus"), generated_tokens, ...
         self.failure: BaseException | None = None
         self.last_progress = time.monotonic()
@@ -146,31 +155,45 @@ class ReplicaBatcher:
     async def _send(
         self, parts: dict[int, list[_Request]], later: bool, returned: Callable[[int, bool], None]
     ) -> None:
-        """One kind of a wave's batches: replica j's `parts[j]` served (`_call`), or under
-        prefill-decode every replica's through the shared prefill calls; each replica told once its
-        results are delivered: `returned(j, later)`."""
-
-        def deliver(j: int, outs: list, counters: dict) -> None:
-            self._deliver(parts[j], outs, counters)
-            returned(j, later)
-
+        """One kind of a wave's batches: replica j's `parts[j]` served (`_generate_on`), or under
+        prefill-decode every replica's through the shared prefill calls, but the later turns
+        its decode replica prefills itself (`PrefillDecode.split_local`); each replica told
+        once all of its results are delivered: `returned(j, later)`."""
         try:
             if self.pd is None:
                 ((i, part),) = parts.items()
-                outs, counters = await self._call(
-                    i, [r.prompt_ids for r in part], [r.params for r in part]
+                await self._generate_on(i, part, later, lambda: returned(i, later))
+                return
+            local, remote = await self.pd.split_local(parts) if later else ({}, parts)
+            waiting = Counter([*local, *remote])  # j -> its parts not yet delivered
+
+            def delivered(j: int) -> None:
+                waiting[j] -= 1
+                if not waiting[j]:
+                    returned(j, later)
+
+            def deliver_remote(d: int, outs: list, counters: dict) -> None:
+                self._deliver(remote[d], outs, counters)
+                delivered(d)
+
+            # the local calls first: each reaches its decode replica before that replica's
+            # decode of the prefilled part (sent after the prefill), so it runs first there
+            calls = [
+                self._generate_on(d, part, later, lambda d=d: delivered(d))
+                for d, part in local.items()
+            ]
+            if remote:
+                calls.append(
+                    self.pd.generate(
+                        {
+                            d: ([r.prompt_ids for r in part], [r.params for r in part])
+                            for d, part in remote.items()
+                        },
+                        lambda counters: self._tally_prefill(counters, later),
+                        deliver_remote,
+                    )
                 )
-                self._tally_prefill(counters, later)
-                deliver(i, outs, counters)
-            else:
-                await self.pd.generate(
-                    {
-                        d: ([r.prompt_ids for r in part], [r.params for r in part])
-                        for d, part in parts.items()
-                    },
-                    lambda counters: self._tally_prefill(counters, later),
-                    deliver,
-                )
+            await all_of(calls)
         except BaseException as e:
             self.failure = self.failure or e
             for part in parts.values():
@@ -179,6 +202,18 @@ class ReplicaBatcher:
                         r.future.set_exception(e)
             if not isinstance(e, Exception):
                 raise
+
+    async def _generate_on(
+        self, i: int, part: list[_Request], later: bool, delivered: Callable[[], None]
+    ) -> None:
+        """`part` as one `generate` on engine i (it prefills them itself), its counters tallied
+        and its samples delivered; then `delivered()`."""
+        outs, counters = await self._call(i, [r.prompt_ids for r in part], [r.params for r in part])
+        self._tally_prefill(counters, later)
+        if self.pd is not None:
+            self.tallies["pd_local_prefills"] += len(part)
+        self._deliver(part, outs, counters)
+        delivered()
 
     def _tally_prefill(self, counters: dict, later: bool) -> None:
         """A call's prefix-cache counters (later turns' also under "_turn2plus")."""

@@ -70,6 +70,10 @@ def step_metrics(
         samples=sum(len(g.trajectories) for g in kept),
         engine_restarts=tallies["engine_restarts"],
     )
+    if tallies["pd_requests"] or tallies["pd_local_prefills"]:
+        # prefill-decode: the later turns prefilled on their own decode replica
+        # (`rollout.pd_local_prefill_tokens`), not through a prefill replica
+        metrics.update(pd_local_prefills=tallies["pd_local_prefills"])
     if tallies["pd_requests"]:  # prefill-decode: the handoffs' transfer, per request
         metrics.update(
             pd_transfer_bytes=tallies["pd_transfer_bytes"] / tallies["pd_requests"],

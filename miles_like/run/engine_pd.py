@@ -4,7 +4,9 @@ a prefill replica's `prefill` and a decode replica's `decode`, together one `gen
 `handoff_transport` says: shared buffers on one node, freed by `release_handoffs` once the
 decode replica has copied them. A mixin of `EngineWorker` (it reads the worker's `engine`,
 `async_engine`, `followers`, `handoff_sender` and `handoff_receiver`). `prefill_one` serves
-the HTTP endpoints of the decode replicas (`engine_endpoint.RemotePrefill`).
+the HTTP endpoints of the decode replicas (`engine_endpoint.RemotePrefill`);
+`cached_prefix_lengths` tells the batch path which later turns a decode replica prefills
+itself (`rollout.pd_local_prefill_tokens`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,17 @@ class PrefillDecodeRoles:
             "pd_transfer_s": transfer_s,
             "pd_requests": len(opened),
         }
+
+    def cached_prefix_lengths(self, prompts: list[list[int]]) -> list[int]:
+        """A decode replica's answer to which later turns it prefills itself (`rollouts.
+        replica_batcher`): how many leading tokens of each prompt its prefix cache holds now
+        (`Engine.cached_prefix_lengths`), read between two steps of the step loop and without
+        changing the cache (no lock, no reordering of what is evicted next)."""
+        self.async_engine.hold()
+        try:
+            return self.engine.cached_prefix_lengths(prompts)
+        finally:
+            self.async_engine.unhold()
 
     @ray.method(num_returns=2, concurrency_group="serve")
     def prefill_one(self, prompt_ids: list[int], params):

@@ -7,12 +7,15 @@
   its own batch in one call), log-probs within 1e-12 (that call's forward is larger than each
   plain replica's, so the first tokens' log-probs may differ in their last bits). It adds the
   transfer's `rollout/pd_transfer_bytes` (the handoffs' K/V, per request) and
-  `rollout/pd_transfer_s`.
+  `rollout/pd_transfer_s`, and `rollout/pd_local_prefills` (0 here: single turns).
 * The same for multi-turn sessions (the calculator tool loop, float64; floats within 1e-12:
-  the decode batches differ, so log-probs may differ in their last bits): every later turn is
-  prefilled again on the prefill replica and decoded on its session's decode replica. Here the
-  hit rates are at most the plain run's: the prefill replica never saw the completions, so a
-  later turn finds only the earlier prompts in its cache (the plain replica holds whole turns).
+  the decode batches differ, so log-probs may differ in their last bits), the hit rates
+  included: a later turn whose new part is short is prefilled on its session's decode replica,
+  which holds the earlier turns whole, as the plain replica does
+  (`rollout.pd_local_prefill_tokens`, `rollout/pd_local_prefills` counts them). With that
+  threshold 0 every later turn is prefilled again on the prefill replica and the hit rates are
+  at most the plain run's: the prefill replica never saw the completions, so a later turn
+  finds only the earlier prompts in its cache.
 * Colocated (each replica shares a device with a trainer rank, releasing it while the trainer
   trains): one prefill and two decode replicas against three plain replicas, the same trainer;
   floats within 1e-12 (the decode batches differ from the plain replicas').
@@ -91,7 +94,8 @@ def differs(a, b, atol: float) -> bool:
     return a != b
 
 
-PD_KEYS = {"rollout/pd_transfer_bytes", "rollout/pd_transfer_s"}
+# the transfer's keys, and the requests prefilled on their own decode replica
+PD_KEYS = {"rollout/pd_transfer_bytes", "rollout/pd_transfer_s", "rollout/pd_local_prefills"}
 
 
 HIT_RATE_BOUNDS = {  # pd's hit rates against the plain run's
@@ -177,12 +181,28 @@ def test_multi_turn_sessions_in_pd_mode_are_the_run_without(ray_four, cache, tmp
     plain = run_in_process(tmp_path / "plain", *AGENT_RUN, *TWO_REPLICAS, recipe=AGENT)
     pd = run_in_process(tmp_path / "pd", *AGENT_RUN, *ONE_PREFILL_TWO_DECODE, recipe=AGENT)
     # the same tokens; the decode replicas' batches differ from the plain run's in later turns,
-    # so float64 log-probs (and what is computed from them) may differ in their last bits
-    # a later turn is prefilled on the prefill replica, which holds its session's earlier
-    # prompts but not their completions (decoded elsewhere): it hits less than the plain
-    # replica, which holds whole turns
-    assert_same_run(plain, pd, atol=1e-12, hit_rates="at_most")
+    # so float64 log-probs (and what is computed from them) may differ in their last bits.
+    # A later turn's new part is short: its decode replica prefills it itself, reusing the
+    # session's earlier turns it holds, completions included, as the plain replica does: the
+    # same hit rates
+    assert_same_run(plain, pd, atol=1e-12, hit_rates="equal")
     assert max(r["rollout/turns_mean"] for r in plain) > 1  # later turns were served
+    assert all(r["rollout/pd_local_prefills"] > 0 for r in pd)
+    # every later turn through the prefill replica, which holds its session's earlier prompts
+    # but not their completions (decoded elsewhere): it hits less than the plain replica
+    every = run_in_process(
+        tmp_path / "every",
+        *AGENT_RUN,
+        *ONE_PREFILL_TWO_DECODE,
+        "rollout.pd_local_prefill_tokens=0",
+        recipe=AGENT,
+    )
+    assert_same_run(plain, every, atol=1e-12, hit_rates="at_most")
+    assert all(r["rollout/pd_local_prefills"] == 0 for r in every)
+    later = "rollout/prefix_cache_hit_rate_turn2plus"
+    assert any(r[later] < p[later] for r, p in zip(every, plain))
+    for s, p, e in zip(plain, pd, every):  # for the report: the hit rates of the three runs
+        print("hit rates (plain, pd, pd threshold 0):", [(s[k], p[k], e[k]) for k in HIT_RATES])
 
 
 # over-sampled groups of varied lengths (`test_oversampling_e2e.OVER`): some are cut mid-sample

@@ -76,3 +76,18 @@ def test_bad_values_are_one_line(overrides, message):
         load_recipe(RECIPE, overrides)
     assert "\n" not in str(e.value)
     assert "prefill_replicas" in str(e.value)
+
+
+def test_local_prefill_threshold_defaults_and_bad_values_are_one_line():
+    """rollout.pd_local_prefill_tokens: 256 by default, 0 allowed (every request through a
+    prefill replica); a negative or non-integer value is one line naming the field and the fix."""
+    assert load_recipe(RECIPE).rollout.pd_local_prefill_tokens == 256
+    r = load_recipe(
+        RECIPE, [*THREE, "rollout.prefill_replicas=1", "rollout.pd_local_prefill_tokens=0"]
+    )
+    assert r.rollout.pd_local_prefill_tokens == 0
+    for value, fix in (("-1", r"use a value in \[0, inf\)$"), ("many", r"of type int$")):
+        with pytest.raises(RecipeError, match=fix) as e:
+            load_recipe(RECIPE, [f"rollout.pd_local_prefill_tokens={value}"])
+        assert "\n" not in str(e.value)
+        assert str(e.value).startswith("rollout.pd_local_prefill_tokens")

@@ -468,3 +468,28 @@ def test_a_quota_met_before_the_prefilled_requests_are_admitted(checkpoints):
     finally:
         for engine in (single, prefiller, decoder):
             engine.close()
+
+
+def test_a_decode_engine_tells_what_its_cache_holds_for_the_next_turn(checkpoints):
+    """Conditional disaggregation asks a decode engine how much of each later turn its prefix
+    cache holds (`Engine.cached_prefix_lengths`): the answer is the radix cache's own match (of
+    an engine with the same history), it is what the next turn then takes from the cache when
+    prefilled there, completions included (which the prefill engine never saw), and asking
+    changes nothing: an engine asked and one never asked serve the next turn alike."""
+    directory = checkpoints["qwen2"]
+    asked, quiet, matcher = (make_engine(directory, "float64") for _ in range(3))
+    sessions = [[3, 17, 5, 29, 11], [43, 8, 61, 4, 9, 2, 7]]
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=3, ignore_eos=True)
+    for decoder in (asked, quiet, matcher):
+        first, _ = disaggregated(make_engine(directory, "float64"), decoder, sessions, params)
+    later = [s + out.samples[0].token_ids + [13, 2] for s, out in zip(sessions, first)]
+    probes = [*later, sessions[0][:3] + [99, 98, 97], [50, 51, 52, 53, 54]]  # mid-edge, none
+    lengths = asked.cached_prefix_lengths(probes)
+    assert asked.cached_prefix_lengths(probes) == lengths
+    assert lengths == [matcher.scheduler.cache.match_prefix(p[:-1]).num_tokens for p in probes]
+    assert lengths[0] > len(sessions[0])  # the completion's K/V is there
+    assert lengths[-1] == 0
+    got, want = reference(asked, later, params), reference(quiet, later, params)
+    assert_same(got, want, 0.0)
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in want] == lengths[:2]
+    assert asked.stats() | {"busy_s": 0} == quiet.stats() | {"busy_s": 0}

@@ -126,3 +126,50 @@ def test_matches_the_longest_whole_page_prefix_of_any_inserted_sequence():
             want = max(_common_whole_pages(probe, s, page) for s in inserted)
             assert cache.match_prefix(probe).num_tokens == want
         cache.check_integrity()
+
+
+def _shape(cache: RadixCache) -> list[tuple]:
+    """Every node's edge, pages, access time and locks, in a canonical order."""
+    return sorted((tuple(n.key), tuple(n.pages), n.last_access, n.lock_ref) for n in cache._nodes())
+
+
+def test_cached_prefix_length_is_the_match_and_changes_nothing():
+    """`cached_prefix_length` answers what `match_prefix` would (the brute-force longest
+    whole-page common prefix, too) on random trees, probes diverging mid-edge included, and
+    leaves the tree as it was: no split, no access time (so eviction order), no lock."""
+    import random
+
+    rng = random.Random(1)
+    for page in (1, 4):
+        cache, _ = make(page)
+        inserted: list[list[int]] = []
+        pages = iter(range(10**6))
+        for _ in range(100):
+            base = rng.choice(inserted) if inserted and rng.random() < 0.8 else []
+            seq = base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(12)]
+            seq = seq[: len(seq) - len(seq) % page]
+            cache.insert(seq, [next(pages) for _ in range(len(seq) // page)])
+            inserted.append(seq)
+            probe = rng.choice(inserted)[: rng.randrange(1, 30)] + [rng.randrange(3)] * 3
+            before = _shape(cache)
+            got = cache.cached_prefix_length(probe)
+            assert _shape(cache) == before
+            assert got == max(_common_whole_pages(probe, s, page) for s in inserted)
+            assert got == cache.match_prefix(probe).num_tokens
+        cache.check_integrity()
+
+
+def test_cached_prefix_length_does_not_reorder_eviction():
+    asked, ledger_asked = make()
+    quiet, ledger_quiet = make()
+    for cache in (asked, quiet):
+        cache.insert([1, 2, 3], [1, 2, 3])  # older
+        cache.insert([7, 8], [7, 8])  # newer
+    assert asked.cached_prefix_length([1, 2, 3, 4]) == 3  # a match would make [1,2,3] newest
+    assert asked.cached_prefix_length([1, 9]) == 1  # a match would split [1,2,3]
+    assert asked.evict(1) == quiet.evict(1) == 3
+    assert ledger_asked.freed == ledger_quiet.freed == [1, 2, 3]
+    retired, _ = make()
+    retired.insert([1, 2], [1, 2])
+    retired.retire()
+    assert retired.cached_prefix_length([1, 2, 3]) == 0  # never matched again
