@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from rollout.async_engine import AsyncEngine, EngineUnavailable, GenerationResult
 from rollout.config import SamplingParams
@@ -36,7 +36,6 @@ from rollout.serving.openai_api import (
     error_response,
     tokenize_prompts,
 )
-from rollout.serving.sse import EventStream
 from rollout.serving.streaming import ChatStream, CompletionStream, merged, sse
 from rollout.stop_strings import decode, make_stop_check
 
@@ -304,7 +303,7 @@ async def stream(
     stops: list[str],
     prompt_field: str,
     builder: CompletionStream | ChatStream,
-) -> EventStream:
+) -> StreamingResponse:
     """Every prompt through the engine as a stream of server-sent events. The first tokens are
     awaited here, so a refused request (paused engine, bad ids) still answers 4xx / 503 before
     the response starts; a client gone mid-stream aborts its requests."""
@@ -323,7 +322,8 @@ async def stream(
         state.metrics.served(results)
         return builder.finish(results)
 
-    return EventStream(sse(first, items, builder.chunk_of, finish, len(prompts)))
+    events = sse(first, items, builder.chunk_of, finish, len(prompts))
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 @contextlib.contextmanager

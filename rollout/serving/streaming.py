@@ -133,8 +133,7 @@ async def sse(
     num_streams: int,
 ) -> AsyncIterator[str]:
     """The events of a streamed response: one chunk per delta (`chunk_of`), then `finish`'s
-    chunks once every request's result is in, then [DONE] (those last ones as one string).
-    `first`: an item already taken from
+    chunks once every request's result is in, then [DONE]. `first`: an item already taken from
     `items` (to answer errors before the response starts)."""
     results: list[GenerationResult | None] = [None] * num_streams
     try:
@@ -151,8 +150,9 @@ async def sse(
                 results[i] = item
             elif (chunk := chunk_of(i, item)) is not None:
                 yield event(chunk)
-        # the closing chunks and [DONE] in one item: one body write
-        yield "".join(event(c) for c in finish([r for r in results if r is not None])) + DONE
+        for chunk in finish([r for r in results if r is not None]):
+            yield event(chunk)
+        yield DONE
     finally:
         await items.aclose()
 
