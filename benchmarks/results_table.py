@@ -93,7 +93,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
     ),
     "serving_ab": _figures(
         (
-            "serving output tokens/s, this commit vs `{base}` (`vllm bench serve`, c=64)",
+            "serving output tokens/s, commit {commit} vs `{base}` (`vllm bench serve`, c=64)",
             "b_over_a",
             "{:.2f}x",
         ),
@@ -297,7 +297,9 @@ def rows(records: dict[str, dict]) -> list[list[str]]:
     out, shown = [], set()
     for name, record in sorted(records.items()):
         result = record["result"]
-        texts = {k: v for k, v in result.items() if isinstance(v, str)}
+        # the result's strings, and the commit it was measured at (a label may name either)
+        texts = {"commit": (record.get("commit") or "unknown")[:7]}
+        texts.update((k, v) for k, v in result.items() if isinstance(v, str))
         found = [(fig, lookup(result, fig.path)) for fig in figures_of(name, record)]
         found = [(fig, value) for fig, value in found if value is not None]
         if not found:

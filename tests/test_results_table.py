@@ -62,7 +62,8 @@ def test_every_row_reads_its_value_from_the_file_it_links():
     for row in rows:
         label, value, date, machine, command, link = row
         record = json.loads((RESULTS / link[1 : link.index("]")]).read_text())
-        texts = {k: v for k, v in record["result"].items() if isinstance(v, str)}
+        texts = {"commit": (record.get("commit") or "unknown")[:7]}
+        texts.update((k, v) for k, v in record["result"].items() if isinstance(v, str))
         (fig,) = [f for f in figures_of(record) if f[0].format(**texts) == label]
         assert value == fig[2].format(walk(record["result"], fig[1])), label
         assert date.startswith(str(record["date"])[:10])
