@@ -22,6 +22,11 @@ from rollout.routes import read_routes
 from rollout.sequence import Sequence
 
 
+class StaleHandoff(ValueError):
+    """A handoff prefilled at another weight version than the decode engine's: refused (never
+    served across a version boundary); the caller prefills it again."""
+
+
 class PrefillHandoff(NamedTuple):
     prompt_token_ids: tuple[int, ...]
     base_seed: int  # sample j's uniforms come from base_seed + j
@@ -57,7 +62,7 @@ class PrefillHandoff(NamedTuple):
                 "give the params it was prefilled with"
             )
         if self.weight_version != weight_version:
-            raise ValueError(
+            raise StaleHandoff(
                 f"the handoff was prefilled at weight version {self.weight_version}, the decode "
                 f"engine is at {weight_version}; prefill it again after the update"
             )

@@ -133,9 +133,14 @@ def check_prefill_decode(rollout: RolloutSection, cluster: ClusterSection) -> No
         )
     # Engine TP is served: every replica, prefill or decode, has rollout.tp ranks (one size for
     # all), and a handoff carries every KV head whatever either side's TP.
+    # cluster.fully_async: the producer's waves are prefilled on the prefill replicas and decoded
+    # on the others (`async_producer/disaggregated.py`); a multi-turn function's engine calls
+    # are not (each goes to its group's replica whole)
     unsupported = {
         "rollout.speculative_method=draft": rollout.speculative_method == "draft",
-        "cluster.fully_async": cluster.fully_async,
+        f"cluster.fully_async with rollout.function={rollout.function!r} (multi-turn)": (
+            cluster.fully_async and rollout.function != "single_turn"
+        ),
     }
     for what, used in unsupported.items():
         if used:

@@ -313,7 +313,8 @@ class RolloutSection(Section):
         "prefill (prompt K/V and first tokens, handed to the others, which decode); 0: off, "
         "every replica does both. With rollout.tp every replica, prefill or decode, has "
         "rollout.tp ranks; with partial: in_place a carried sample continues on the decode "
-        "replica that parked its K/V",
+        "replica that parked its K/V; with cluster.fully_async (single-turn) the producer's "
+        "requests are prefilled on the prefill replicas and decoded on the others",
         ge=0,
     )
     pd_local_prefill_tokens: int = Field(

@@ -93,7 +93,8 @@ def async_batch_metrics(
 ) -> dict:
     """A fully asynchronous batch's, the keys of `step_metrics`: the groups' own over the
     batch, the engines' counters over the window since the previous batch (`engine`, over
-    `seconds`: what the engines did meanwhile, for any group)."""
+    `seconds`: what the engines did meanwhile, for any group; prefill-decode adds the handoffs'
+    transfers)."""
     metrics = group_metrics(groups)
     hits, computed = engine["prefix_cache_hit_tokens"], engine["prefill_tokens_computed"]
     metrics.update(
@@ -107,6 +108,13 @@ def async_batch_metrics(
         samples=sum(len(g.trajectories) for g in groups),
         engine_restarts=0,
     )
+    if engine["pd_requests"]:  # prefill-decode: the handoffs' transfer, per request
+        # every prompt goes through a prefill replica (single-turn): none prefilled locally
+        metrics.update(pd_local_prefills=engine["pd_local_prefills"])
+        metrics.update(
+            pd_transfer_bytes=engine["pd_transfer_bytes"] / engine["pd_requests"],
+            pd_transfer_s=engine["pd_transfer_s"] / engine["pd_requests"],
+        )
     if in_place:  # K/V not computed again after an update
         metrics["in_place_reused_tokens"] = float(
             engine["parked_reused_tokens"] + engine["in_place_kept_tokens"]

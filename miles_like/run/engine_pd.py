@@ -3,23 +3,28 @@ a prefill replica's `prefill` and a decode replica's `decode`, together one `gen
 (`rollouts.replica_batcher` chains them). The handoffs between them travel as
 `handoff_transport` says: shared buffers on one node, freed by `release_handoffs` once the
 decode replica has copied them. A mixin of `EngineWorker` (it reads the worker's `engine`,
-`async_engine`, `followers`, `handoff_sender` and `handoff_receiver`). `prefill_one` serves
-the HTTP endpoints of the decode replicas (`engine_endpoint.RemotePrefill`);
+`async_engine`, `followers`, `handoff_sender`, `handoff_receiver` and `_waves`). `prefill_one`
+serves the HTTP endpoints of the decode replicas (`engine_endpoint.RemotePrefill`);
 `cached_prefix_lengths` tells the batch path which later turns a decode replica prefills
-itself (`rollout.pd_local_prefill_tokens`).
+itself (`rollout.pd_local_prefill_tokens`); `decode_wave` the fully asynchronous producer's
+waves on a decode replica.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import ray
 
-from miles_like.run.handoff_transport import nbytes
+from miles_like.run.handoff_transport import HandoffGone, nbytes
 from miles_like.run.routed_samples import routed_samples
 
 CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
+CLOSED = "closed"  # generate_wave / decode_wave: the window was closed, no request was admitted
+# decode_wave's waves open their handoffs concurrently (the serve group); the opener is shared
+_OPENING = threading.Lock()
 
 
 def cache_counters(before: dict, after: dict, keys=CACHE_COUNTERS) -> dict[str, int]:
@@ -151,6 +156,62 @@ class PrefillDecodeRoles:
             return self.engine.cached_prefix_lengths(prompts)
         finally:
             self.async_engine.unhold()
+
+    @ray.method(num_returns="streaming", concurrency_group="serve")
+    def decode_wave(self, handoffs: list, params: list, direct: dict[int, list[int]], wave: int):
+        """The fully asynchronous producer's wave on a decode replica (`generate_wave`, its
+        requests prefilled elsewhere): request i is `direct[i]`'s prompt ids where given
+        (computed here: an in-place continuation adopting the K/V this replica parked), else the
+        next of the prefilled `handoffs` (`[ref]` of a `prefill`'s, or `[]`). Admitted together,
+        in order, in the serve group (so `close(abort_running=True)`, the weight sync and
+        `cancel_wave` run while they decode). Yields `(index, samples, weight version, per-sample
+        token versions)` as each request finishes, then one dict: the transfer's
+        `pd_transfer_bytes`, `pd_transfer_s`, `pd_requests`, and `refused`, the requests whose
+        handoff was prefilled at another weight version than this replica's when admitted (an
+        update landed between: `StaleHandoff`, nothing of them yielded, to be prefilled again).
+        With the window closed it yields CLOSED once and nothing else (nothing ran); when the
+        handoffs' buffers died with their prefill replica, one dict with `gone` (nothing ran)."""
+        import concurrent.futures
+
+        from rollout.async_engine import EngineUnavailable
+        from rollout.handoff import StaleHandoff
+
+        start = time.perf_counter()
+        try:
+            (shared,) = ray.get(handoffs) if handoffs else ([],)
+            with _OPENING:
+                opened = self.handoff_receiver.open(shared)
+        except HandoffGone:
+            yield {"gone": True}
+            return
+        transfer_s = time.perf_counter() - start
+        prefilled = iter(opened)
+        requests = [direct[i] if i in direct else next(prefilled) for i in range(len(params))]
+        try:
+            futures = self.async_engine.submit_prefilled(list(zip(requests, params)))
+        except EngineUnavailable:
+            yield CLOSED
+            return
+        self._waves[wave] = futures
+        refused = 0
+        try:
+            index = {id(f): i for i, f in enumerate(futures)}
+            for f in concurrent.futures.as_completed(futures):
+                try:
+                    result = self.followers.intact(f.result)
+                except StaleHandoff:
+                    refused += 1
+                    continue
+                samples = routed_samples(result, self.return_routes)
+                yield index[id(f)], samples, result.weight_version, result.sample_versions
+        finally:
+            self._waves.pop(wave, None)
+        yield {
+            "pd_transfer_bytes": nbytes(opened),
+            "pd_transfer_s": transfer_s,
+            "pd_requests": len(opened),
+            "refused": refused,
+        }
 
     @ray.method(num_returns=2, concurrency_group="serve")
     def prefill_one(self, prompt_ids: list[int], params):

@@ -7,10 +7,10 @@ The rollout window: `open()` admits requests (`generate_one`, the HTTP endpoint 
 is ever served by half-updated weights. The batch `generate` works either way (closed, it opens
 the window for its own duration).
 
-Ray runs `generate_one`, `generate_wave` and `cancel_wave` in the `serve` concurrency group, so
-many concurrent calls are batched together by the engine; every other method is in the default
-group, one at a time. Weight receiving is `EngineWeightReceiver`'s; the tensor-parallel ranks'
-control is `engine_tp`'s.
+Ray runs `generate_one`, `generate_wave`, `decode_wave` and `cancel_wave` in the `serve`
+concurrency group, so many concurrent calls are batched together by the engine; every other
+method is in the default group, one at a time. Weight receiving is `EngineWeightReceiver`'s;
+the tensor-parallel ranks' control is `engine_tp`'s.
 
 The batch calls return each sample as a `RoutedSample`: with `return_routes` (routing replay)
 a mixture of experts' routes travel with it, else none are sent.
@@ -26,14 +26,14 @@ import torch
 from miles_like.run import engine_tp
 from miles_like.run.engine_endpoint import EngineEndpoint
 from miles_like.run.engine_inspection import EngineInspection
-from miles_like.run.engine_pd import CACHE_COUNTERS, PrefillDecodeRoles, cache_counters
+from miles_like.run.engine_pd import CACHE_COUNTERS, CLOSED, PrefillDecodeRoles, cache_counters
 from miles_like.run.engine_weight_receiver import EngineWeightReceiver
 from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
 from miles_like.run.rendezvous import held_rendezvous, pin_process, start_actor_process
 from miles_like.run.rendezvous import node_id as this_node_id
 from miles_like.run.routed_samples import routed_samples
 
-CLOSED = "closed"  # generate_wave: the window was closed, no request was admitted
+__all__ = ["CLOSED", "EngineWorker"]
 
 
 @ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1})
@@ -215,8 +215,9 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
 
     @ray.method(concurrency_group="serve")
     def cancel_wave(self, wave: int, indices: list[int]) -> None:
-        """Abort requests `indices` of `generate_wave(..., wave)` (those still running end now
-        with the tokens they have; finished ones, or a wave that has ended, are left alone)."""
+        """Abort requests `indices` of wave `wave` (`generate_wave`, `decode_wave`): those still
+        running end now with the tokens they have; finished ones, or a wave that has ended, are
+        left alone."""
         futures = self._waves.get(wave, ())
         for k in indices:
             if k < len(futures):

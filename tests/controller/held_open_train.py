@@ -51,11 +51,11 @@ def install() -> None:
         cut = [(p, dataclasses.replace(s, max_new_tokens=1, ignore_eos=True), j) for p, s, j in out]
         return cut
 
-    def cut_deliver(self, owner, samples, version, versions):
+    def cut_deliver(self, owner, samples, version, versions, replica):
         if owner[0] == Hold.cut and not self.ledger.open[owner[0]].group.samples:
             assert all(s.finish_reason == "length" and len(s.token_ids) == 1 for s in samples)
             samples = [s._replace(finish_reason=ABORTED) for s in samples]
-        return deliver(self, owner, samples, version, versions)
+        return deliver(self, owner, samples, version, versions, replica)
 
     async def release(producer: AsyncProducer) -> None:
         """Send the held group; returns once its cut first request is back (with tokens)."""

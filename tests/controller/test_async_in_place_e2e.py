@@ -40,7 +40,7 @@ def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, 
     returned: dict[tuple, list] = defaultdict(list)
     deliver = Sender.deliver
 
-    def recording_deliver(self, owner, samples, version, versions):
+    def recording_deliver(self, owner, samples, version, versions, replica):
         i, js = owner
         if i in self.ledger.open:  # (a group dropped while its requests ran is not trained)
             prompt = tuple(self.ledger.open[i].group.problem.prompt_ids)
@@ -48,7 +48,7 @@ def test_updates_keep_running_requests_and_their_kv(ray_local, cache, tmp_path, 
                 returned[prompt, i, j].append(
                     (list(s.token_ids), list(s.logprobs), list(versions[k]))
                 )
-        return deliver(self, owner, samples, version, versions)
+        return deliver(self, owner, samples, version, versions, replica)
 
     trained: list[tuple[list[int], int, list[float]]] = []
     start_train = RunActors.start_train  # every train call starts here (either loop)

@@ -38,6 +38,11 @@ def test_default_is_off_and_valid_values_load():
     # streaming scoring: the over-sampled rollout's path with a quota of every group
     r = load_recipe(RECIPE, [*THREE, "rollout.prefill_replicas=1", "rollout.stream_scoring=true"])
     assert r.rollout.stream_scoring
+    # fully asynchronous (single-turn): the producer's waves prefilled, then decoded
+    r = load_recipe(
+        RECIPE, [*disaggregated, "rollout.prefill_replicas=1", "cluster.fully_async=true"]
+    )
+    assert r.cluster.fully_async and r.rollout.prefill_replicas == 1
 
 
 @pytest.mark.parametrize(
@@ -66,8 +71,10 @@ def test_default_is_off_and_valid_values_load():
                 "cluster.rollout_devices=3",
                 "rollout.prefill_replicas=1",
                 "cluster.fully_async=true",
+                "rollout.function=tool_loop",
             ],
-            r"does not support cluster\.fully_async yet; turn one of them off$",
+            r"does not support cluster\.fully_async with rollout\.function='tool_loop' "
+            r"\(multi-turn\) yet; turn one of them off$",
         ),
     ],
 )

@@ -50,6 +50,7 @@ def is_timing(key: str) -> bool:
     return (key.startswith("perf/") and key.endswith(("_s", "_frac", "_frac_min"))) or key in (
         "perf/engine_occupancy",  # weighted by the passes' durations
         "rollout/tokens_per_s",
+        "rollout/pd_transfer_s",  # prefill-decode: the handoffs' transfer time, per request
     )
 
 

@@ -171,3 +171,127 @@ def test_cancel_wave_aborts_one_request_and_parks_its_kv(ray_local, model_dir):
     reused = ray.get(worker.stats.remote())["parked_reused_tokens"] - before
     assert reused == parked  # the continuation computed only its pending token
     ray.kill(worker)
+
+
+def test_decode_wave_serves_handoffs_as_one_engine_and_refuses_stale_ones(ray_local, model_dir):
+    """`decode_wave` (the fully async producer's wave on a decode replica): a prefill replica's
+    handoffs and a request computed on the decode replica itself (`direct`) come back as one
+    engine samples them (`Engine.generate`, same seeds: the same tokens); a handoff prefilled
+    at another weight version is refused, not decoded (counted, nothing yielded for it); with
+    the window closed the wave yields CLOSED alone."""
+    from miles_like.run.engine_worker import CLOSED, EngineWorker
+
+    cfg = EngineConfig(
+        model_path=str(model_dir), kv_cache_tokens=2048, page_size=4, max_model_len=128
+    )
+    params = [
+        SamplingParams(n=2, max_new_tokens=8, seed=60 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' thread count (see the test above)
+    try:
+        want = Engine(cfg).generate(PROMPTS, params)
+    finally:
+        torch.set_num_threads(threads)
+    prefiller, decoder = EngineWorker.remote(cfg, 1), EngineWorker.remote(cfg, 1)
+    ray.get([prefiller.open.remote(), decoder.open.remote()], timeout=120)
+
+    def wave(handoffs: list, wave_params: list, direct: dict, wave_id: int) -> list:
+        return [
+            ray.get(ref, timeout=120)
+            for ref in decoder.decode_wave.remote(handoffs, wave_params, direct, wave_id)
+        ]
+
+    # requests 0 and 2 prefilled on the prefill replica, request 1 computed on the decode one
+    counters_ref, handoffs_ref = prefiller.prefill.remote(
+        [PROMPTS[0], PROMPTS[2]], [params[0], params[2]], True
+    )
+    counters = ray.get(counters_ref, timeout=120)
+    items = wave([handoffs_ref], params, {1: PROMPTS[1]}, 1)
+    ray.get(prefiller.release_handoffs.remote(counters["handoff_key"]), timeout=60)
+    *served, last = items
+    assert sorted(k for k, *_ in served) == [0, 1, 2]
+    for k, samples, version, versions in served:
+        # the same tokens; float32 log-probs within the prefill-decode tests' tolerance (the
+        # prompt was computed in another batch than the reference's)
+        for got, ref in zip(samples, want[k], strict=True):
+            assert (got.token_ids, got.finish_reason) == (ref.token_ids, ref.finish_reason)
+            assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) <= 1e-5
+        assert version == 0 and all(v == [0] * 8 for v in versions)
+    assert last["pd_requests"] == 2 and last["pd_transfer_bytes"] > 0
+    assert last["refused"] == 0
+
+    # the decode replica moved to version 1: a handoff of version 0 is refused
+    counters_ref, handoffs_ref = prefiller.prefill.remote([PROMPTS[0]], [params[0]], True)
+    key = ray.get(counters_ref, timeout=120)["handoff_key"]
+    ray.get(decoder.set_weight_version.remote(1), timeout=60)  # closes the window
+    assert wave([handoffs_ref], [params[0]], {}, 2) == [CLOSED]
+    ray.get(decoder.open.remote(), timeout=60)
+    (last,) = wave([handoffs_ref], [params[0]], {}, 3)
+    assert last["refused"] == 1
+    ray.get(prefiller.release_handoffs.remote(key), timeout=60)
+    ray.kill(prefiller)
+    ray.kill(decoder)
+
+
+def test_prefill_waves_send_a_refused_wave_again(ray_local, model_dir):
+    """The fully async producer's prefill-decode waves (`async_producer.disaggregated.
+    PrefillWaves`: `send` prefills a fill's waves, `decode` streams each) on a real prefill and
+    decode replica: a wave prefilled at a weight version
+    its decode replica is not at is refused whole (nothing delivered, the wave to be sent
+    again: `retry`); sent again once both are at one version, it is served as one engine
+    samples it, and both transfers are counted."""
+    import asyncio
+
+    from miles_like.rollouts.async_producer.replacement import Replicas
+    from miles_like.run.engine_worker import EngineWorker
+
+    cfg = EngineConfig(
+        model_path=str(model_dir), kv_cache_tokens=2048, page_size=4, max_model_len=128
+    )
+    params = [SamplingParams(n=2, max_new_tokens=6, seed=80 + i, ignore_eos=True) for i in (0, 1)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' thread count (see the first test)
+    try:
+        want = Engine(cfg).generate(PROMPTS[:2], params)
+    finally:
+        torch.set_num_threads(threads)
+    prefiller, decoder = EngineWorker.remote(cfg, 1), EngineWorker.remote(cfg, 1)
+    ray.get(prefiller.set_weight_version.remote(1), timeout=120)  # an update the decoder lacks
+    ray.get([prefiller.open.remote(), decoder.open.remote()], timeout=120)
+
+    async def unused(*_):
+        raise AssertionError("nothing is replaced here")
+
+    replicas = Replicas([prefiller, decoder], 120, False, unused, lambda: None, prefill_replicas=1)
+    assert replicas.decoding == range(1, 2)
+
+    def wave(wave_id: int) -> tuple:
+        got, outcome = [], {}
+
+        async def run_wave(j: int, handoffs) -> None:
+            assert j == 0 and isinstance(handoffs, list) and len(handoffs) == 1
+            outcome["decoded"] = await replicas.prefill.decode(
+                1, handoffs, params, {}, wave_id, got.append
+            )
+
+        asyncio.run(replicas.prefill.send([(1, PROMPTS[:2], params, set())], run_wave))
+        failure, retry = outcome["decoded"]
+        assert failure is None
+        return got, retry
+
+    assert wave(1) == ([], True)
+    ray.get(decoder.set_weight_version.remote(1), timeout=60)
+    ray.get(decoder.open.remote(), timeout=60)
+    got, retry = wave(2)
+    assert not retry and sorted(k for k, *_ in got) == [0, 1]
+    for k, samples, version, _ in got:
+        assert [s.token_ids for s in samples] == [s.token_ids for s in want[k]]
+        assert version == 1
+    transfers = replicas.prefill.take_transfers()
+    assert transfers["pd_requests"] == 4 and transfers["pd_transfer_bytes"] > 0
+    assert ray.get(prefiller.stats.remote(), timeout=60)["prefill_calls"] == 2
+    assert not replicas.dead
+    ray.kill(prefiller)
+    ray.kill(decoder)

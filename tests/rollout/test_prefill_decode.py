@@ -305,6 +305,7 @@ def test_async_engines_prefill_and_decode_as_one_engine(checkpoints):
     handoffs, `submit_prefilled` with what one engine samples; a decode engine at another weight
     version refuses a handoff (nothing is served across a version boundary)."""
     from rollout.async_engine import AsyncEngine
+    from rollout.handoff import StaleHandoff
 
     directory = checkpoints["qwen2"]
     want = reference(make_engine(directory, "float64"), PROMPTS, SAMPLED)
@@ -320,7 +321,8 @@ def test_async_engines_prefill_and_decode_as_one_engine(checkpoints):
         assert all(r.weight_version == 0 for r in results)
         decoder.engine.weight_version += 1
         (refused,) = decoder.submit_prefilled([(handoffs[0], SAMPLED)])
-        with pytest.raises(ValueError, match="prefilled at weight version 0"):
+        # StaleHandoff (a ValueError): the caller knows to prefill it again
+        with pytest.raises(StaleHandoff, match="prefilled at weight version 0"):
             refused.result(timeout=120)
     finally:
         prefiller.close()

@@ -34,6 +34,9 @@ ENGINE_COUNTERS = (
     "parked_reused_tokens",  # in_place: continuations that adopted parked K/V
     "in_place_kept_tokens",  # in_place: running requests' K/V kept across an update
 )
+# prefill-decode: the prompts' counters are the prefill replicas' (a decode replica adopting a
+# handoff shares its prompt with the samples' forks again), as the synchronous path counts them
+PREFILL_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 
 
 class Buffer:
@@ -181,9 +184,14 @@ class Buffer:
             groups.append(group)
             tallies.update(counts)
         engine: Counter = Counter()
-        for before, after in zip(self._counters, counters):
+        prefill = self.replicas.prefill
+        for i, (before, after) in enumerate(zip(self._counters, counters)):
+            decoding = prefill is not None and i >= prefill.count
             for key in ENGINE_COUNTERS:
-                engine[key] += after[key] - before[key]
+                if not (decoding and key in PREFILL_COUNTERS):
+                    engine[key] += after[key] - before[key]
+        if prefill is not None:  # the handoffs' transfers over the same window
+            engine.update(prefill.take_transfers())
         seconds, self._counters, self._counters_at = now - self._counters_at, counters, now
         return AsyncBatch(
             groups,

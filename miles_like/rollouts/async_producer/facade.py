@@ -41,6 +41,7 @@ class AsyncProducer:
             manager.restart_engine is not None,
             on_replaced=self._replaced,
             refill=self._refill,
+            prefill_replicas=recipe.rollout.prefill_replicas,
         )
         self.buffer = Buffer(
             recipe,

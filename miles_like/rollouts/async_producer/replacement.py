@@ -6,6 +6,8 @@ call runs meanwhile, so the replacement takes the engines' weights). Meanwhile i
 wait, with the tokens, log-probs and versions they had delivered (whatever it was computing is
 lost: retract), and are sent again once it is back, to whichever replicas the next fill gives
 them. A death is a handle's: a late failure of the replaced actor's calls is not the new one's.
+Under prefill-decode disaggregation prefill replicas are replaced the same way (`prefill`, the
+waves' prefill half: `disaggregated.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from miles_like.errors import RolloutFailed
+from miles_like.rollouts.async_producer.disaggregated import PrefillWaves
 from miles_like.rollouts.engine_deaths import RestartRequests, engine_death
 from miles_like.run.calls import ActorDied, is_death
 from miles_like.run.engine_worker import CLOSED
@@ -22,7 +25,8 @@ from miles_like.run.engine_worker import CLOSED
 class Replicas:
     """`engines` is the manager's list (a replacement is put in it, read at every call).
     `on_replaced(i, engine)` readies a replacement (its counters, its window), `refill()`
-    runs after every round of replacements (their groups are sent again)."""
+    runs after every round of replacements (their groups are sent again). With
+    `prefill_replicas` k, engines[:k] prefill the waves of the others (`prefill`)."""
 
     def __init__(
         self,
@@ -31,6 +35,7 @@ class Replicas:
         can_restart: bool,
         on_replaced: Callable[[int, object], Awaitable[None]],
         refill: Callable[[], None],
+        prefill_replicas: int = 0,
     ):
         self.engines = engines
         self.timeout = timeout_s
@@ -39,6 +44,12 @@ class Replicas:
         self.dead: dict[int, ActorDied] = {}  # found dead, not yet replaced
         self.restarts: RestartRequests | None = None  # the current producer call's
         self._wave_ids = 0
+        self.prefill = PrefillWaves(self, prefill_replicas) if prefill_replicas else None
+
+    @property
+    def decoding(self) -> range:
+        """The replicas waves are sent to: every one, or the decode replicas (engines[k:])."""
+        return range(self.prefill.count if self.prefill is not None else 0, len(self.engines))
 
     def next_wave_id(self) -> int:
         """A new id naming a `generate_wave` call (`cancel_wave` takes it)."""
@@ -108,25 +119,36 @@ class Replicas:
         self, replica: int, prompts: list, params: list, wave: int, on_item
     ) -> RolloutFailed | None:
         """Send one wave to `replica` and pass what it streams back, item by item, to
-        `on_item` until the engine closes the window. A death marks the replica dead; any
-        other failure (the engine's or `on_item`'s) is returned, for `take` to raise. Either
-        ends the wave; the caller's bookkeeping sends again what did not come back."""
+        `on_item` until the engine closes the window (`read_stream`)."""
         engine = self.engines[replica]
+        return await self.read_stream(
+            replica,
+            engine,
+            "generate_wave",
+            lambda: engine.generate_wave.remote(prompts, params, wave),
+            on_item,
+        )
+
+    async def read_stream(
+        self, replica: int, engine, method: str, start: Callable, on_item
+    ) -> RolloutFailed | None:
+        """`start()` (a streaming `method` of `replica`'s `engine`) read item by item into
+        `on_item` until it ends or yields CLOSED. A death marks the replica dead; any other
+        failure (the engine's or `on_item`'s) is returned, for `take` to raise. Either ends the
+        wave; the caller's bookkeeping sends again what did not come back."""
         try:
-            gen = engine.generate_wave.remote(prompts, params, wave)
+            gen = start()
             while True:
                 try:
                     ref = await asyncio.wait_for(gen.__anext__(), self.timeout)
                 except StopAsyncIteration:
                     break
                 item = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
-                if item == CLOSED:
+                if isinstance(item, str) and item == CLOSED:
                     break
                 on_item(item)
         except Exception as e:  # noqa: BLE001 -- raised to the controller by `take`
             if not is_death(e):
-                return RolloutFailed(
-                    f"engine {replica}: generate_wave failed: {type(e).__name__}: {e}"
-                )
-            self.failed(replica, engine, "generate_wave", e)
+                return RolloutFailed(f"engine {replica}: {method} failed: {type(e).__name__}: {e}")
+            self.failed(replica, engine, method, e)
         return None
