@@ -74,7 +74,7 @@ class PrefillDecode:
         decode returns: samples per prompt, and the transfer's counters with the
         `weight_version` that sampled them."""
         # every choice before the first await: the wave's calls are fixed by the queues alone
-        chosen = {d: self._choose(prompts) for d, (prompts, _) in batches.items()}
+        chosen = {d: self.router.start_batch(prompts) for d, (prompts, _) in batches.items()}
         try:
             calls: dict[tuple[int, bool], list[int]] = {}
             for d, p in chosen.items():
@@ -191,7 +191,7 @@ class PrefillDecode:
         if not to_prefill:
             return await self._decode_own(d, params, groups, quota, consume, own)
         prompts_p, params_p = [prompts[i] for i in to_prefill], [params[i] for i in to_prefill]
-        p = self._choose(prompts_p)
+        p = self.router.start_batch(prompts_p)
         try:
             share = await self._node(p) == await self._node(d)
             while True:
@@ -227,15 +227,6 @@ class PrefillDecode:
 
         decoded = await self.batcher.with_replacement(d, "decode_stream", len(params), attempt)
         return {**dict.fromkeys(PREFILL_COUNTERS, 0), **decoded}
-
-    def _choose(self, prompts: list[list[int]]) -> int:
-        """The prefill replica for `prompts` (the router's choice for the first; it then
-        remembers all of them there), counted as started."""
-        p = self.router.choose(prompts[0])
-        for prompt in prompts[1:]:
-            self.router.record(p, prompt)
-        self.router.started(p)
-        return p
 
     async def _prefill(self, p: int, prompts, params, share: bool, splits: list[int]):
         """One `prefill` call on replica p (again on its replacement if it dies): its counters,

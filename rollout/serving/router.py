@@ -149,6 +149,15 @@ class Router:
             return least
         return best
 
+    def start_batch(self, prompts: Sequence[Sequence[int]]) -> int:
+        """The replica for a batch that travels together (`choose` for its first prompt; every
+        prompt then remembered there), counted as started: `finished` once it returns."""
+        replica = self.choose(prompts[0])
+        for prompt in prompts[1:]:
+            self.record(replica, prompt)
+        self.started(replica)
+        return replica
+
     def record(self, replica: int, token_ids: Sequence[int]) -> None:
         """What `replica` now caches after serving a request: its prompt + completion ids."""
         with self._lock:

@@ -52,6 +52,19 @@ def test_cache_aware_picks_longest_prefix_then_balances_load():
     assert fresh.choose(system + [5]) == 1  # 2 - 0 is within the threshold
 
 
+def test_a_batch_goes_where_its_first_prompt_does_and_is_remembered_there_whole():
+    router = Router(2, RouterConfig(balance_threshold=8))
+    system = list(range(100, 120))
+    router.record(1, system)
+    batch = [system + [1], [7, 7, 7, 7], [8, 8, 8]]
+    assert router.start_batch(batch) == 1  # the first prompt's longest match
+    assert router.load == [0, 1]  # counted as started until `finished`
+    # every prompt of the batch is in replica 1's tree now: each is routed there
+    assert [router.choose(p + [0]) for p in batch[1:]] == [1, 1]
+    router.finished(1)
+    assert router.load == [0, 0]
+
+
 def test_sessions_stick_and_round_robin_cycles():
     router = Router(2)
     router.record(1, [5, 5, 5, 5])

@@ -61,7 +61,11 @@ class PrefillWaves:
         or a RolloutFailed. A prefill call's shared buffers are freed once its waves are done."""
         todo = [[k for k in range(len(w[1])) if k not in w[3]] for w in waves]
         # every choice before the first await: the calls are fixed by the fill alone
-        chosen = {j: self._choose([waves[j][1][k] for k in ks]) for j, ks in enumerate(todo) if ks}
+        chosen = {
+            j: self.router.start_batch([waves[j][1][k] for k in ks])
+            for j, ks in enumerate(todo)
+            if ks
+        }
         try:
             calls: dict[tuple[int, bool], list[int]] = {}
             unsent = []
@@ -113,15 +117,6 @@ class PrefillWaves:
             on_decoded,
         )
         return failure, retry
-
-    def _choose(self, prompts: list[list[int]]) -> int:
-        """The prefill replica for `prompts` (the router's choice for the first; it then
-        remembers all of them there), counted as started."""
-        p = self.router.choose(prompts[0])
-        for prompt in prompts[1:]:
-            self.router.record(p, prompt)
-        self.router.started(p)
-        return p
 
     async def _prefill_then(
         self, p: int, share: bool, todo: dict[int, list[int]], waves: list, run_wave
