@@ -30,10 +30,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from miles_like.errors import RolloutFailed
+from miles_like.rollouts.prefill_then_decode import PD_COUNTERS
 from miles_like.run.calls import is_death
 from rollout.serving.router import Router
-
-PD_COUNTERS = ("pd_transfer_bytes", "pd_transfer_s", "pd_requests")
 
 
 class PrefillWaves:
