@@ -267,6 +267,8 @@ class RolloutManager:
             raise
         if batcher.failure is not None:
             raise batcher.failure
+        if batcher.pd is not None:  # counted in this rollout's engine_restarts
+            await batcher.pd.replace_dead_prefill_replicas()
         return list(groups), tallies + batcher.tallies
 
     def _wait(self, pending: PendingRollout):

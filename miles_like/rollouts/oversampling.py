@@ -171,6 +171,8 @@ class OverSampledRollout:
             batch_ids += complete
         if self.batcher.failure is not None:
             raise self.batcher.failure
+        if self.batcher.pd is not None:  # counted in this rollout's engine_restarts
+            await self.batcher.pd.replace_dead_prefill_replicas()
         batch_ids.sort()
         chosen = set(batch_ids)
         batch = []

@@ -228,6 +228,19 @@ class PrefillDecode:
         decoded = await self.batcher.with_replacement(d, "decode_stream", len(params), attempt)
         return {**dict.fromkeys(PREFILL_COUNTERS, 0), **decoded}
 
+    async def replace_dead_prefill_replicas(self) -> None:
+        """Once a rollout's requests are done: each prefill replica answers a call (its node), a
+        dead one is replaced now. A prefill replica idles once its prefill calls returned, so a
+        death after them would be found only by the weight push, where no replacement is made
+        (the run stops without a checkpoint); during the rollout it is an engine death as any."""
+        b = self.batcher
+        for p in range(self.router.num_replicas):
+
+            async def attempt(p=p):
+                return await self._wait(b.engines[p].node_id.remote(), f"engine {p}", "node_id")
+
+            await b.with_replacement(p, "node_id", 0, attempt)
+
     async def _prefill(self, p: int, prompts, params, share: bool, splits: list[int]):
         """One `prefill` call on replica p (again on its replacement if it dies): its counters,
         one handoffs ref per split, and the engine that holds them."""
