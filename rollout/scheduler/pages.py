@@ -152,6 +152,18 @@ class PageAllocator:
         if duplicates:
             self.write_pages(seq)
 
+    def share_completed_prompt(self, seq: Sequence) -> None:
+        """`seq` computed its prompt: its whole pages go into the prefix cache, or, without one,
+        into a tree of its own when forks will share them. That tree is retired from birth
+        (`RadixCache.retire`): no other request ever matches it, and its pages go back to the
+        pool when the last fork holding them lets go, as a retired cache's do."""
+        if seq.tree is None:
+            if seq.num_forks == 1:
+                return
+            seq.tree = RadixCache(self.page_size, self.pool.free_pages)
+            seq.tree.retire()
+        self.insert_into_cache(seq)
+
     def share_prompt(self, seq: Sequence, child: Sequence) -> bool:
         """Give fork `child` the K/V of `seq`'s completed prompt: the tree pages, locked once more,
         a copy of the partly filled last page (if any), and a row `seq` reserved for it. False
@@ -250,9 +262,11 @@ class PageAllocator:
             if holder.node is not None:
                 direct_locks[id(holder.node)] = direct_locks.get(id(holder.node), 0) + 1
         trees = [self.cache, *self.retired_caches] if self.cache is not None else []
+        for holder in holders:  # the trees a request's forks share without the cache
+            if holder.tree is not None and not any(holder.tree is t for t in trees):
+                assert holder.tree.retired, "unknown tree"
+                trees.append(holder.tree)
         cached = [p for t in trees for p in t.check_integrity(direct_locks)]
-        for holder in holders:
-            assert holder.tree is None or any(holder.tree is t for t in trees), "unknown tree"
         private = [p for s in holders for p in s.private_pages]
         everything = free + cached + private
         assert len(everything) == self.pool.num_pages, (
@@ -265,7 +279,7 @@ class PageAllocator:
             assert len(seq.pages) * self.page_size >= seq.num_computed, (
                 "computed tokens without pages"
             )
-            if self.cache is not None and seq.node is not None:
+            if seq.node is not None:
                 path, node = [], seq.node
                 while node is not seq.tree.root:
                     path[:0] = node.pages

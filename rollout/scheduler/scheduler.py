@@ -12,7 +12,8 @@ Each step:
    reuses the longest cached prefix of its tokens (never the last token, whose logits are needed)
    or the parked K/V it continues;
 3. after the forward pass (`finish_step`), sequences that completed their prompt are inserted into
-   the cache and fork into their `n` samples, which share the prompt's pages; drafts are verified;
+   the cache and fork into their `n` samples, which share the prompt's pages (without the cache,
+   through a tree of their own: a request's samples always share one prefill); drafts are verified;
    every sequence with fresh logits samples one token; finished sequences leave at once, and their
    KV is offered to the cache.
 
@@ -108,16 +109,12 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a request. With the prefix cache its samples share one prefill (fork); without
-        it each sample is its own sequence and prefills the prompt itself."""
+        """Queue a request: one sequence standing for its `n` samples, which share one prefill
+        of the prompt and fork when it completes (with or without the prefix cache)."""
         self.requests[request.request_id] = request
         self.logprob_outputs.added(request)
         request.set_limits(self.eos_token_ids, self.max_model_len)
-        n = request.params.n
-        if self.cache is not None:
-            self.waiting.append(Sequence(request, 0, num_forks=n))
-        else:
-            self.waiting.extend(Sequence(request, j) for j in range(n))
+        self.waiting.append(Sequence(request, 0, num_forks=request.params.n))
 
     def abort(self, request_id: int) -> None:
         request = self.requests.get(request_id)
@@ -130,8 +127,7 @@ class Scheduler:
             # with them, as a request aborted after its first step does (below: a `park_kv` one
             # parks its K/V); else with none.
             if not (self._room_for_prefilled(request) and self._admit_prefilled(*entry)):
-                for seq in self._prefilled_sequences(request):
-                    self._record(seq, "abort")
+                self._record(Sequence(request, 0, num_forks=request.params.n), "abort")
         for seq in [s for s in self.waiting if s.request is request]:
             self.waiting.remove(seq)
             self._record(seq, "abort")
@@ -250,18 +246,10 @@ class Scheduler:
         request.cached_tokens = handoff.cached_tokens
         self.prefilled.append((request, handoff))
 
-    def _prefilled_sequences(self, request: Request) -> list[Sequence]:
-        """As `add`: one sequence standing for the `n` forks with the prefix cache, else n."""
-        n = request.params.n
-        if self.cache is not None:
-            return [Sequence(request, 0, num_forks=n)]
-        return [Sequence(request, j) for j in range(n)]
-
     def _prefilled_pages(self, request: Request) -> int:
         """The pages admitting a prefilled request takes: the prompt's (per sequence), and one
         per sample for its tail page copy or its next token."""
-        pages_each = -(-len(request.prompt) // self.page_size)
-        return pages_each * len(self._prefilled_sequences(request)) + request.params.n
+        return -(-len(request.prompt) // self.page_size) + request.params.n
 
     def _room_for_prefilled(self, request: Request) -> bool:
         return len(self.allocator.free_rows) >= request.params.n and (
@@ -281,26 +269,23 @@ class Scheduler:
                     "max_running_requests"
                 )
             return False
-        seqs = self._prefilled_sequences(request)
+        seq = Sequence(request, 0, num_forks=request.params.n)  # as `add`
         prompt_len = len(request.prompt)
-        pages_each = -(-prompt_len // self.page_size)
         pool = self.pool
-        forks: list[Sequence] = []
-        for seq in seqs:
-            pages = self.allocator.alloc(pages_each)
-            assert pages is not None, "counted as available"
-            seq.pages, seq.tree, seq.status = pages, self.cache, Status.RUNNING
-            self.allocator.take_rows(seq)
-            seq.new_kv_epoch()
-            self.allocator.write_pages(seq)
-            slots = self.slot_table[seq.row, :prompt_len]
-            # quantized if the pool is FP8; under tensor parallelism each rank keeps its heads
-            pool.write_slots(slots, handoff.k, handoff.v)
-            if pool.routes is not None and handoff.routes is not None:
-                pool.routes.index_copy_(0, slots, handoff.routes.to(pool.device, pool.routes.dtype))
-            seq.num_computed = prompt_len
-            self.running.append(seq)
-            forks += self._ready_to_sample(seq)
+        pages = self.allocator.alloc(-(-prompt_len // self.page_size))
+        assert pages is not None, "counted as available"
+        seq.pages, seq.tree, seq.status = pages, self.cache, Status.RUNNING
+        self.allocator.take_rows(seq)
+        seq.new_kv_epoch()
+        self.allocator.write_pages(seq)
+        slots = self.slot_table[seq.row, :prompt_len]
+        # quantized if the pool is FP8; under tensor parallelism each rank keeps its heads
+        pool.write_slots(slots, handoff.k, handoff.v)
+        if pool.routes is not None and handoff.routes is not None:
+            pool.routes.index_copy_(0, slots, handoff.routes.to(pool.device, pool.routes.dtype))
+        seq.num_computed = prompt_len
+        self.running.append(seq)
+        forks = self._ready_to_sample(seq)
         version = self.weight_version
         for seq in forks:
             j = seq.sample_index
@@ -408,9 +393,10 @@ class Scheduler:
 
     def _ready_to_sample(self, seq: Sequence) -> list[Sequence]:
         """`seq` has computed all its tokens. A completed prompt (via a prefill chunk or, fully
-        cached but its last token, a decode) is first shared through the cache, then forks."""
-        if seq.num_generated == 0 and self.cache is not None:
-            self.allocator.insert_into_cache(seq)
+        cached but its last token, a decode) is first shared through the cache (or, without
+        one, through a tree only its forks hold), then forks."""
+        if seq.num_generated == 0:
+            self.allocator.share_completed_prompt(seq)
         return self._fork(seq)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
@@ -423,7 +409,8 @@ class Scheduler:
         for j in range(1, seq.num_forks):
             child = Sequence(seq.request, j, token_ids=list(seq.token_ids))
             forks.append(child)
-            self.stats.prefix_cache_hit_tokens += seq.num_computed
+            if self.cache is not None:  # without the cache nothing counts as a cache hit
+                self.stats.prefix_cache_hit_tokens += seq.num_computed
             if self.allocator.share_prompt(seq, child):
                 child.status = Status.RUNNING
                 self.running.append(child)

@@ -53,9 +53,9 @@ def test_quick_benchmark_prints_json(tmp_path):
         assert stats["preemptions"] == 0
     assert out["hf_tokens_per_s"] > 0 and out["threads"] >= 1
     assert out["model"]["hidden_size"] == 256 and out["model"]["vocab_size"] == 4096
-    # Radix on prefills each prompt once; off, every sample prefills it (n times).
-    assert out["engine_stats"]["prefill_tokens_computed"] <= 1.1 * 4 * 32
-    assert out["engine_no_radix_stats"]["prefill_tokens_computed"] >= 0.9 * 4 * 4 * 32
+    # A request's n = 4 samples share one prefill of its prompt, with or without the radix cache.
+    for key in ("engine", "engine_no_radix"):
+        assert 0.9 * 4 * 32 <= out[f"{key}_stats"]["prefill_tokens_computed"] <= 1.1 * 4 * 32
     assert out["engine_no_radix_stats"]["prefix_cache_hit_tokens"] == 0
     for key in ("engine", "engine_no_radix"):  # fixed lengths: no tail, the busy share is real
         assert out[f"{key}_tail_s"] == 0.0

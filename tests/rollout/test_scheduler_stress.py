@@ -1,6 +1,8 @@
 """Randomised stress of the scheduler: many requests sharing prefixes, several samples each,
 random aborts, and a KV pool small enough that eviction and preemption happen all the time.
 
+* with and without the prefix cache (without it, a request's forks share its prompt's pages
+  through a tree of their own);
 * the page bookkeeping holds after every step (`check_integrity`: free + cached + in use ==
   total, lock refs, slot-table rows), and nothing leaks once all requests are done;
 * preemption and eviction do not change results: every seeded sample that was not aborted
@@ -31,9 +33,11 @@ def _workload(rng: random.Random, vocab: int):
     return requests
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    "page_size,prefix_cache", [(1, True), (4, True), (4, False)], ids=["p1", "p4", "p4-nocache"]
+)
 def test_random_workload_keeps_integrity_and_preemption_does_not_change_results(
-    tiny_hf_checkpoints, page_size
+    tiny_hf_checkpoints, page_size, prefix_cache
 ):
     _, directory = tiny_hf_checkpoints("qwen2")
     rng = random.Random(page_size)
@@ -45,6 +49,7 @@ def test_random_workload_keeps_integrity_and_preemption_does_not_change_results(
             page_size=page_size,
             max_running_requests=12,
             max_prefill_tokens=24,
+            enable_prefix_cache=prefix_cache,
         )
     )
     pending = list(workload)
@@ -67,7 +72,8 @@ def test_random_workload_keeps_integrity_and_preemption_does_not_change_results(
         engine.check_integrity()
         steps += 1
     stats = engine.stats()
-    assert stats["preemptions"] > 0 and stats["evicted_tokens"] > 0, stats
+    assert stats["preemptions"] > 0, stats
+    assert (stats["evicted_tokens"] > 0) == prefix_cache, stats
     assert stats["running_sequences"] == 0 and stats["waiting_sequences"] == 0
     assert stats["kv_free_tokens"] + stats["prefix_cache_tokens"] == stats["kv_pool_tokens"]
     assert set(outputs) == set(ids)
