@@ -13,6 +13,10 @@ per prompt, T = 1, top-p 1, no top-k, EOS ignored; both pinned to the same `--th
 
 * workloads: 32 prompts x 128 tokens, 128 new; 16 prompts x 512 tokens, 64 new (n = 8);
 * dtypes: float32, bfloat16; prefix reuse: on (our radix cache / vLLM's prefix caching), off.
+  Off, nothing is cached across requests; our engine still prefills a request's prompt once for
+  its n samples (they fork from it), while vLLM's V1 engine shares a prompt among samples only
+  through prefix caching, so off it prefills the prompt once per sample. `--n 1` leaves nothing
+  to share: the cells then compare the engines' raw prefill and decode.
 
 vLLM runs in its fastest set-up on few cores: one process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 KV blocks of 32 tokens, compiled (not enforce_eager), its OpenMP threads bound to the same CPUs,
@@ -27,7 +31,10 @@ Reported per engine: output and total tokens/s, TTFT and TPOT p50 / p99, failed 
 first distinct errors.
 
 Prints one JSON object: per cell the tokens/s of each round, the best and median per engine,
-and `ours_over_vllm` (median of the per-round ratios; > 1: ours faster); the slowest cell for us
+and `ours_over_vllm` (median of the per-round ratios; > 1: ours faster), and `floor`: the cell
+against its compute floor (`benchmarks/compute_floor.py`: the least FLOPs the workload needs at
+the model's largest GEMM's measured rate, `gemm_rate_flops`; `ours_over_vllm_ceiling` is the
+largest ratio any engine could reach there); the slowest cell for us
 (`slowest_cell`, `min_ours_over_vllm`); the serving figures and
 `serving_output_throughput_ours_over_vllm`; `under_load` where the 1-minute load average at the
 start exceeded half the pinned CPUs (other work ran just before: the ratios are rough).
@@ -60,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import vllm_env  # noqa: E402
+from benchmarks.compute_floor import Model, gemm_rate, workload_flops  # noqa: E402
 from benchmarks.run_record import RunRecord, add_output_args  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "vllm" / "generate_worker.py"
@@ -313,6 +321,38 @@ def run_cell(cell: Cell, args, model_dir: Path, cpus: list[int], rng: random.Ran
     return out
 
 
+def gemm_rates(args, cpus: list[int]) -> dict[str, float]:
+    """The model's largest GEMM's best FLOP/s in each dtype of the grid, on the pinned CPUs."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        model = Model(**MODEL)
+        return {d: gemm_rate(model, d, args.threads) for d in args.dtypes.split(",")}
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def floor_of(cell: Cell, args, out: dict, rate: float) -> dict:
+    """The cell against the compute floor (`benchmarks.compute_floor`): the least FLOPs the
+    workload needs, the seconds they take at the measured GEMM rate, each engine's median seconds
+    over that, and `ours_over_vllm_ceiling`: vLLM's seconds over the floor, the largest speed-up
+    over vLLM any engine could show on this cell."""
+    w = args.workload_table[cell.workload]
+    flops = workload_flops(Model(**MODEL), w.prompts, w.prompt_len, w.new_tokens, args.n)
+    floor_s = flops["total"] / rate
+    generated = w.prompts * args.n * w.new_tokens
+    seconds = {e: generated / out[f"{e}_tokens_per_s_median"] for e in ("ours", "vllm")}
+    return {
+        "flops": flops,
+        "floor_seconds": floor_s,
+        "ours_seconds_median": seconds["ours"],
+        "vllm_seconds_median": seconds["vllm"],
+        "ours_over_floor": seconds["ours"] / floor_s,
+        "vllm_over_floor": seconds["vllm"] / floor_s,
+        "ours_over_vllm_ceiling": seconds["vllm"] / floor_s,
+    }
+
+
 # ----------------------------------------------------------------------------- serving
 
 
@@ -510,10 +550,13 @@ def main(argv=None) -> dict:
         model_dir = work / MODEL_NAME
         build_model(model_dir)
         if args.grid:
+            result["gemm_rate_flops"] = gemm_rates(args, cpus)
             result["grid"] = {}
             for cell in cells(args):
-                result["grid"][cell.key] = run_cell(cell, args, model_dir, cpus, rng)
-                print(cell.key, result["grid"][cell.key]["ours_over_vllm"], file=sys.stderr)
+                out = run_cell(cell, args, model_dir, cpus, rng)
+                out["floor"] = floor_of(cell, args, out, result["gemm_rate_flops"][cell.dtype])
+                result["grid"][cell.key] = out
+                print(cell.key, out["ours_over_vllm"], file=sys.stderr)
         if args.serving:
             serving = {e: run_serving(e, args, model_dir, cpus, work) for e in ("ours", "vllm")}
             serving["workload"] = {
