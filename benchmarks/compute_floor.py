@@ -28,6 +28,16 @@ class Model(NamedTuple):
     intermediate: int
     vocab: int
 
+    # the HF config field each is read from
+    CONFIG_KEYS = {
+        "hidden": "hidden_size",
+        "layers": "num_hidden_layers",
+        "heads": "num_attention_heads",
+        "kv_heads": "num_key_value_heads",
+        "intermediate": "intermediate_size",
+        "vocab": "vocab_size",
+    }
+
     def linear_flops(self) -> int:
         """FLOPs of one token through every layer's projections (2 per multiply-add)."""
         h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)

@@ -6,24 +6,13 @@ import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.compute_floor import Model, gemm_rate, workload_flops
+from tiny_hf import FAMILIES, make_hf_model
 
-MODEL = Model(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96, vocab=128)
+MODEL = Model(**{field: FAMILIES["qwen2"][key] for field, key in Model.CONFIG_KEYS.items()})
 
 
 def _hf(attn_implementation: str):
-    config = transformers.Qwen2Config(
-        hidden_size=MODEL.hidden,
-        intermediate_size=MODEL.intermediate,
-        num_hidden_layers=MODEL.layers,
-        num_attention_heads=MODEL.heads,
-        num_key_value_heads=MODEL.kv_heads,
-        vocab_size=MODEL.vocab,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attn_implementation=attn_implementation,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return make_hf_model("qwen2", attn_implementation=attn_implementation)
 
 
 def _counted(model, ids: torch.Tensor, **kwargs) -> int:
