@@ -6,6 +6,7 @@ import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.compute_floor import Model, gemm_rate, workload_flops
+
 from tiny_hf import FAMILIES, make_hf_model
 
 MODEL = Model(**{field: FAMILIES["qwen2"][key] for field, key in Model.CONFIG_KEYS.items()})
