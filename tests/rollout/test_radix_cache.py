@@ -105,27 +105,33 @@ def _common_whole_pages(a: list[int], b: list[int], page: int) -> int:
     return n - n % page
 
 
-def test_matches_the_longest_whole_page_prefix_of_any_inserted_sequence():
-    """Random sequences over 3 token ids (so edges diverge mid-page and at page ends, and are
-    split often): a match is the longest whole-page common prefix with any inserted sequence,
-    the brute-force answer."""
+def _random_tree(seed: int, page: int, inserts: int):
+    """A tree grown from random sequences over 3 token ids (so edges diverge mid-page and at page
+    ends, and are split often), most extending an earlier one; after each insert, a probe that
+    follows an inserted sequence for a while and then diverges. Yields (cache, inserted, probe)."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
+    cache, _ = make(page)
+    inserted: list[list[int]] = []
+    pages = iter(range(10**6))
+    for _ in range(inserts):
+        base = rng.choice(inserted) if inserted and rng.random() < 0.8 else []
+        seq = base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(12)]
+        seq = seq[: len(seq) - len(seq) % page]
+        cache.insert(seq, [next(pages) for _ in range(len(seq) // page)])
+        inserted.append(seq)
+        yield cache, inserted, rng.choice(inserted)[: rng.randrange(1, 30)] + [rng.randrange(3)] * 3
+    cache.check_integrity()
+
+
+def test_matches_the_longest_whole_page_prefix_of_any_inserted_sequence():
+    """A match is the longest whole-page common prefix with any inserted sequence, the
+    brute-force answer, on random trees."""
     for page in (1, 4):
-        cache, _ = make(page)
-        inserted: list[list[int]] = []
-        pages = iter(range(10**6))
-        for _ in range(150):
-            base = rng.choice(inserted) if inserted and rng.random() < 0.8 else []
-            seq = base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(12)]
-            seq = seq[: len(seq) - len(seq) % page]
-            cache.insert(seq, [next(pages) for _ in range(len(seq) // page)])
-            inserted.append(seq)
-            probe = rng.choice(inserted)[: rng.randrange(1, 30)] + [rng.randrange(3)] * 3
+        for cache, inserted, probe in _random_tree(0, page, 150):
             want = max(_common_whole_pages(probe, s, page) for s in inserted)
             assert cache.match_prefix(probe).num_tokens == want
-        cache.check_integrity()
 
 
 def _shape(cache: RadixCache) -> list[tuple]:
@@ -137,26 +143,13 @@ def test_cached_prefix_length_is_the_match_and_changes_nothing():
     """`cached_prefix_length` answers what `match_prefix` would (the brute-force longest
     whole-page common prefix, too) on random trees, probes diverging mid-edge included, and
     leaves the tree as it was: no split, no access time (so eviction order), no lock."""
-    import random
-
-    rng = random.Random(1)
     for page in (1, 4):
-        cache, _ = make(page)
-        inserted: list[list[int]] = []
-        pages = iter(range(10**6))
-        for _ in range(100):
-            base = rng.choice(inserted) if inserted and rng.random() < 0.8 else []
-            seq = base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(12)]
-            seq = seq[: len(seq) - len(seq) % page]
-            cache.insert(seq, [next(pages) for _ in range(len(seq) // page)])
-            inserted.append(seq)
-            probe = rng.choice(inserted)[: rng.randrange(1, 30)] + [rng.randrange(3)] * 3
+        for cache, inserted, probe in _random_tree(1, page, 100):
             before = _shape(cache)
             got = cache.cached_prefix_length(probe)
             assert _shape(cache) == before
             assert got == max(_common_whole_pages(probe, s, page) for s in inserted)
             assert got == cache.match_prefix(probe).num_tokens
-        cache.check_integrity()
 
 
 def test_cached_prefix_length_does_not_reorder_eviction():
