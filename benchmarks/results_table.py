@@ -31,7 +31,7 @@ START_LINE = (
 
 @dataclass(frozen=True)
 class Figure:
-    """One row: `label` (may name the result's text fields, e.g. "{recipe}"), the `path` of the
+    """One row: `label` (may name the result's text and integer fields, e.g. "{recipe}"), the `path` of the
     number in the result (keys, and list indices as ints), and its `fmt` ("{:.2f}x")."""
 
     label: str
@@ -81,7 +81,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
     ),
     "vs_vllm": _figures(
         (
-            "generation vs vLLM CPU, slowest grid cell for us ({slowest_cell})",
+            "generation vs vLLM CPU (n = {n}), slowest grid cell for us ({slowest_cell})",
             "min_ours_over_vllm",
             "{:.2f}x",
         ),
@@ -297,9 +297,14 @@ def rows(records: dict[str, dict]) -> list[list[str]]:
     out, shown = [], set()
     for name, record in sorted(records.items()):
         result = record["result"]
-        # the result's strings, and the commit it was measured at (a label may name either)
+        # the result's strings and integers, and the commit it was measured at (a label may
+        # name any of them)
         texts = {"commit": (record.get("commit") or "unknown")[:7]}
-        texts.update((k, v) for k, v in result.items() if isinstance(v, str))
+        texts.update(
+            (k, v)
+            for k, v in result.items()
+            if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
+        )
         found = [(fig, lookup(result, fig.path)) for fig in figures_of(name, record)]
         found = [(fig, value) for fig, value in found if value is not None]
         if not found:

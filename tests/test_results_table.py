@@ -63,7 +63,11 @@ def test_every_row_reads_its_value_from_the_file_it_links():
         label, value, date, machine, command, link = row
         record = json.loads((RESULTS / link[1 : link.index("]")]).read_text())
         texts = {"commit": (record.get("commit") or "unknown")[:7]}
-        texts.update((k, v) for k, v in record["result"].items() if isinstance(v, str))
+        texts.update(
+            (k, v)
+            for k, v in record["result"].items()
+            if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
+        )
         (fig,) = [f for f in figures_of(record) if f[0].format(**texts) == label]
         assert value == fig[2].format(walk(record["result"], fig[1])), label
         assert date.startswith(str(record["date"])[:10])
