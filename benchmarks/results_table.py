@@ -31,8 +31,9 @@ START_LINE = (
 
 @dataclass(frozen=True)
 class Figure:
-    """One row: `label` (may name the result's text and integer fields, e.g. "{recipe}"), the `path` of the
-    number in the result (keys, and list indices as ints), and its `fmt` ("{:.2f}x")."""
+    """One row: `label` (may name the result's text and integer fields, e.g. "{recipe}"), the
+    `path` of the number in the result (keys, and list indices as ints), and its `fmt`
+    ("{:.2f}x")."""
 
     label: str
     path: tuple[str | int, ...]
