@@ -19,7 +19,7 @@ import time
 import ray
 
 from miles_like.run.handoff_transport import HandoffGone, nbytes
-from miles_like.run.routed_samples import routed_samples
+from miles_like.run.routed_samples import finished_requests, routed_samples
 
 CACHE_COUNTERS = ("prefill_tokens_computed", "prefix_cache_hit_tokens")
 CLOSED = "closed"  # generate_wave / decode_wave: the window was closed, no request was admitted
@@ -110,8 +110,6 @@ class PrefillDecodeRoles:
         `parked_reused_tokens`. Request i is `direct[i]`'s prompt ids where given (computed
         here: an in-place continuation adopting the K/V this replica parked), else the next of
         the prefilled `handoffs` (`AsyncEngine.submit_prefilled`)."""
-        import concurrent.futures
-
         from rollout.async_engine import AsyncEngine
 
         direct = direct or {}
@@ -129,12 +127,9 @@ class PrefillDecodeRoles:
             futures = self.async_engine.submit_prefilled(
                 list(zip(requests, params)), groups=groups, quota=quota
             )
-            index = {id(f): i for i, f in enumerate(futures)}
-            for f in concurrent.futures.as_completed(futures):
-                result = self.followers.intact(f.result)
-                version = result.weight_version
-                samples = routed_samples(result, self.return_routes)
-                yield index[id(f)], samples, version, result.sample_versions
+            for item in finished_requests(futures, self.followers.intact, self.return_routes):
+                version = item[2]
+                yield item
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
             after = self.engine.stats()
         yield {
@@ -171,8 +166,6 @@ class PrefillDecodeRoles:
         update landed between: `StaleHandoff`, nothing of them yielded, to be prefilled again).
         With the window closed it yields CLOSED once and nothing else (nothing ran); when the
         handoffs' buffers died with their prefill replica, one dict with `gone` (nothing ran)."""
-        import concurrent.futures
-
         from rollout.async_engine import EngineUnavailable
         from rollout.handoff import StaleHandoff
 
@@ -193,17 +186,13 @@ class PrefillDecodeRoles:
             yield CLOSED
             return
         self._waves[wave] = futures
-        refused = 0
+        refused = len(futures)
         try:
-            index = {id(f): i for i, f in enumerate(futures)}
-            for f in concurrent.futures.as_completed(futures):
-                try:
-                    result = self.followers.intact(f.result)
-                except StaleHandoff:
-                    refused += 1
-                    continue
-                samples = routed_samples(result, self.return_routes)
-                yield index[id(f)], samples, result.weight_version, result.sample_versions
+            for item in finished_requests(
+                futures, self.followers.intact, self.return_routes, passed_over=StaleHandoff
+            ):
+                refused -= 1
+                yield item
         finally:
             self._waves.pop(wave, None)
         yield {

@@ -31,7 +31,7 @@ from miles_like.run.engine_weight_receiver import EngineWeightReceiver
 from miles_like.run.handoff_transport import HandoffReceiver, HandoffSender
 from miles_like.run.rendezvous import held_rendezvous, pin_process, start_actor_process
 from miles_like.run.rendezvous import node_id as this_node_id
-from miles_like.run.routed_samples import routed_samples
+from miles_like.run.routed_samples import finished_requests, routed_samples
 
 __all__ = ["CLOSED", "EngineWorker"]
 
@@ -162,7 +162,6 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
         `quota` in completion order (the rest of the batch was aborted once `quota` were:
         `AsyncEngine.submit_many`). The window is open for the whole call, so every sample of
         it has the one `weight_version` reported."""
-        import concurrent.futures
 
         from rollout.async_engine import AsyncEngine, held_open
 
@@ -171,13 +170,10 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
             futures = self.async_engine.submit_many(
                 list(zip(prompts, params)), groups=groups, quota=quota
             )
-            index = {id(f): i for i, f in enumerate(futures)}
             version = before["weight_version"]
-            for f in concurrent.futures.as_completed(futures):
-                result = f.result()
-                version = result.weight_version
-                samples = routed_samples(result, self.return_routes)
-                yield index[id(f)], samples, version, result.sample_versions
+            for item in finished_requests(futures, self.followers.intact, self.return_routes):
+                version = item[2]
+                yield item
             complete = AsyncEngine.complete_groups(futures).result() if futures else []
             after = self.engine.stats()
         yield {
@@ -194,7 +190,6 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
         Yields `(index, samples, weight version, per-sample token versions)` as each request
         finishes (aborted ones with the tokens they have); with the window closed it yields
         CLOSED once and nothing else (nothing ran). `wave` names the call for `cancel_wave`."""
-        import concurrent.futures
 
         from rollout.async_engine import EngineUnavailable
 
@@ -205,11 +200,7 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
             return
         self._waves[wave] = futures
         try:
-            index = {id(f): i for i, f in enumerate(futures)}
-            for f in concurrent.futures.as_completed(futures):
-                result = self.followers.intact(f.result)
-                samples = routed_samples(result, self.return_routes)
-                yield index[id(f)], samples, result.weight_version, result.sample_versions
+            yield from finished_requests(futures, self.followers.intact, self.return_routes)
         finally:
             self._waves.pop(wave, None)
 
