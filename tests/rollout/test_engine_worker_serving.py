@@ -49,24 +49,29 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def test_worker_window_generate_one_lifecycle_and_endpoint(ray_local, model_dir):
-    from miles_like.run.engine_worker import EngineWorker
-
+def _config_and_reference(model_dir, first_seed: int):
+    """The workers' engine config, one seeded request per prompt (n = 2), and what one engine
+    samples for them on the workers' thread count (1: float32 sums split over another number of
+    threads may round apart and flip a sampled token)."""
     cfg = EngineConfig(
         model_path=str(model_dir), kv_cache_tokens=2048, page_size=4, max_model_len=128
     )
     params = [
-        SamplingParams(n=2, max_new_tokens=8, seed=40 + i, ignore_eos=True)
+        SamplingParams(n=2, max_new_tokens=8, seed=first_seed + i, ignore_eos=True)
         for i in range(len(PROMPTS))
     ]
-    # the reference on the worker's thread count (1): float32 sums split over another number
-    # of threads may round apart and flip a sampled token
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        want = Engine(cfg).generate(PROMPTS, params)
+        return cfg, params, Engine(cfg).generate(PROMPTS, params)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_worker_window_generate_one_lifecycle_and_endpoint(ray_local, model_dir):
+    from miles_like.run.engine_worker import EngineWorker
+
+    cfg, params, want = _config_and_reference(model_dir, 40)
     worker = EngineWorker.remote(cfg, 1)
 
     # closed at start: the batch generate still works (today's controller flow) ...
@@ -181,19 +186,7 @@ def test_decode_wave_serves_handoffs_as_one_engine_and_refuses_stale_ones(ray_lo
     the window closed the wave yields CLOSED alone."""
     from miles_like.run.engine_worker import CLOSED, EngineWorker
 
-    cfg = EngineConfig(
-        model_path=str(model_dir), kv_cache_tokens=2048, page_size=4, max_model_len=128
-    )
-    params = [
-        SamplingParams(n=2, max_new_tokens=8, seed=60 + i, ignore_eos=True)
-        for i in range(len(PROMPTS))
-    ]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers' thread count (see the test above)
-    try:
-        want = Engine(cfg).generate(PROMPTS, params)
-    finally:
-        torch.set_num_threads(threads)
+    cfg, params, want = _config_and_reference(model_dir, 60)
     prefiller, decoder = EngineWorker.remote(cfg, 1), EngineWorker.remote(cfg, 1)
     ray.get([prefiller.open.remote(), decoder.open.remote()], timeout=120)
 
