@@ -111,6 +111,8 @@ def test_one_step_staleness_pd_runs_ahead_within_the_bound(ray_four, cache, tmp_
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     assert any(r["rollout/staleness_max"] == 1 for r in rows[1:])
     assert sum(r["rollout/continued_groups"] for r in rows) > 0
+    # the batch after each update holds the group held open over it
+    assert all(r["rollout/continued_groups"] >= 1 for r in rows[1:])
     transfers_where_prefilled(rows)
     assert len(check_accounting(rows)) == 4 * PROMPTS
 
