@@ -15,12 +15,13 @@ the update replaces (one version old: not stale). The engines, the tokens, their
 versions are all real.
 
 With `continued_first` (retract), the cut group is also the first group of the update's batch
-to be generated after it: fresh groups wait until it is complete. Given only the default buffer
-(prompts_per_step x 2 rooms at max_staleness 1), the kept-back group's room leaves no room for a
-whole batch to complete while a step trains, so the next batch is taken after the update (as
-when generating a batch outlasts training one), and it holds the cut group, continued over the
-update, whatever the engines' speed: at most prompts_per_step - 1 other groups can complete
-before it.
+to be generated after it: fresh groups wait until it is complete. With `cluster.take_ahead:
+false` (a batch is taken after the update, as when generating one outlasts training one) and
+only the default buffer (prompts_per_step x 2 rooms at max_staleness 1, the kept-back group
+taking one), at most prompts_per_step - 1 other groups can complete before it: the batch taken
+after each update holds the cut group, continued over the update, whatever the engines' speed.
+(Taken ahead, no batch could complete while a step trains, the kept-back group holding its
+room, and the take would find nothing generating.)
 
 Run as the killed run of `test_async_in_place_e2e.py` and `test_async_e2e.py`
 (`killed_run(..., module=...)`); in the test's own process with `held_open(...)`

@@ -137,9 +137,9 @@ LONG = (
 
 def test_one_step_staleness_runs_ahead_within_the_bound(ray_local, cache, tmp_path):
     # at every update one group is open with a token of the weights it replaces, and continued
-    # first after it: with the default buffer (its room taken from the batches'), the next
-    # batch is taken after the update and holds that group (`held_open_train.py`); an engine
-    # faster than the trainer would otherwise leave no group open at an update
+    # first after it; with the default buffer (its room taken from the batches') the batch
+    # taken after the update holds that group (`held_open_train.py`). An engine faster than the
+    # trainer would otherwise leave no group open at an update
     with held_open(continued_first=True):
         rows = run_in_process(
             tmp_path / "async1",
@@ -148,6 +148,7 @@ def test_one_step_staleness_runs_ahead_within_the_bound(ray_local, cache, tmp_pa
             *LONG,
             *ASYNC,
             "cluster.max_staleness=1",
+            "cluster.take_ahead=false",
         )
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     # the engines generated while the trainer trained: later batches hold groups (partly)

@@ -96,9 +96,9 @@ def test_zero_staleness_pd_is_the_synchronous_pd_run(ray_four, cache, tmp_path):
 
 def test_one_step_staleness_pd_runs_ahead_within_the_bound(ray_four, cache, tmp_path):
     # at every update one group is open with a token of the weights it replaces, and continued
-    # first after it: with the default buffer (its room taken from the batches'), the next
-    # batch is taken after the update and holds that group (`held_open_train.py`); an engine
-    # faster than the trainer would otherwise leave no group open at an update
+    # first after it; with the default buffer (its room taken from the batches') the batch
+    # taken after the update holds that group (`held_open_train.py`). An engine faster than the
+    # trainer would otherwise leave no group open at an update
     with held_open(continued_first=True):
         rows = pd_run(
             tmp_path / "async1",
@@ -107,6 +107,7 @@ def test_one_step_staleness_pd_runs_ahead_within_the_bound(ray_four, cache, tmp_
             *LONG,
             *ASYNC,
             "cluster.max_staleness=1",
+            "cluster.take_ahead=false",
         )
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     assert any(r["rollout/staleness_max"] == 1 for r in rows[1:])
