@@ -1,4 +1,5 @@
-"""Two spawned processes joined in a 2-rank gloo world: the engine tensor-parallel tests' ranks.
+"""Two spawned processes joined in a 2-rank gloo world: the ranks of the engine tensor-parallel
+tests and of the collectives' tests.
 
 `run_two_ranks(fn, args, out_dir, deadline_s)` starts `fn(rank, rendezvous, *args)` in two spawned
 processes and waits for both (killing both, and failing the test, past `deadline_s`); each calls
@@ -34,4 +35,4 @@ def run_two_ranks(fn: Callable, args: tuple, out_dir: Path, deadline_s: float) -
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the TP=2 ranks did not finish within {deadline_s} s")
+            pytest.fail(f"the two ranks did not finish within {deadline_s} s")

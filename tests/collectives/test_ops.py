@@ -4,32 +4,31 @@ Each collective runs on the world, on a standalone group built from its own stor
 are the world's in reverse (so a group rank is not the global rank: `src` must be the group's),
 and on a group of one (the shortcut). Inputs are non-contiguous where the call allows it (the
 helper makes the contiguous copy torch wants and writes the result back in place).
+
+The world and the standalone group meet through files (`two_ranks`, a FileStore): no port is
+picked ahead of the processes binding it, which another process could take in between.
 """
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from two_ranks import join_world, run_two_ranks
 
 import collectives
 
 pytestmark = pytest.mark.slow
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+DEADLINE_S = 300
 
 
-def _standalone(rank: int, port: int) -> dist.ProcessGroup:
-    """The two ranks in reverse order, from their own store (as weight_sync's `SyncGroup`)."""
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+def _standalone(rank: int, store_file: str) -> dist.ProcessGroup:
+    """The two ranks in reverse order, from their own store (as weight_sync's `SyncGroup`; a
+    gloo group takes any store)."""
+    store = dist.FileStore(store_file, 2)
     return dist.ProcessGroupGloo(dist.PrefixStore("own", store), 1 - rank, 2, timedelta(seconds=60))
 
 
@@ -82,11 +81,11 @@ def _check_group(group, me: int) -> None:
     assert torch.equal(recv, torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))
 
 
-def _worker(rank: int, port: int, own_port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _worker(rank: int, rendezvous: str, store_file: str) -> None:
+    join_world(rank, rendezvous)
     try:
         _check_group(None, rank)
-        _check_group(_standalone(rank, own_port), 1 - rank)
+        _check_group(_standalone(rank, store_file), 1 - rank)
         # a group of one: no collective; a gather of one part is the part (a scalar: [1])
         alone = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
         t = torch.arange(3.0)
@@ -99,5 +98,5 @@ def _worker(rank: int, port: int, own_port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_collectives_on_gloo():
-    mp.spawn(_worker, args=(_free_port(), _free_port()), nprocs=2, join=True)
+def test_collectives_on_gloo(tmp_path):
+    run_two_ranks(_worker, (str(tmp_path / "own_store"),), tmp_path, DEADLINE_S)

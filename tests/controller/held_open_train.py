@@ -14,31 +14,52 @@ update's abort stops it. The checkpoint then holds the group open, with tokens o
 the update replaces (one version old: not stale). The engines, the tokens, their log-probs and
 versions are all real.
 
+With `continued_first` (retract), the cut group is also the first group of the update's batch
+to be generated after it: fresh groups wait until it is complete. With `cluster.take_ahead:
+false` (a batch is taken after the update, as when generating one outlasts training one) and
+only the default buffer (prompts_per_step x 2 rooms at max_staleness 1, the kept-back group
+taking one), at most prompts_per_step - 1 other groups can complete before it: the batch taken
+after each update holds the cut group, continued over the update, whatever the engines' speed.
+(Taken ahead, no batch could complete while a step trains, the kept-back group holding its
+room, and the take would find nothing generating.)
+
 Run as the killed run of `test_async_in_place_e2e.py` and `test_async_e2e.py`
-(`killed_run(..., module=...)`).
+(`killed_run(..., module=...)`); in the test's own process with `held_open(...)`
+(`test_async_prefill_decode_e2e.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class Hold:
     index: int | None = None  # the group kept back
     cut: int | None = None  # the group whose first request is cut after one token
+    continued_first: bool = False  # fresh groups wait while the cut group continues
 
 
-def install() -> None:
+def install(continued_first: bool = False) -> None:
     from miles_like.rollouts.async_producer import AsyncProducer
     from miles_like.rollouts.async_producer.sending import Sender
     from miles_like.rollouts.partial import ABORTED
 
+    Hold.index, Hold.cut, Hold.continued_first = None, None, continued_first
     waiting, requests, deliver = Sender.waiting, Sender.requests, Sender.deliver
     pause = AsyncProducer.pause
 
+    def continuing(ledger) -> bool:
+        """The cut group is open with the token its first request sampled."""
+        slot = ledger.open.get(Hold.cut) if Hold.cut is not None else None
+        return slot is not None and bool(slot.group.samples)
+
     def held_waiting(self) -> list[int]:
         out = waiting(self)
+        if Hold.continued_first and continuing(self.ledger):  # fresh groups wait for it
+            return [i for i in out if self.ledger.open[i].group.samples]
         if Hold.index is None:  # the lowest fresh group waiting
             fresh = [i for i in out if not self.ledger.open[i].group.samples and i != Hold.cut]
             Hold.index = fresh[0] if fresh else None
@@ -55,7 +76,9 @@ def install() -> None:
         if owner[0] == Hold.cut and not self.ledger.open[owner[0]].group.samples:
             assert all(s.finish_reason == "length" and len(s.token_ids) == 1 for s in samples)
             samples = [s._replace(finish_reason=ABORTED) for s in samples]
-        return deliver(self, owner, samples, version, versions, replica)
+        deliver(self, owner, samples, version, versions, replica)
+        if Hold.continued_first and owner[0] == Hold.cut and Hold.cut not in self.ledger.open:
+            self.fill()  # the cut group is complete: the fresh groups that waited are sent
 
     async def release(producer: AsyncProducer) -> None:
         """Send the held group; returns once its cut first request is back (with tokens)."""
@@ -75,6 +98,23 @@ def install() -> None:
     Sender.requests = cut_requests
     Sender.deliver = cut_deliver
     AsyncProducer.pause = held_pause
+
+
+@contextmanager
+def held_open(continued_first: bool = False) -> Iterator[None]:
+    """`install(continued_first)` for the runs of this block in this process, undone after."""
+    from miles_like.rollouts.async_producer import AsyncProducer
+    from miles_like.rollouts.async_producer.sending import Sender
+
+    patched = [(Sender, n) for n in ("waiting", "requests", "deliver")] + [(AsyncProducer, "pause")]
+    originals = [(cls, name, cls.__dict__[name]) for cls, name in patched]
+    install(continued_first)
+    try:
+        yield
+    finally:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+        Hold.index, Hold.cut, Hold.continued_first = None, None, False
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ to the two decode replicas, each prefilled on the prefill replica first
   floats within 1e-12 (`test_prefill_decode_e2e`).
 * max_staleness 1: the engines run ahead within the bound (groups continued over updates: their
   prompt + tokens prefilled again), every drawn prompt trained, dropped or held exactly once.
+  A group is held open over every update and continued first after it
+  (`held_open_train.held_open(continued_first=True)`), so that a continued group is trained
+  whatever the engines' speed relative to the trainer's.
 * `partial: in_place`, max_staleness 1: updates land in place on both sides (running requests
   keep their K/V on the decode replicas, counted), within the bound, the accounting exact.
 * The prefill replica killed mid-run: it is replaced, the run completes, every drawn prompt
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from held_open_train import held_open
 from test_async_e2e import (
     ASYNC,
     LONG,
@@ -91,17 +95,25 @@ def test_zero_staleness_pd_is_the_synchronous_pd_run(ray_four, cache, tmp_path):
 
 
 def test_one_step_staleness_pd_runs_ahead_within_the_bound(ray_four, cache, tmp_path):
-    rows = pd_run(
-        tmp_path / "async1",
-        "steps=4",
-        "checkpoint.every_steps=0",
-        *LONG,
-        *ASYNC,
-        "cluster.max_staleness=1",
-    )
+    # at every update one group is open with a token of the weights it replaces, and continued
+    # first after it; with the default buffer (its room taken from the batches') the batch
+    # taken after the update holds that group (`held_open_train.py`). An engine faster than the
+    # trainer would otherwise leave no group open at an update
+    with held_open(continued_first=True):
+        rows = pd_run(
+            tmp_path / "async1",
+            "steps=4",
+            "checkpoint.every_steps=0",
+            *LONG,
+            *ASYNC,
+            "cluster.max_staleness=1",
+            "cluster.take_ahead=false",
+        )
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     assert any(r["rollout/staleness_max"] == 1 for r in rows[1:])
     assert sum(r["rollout/continued_groups"] for r in rows) > 0
+    # the batch after each update holds the group held open over it
+    assert all(r["rollout/continued_groups"] >= 1 for r in rows[1:])
     transfers_where_prefilled(rows)
     assert len(check_accounting(rows)) == 4 * PROMPTS
 

@@ -7,18 +7,17 @@ full-precision checkpoint (each rank quantizes its own slice) and from the sende
 FP8 weights and scales (each rank narrows them); both must equal the parent's quantization of
 the full tensor narrowed to the rank's shard, bitwise, and so must the FP8 tensors rank 0 relays to
 the other rank as a TP command (gloo broadcasts no float8: they travel as bytes). A model whose
-shards would be 32 wide is refused at build time.
+shards would be 32 wide is refused at build time. The ranks meet through a file (`two_ranks`).
 """
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from two_ranks import join_world, run_two_ranks
 
 from model_spec import ModelSpec
 from quantization import FP8_DTYPE, is_quantized_weight, quantize, scale_name
@@ -54,8 +53,12 @@ def _fp8_state(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+DEADLINE_S = 300
+
+
+def _rank(rank: int, rendezvous: str, model_dir: str, out_dir: str) -> None:
+    join_world(rank, rendezvous)
+    out = Path(out_dir) / f"rank{rank}.pt"
     try:
         spec = ModelSpec.from_dir(model_dir)
         try:
@@ -83,20 +86,10 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
 
 
 def _spawn(model_dir: Path, tmp_path: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
-    procs = [
-        ctx.Process(target=_rank, args=(r, port, str(model_dir), str(outs[r]))) for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
-    return [torch.load(o, weights_only=False) for o in outs]
+    out_dir = tmp_path / "ranks"
+    out_dir.mkdir()
+    run_two_ranks(_rank, (str(model_dir), str(out_dir)), out_dir, DEADLINE_S)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def test_blocks_stay_within_shards(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +31,10 @@ def max_abs_diff(xs, ys) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(xs, ys) if x.numel())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# torchrun's own rendezvous on ports the OS picks as they are bound (the launcher's store and
+# the workers' world store): a port probed free and passed as --master_port can be taken by
+# another process before rank 0 binds it
+TORCHRUN_RENDEZVOUS = ("--standalone", "--local-addr=127.0.0.1")
 
 
 def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 300) -> None:
@@ -51,7 +50,7 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 300) 
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
+        *TORCHRUN_RENDEZVOUS,
         str(script),
         *args,
     ]

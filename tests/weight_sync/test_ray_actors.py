@@ -2,13 +2,13 @@
 
 Colocated: the sender passes shared-memory handles + manifests through actor calls (Ray pickles
 only those) and waits on the returned ObjectRefs as acknowledgements. Broadcast: the two actors
-join a standalone SyncGroup. The reference is the new checkpoint itself (bitwise) and a fresh
-engine loaded from it (greedy outputs)."""
+join a standalone SyncGroup, whose port the engine actor (its rank 0) holds from the moment the OS
+picks it. The reference is the new checkpoint itself (bitwise) and a fresh engine loaded from it
+(greedy outputs)."""
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -39,10 +39,19 @@ class EngineActor:
     def commit(self):
         self.receiver.commit()
 
-    def receive_broadcast(self, port: int):
+    def rendezvous(self) -> tuple[str, int]:
+        """Where the broadcast group meets: this actor is its rank 0 and holds the port from the
+        moment the OS picks it (as `EngineWorker.rendezvous`)."""
+        from miles_like.run.rendezvous import held_rendezvous
+
+        return held_rendezvous()
+
+    def receive_broadcast(self, host: str, port: int):
+        from miles_like.run.rendezvous import take_held_store
         from weight_sync import BroadcastReceiver, SyncGroup
 
-        group = SyncGroup.create("127.0.0.1", port, rank=0, size=2)
+        store = take_held_store(port, timeout_s=300.0)
+        group = SyncGroup.create(host, port, rank=0, size=2, master_store=store)
         return BroadcastReceiver(self.engine, group, sources=[1]).receive().num_buckets
 
     def snapshot(self):
@@ -82,10 +91,10 @@ class SenderActor:
         sender.close()
         return report.num_buckets
 
-    def send_broadcast(self, port: int) -> int:
+    def send_broadcast(self, host: str, port: int) -> int:
         from weight_sync import BroadcastSender, SyncGroup
 
-        group = SyncGroup.create("127.0.0.1", port, rank=1, size=2)
+        group = SyncGroup.create(host, port, rank=1, size=2)
         return (
             BroadcastSender(group, sources=[1], bucket_bytes=16 << 10)
             .send(self.weights.items())
@@ -111,12 +120,6 @@ def ray_local():
     ray.shutdown()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_both_transports_between_ray_actors(ray_local, tmp_path):
     old = save_hf_model(make_hf_model("qwen3", seed=0), tmp_path / "old")
@@ -130,9 +133,12 @@ def test_both_transports_between_ray_actors(ray_local, tmp_path):
         if transport == "colocated":
             buckets = ray.get(sender.send_colocated.remote(engine))
         else:
-            port = _port()
+            host, port = ray.get(engine.rendezvous.remote())
             received, buckets = ray.get(
-                [engine.receive_broadcast.remote(port), sender.send_broadcast.remote(port)]
+                [
+                    engine.receive_broadcast.remote(host, port),
+                    sender.send_broadcast.remote(host, port),
+                ]
             )
             assert received == buckets
         assert buckets > 1

@@ -5,9 +5,9 @@ its own samples equal the trainer's recomputation within 1e-5 (fp32)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +20,16 @@ REPO = HERE.parent.parent
 SCRIPT = HERE / "trainer_sync_scenario.py"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _listening_port(engine: subprocess.Popen, port_file: Path, deadline_s: float = 300) -> int:
+    """The port the engine process bound for the sources (it writes it once listening)."""
+    deadline = time.monotonic() + deadline_s
+    while not port_file.exists():
+        if engine.poll() is not None:
+            pytest.fail(f"the engine exited before listening:\n{engine.communicate()[0][-5000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engine did not listen within {deadline_s} s")
+        time.sleep(0.1)
+    return int(port_file.read_text())
 
 
 @pytest.mark.slow
@@ -37,7 +43,7 @@ def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
             [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "trainer")]
         ),
     }
-    listen_port = _port()
+    port_file = tmp_path / "engine.port"
     engine_out, trainer_out = tmp_path / "engine.pt", tmp_path / "trainer.pt"
     engine = subprocess.Popen(
         [
@@ -47,7 +53,7 @@ def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
             str(engine_out),
             str(model_dir),
             str(pp),
-            str(listen_port),
+            str(port_file),
         ],
         env=env,
         cwd=REPO,
@@ -56,13 +62,16 @@ def test_trained_weights_reach_the_engine_exactly(tmp_path, tp, pp):
         text=True,
     )
     try:
+        listen_port = _listening_port(engine, port_file)
         trainer = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
                 "--nproc_per_node=2",
-                f"--master_port={_port()}",
+                # torchrun's stores bind ports the OS picks (as tests/trainer's `torchrun`)
+                "--standalone",
+                "--local-addr=127.0.0.1",
                 str(SCRIPT),
                 "trainer",
                 str(trainer_out),

@@ -7,8 +7,6 @@ fresh engine loaded from the same weights on disk (identical greedy outputs).
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import socket
 
 import pytest
 import torch
@@ -199,12 +197,6 @@ def test_sender_holds_at_most_two_buckets(two_checkpoints):
 # -- across processes ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _colocated_receiver_process(model_dir, conn):
     torch.set_num_threads(1)
     engine = _engine(model_dir)
@@ -254,10 +246,10 @@ def test_colocated_sync_across_processes(two_checkpoints):
     assert outputs == _engine(new).generate(PROMPTS, GREEDY)
 
 
-def _broadcast_process(rank, world, port, old, new, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _broadcast_process(rank, world, rendezvous, old, new, queue):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file rendezvous: a port probed free here and bound later could be taken in between
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         if rank == 0:  # trainer source
             report = BroadcastSender(SyncGroup.default(), sources=[0], bucket_bytes=16 << 10).send(
@@ -280,13 +272,15 @@ def _broadcast_process(rank, world, port, old, new, queue):
         dist.destroy_process_group()
 
 
-def test_broadcast_sync_to_two_engines(two_checkpoints):
+def test_broadcast_sync_to_two_engines(two_checkpoints, tmp_path):
     old, new = two_checkpoints
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    world, port = 3, _free_port()
+    world, rendezvous = 3, str(tmp_path / "rendezvous")
     procs = [
-        ctx.Process(target=_broadcast_process, args=(r, world, port, str(old), str(new), queue))
+        ctx.Process(
+            target=_broadcast_process, args=(r, world, rendezvous, str(old), str(new), queue)
+        )
         for r in range(world)
     ]
     for p in procs:

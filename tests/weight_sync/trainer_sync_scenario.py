@@ -1,8 +1,10 @@
 """Trainer -> engine weight sync after real training steps, both transports, in real processes.
 
 Roles (run by tests/weight_sync/test_trainer_to_engine.py):
-* `engine OUT MODEL NUM_SOURCES LISTEN_PORT GROUP_PORT`: one process holding a rollout Engine.
-* `trainer OUT MODEL TP PP LISTEN_PORT GROUP_PORT`: the trainer world, under torchrun.
+* `engine OUT MODEL NUM_SOURCES PORT_FILE`: one process holding a rollout Engine; it listens for
+  the sources on a port the OS picks and writes it to PORT_FILE.
+* `trainer OUT MODEL TP PP LISTEN_PORT`: the trainer world, under torchrun (LISTEN_PORT: the
+  engine's).
 
 Round 1, colocated: two PPO steps; each source rank (TP rank 0 of each pipeline stage) streams
 `export_hf_weights()` through a ColocatedSender (shared memory, handles over a local socket) into
@@ -16,6 +18,7 @@ trainer's gathered HF state dict. The test compares the files.
 
 from __future__ import annotations
 
+import os
 import sys
 from multiprocessing.connection import Client, Listener
 
@@ -33,7 +36,7 @@ class _ConnFuture:
         return self.conn.recv()
 
 
-def engine_role(out: str, model_dir: str, num_sources: int, listen_port: int) -> None:
+def engine_role(out: str, model_dir: str, num_sources: int, port_file: str) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -45,7 +48,12 @@ def engine_role(out: str, model_dir: str, num_sources: int, listen_port: int) ->
     engine = Engine(EngineConfig(model_path=model_dir, kv_cache_tokens=512))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=7)
     results = {}
-    with Listener(("127.0.0.1", listen_port), authkey=AUTH) as listener:
+    # a port bound here, not one probed free by the test and bound later (another process
+    # could take it in between); written whole (renamed into place) for the test to read
+    with Listener(("127.0.0.1", 0), authkey=AUTH) as listener:
+        with open(f"{port_file}.tmp", "w") as f:
+            f.write(str(listener.address[1]))
+        os.replace(f"{port_file}.tmp", port_file)
         conns = {}
         for _ in range(num_sources):
             conn = listener.accept()
@@ -165,6 +173,6 @@ def trainer_role(out: str, model_dir: str, tp: int, pp: int, listen_port: int) -
 if __name__ == "__main__":
     role, out, model_dir, *rest = sys.argv[1:]
     if role == "engine":
-        engine_role(out, model_dir, *map(int, rest))
+        engine_role(out, model_dir, int(rest[0]), rest[1])
     else:
         trainer_role(out, model_dir, *map(int, rest))
