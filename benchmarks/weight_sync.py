@@ -105,6 +105,8 @@ def run_colocated(
     verify: bool,
     syncs: int = 3,
     device: str = "cpu",
+    num_buffers: int = 2,
+    split_tensors: bool = False,
 ) -> dict:
     """Several syncs in a row, as in training; the first also pays for mapping fresh shared
     memory. Returns the first and the best later report, and whether the engine's weights then
@@ -120,7 +122,14 @@ def run_colocated(
         parent.send((handle, manifest))
         return _PipeFuture(parent)
 
-    sender = ColocatedSender(deliver, bucket_bytes=bucket_bytes, verify=verify, device=device)
+    sender = ColocatedSender(
+        deliver,
+        bucket_bytes=bucket_bytes,
+        verify=verify,
+        device=device,
+        num_buffers=num_buffers,
+        split_tensors=split_tensors,
+    )
     reports = []
     for version in range(1, syncs + 1):
         start = time.perf_counter()
@@ -187,6 +196,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--buffers", type=int, default=2, help="colocated buckets in flight")
+    parser.add_argument(
+        "--split-tensors",
+        action="store_true",
+        help="cut tensors larger than a bucket into pieces (ColocatedSender(split_tensors=True))",
+    )
     parser.add_argument(
         "--syncs",
         type=int,
@@ -225,11 +240,12 @@ def main(argv=None) -> dict:
         # The baseline is measured before and after the colocated runs and the best kept: the
         # box is shared, and the fastest copy is the hardest reference.
         copy_s = [best_copy_s()]
+        layout = {"num_buffers": args.buffers, "split_tensors": args.split_tensors}
         colocated = run_colocated(
-            model_dir, weights, bucket_bytes, verify=True, syncs=args.syncs, device=device
+            model_dir, weights, bucket_bytes, True, args.syncs, device, **layout
         )
         colocated_noverify = run_colocated(
-            model_dir, weights, bucket_bytes, verify=False, syncs=args.syncs, device=device
+            model_dir, weights, bucket_bytes, False, args.syncs, device, **layout
         )
         copy_s.append(best_copy_s())
         best_copy = min(copy_s)
@@ -240,6 +256,8 @@ def main(argv=None) -> dict:
         "params": params,
         "bytes": nbytes,
         "bucket_bytes": bucket_bytes,
+        "num_buffers": args.buffers,
+        "split_tensors": args.split_tensors,
         "torch_num_threads": torch.get_num_threads(),
         "copy_s": best_copy,
         "copy_GBps": gb / best_copy,

@@ -34,7 +34,7 @@ from rollout.tp_group import (
     Resume,
     Stop,
 )
-from rollout.weights import WeightStatus, load_weights
+from rollout.weights import WeightStatus, copy_into, load_weights, piece_target
 
 
 class Engine:
@@ -56,6 +56,7 @@ class Engine:
         self.weight_version = 0
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self._weights = WeightStatus(self._param_shapes)  # generation waits while invalid
+        self._params_by_name: dict[str, torch.Tensor] | None = None  # during an update
         self._next_request_id = 0
         self._seed_rng = random.Random(config.seed)
         self._abort_lock = threading.Lock()
@@ -239,11 +240,59 @@ class Engine:
                 tied_embeddings=self.model_config.tie_word_embeddings,
                 require_all=False,
                 shards=self._shards,
+                params=self._update_params(),
             )
         except BaseException:
             self._weights.invalidate()
             raise
         self._weights.record(loaded)
+
+    def load_weight_piece(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        start: int,
+        piece: torch.Tensor,
+        keep_running: bool = False,
+    ) -> bool:
+        """Part of `load_weights` for a tensor sent in pieces (`weight_sync`'s split tensors):
+        copy `piece` (1-D) into elements [start, start + numel) of weight `name` (whole `shape`)
+        in place, if this engine holds that weight exactly as sent (same shape and dtype,
+        contiguous, on `piece`'s device, no TP slice): then returns True, and the weight counts
+        as loaded once its last element is in. Returns False, writing nothing, otherwise (the
+        caller assembles the whole tensor and calls `load_weights`); the answer depends on the
+        name, shape, dtype and device only. Commit with `commit_weights`."""
+        if self.tp is not None:
+            return False
+        target = piece_target(
+            self._update_params(),
+            name,
+            shape,
+            piece.dtype,
+            tied_embeddings=self.model_config.tie_word_embeddings,
+        )
+        if target is None or target[1].device != piece.device:
+            return False
+        if not keep_running:
+            self._require_idle("load_weight_piece")
+        target_name, flat = target
+        if not 0 <= start <= start + piece.numel() <= flat.numel():
+            raise ValueError(
+                f"piece of {name!r} at elements [{start}, {start + piece.numel()}) is outside "
+                f"its {flat.numel()} elements"
+            )
+        self._weights.uncommitted = True
+        copy_into(flat[start : start + piece.numel()], piece.reshape(-1))
+        if start + piece.numel() == flat.numel():
+            self._weights.record({target_name})
+        return True
+
+    def _update_params(self) -> dict[str, torch.Tensor]:
+        """The model's parameters by name, looked up once per update (an update of small
+        buckets loads many times; nothing replaces a parameter while it runs)."""
+        if self._params_by_name is None:
+            self._params_by_name = dict(self.model.named_parameters())
+        return self._params_by_name
 
     def commit_weights(self) -> None:
         """Finish an update: flush the prefix cache (retire it while requests run:
@@ -257,6 +306,7 @@ class Engine:
         )
         self.weight_version += 1
         self._weights.uncommitted = False
+        self._params_by_name = None
 
     def _calibrate_kv(self) -> None:
         """An FP8 KV pool's scales from the weights now loaded (`rollout.kv_calibration`), once

@@ -51,12 +51,41 @@ def _resolve(params: dict[str, nn.Parameter], name: str, tied: bool) -> str:
 def copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
     """param.copy_(tensor). A column-major CPU weight (`CausalLM.column_major`) receiving a
     row-major tensor is filled by the native transposing copy: torch's strided copy there costs
-    many times a plain copy of the same bytes, and it is what every weight update pays."""
-    lib = native.transpose() if native.transposed_target(param, tensor) else None
-    if lib is None:
-        param.copy_(tensor)
-    else:
-        native.transpose_copy_(lib, param, tensor)
+    many times a plain copy of the same bytes, and it is what every weight update pays. A large
+    plain copy on the CPU streams its stores past the cache (`native.stream_copy_`): the
+    parameters are not read again before the next forward pass, and skipping the cache saves
+    the read of each destination line an ordinary store does first."""
+    if native.transposed_target(param, tensor):
+        lib = native.transpose()
+        if lib is not None:
+            return native.transpose_copy_(lib, param, tensor)
+    elif native.streamed_target(param, tensor):
+        lib = native.transpose()
+        if lib is not None:
+            return native.stream_copy_(lib, param, tensor)
+    param.copy_(tensor)
+
+
+def piece_target(
+    params: Mapping[str, torch.Tensor],
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    tied_embeddings: bool,
+) -> tuple[str, torch.Tensor] | None:
+    """The parameter (of `params`, a model's `named_parameters`) a whole tensor `name` of `shape`
+    and `dtype` would be copied into unchanged (no slicing, no quantization, no transposition),
+    and a flat view of its elements; None if loading it takes more than a copy. A tensor sent
+    in pieces (`weight_sync`) is then loaded piece by piece, each a range of the flat view."""
+    try:
+        target_name = _resolve(params, name, tied_embeddings)
+    except KeyError:
+        return None
+    param = params[target_name]
+    if tuple(param.shape) != tuple(shape) or param.dtype != dtype or not param.is_contiguous():
+        return None
+    return target_name, param.view(-1)
 
 
 @torch.no_grad()
@@ -67,13 +96,15 @@ def load_weights(
     tied_embeddings: bool,
     require_all: bool,
     shards: Mapping[str, Shard] | None = None,
+    params: Mapping[str, torch.Tensor] | None = None,
 ) -> set[str]:
     """Copy (hf_name, tensor) pairs into `model`'s parameters in place; returns the names set.
 
     `require_all`: every parameter must be given (a full checkpoint load); weight updates may be
     partial (bucketed). Unknown names and wrong shapes raise before the offending copy.
+    `params`: `dict(model.named_parameters())`, if the caller keeps it (many small loads).
     """
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) if params is None else params
     loaded: set[str] = set()
     for name, tensor in named_tensors:
         if name.endswith(_IGNORED_SUFFIXES):

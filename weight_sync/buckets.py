@@ -3,10 +3,16 @@
 A bucket is the unit of transfer and of verification. Its manifest lists each tensor's name,
 shape, offset and checksum, so a receiver can rebuild views without copying and name exactly
 which tensors arrived corrupted.
+
+With `split_tensors`, a tensor larger than a bucket is cut into pieces that fill whole buckets
+(each piece a range of its flattened elements, `TensorEntry.start`), so no bucket exceeds
+`bucket_bytes`: buckets the size of the last-level cache then let a receiver verify a bucket and
+copy it out while it is still in cache (`weight_sync.pieces` loads the pieces).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -17,10 +23,16 @@ from weight_sync.checksum import algorithm_for, checksums, copy_with_checksums
 
 class TensorEntry(NamedTuple):
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the whole tensor's, also for a piece of it
     offset: int  # in elements of the bucket's dtype
-    numel: int
+    numel: int  # elements in this bucket
     checksum: int
+    start: int = 0  # a piece: its first element in the flattened tensor
+
+    @property
+    def whole(self) -> bool:
+        """The entry holds its whole tensor (not a piece of a split one)."""
+        return self.start == 0 and self.numel == math.prod(self.shape)
 
 
 class Manifest(NamedTuple):
@@ -35,9 +47,17 @@ class Manifest(NamedTuple):
 
 
 def unpack(buffer: torch.Tensor, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, view) pairs over `buffer` (no copies)."""
+    """(name, view) pairs over `buffer` (no copies), for the entries holding whole tensors."""
     for e in manifest.entries:
-        yield e.name, buffer[e.offset : e.offset + e.numel].view(e.shape)
+        if e.whole:
+            yield e.name, buffer[e.offset : e.offset + e.numel].view(e.shape)
+
+
+def pieces(buffer: torch.Tensor, manifest: Manifest) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
+    """(entry, 1-D view) pairs over `buffer` for the pieces of split tensors (no copies)."""
+    for e in manifest.entries:
+        if not e.whole:
+            yield e, buffer[e.offset : e.offset + e.numel]
 
 
 def corrupted_tensors(buffer: torch.Tensor, manifest: Manifest) -> list[str]:
@@ -56,6 +76,10 @@ class BucketPacker:
     must be done with a buffer (the receiver has acknowledged it) before the packer cycles back to
     it. With two buffers that is double buffering: fill one while the other is in flight, so a
     producer holds at most two buckets of extra memory (per dtype in use).
+
+    `split_tensors`: a tensor larger than `bucket_bytes` is cut into pieces (see the module
+    docstring) instead of getting a buffer of its own size; receivers must then load pieces
+    (`BucketReceiver` does).
     """
 
     def __init__(
@@ -66,8 +90,10 @@ class BucketPacker:
         allocator=None,
         verify: bool = True,
         algorithm: str | None = None,
+        split_tensors: bool = False,
     ):
         self.verify = verify
+        self.split_tensors = split_tensors
         self.algorithm = algorithm  # None: by the buffer's device (checksum.algorithm_for)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
@@ -100,35 +126,57 @@ class BucketPacker:
     def pack(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[torch.Tensor, Manifest]]:
-        pending: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        # per dtype: the (name, whole shape, first element, flat elements) waiting for a bucket
+        pending: dict[torch.dtype, list[_Item]] = {}
         pending_bytes: dict[torch.dtype, int] = {}
         for name, tensor in named_tensors:
             dtype = tensor.dtype
             if pending.get(dtype) and pending_bytes[dtype] + tensor.nbytes > self.bucket_bytes:
                 yield self._fill(dtype, pending.pop(dtype))
                 pending_bytes[dtype] = 0
-            pending.setdefault(dtype, []).append((name, tensor))
-            pending_bytes[dtype] = pending_bytes.get(dtype, 0) + tensor.nbytes
+            shape = tuple(tensor.shape)
+            if self.split_tensors and tensor.nbytes > self.bucket_bytes:
+                # whole buckets of pieces; the last piece waits for the tensors after it
+                flat = tensor.reshape(-1)
+                per_bucket = max(1, self.bucket_bytes // tensor.element_size())
+                start = 0
+                while flat.numel() - start > per_bucket:
+                    piece = flat[start : start + per_bucket]
+                    yield self._fill(dtype, [_Item(name, shape, start, piece)])
+                    start += per_bucket
+                item = _Item(name, shape, start, flat[start:])
+            else:
+                item = _Item(name, shape, 0, tensor)
+            pending.setdefault(dtype, []).append(item)
+            pending_bytes[dtype] = pending_bytes.get(dtype, 0) + item.elements.nbytes
         for dtype, items in pending.items():
             if items:
                 yield self._fill(dtype, items)
 
-    def _fill(
-        self, dtype: torch.dtype, items: list[tuple[str, torch.Tensor]]
-    ) -> tuple[torch.Tensor, Manifest]:
+    def _fill(self, dtype: torch.dtype, items: list[_Item]) -> tuple[torch.Tensor, Manifest]:
         element = torch.empty((), dtype=dtype).element_size()
-        total = sum(t.numel() for _, t in items)
+        total = sum(item.elements.numel() for item in items)
         buffer = self._buffer(dtype, max(total, self.bucket_bytes // element))
         algorithm = (self.algorithm or algorithm_for(buffer)) if self.verify else "none"
         pairs, offsets, offset = [], [], 0
-        for _, tensor in items:
-            pairs.append((buffer[offset : offset + tensor.numel()], tensor))
+        for item in items:
+            numel = item.elements.numel()
+            pairs.append((buffer[offset : offset + numel], item.elements))
             offsets.append(offset)
-            offset += tensor.numel()
+            offset += numel
         # Checksums of the bucket's bytes as written (on CPU: computed while copying, in one pass).
         sums = copy_with_checksums(pairs, algorithm)
         entries = tuple(
-            TensorEntry(name, tuple(tensor.shape), start, tensor.numel(), value)
-            for (name, tensor), start, value in zip(items, offsets, sums)
+            TensorEntry(item.name, item.shape, at, item.elements.numel(), value, item.start)
+            for item, at, value in zip(items, offsets, sums)
         )
         return buffer, Manifest(dtype, offset, entries, algorithm)
+
+
+class _Item(NamedTuple):
+    """A tensor, or a piece of one, waiting for its bucket."""
+
+    name: str
+    shape: tuple[int, ...]  # the whole tensor's
+    start: int  # first element of `elements` in the flattened tensor
+    elements: torch.Tensor  # the whole tensor, or a 1-D range of its elements

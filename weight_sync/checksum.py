@@ -60,7 +60,11 @@ _MASK64 = (1 << 64) - 1
 # busy 2-core box a fixed split, like torch's two-thread copy_, can run 4x slower than one thread).
 _THREADS = max(1, min(4, os.cpu_count() or 1))
 _PIECE_BYTES = 2 << 20
-_INLINE_BYTES = 1 << 20  # smaller jobs are not worth waking a helper for
+# Smaller jobs run on the calling thread alone: below 1 MiB waking a helper costs more than it
+# saves, and a bucket this small is one of a stream that the sender and the receiver process in
+# parallel (`ColocatedSender` with small buckets), each already on its own core, where a helper
+# only competes with the other process.
+_INLINE_BYTES = 32 << 20
 _pool: ThreadPoolExecutor | None = None
 
 

@@ -26,9 +26,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from weight_sync.buckets import BucketPacker, Manifest, corrupted_tensors, unpack
+from weight_sync.buckets import BucketPacker, Manifest, corrupted_tensors, pieces, unpack
 from weight_sync.device_ops import DeviceOps
 from weight_sync.errors import WeightSyncError
+from weight_sync.pieces import SplitTensors
 from weight_sync.quantize import check_quantization, quantized_stream
 from weight_sync.shared_buffers import BufferHandle, BufferOpener, SharedBufferAllocator
 
@@ -99,19 +100,28 @@ class ColocatedSender:
         algorithm: str | None = None,
         ops: DeviceOps | None = None,
         quantization: str | None = None,
+        num_buffers: int = 2,
+        split_tensors: bool = False,
     ):
         """`quantization` ("fp8" or None): the form the engines hold their linear weights in,
-        which the sender quantizes them to as they stream past (`weight_sync.quantize`)."""
+        which the sender quantizes them to as they stream past (`weight_sync.quantize`).
+        `num_buffers`: buckets in flight at once (2: double buffering). `split_tensors`: cut
+        tensors larger than a bucket into pieces (`BucketPacker`), so that every bucket is at
+        most `bucket_bytes`."""
         check_quantization(quantization)
+        if num_buffers < 2:
+            raise ValueError(f"num_buffers={num_buffers}: at least 2 (fill one, send another)")
         self.quantization = quantization
+        self.num_buffers = num_buffers
         self.allocator = SharedBufferAllocator(device)
         self.packer = BucketPacker(
             bucket_bytes,
             device,
-            num_buffers=2,
+            num_buffers=num_buffers,
             allocator=self.allocator,
             verify=verify,
             algorithm=algorithm,
+            split_tensors=split_tensors,
         )
         self.deliver = deliver
         self.ops = ops or DeviceOps()
@@ -127,9 +137,10 @@ class ColocatedSender:
         stream = timed_iteration(quantized_stream(named_tensors, self.quantization), export_clock)
         packed = self.packer.pack(stream)
         while True:
-            # The packer is about to reuse the buffer of the bucket sent two deliveries ago
-            # (same dtype): its ack must be in first. Waiting on the oldest suffices.
-            if len(in_flight) >= 2:
+            # The packer is about to reuse the buffer of the bucket sent `num_buffers`
+            # deliveries ago (same dtype): its ack must be in first. Waiting on the oldest
+            # suffices.
+            if len(in_flight) >= self.num_buffers:
                 t = time.perf_counter()
                 acks.append(in_flight.popleft().result())
                 wait_s += time.perf_counter() - t
@@ -182,6 +193,7 @@ class BucketReceiver:
         self.verify = verify
         self.opener = opener or BufferOpener()
         self.ops = ops or DeviceOps()
+        self.split = SplitTensors(engine)  # pieces of tensors split across buckets
 
     def load_buffer(self, buffer: torch.Tensor, manifest: Manifest) -> LoadAck:
         t0 = time.perf_counter()
@@ -193,7 +205,10 @@ class BucketReceiver:
                     "the bucket was not loaded"
                 )
         t1 = time.perf_counter()
-        self.engine.load_weights(unpack(buffer, manifest))
+        if any(e.whole for e in manifest.entries) or not manifest.entries:
+            self.engine.load_weights(unpack(buffer, manifest))
+        for entry, piece in pieces(buffer, manifest):
+            self.split.load(entry, piece)
         self.ops.synchronize(buffer.device)  # the copies are done before the ack
         t2 = time.perf_counter()
         return LoadAck(len(manifest.entries), manifest.nbytes, t1 - t0, t2 - t1)
@@ -204,4 +219,11 @@ class BucketReceiver:
         return self.load_buffer(self.opener.open(handle), manifest)
 
     def commit(self) -> None:
+        incomplete = self.split.incomplete()
+        self.split.reset()
+        if incomplete:
+            raise WeightSyncError(
+                f"weight sync ended with split tensors missing pieces: {incomplete[:8]}; "
+                "they were not loaded"
+            )
         self.engine.commit_weights()

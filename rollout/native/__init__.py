@@ -4,7 +4,7 @@ element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row 
 bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
 sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
 transposing copy that fills a column-major weight from a row-major update (transpose.c, any
-2-, 4- or 8-byte dtype).
+2-, 4- or 8-byte dtype), and the streaming copy of large plain weight updates (same file).
 
 Each source is built on first use by `native_build` with OpenMP; the kernels run on torch's
 threads (`torch.get_num_threads()`, the process's one libgomp). Without a compiler, with
@@ -83,6 +83,8 @@ def declare_sampling(lib: ctypes.CDLL) -> ctypes.CDLL:
 def declare_transpose(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.transpose_copy.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT]
     lib.transpose_copy.restype = _INT
+    lib.stream_copy.argtypes = [_PTR, _PTR, _I64]
+    lib.stream_copy.restype = None
     lib.transpose_has_avx2.restype = _INT
     return lib
 
@@ -131,6 +133,28 @@ def transpose_copy_(lib: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor) -> N
         dst.shape[1], dst.element_size(), torch.get_num_threads(),
     )  # fmt: skip
     assert status == 0, status
+
+
+STREAM_COPY_BYTES = 1 << 20  # smaller copies stay in cache: the ordinary copy is as good
+
+
+def streamed_target(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether `stream_copy_` applies: the same dtype, both contiguous on the CPU, at least
+    `STREAM_COPY_BYTES`."""
+    return (
+        dst.device.type == src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.nbytes >= STREAM_COPY_BYTES
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    )
+
+
+def stream_copy_(lib: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), bitwise, with streaming stores (`streamed_target` must hold)."""
+    assert streamed_target(dst, src), (dst.shape, dst.dtype, src.shape, src.dtype)
+    lib.stream_copy(src.data_ptr(), dst.data_ptr(), dst.nbytes)
 
 
 def _rows_of_dh(t: torch.Tensor) -> torch.Tensor:

@@ -94,3 +94,40 @@ def test_copy_into_takes_the_native_path_only_where_it_applies():
         assert native.transposed_target(dst, source) == applies, what
         copy_into(dst, source)
         assert torch.equal(dst, source.to(dst.dtype)), what
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("dst_shift", [0, 4, 60])
+@pytest.mark.parametrize("nbytes", [1 << 20, (1 << 20) + 4, (3 << 20) + 68])
+def test_stream_copy_equals_torch_copy_bitwise(build, dst_shift, nbytes):
+    """The streaming copy of large plain updates: any length (whole cache lines or not) into a
+    destination at any 4-byte alignment (a head before the first whole line); the bytes around
+    the destination untouched."""
+    g = torch.Generator().manual_seed(nbytes + dst_shift)
+    src = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), generator=g, dtype=torch.int32)
+    src = src.view(torch.float32)  # every bit pattern, NaNs included
+    whole = torch.full((nbytes // 4 + 32,), -1, dtype=torch.int32)
+    dst = whole[dst_shift // 4 :][: nbytes // 4].view(torch.float32)
+    assert native.streamed_target(dst, src)
+    native.stream_copy_(BUILDS[build], dst, src)
+    assert torch.equal(dst.view(torch.int32), src.view(torch.int32))
+    assert (whole[: dst_shift // 4] == -1).all() and (
+        whole[dst_shift // 4 + nbytes // 4 :] == -1
+    ).all()
+
+
+def test_copy_into_streams_only_large_plain_copies():
+    """Contiguous, same dtype, at least STREAM_COPY_BYTES: streamed; smaller, another dtype or a
+    strided side: torch's copy. Each result equals the source."""
+    big = native.STREAM_COPY_BYTES // 4
+    src = _values(big // 64, 64, torch.float32)
+    cases = {
+        "large plain": (torch.empty_like(src), src, True),
+        "small": (torch.empty(16, 64), src[:16], False),
+        "another dtype": (torch.empty(src.shape, dtype=torch.float64), src, False),
+        "strided source": (torch.empty(64, src.shape[0]), src.t(), False),
+    }
+    for what, (dst, source, applies) in cases.items():
+        assert native.streamed_target(dst, source) == applies, what
+        copy_into(dst, source)
+        assert torch.equal(dst, source.to(dst.dtype)), what
