@@ -247,8 +247,8 @@ class Scheduler:
         self.prefilled.append((request, handoff))
 
     def _prefilled_pages(self, request: Request) -> int:
-        """The pages admitting a prefilled request takes: the prompt's (per sequence), and one
-        per sample for its tail page copy or its next token."""
+        """The pages admitting a prefilled request takes: the prompt's (once: its samples fork
+        from it), and one per sample for its tail page copy or its next token."""
         return -(-len(request.prompt) // self.page_size) + request.params.n
 
     def _room_for_prefilled(self, request: Request) -> bool:

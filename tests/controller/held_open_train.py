@@ -35,6 +35,19 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# With `held_open(continued_first=True)`: the overrides under which the batch taken after each
+# update holds the group held open over it (the module doc), and what such a run shows.
+AHEAD_BY_ONE = ("cluster.max_staleness=1", "cluster.take_ahead=false")
+
+
+def assert_ran_ahead_by_one(rows: list[dict]) -> None:
+    """Within one step of staleness, some batch one version old, and every batch after the
+    first holding a group continued over an update."""
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert any(r["rollout/staleness_max"] == 1 for r in rows[1:])
+    assert sum(r["rollout/continued_groups"] for r in rows) > 0
+    assert all(r["rollout/continued_groups"] >= 1 for r in rows[1:])
+
 
 class Hold:
     index: int | None = None  # the group kept back

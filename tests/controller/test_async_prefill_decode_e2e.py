@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from held_open_train import held_open
+from held_open_train import AHEAD_BY_ONE, assert_ran_ahead_by_one, held_open
 from test_async_e2e import (
     ASYNC,
     LONG,
@@ -106,14 +106,9 @@ def test_one_step_staleness_pd_runs_ahead_within_the_bound(ray_four, cache, tmp_
             "checkpoint.every_steps=0",
             *LONG,
             *ASYNC,
-            "cluster.max_staleness=1",
-            "cluster.take_ahead=false",
+            *AHEAD_BY_ONE,
         )
-    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
-    assert any(r["rollout/staleness_max"] == 1 for r in rows[1:])
-    assert sum(r["rollout/continued_groups"] for r in rows) > 0
-    # the batch after each update holds the group held open over it
-    assert all(r["rollout/continued_groups"] >= 1 for r in rows[1:])
+    assert_ran_ahead_by_one(rows)
     transfers_where_prefilled(rows)
     assert len(check_accounting(rows)) == 4 * PROMPTS
 
