@@ -224,6 +224,6 @@ class BucketReceiver:
         if incomplete:
             raise WeightSyncError(
                 f"weight sync ended with split tensors missing pieces: {incomplete[:8]}; "
-                "they were not loaded"
+                "the update is not committed (the engine serves nothing until a whole one is)"
             )
         self.engine.commit_weights()

@@ -36,14 +36,15 @@ class SplitTensors:
         self.engine = engine
         self._direct: dict[str, bool] = {}  # name -> written in place (this sync)
         self._staged: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, elements in)
+        self._partial: dict[str, int] = {}  # written in place, not whole yet: elements in
 
     def load(self, entry: TensorEntry, piece: torch.Tensor) -> None:
         name = entry.name
-        if (
-            entry.start == 0
-        ):  # a tensor's first piece: a new sync of it (an earlier may have failed)
+        # a tensor's first piece: a new sync of it (an earlier one may have failed)
+        if entry.start == 0:
             self._direct.pop(name, None)
             self._staged.pop(name, None)
+            self._partial.pop(name, None)
         direct = self._direct.get(name)
         if direct is None or direct:
             offer = getattr(self.engine, "load_weight_piece", None)
@@ -55,6 +56,9 @@ class SplitTensors:
                 )
             self._direct[name] = taken
             if taken:
+                filled = self._partial.pop(name, 0) + entry.numel
+                if filled < math.prod(entry.shape):
+                    self._partial[name] = filled
                 return
         self._stage(entry, piece)
 
@@ -72,9 +76,11 @@ class SplitTensors:
         self.engine.load_weights([(entry.name, staged.view(entry.shape))])
 
     def incomplete(self) -> list[str]:
-        """Names whose pieces did not all arrive (staged ones: nothing of them loaded yet)."""
-        return sorted(self._staged)
+        """Names whose pieces did not all arrive: staged ones (nothing of them loaded) and ones
+        written in place in part (the engine holds them half-updated, so it must not commit)."""
+        return sorted([*self._staged, *self._partial])
 
     def reset(self) -> None:
         self._direct.clear()
         self._staged.clear()
+        self._partial.clear()

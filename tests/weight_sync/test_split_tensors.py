@@ -193,11 +193,13 @@ def test_the_engine_takes_a_piece_in_place_only_as_a_plain_copy(two_checkpoints)
     assert engine.weight_version == 1
 
 
-def test_a_sync_cut_short_is_refused_at_commit(two_checkpoints):
-    """Pieces of a tensor whose remaining pieces never came: the commit refuses, naming it."""
+@pytest.mark.parametrize("target", ["engine", "whole tensors only"])
+def test_a_sync_cut_short_is_refused_at_commit(two_checkpoints, target):
+    """Pieces of a tensor whose remaining pieces never came, staged or already written in place:
+    the commit refuses, naming it, and the half-updated engine generates nothing."""
     old, new = two_checkpoints
     engine = _engine(old)
-    receiver = BucketReceiver(WholeTensorsOnly(engine))
+    receiver = BucketReceiver(engine if target == "engine" else WholeTensorsOnly(engine))
     packer = BucketPacker(BUCKET, split_tensors=True)
     for buffer, manifest in packer.pack(iter_safetensors(new)):
         receiver.load_buffer(buffer, manifest)
@@ -205,3 +207,6 @@ def test_a_sync_cut_short_is_refused_at_commit(two_checkpoints):
             break  # the embedding's first piece only
     with pytest.raises(WeightSyncError, match="model.embed_tokens.weight"):
         receiver.commit()
+    assert engine.weight_version == 0
+    with pytest.raises(RuntimeError, match="commit_weights"):
+        engine.generate(PROMPTS, GREEDY)
