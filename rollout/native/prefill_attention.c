@@ -55,6 +55,8 @@ typedef struct {
   float *o;   // [rows, Dh] unnormalised outputs
   float *m;   // [rows] running maxima
   float *l;   // [rows] running sums
+  float *alpha;  // [rows] the output's rescale factors of the current key block
+  int64_t *lim;  // [rows] the current key block's keys each row sees (a prefix of the block)
 } buffers;
 
 #if HAVE_AVX512
@@ -82,10 +84,15 @@ static inline __attribute__((always_inline)) void qk_block(const int RB, const i
    rows Dh apart, p rows BK apart): each V vector loaded once for the RB rows. */
 static inline __attribute__((always_inline)) void pv_block(const int RB, const int NV,
                                                            const int64_t Dh, const float *p,
-                                                           const float *v, int64_t nk, float *o) {
+                                                           const float *v, int64_t nk, float *o,
+                                                           const float *alpha) {
   __m512 acc[8][2];
-  for (int r = 0; r < RB; r++)
+  for (int r = 0; r < RB; r++) {
+    const __m512 a = _mm512_set1_ps(alpha == NULL ? 1.f : alpha[r]);
     for (int c = 0; c < NV; c++) acc[r][c] = _mm512_loadu_ps(o + r * Dh + 16 * c);
+    if (alpha != NULL && alpha[r] != 1.f)  // the online softmax's rescale of the output so far
+      for (int c = 0; c < NV; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], a);
+  }
   for (int64_t t = 0; t < nk; t++) {
     __m512 vv[2];
     for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(v + t * Dh + 16 * c);
@@ -171,26 +178,34 @@ static inline __attribute__((always_inline)) void scores_bf16(const int64_t Dh, 
 }
 #endif
 
-/* O += P V over the block's first nk keys. */
+/* O = O * alpha + P V over the block's first nk keys (alpha: each row's rescale factor, or
+   NULL: already applied). */
 static inline __attribute__((always_inline)) void weighted_values(const int64_t Dh, int64_t R,
-                                                                  int64_t nk, const buffers *b) {
+                                                                  int64_t nk, const buffers *b,
+                                                                  const float *alpha) {
 #if HAVE_AVX512
   if (Dh % 16 == 0) {
     for (int64_t c = 0; c < Dh; c += 32) {  // columns 32 at a time (2 vectors), then 16
       const float *v = b->v + c;
       float *o = b->o + c;
       int64_t r = 0;
+#define ROWS(RB, NV) \
+  pv_block(RB, NV, Dh, b->s + r * BK, v, nk, o + r * Dh, alpha == NULL ? NULL : alpha + r)
       if (Dh - c >= 32) {
-        for (; r + 8 <= R; r += 8) pv_block(8, 2, Dh, b->s + r * BK, v, nk, o + r * Dh);
-        for (; r < R; r++) pv_block(1, 2, Dh, b->s + r * BK, v, nk, o + r * Dh);
+        for (; r + 8 <= R; r += 8) ROWS(8, 2);
+        for (; r < R; r++) ROWS(1, 2);
       } else {
-        for (; r + 8 <= R; r += 8) pv_block(8, 1, Dh, b->s + r * BK, v, nk, o + r * Dh);
-        for (; r < R; r++) pv_block(1, 1, Dh, b->s + r * BK, v, nk, o + r * Dh);
+        for (; r + 8 <= R; r += 8) ROWS(8, 1);
+        for (; r < R; r++) ROWS(1, 1);
       }
+#undef ROWS
     }
     return;
   }
 #endif
+  if (alpha != NULL)
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t x = 0; x < Dh; x++) b->o[r * Dh + x] *= alpha[r];
   for (int64_t r = 0; r < R; r++)
     for (int64_t t = 0; t < nk; t++) {
       const float p = b->s[r * BK + t];
@@ -234,6 +249,110 @@ static inline float softmax_step(float *s, float *m, float *l) {
   *l = *l * alpha + sum;
   return alpha;
 }
+
+#if HAVE_AVX512
+/* One block of the online softmax for RB rows, the scores kept in registers: S = Q K^T over
+   the block's first NC * 16 keys (float32 q times the scale, or with DOT bfloat16 pairs through
+   vdpbf16ps, the scale applied to the sums), the causal mask (with `diag`: row r sees the
+   block's keys t < lim[r]), then softmax_step's update of each row's m and l, P = e^(S - m_new)
+   into s and the output's rescale factor into alpha. The same operations in the same order as
+   scores + mask + softmax_step over all BK keys: keys past NC * 16 are masked for every row,
+   and their zero probabilities add nothing to the sums. */
+static inline __attribute__((always_inline)) void qk_softmax(
+    const int RB, const int NC, const int DOT, const int64_t Dh, const void *q, const void *kt,
+    float scale, int diag, const int64_t *lim, float *s, float *m, float *l, float *alpha) {
+  __m512 a[6][4];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < NC; c++) a[r][c] = _mm512_setzero_ps();
+#if HAVE_BF16_DOT
+  if (DOT) {
+    const uint32_t *qw = (const uint32_t *)q, *ktw = (const uint32_t *)kt;
+    for (int64_t p = 0; p < Dh / 2; p++) {
+      __m512bh k[4];
+      for (int c = 0; c < NC; c++)
+        k[c] = (__m512bh)_mm512_loadu_si512((const void *)(ktw + p * BK + 16 * c));
+      for (int r = 0; r < RB; r++) {
+        const __m512bh vq = (__m512bh)_mm512_set1_epi32((int)qw[r * (Dh / 2) + p]);
+        for (int c = 0; c < NC; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], vq, k[c]);
+      }
+    }
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int r = 0; r < RB; r++)
+      for (int c = 0; c < NC; c++) a[r][c] = _mm512_mul_ps(a[r][c], vs);
+  } else
+#endif
+  {
+    const float *qf = (const float *)q, *ktf = (const float *)kt;
+    for (int64_t x = 0; x < Dh; x++) {
+      __m512 k[4];
+      for (int c = 0; c < NC; c++) k[c] = _mm512_loadu_ps(ktf + x * BK + 16 * c);
+      for (int r = 0; r < RB; r++) {
+        const __m512 vq = _mm512_set1_ps(qf[r * Dh + x]);
+        for (int c = 0; c < NC; c++) a[r][c] = _mm512_fmadd_ps(vq, k[c], a[r][c]);
+      }
+    }
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int r = 0; r < RB; r++) {
+    if (diag)
+      for (int c = 0; c < NC; c++) {
+        const int64_t seen = lim[r] - 16 * c;  // keys of this vector the row sees
+        const __mmask16 keep =
+            seen >= 16 ? (__mmask16)0xFFFF : seen <= 0 ? 0 : (__mmask16)((1u << seen) - 1);
+        a[r][c] = _mm512_mask_mov_ps(neg_inf, keep, a[r][c]);
+      }
+    __m512 vm = a[r][0];
+    for (int c = 1; c < NC; c++) vm = _mm512_max_ps(vm, a[r][c]);
+    const float mx = _mm512_reduce_max_ps(vm), m_old = m[r];
+    const float m_new = mx > m_old ? mx : m_old;
+    const float al = m_old == -INFINITY ? 0.f : mx > m_old ? expf(m_old - m_new) : 1.f;
+    const __m512 vmax = _mm512_set1_ps(m_new);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) {
+      const __m512 e = exp16(_mm512_sub_ps(a[r][c], vmax));
+      _mm512_storeu_ps(s + r * BK + 16 * c, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    m[r] = m_new;
+    l[r] = l[r] * al + _mm512_reduce_add_ps(vsum);
+    alpha[r] = al;
+  }
+}
+
+/* qk_softmax over an item's R rows, in panels of 6, for a constant NC. */
+static inline __attribute__((always_inline)) void block_softmax_nc(
+    const int NC, const int DOT, const int64_t Dh, int64_t R, float scale, int diag,
+    const int64_t *lim, const buffers *b, float *alpha) {
+  const int64_t W = DOT ? Dh / 2 : Dh;  // 32-bit words of a q row
+  const uint32_t *q = (const uint32_t *)b->q;
+  int64_t r = 0;
+#define PANEL(RB)                                                                             \
+  qk_softmax(RB, NC, DOT, Dh, q + r * W, b->kt, scale, diag, lim + r, b->s + r * BK, b->m + r, \
+             b->l + r, alpha + r)
+  for (; r + 6 <= R; r += 6) PANEL(6);
+  switch (R - r) {  // the last rows: one panel of a constant size
+    case 5: PANEL(5); break;
+    case 4: PANEL(4); break;
+    case 3: PANEL(3); break;
+    case 2: PANEL(2); break;
+    case 1: PANEL(1); break;
+  }
+#undef PANEL
+}
+
+/* block_softmax_nc for the NC = ceil(nk / 16) key vectors that hold the block's nk keys: the
+   rest are masked for every row (a diagonal block, the context's last), so not computed. */
+static inline __attribute__((always_inline)) void block_softmax(
+    const int DOT, const int64_t Dh, int64_t R, int64_t nk, float scale, int diag,
+    const int64_t *lim, const buffers *b, float *alpha) {
+  switch ((nk + 15) / 16) {
+    case 1: block_softmax_nc(1, DOT, Dh, R, scale, diag, lim, b, alpha); break;
+    case 2: block_softmax_nc(2, DOT, Dh, R, scale, diag, lim, b, alpha); break;
+    case 3: block_softmax_nc(3, DOT, Dh, R, scale, diag, lim, b, alpha); break;
+    default: block_softmax_nc(4, DOT, Dh, R, scale, diag, lim, b, alpha); break;
+  }
+}
+#endif
 
 /* The key block [kb, kb + nk) into b->kt (transposed) and b->v, as float32; zero past nk. */
 static inline __attribute__((always_inline)) void load_block(const int64_t Dh, const void *k,
@@ -302,14 +421,25 @@ static inline __attribute__((always_inline)) void item(
   for (int64_t kb = 0; kb < kend; kb += BK) {
     const int64_t nk = kend - kb < BK ? kend - kb : BK;
     load_block(Dh, k, v, kb, nk, kv_t, bf16, dot, b);
+    // causal mask: key kb + t is visible to token i0 + i iff kb + t <= offset + i0 + i
+    // (padding keys t >= nk lie past every row's limit)
+    const int64_t first_hidden = offset + i0 + 1 - kb;  // the first row's first masked key
+#if HAVE_AVX512
+    if (Dh % 16 == 0) {  // scores, mask and softmax in registers, a panel of rows at a time
+      const int diag = first_hidden < BK;
+      if (diag)
+        for (int64_t r = 0; r < R; r++) b->lim[r] = first_hidden + r / g;
+      if (dot) block_softmax(1, Dh, R, nk, scale, diag, b->lim, b, b->alpha);
+      else block_softmax(0, Dh, R, nk, scale, diag, b->lim, b, b->alpha);
+      weighted_values(Dh, R, nk, b, b->alpha);
+      continue;
+    }
+#endif
 #if HAVE_BF16_DOT
     if (dot) scores_bf16(Dh, R, scale, b);
     else
 #endif
       scores(Dh, R, b);
-    // causal mask: key kb + t is visible to token i0 + i iff kb + t <= offset + i0 + i
-    // (padding keys t >= nk lie past every row's limit)
-    const int64_t first_hidden = offset + i0 + 1 - kb;  // the first row's first masked key
     if (first_hidden < BK)
       for (int64_t i = 0; i < nq; i++) {
         const int64_t from = first_hidden + i < 0 ? 0 : first_hidden + i;
@@ -321,7 +451,7 @@ static inline __attribute__((always_inline)) void item(
       if (alpha != 1.f)
         for (int64_t x = 0; x < Dh; x++) b->o[r * Dh + x] *= alpha;
     }
-    weighted_values(Dh, R, nk, b);
+    weighted_values(Dh, R, nk, b, NULL);
   }
   for (int64_t i = 0; i < nq; i++)
     for (int64_t j = 0; j < g; j++) {
@@ -352,12 +482,14 @@ int prefill_attention(int64_t count, int64_t n, int64_t C, int64_t H, int64_t Hk
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
     buffers b = {0};
-    float *buf = (float *)malloc(sizeof(float) *
-                                 (size_t)(2 * rows * Dh + 2 * Dh * BK + rows * BK + 2 * rows));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows * Dh + 2 * Dh * BK +
+                                                          rows * BK + 3 * rows) +
+                                 sizeof(int64_t) * (size_t)rows);
     failed = buf == NULL;
     if (buf != NULL) {
       b.q = buf, b.kt = b.q + rows * Dh, b.v = b.kt + Dh * BK, b.s = b.v + BK * Dh;
-      b.o = b.s + rows * BK, b.m = b.o + rows * Dh, b.l = b.m + rows;
+      b.o = b.s + rows * BK, b.m = b.o + rows * Dh, b.l = b.m + rows, b.alpha = b.l + rows;
+      b.lim = (int64_t *)(b.alpha + rows);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < blocks * count * Hkv; it++) {
