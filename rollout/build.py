@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from model_spec import ModelSpec
-from rollout import device_memory
+from rollout import device_memory, host_heap
 from rollout.attention import TorchAttention, decode_kv_dtype
 from rollout.compiled import compile_model
 from rollout.config import EngineConfig, kv_storage_dtype
@@ -261,6 +261,8 @@ def load_model(config: EngineConfig, tp: TPGroup | None) -> LoadedModel:
         require_all=True,
         shards=shards,
     )
+    if torch.device(config.device).type == "cpu":  # after the load: weights placed as before
+        host_heap.keep_freed_memory()
     return LoadedModel(mc, max_model_len, model, shards)
 
 
