@@ -14,7 +14,11 @@
    row maximum m and sum l, the output rescaled by e^(m_old - m_new) when the maximum grows):
    no [n, C] score matrix exists. K / V blocks are converted to float32 once per item block
    (K transposed, so that the score micro-kernel broadcasts one q element against 16 keys).
-   Items are handed out heaviest first (the last query blocks see the most keys).
+   Items are handed out heaviest first (the last query blocks see the most keys). With
+   AVX-512 a panel of 6 rows keeps its block of scores in registers through the mask and the
+   softmax update (qk_softmax), and the 16-key vectors of a diagonal block past its last
+   visible key are not computed; the operations and their order are those of the separate
+   passes (scores, mask, softmax_step), so the results are bitwise the same.
 
    With AVX-512 (-march=native on a machine that has it) the products are vector code and exp
    is a vector polynomial (Cephes' expf, ~1 ulp); with AVX-512 BF16 too, bfloat16 scores come
