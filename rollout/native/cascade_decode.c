@@ -122,6 +122,13 @@ static inline __attribute__((always_inline)) void scores(
 static inline float row_max(const float *s, int64_t L) {
   float m = -INFINITY;
   int64_t j = 0;
+#if HAVE_AVX512
+  if (L >= 16) {
+    __m512 vm16 = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= L; j += 16) vm16 = _mm512_max_ps(vm16, _mm512_loadu_ps(s + j));
+    m = _mm512_reduce_max_ps(vm16);
+  }
+#endif
 #if HAVE_AVX2
   float lane[8];
   __m256 vm = _mm256_set1_ps(-INFINITY);
@@ -133,10 +140,46 @@ static inline float row_max(const float *s, int64_t L) {
   return m;
 }
 
-/* s[0..L) -> e^(s - m) in place; returns their sum. */
+#if HAVE_AVX512
+/* exp16 of x <= 0 (a score minus its row's maximum; -inf for a masked key): the same result
+   bit for bit without exp16's clamps, which change no such x (below -87.3 the result is 0
+   through the underflow mask either way). */
+static inline __m512 exp16_nonpositive(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
+                                23);
+  return _mm512_maskz_mul_ps((__mmask16)~underflow, y, _mm512_castsi512_ps(e));
+}
+#endif
+
+/* s[0..L) -> e^(s - m) in place (m: the largest score, so every s - m <= 0); returns their
+   sum. */
 static inline float exp_sum(float *s, int64_t L, float m) {
   float sum = 0.f;
   int64_t j = 0;
+#if HAVE_AVX512
+  if (L >= 16) {  // exp8's function lane for lane: each e^(s - m) is the same float either way
+    const __m512 vmax16 = _mm512_set1_ps(m);
+    __m512 vsum16 = _mm512_setzero_ps();
+    for (; j + 16 <= L; j += 16) {
+      const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmax16));
+      _mm512_storeu_ps(s + j, e);
+      vsum16 = _mm512_add_ps(vsum16, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum16);
+  }
+#endif
 #if HAVE_AVX2
   float lane[8];
   __m256 vmax = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
@@ -260,12 +303,18 @@ static inline int64_t pf_lines(const prefetcher *f) {
   return lines - f->off / 64;
 }
 
+/* The position is kept in locals while issuing (in *f the compiler would load and store it
+   around every prefetch, a dependency chain through memory longer than the prefetch). */
 static inline void pf_issue(prefetcher *f, int64_t lines) {
-  for (; lines > 0 && f->k < f->n; lines--) {
-    __builtin_prefetch(f->p[f->k] + f->off, 0, 3);
-    f->off += 64;
-    if (f->off >= f->len[f->k]) f->k++, f->off = 0;
+  int k = f->k;
+  int64_t off = f->off;
+  while (lines > 0 && k < f->n) {
+    const char *p = f->p[k];
+    const int64_t len = f->len[k];
+    for (; lines > 0 && off < len; lines--, off += 64) __builtin_prefetch(p + off, 0, 3);
+    if (off >= len) k++, off = 0;
   }
+  f->k = k, f->off = off;
 }
 
 #if HAVE_AVX2
@@ -470,7 +519,7 @@ static inline __attribute__((always_inline)) void pv_block16(
   for (int r = 0; r < RB; r++)
     for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * ldo + v * 16);
   for (int64_t t = 0; t < n; t++) {
-    pf_issue(pf, per_key);
+    if ((t & 7) == 0) pf_issue(pf, 8 * per_key);  // the prefetcher's bookkeeping every 8 keys
     if (!vis[t]) continue;  // masked for every row: V[t] is never read
     __m512 vv[2];
     for (int v = 0; v < NV; v++)
