@@ -1,13 +1,14 @@
 """Paired A/B of the C decode-attention kernel (rollout/native/cascade_decode.c) against another
 version of its source, on the engine's GRPO decode shape.
 
-The shape: D = 256 sequences = 32 groups x 8 members (member m of group g is sequence g * 8 + m),
-2 KV heads x 4 query heads, head dim 32, a 128-key prefix per group ([Hkv, G, Lp, Dh], as the
-lanes keep it), each sequence's suffix read in place from lanes [Hkv, lanes, capacity, Dh]
-(`--suffix-lens` wide; each sequence sees all but 0-15 keys of its last page), q read in place
-from a fused q/k/v projection row. As in the engine (4 layers, big GEMMs between calls), calls
-cycle through 4 independent input sets and, with --cold (default), a 48 MiB buffer is written
-before each call to evict the caches.
+The shape: D = 256 sequences = 32 groups x 8 members (member m of group g is sequence g * 8 + m;
+`--groups` changes the number of groups), 2 KV heads x 4 query heads, head dim 32, a 128-key
+prefix per group (`--prefix-len`; [Hkv, G, Lp, Dh], as the lanes keep it), each sequence's
+suffix read in place from lanes [Hkv, lanes, capacity, Dh] (`--suffix-lens` wide; each sequence
+sees all but 0-15 keys of its last page), q read in place from a fused q/k/v projection row.
+As in the engine (4 layers, big GEMMs between calls), calls cycle through 4 independent input
+sets and, with --cold (default), a 48 MiB buffer is written before each call to evict the
+caches.
 
 Both builds are loaded in one process and called alternately (old/new, then new/old) on the
 same inputs; the figure is the median of the per-pair time ratios old / new, robust to a noisy
@@ -15,6 +16,7 @@ machine. Outputs are compared too (max |old - new|: float32 rounding only).
 
     python benchmarks/decode_attention_kernel.py --baseline HEAD~1
     python benchmarks/decode_attention_kernel.py --baseline /tmp/old_cascade_decode.c --warm
+    python benchmarks/decode_attention_kernel.py --baseline main --groups 16 --prefix-len 512
 
 Prints one JSON object.
 """
@@ -56,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--suffix-lens", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--warm", action="store_true", help="no cache eviction between calls")
+    ap.add_argument("--groups", type=int, default=32, help="groups of 8 sequences")
+    ap.add_argument("--prefix-len", type=int, default=128, help="keys of each group's prefix")
     add_output_args(ap)
     return ap.parse_args(argv)
 
@@ -77,10 +81,10 @@ def baseline_library(spec: str, workdir: Path) -> ctypes.CDLL:
 
 
 def input_set(
-    g: torch.Generator, suffix_len: int, threads: int
+    g: torch.Generator, suffix_len: int, threads: int, groups: int = 32, prefix_len: int = 128
 ) -> tuple[list, tuple, torch.Tensor]:
     """(tensors to keep alive, the kernel's arguments, its output tensor) for one layer."""
-    seqs, groups, kv_heads, rows, head_dim, prefix_len = 256, 32, 2, 4, 32, 128
+    seqs, kv_heads, rows, head_dim = groups * 8, 2, 4, 32
     capacity = max(256, suffix_len + 64)
     fused = torch.randn(seqs, kv_heads * rows + 2 * kv_heads, head_dim, generator=g)
     q = fused[:, : kv_heads * rows].unflatten(1, (kv_heads, rows))
@@ -109,14 +113,24 @@ def main(argv=None) -> dict:
         libs = {"old": baseline_library(args.baseline, Path(tmp)), "new": native.attention()}
     assert libs["new"] is not None, "the kernel could not be built here"
     evict = None if args.warm else torch.empty(48 << 18)  # 48 MiB of float32
-    result = {"baseline": args.baseline, "cold": not args.warm, "pairs": args.pairs, "runs": []}
+    result = {
+        "baseline": args.baseline,
+        "cold": not args.warm,
+        "pairs": args.pairs,
+        "groups": args.groups,
+        "prefix_len": args.prefix_len,
+        "runs": [],
+    }
     before = torch.get_num_threads()
     try:
         for suffix_len in args.suffix_lens:
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 g = torch.Generator().manual_seed(suffix_len)
-                sets = [input_set(g, suffix_len, threads) for _ in range(4)]
+                sets = [
+                    input_set(g, suffix_len, threads, args.groups, args.prefix_len)
+                    for _ in range(4)
+                ]
                 outs = {}
                 for name, lib in libs.items():
                     assert lib.cascade_decode_f32(*sets[0][1]) == 0

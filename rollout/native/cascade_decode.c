@@ -519,7 +519,7 @@ static inline __attribute__((always_inline)) void pv_block16(
   for (int r = 0; r < RB; r++)
     for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * ldo + v * 16);
   for (int64_t t = 0; t < n; t++) {
-    if ((t & 7) == 0) pf_issue(pf, 8 * per_key);  // the prefetcher's bookkeeping every 8 keys
+    pf_issue(pf, per_key);
     if (!vis[t]) continue;  // masked for every row: V[t] is never read
     __m512 vv[2];
     for (int v = 0; v < NV; v++)
