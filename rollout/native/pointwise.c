@@ -143,6 +143,15 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, 
     for (; i < H; i++) sum += bf16_load(xt[i]) * bf16_load(xt[i]);
     const float inv = 1.f / sqrtf(sum / (float)H + eps);
     i = 0;
+#if HAVE_AVX512
+    const __m512 vinv16 = _mm512_set1_ps(inv);
+    for (; i + 16 <= H; i += 16) {  // bf16_store8's rounding and packing, 16 lanes at a time
+      const __m512 y = _mm512_mul_ps(bf16_load16(weight + i),
+                                     bf16_rounded16(_mm512_mul_ps(bf16_load16(xt + i), vinv16)));
+      const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(bf16_rounded16(y)), 16);
+      _mm256_storeu_si256((__m256i *)(ot + i), _mm512_cvtepi32_epi16(b));  // each <= 0xFFFF
+    }
+#endif
 #if HAVE_AVX2
     const __m256 vinv = _mm256_set1_ps(inv);
     for (; i + 8 <= H; i += 8)
