@@ -2,7 +2,9 @@
 
 Measures, in one run:
 * `copy`: a plain in-process torch copy of the same bytes into preallocated tensors (the floor);
-* `colocated`: ColocatedSender -> shared memory -> BucketReceiver -> the engine's parameters;
+* `colocated`: ColocatedSender -> shared memory -> BucketReceiver -> the engine's parameters,
+  with the RL loop's hand-off (`weight_sync.BucketStream`: a socket per sync, not a call per
+  bucket);
 * `broadcast`: BroadcastSender -> gloo broadcast -> BroadcastReceiver -> the engine's parameters;
 each with checksums on (the default) and, for colocated, off, to report verification's cost.
 Prints one JSON object. Goal: colocated <= 2x the copy time on CPU, checksums on.
@@ -11,10 +13,9 @@ Prints one JSON object. Goal: colocated <= 2x the copy time on CPU, checksums on
                                      [--colocated-bucket-mb 16 --buffers 2 --no-split-tensors]
                                      [--syncs 3] [--skip-broadcast]
 
-The colocated runs use buckets the size of the cache with tensors split across them (a
-receiver verifies a bucket, then copies it out of cache); `--colocated-bucket-mb 512
---no-split-tensors` measures the transport as the RL loop's Ray hand-off uses it (one actor call
-per bucket, so few large buckets).
+The colocated runs use the RL loop's setting: buckets the size of the cache
+(`weight_sync.STREAM_BUCKET_BYTES`) with tensors split across them (a receiver verifies a bucket,
+then copies it out of cache).
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ from rollout import Engine, EngineConfig  # noqa: E402
 from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noqa: E402
 from rollout.weights import iter_safetensors  # noqa: E402
 from weight_sync import (  # noqa: E402
+    STREAM_BUCKET_BYTES,
     BroadcastReceiver,
     BroadcastSender,
     BucketReceiver,
+    BucketStream,
     ColocatedSender,
     SyncGroup,
+    receive_stream,
 )
 from weight_sync.checksum import algorithm_for, checksum  # noqa: E402
 
@@ -82,15 +86,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-class _PipeFuture:
-    def __init__(self, conn):
-        self.conn = conn
-
-    def result(self):
-        return self.conn.recv()
-
-
 def _colocated_engine(model_dir: str, conn, verify: bool, device: str) -> None:
+    """The engine's process: each sync is one command on the pipe (as the RL loop's one actor
+    call per sync) that runs `receive_stream` until the sender's end message."""
     engine = _engine(model_dir, device)
     receiver = BucketReceiver(engine, verify=verify)
     conn.send("ready")
@@ -101,7 +99,7 @@ def _colocated_engine(model_dir: str, conn, verify: bool, device: str) -> None:
         elif msg == "digest":
             conn.send(_digests(engine.model.named_parameters()))
         else:
-            conn.send(receiver.load(*msg))
+            conn.send(receive_stream(msg, receiver, timeout_s=600.0))
 
 
 def run_colocated(
@@ -114,22 +112,19 @@ def run_colocated(
     num_buffers: int = 2,
     split_tensors: bool = False,
 ) -> dict:
-    """Several syncs in a row, as in training; the first also pays for mapping fresh shared
-    memory. Returns the first and the best later report, and whether the engine's weights then
-    equal the trainer's bitwise."""
+    """Several syncs in a row, as in training, through the RL loop's colocated transport
+    (`BucketStream`: one start command per sync, the buckets' hand-offs on its socket); the
+    first also pays for mapping fresh shared memory. Returns the first and the best later
+    report, and whether the engine's weights then equal the trainer's bitwise."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_colocated_engine, args=(model_dir, child, verify, device))
     proc.start()
     child.close()  # the engine's end: were it kept open here, recv() would hang if it dies
     assert parent.recv() == "ready"
-
-    def deliver(handle, manifest):
-        parent.send((handle, manifest))
-        return _PipeFuture(parent)
-
+    stream = BucketStream()
     sender = ColocatedSender(
-        deliver,
+        stream.deliver,
         bucket_bytes=bucket_bytes,
         verify=verify,
         device=device,
@@ -139,7 +134,11 @@ def run_colocated(
     reports = []
     for version in range(1, syncs + 1):
         start = time.perf_counter()
+        parent.send(stream.address)
+        stream.accept(1, timeout_s=600.0)
         report = sender.send(weights.items())
+        stream.finish()
+        assert parent.recv().num_buckets == report.num_buckets
         parent.send("commit")
         assert parent.recv() == version
         reports.append(report._replace(total_s=time.perf_counter() - start))
@@ -148,6 +147,7 @@ def run_colocated(
     parent.send("exit")
     proc.join()
     sender.close()
+    stream.close()
     steady = min(reports[1:], key=lambda r: r.total_s)
     return {**steady._asdict(), "first_sync_total_s": reports[0].total_s, "bitwise_equal": bitwise}
 
@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--colocated-bucket-mb",
         type=int,
-        default=16,
+        default=STREAM_BUCKET_BYTES >> 20,
         help="colocated buckets: small enough to be verified and copied out while cached",
     )
     parser.add_argument("--buffers", type=int, default=2, help="colocated buckets in flight")

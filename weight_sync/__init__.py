@@ -3,6 +3,8 @@
 Tensors are packed into same-dtype buckets with a manifest (names, shapes, offsets, checksums),
 moved either through shared buffers (colocated: shared memory on CPU, CUDA IPC on GPU) or by
 broadcast over a process group (disaggregated), verified on arrival, and loaded in place.
+Colocated hand-offs (a handle + manifest per bucket) go either through a `deliver` call per
+bucket or down a socket per sync (`BucketStream` / `receive_stream`).
 Colocated senders and receivers are paired by (node, GPU UUID) identity (`pair_colocated`).
 """
 
@@ -20,6 +22,13 @@ from weight_sync.device_ops import DeviceOps
 from weight_sync.errors import WeightSyncError
 from weight_sync.group import SyncGroup
 from weight_sync.identity import DeviceIdentity, device_identity, pair_colocated
+from weight_sync.stream import (
+    STREAM_BUCKET_BYTES,
+    BucketStream,
+    StreamAddress,
+    StreamReport,
+    receive_stream,
+)
 
 __all__ = [
     "BucketPacker",
@@ -41,4 +50,9 @@ __all__ = [
     "DeviceIdentity",
     "device_identity",
     "pair_colocated",
+    "STREAM_BUCKET_BYTES",
+    "BucketStream",
+    "StreamAddress",
+    "StreamReport",
+    "receive_stream",
 ]

@@ -40,6 +40,13 @@ class EngineLoader:
     def load_weights(self, named_tensors) -> None:
         self.engine.load_weights(named_tensors, keep_running=self.keep_running)
 
+    def load_weight_piece(self, name, shape, start, piece) -> bool:
+        """A piece of a tensor split across buckets, in place where the engine can
+        (`weight_sync.pieces`)."""
+        return self.engine.load_weight_piece(
+            name, shape, start, piece, keep_running=self.keep_running
+        )
+
     def commit_weights(self) -> None:
         self.engine.commit_weights()
 
@@ -108,6 +115,14 @@ class EngineWeightReceiver:
     def load_bucket(self, handle, manifest, own_shards: bool, in_place: bool):
         self._before_load(own_shards, in_place)
         return self._bucket_receiver(own_shards).load(handle, manifest)
+
+    def receive_stream(self, address, own_shards: bool, timeout_s: float, in_place: bool):
+        """One colocated sync's buckets, handed over on the sender's socket
+        (`weight_sync.receive_stream`); the receiver's report, as a dict."""
+        from weight_sync import receive_stream
+
+        self._before_load(own_shards, in_place)
+        return receive_stream(address, self._bucket_receiver(own_shards), timeout_s)._asdict()
 
     def load_bucket_bytes(self, buffer, manifest, own_shards: bool, in_place: bool):
         self._before_load(own_shards, in_place)

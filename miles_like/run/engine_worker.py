@@ -260,6 +260,14 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
         this TP rank's own shards (the resharding sync delivers to every rank)."""
         return self.weights.load_bucket(handle, manifest, own_shards, in_place)
 
+    def receive_stream(
+        self, address, own_shards: bool = False, timeout_s: float = 600.0, in_place: bool = False
+    ) -> dict:
+        """Every bucket of one colocated sync from a trainer rank on this host, handed over on
+        its socket (`weight_sync.BucketStream`) instead of a call per bucket; as `load_bucket`
+        otherwise. Returns the receiver's report."""
+        return self.weights.receive_stream(address, own_shards, timeout_s, in_place)
+
     def load_bucket_bytes(
         self, buffer: torch.Tensor, manifest, own_shards: bool = False, in_place: bool = False
     ):

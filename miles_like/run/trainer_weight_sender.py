@@ -49,6 +49,10 @@ class TrainerWeightSender:
         # colocated: the sender, and so its two shared buffers, lives across steps (mapping fresh
         # shared memory every step would cost more than the copy)
         self.colocated = None
+        # colocated on the CPU, every engine on this host: small buckets handed over on a
+        # socket of this rank's (`weight_sync.stream`), one engine call per push
+        self.streamed = None
+        self.bucket_stream = None
         # where this call's buckets go: (engines on this rank's device, engines fed bytes,
         # timeout, whether they are own shards); set per push (an engine may have been replaced)
         self.targets: tuple = ((), (), 0.0, False)
@@ -130,6 +134,8 @@ class TrainerWeightSender:
 
         if not shared and not as_bytes:
             return drain(stream)
+        if not as_bytes and device().type == "cpu":
+            return self._stream(stream, shared, own_shards, timeout_s, bucket_bytes, quantization)
         self.targets = (list(shared), list(as_bytes), timeout_s, own_shards)
         if self.colocated is None:
             self.colocated = ColocatedSender(
@@ -143,11 +149,50 @@ class TrainerWeightSender:
             "remote_bytes": float(report.nbytes * len(as_bytes) / engines),
         }
 
+    def _stream(self, stream, shared, own_shards: bool, timeout_s, bucket_bytes, quantization):
+        """Every engine on this rank's host CPU: one `receive_stream` call per engine starts its
+        side of a `weight_sync.BucketStream`, and the buckets (small, tensors split across
+        them) go through shared memory with their hand-offs on the stream's socket."""
+        from weight_sync import STREAM_BUCKET_BYTES, BucketStream, ColocatedSender
+
+        if self.streamed is None:
+            self.bucket_stream = BucketStream()
+            self.streamed = ColocatedSender(
+                self.bucket_stream.deliver,
+                bucket_bytes=min(bucket_bytes, STREAM_BUCKET_BYTES),
+                quantization=quantization,
+                split_tensors=True,
+            )
+        calls = [
+            e.receive_stream.remote(self.bucket_stream.address, own_shards, timeout_s)
+            for e in shared
+        ]
+
+        def failed_early() -> None:  # an engine whose call ended before it connected
+            done, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
+            ray.get(done)
+
+        try:
+            self.bucket_stream.accept(len(shared), timeout_s, failed_early)
+            report = self.streamed.send(stream)
+            self.bucket_stream.finish()
+        except BaseException:
+            self.bucket_stream.abort()  # the engines' calls end now, the sync incomplete
+            raise
+        ray.get(calls, timeout=timeout_s)  # their own errors, if any (the acks said none)
+        return {
+            "bytes": float(report.nbytes),
+            "buckets": float(report.num_buckets),
+            "remote_bytes": 0.0,
+        }
+
     def release(self) -> None:
         """Free the colocated bucket buffers (the trainer is leaving the device to the engines);
         the next push maps them again."""
         if self.colocated is not None:
             self.colocated.release()
+        if self.streamed is not None:
+            self.streamed.release()
 
     def _deliver(self, handle, manifest) -> BucketAcks:
         local, remote, timeout_s, own = self.targets
@@ -220,3 +265,6 @@ class TrainerWeightSender:
     def close(self) -> None:
         if self.colocated is not None:
             self.colocated.close()
+        if self.streamed is not None:
+            self.streamed.close()
+            self.bucket_stream.close()
