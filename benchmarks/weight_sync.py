@@ -102,6 +102,11 @@ def _colocated_engine(model_dir: str, conn, verify: bool, device: str) -> None:
             conn.send(receive_stream(msg, receiver, timeout_s=600.0))
 
 
+def _alive(proc) -> None:
+    if not proc.is_alive():
+        raise EOFError(f"the engine process exited (code {proc.exitcode})")
+
+
 def run_colocated(
     model_dir: str,
     weights: dict,
@@ -135,7 +140,7 @@ def run_colocated(
     for version in range(1, syncs + 1):
         start = time.perf_counter()
         parent.send(stream.address)
-        stream.accept(1, timeout_s=600.0)
+        stream.accept(1, timeout_s=600.0, check=lambda: _alive(proc))
         report = sender.send(weights.items())
         stream.finish()
         assert parent.recv().num_buckets == report.num_buckets
