@@ -83,11 +83,9 @@ static inline void bf16_store8(uint16_t *p, __m256 v) {
 #include <immintrin.h>
 #define HAVE_AVX512 1
 
-/* e^x for 16 floats: exp8's Cephes polynomial in 512-bit registers. */
-static inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3762626647949f));
+/* e^x for 16 floats of x within exp16's clamps (or below them, where `underflow` is set and the
+   result is 0): exp8's Cephes polynomial in 512-bit registers. */
+static inline __m512 exp16_in_range(__m512 x, __mmask16 underflow) {
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -102,6 +100,14 @@ static inline __m512 exp16(__m512 x) {
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
                                 23);
   return _mm512_maskz_mul_ps((__mmask16)~underflow, y, _mm512_castsi512_ps(e));
+}
+
+/* e^x for 16 floats. */
+static inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3762626647949f));
+  return exp16_in_range(x, underflow);
 }
 
 static inline __m512 bf16_load16(const uint16_t *p) {

@@ -20,18 +20,9 @@ from rollout import Engine, EngineConfig
 from rollout.weights import iter_safetensors
 from weight_sync import BucketReceiver, ColocatedSender, Done
 
-from tiny_hf import make_hf_model, save_hf_model
-
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc"
 )
-
-
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    old = save_hf_model(make_hf_model("qwen2", seed=0), tmp_path_factory.mktemp("old"))
-    new = save_hf_model(make_hf_model("qwen2", seed=1), tmp_path_factory.mktemp("new"))
-    return old, new
 
 
 def _mapped(segment: str) -> bool:

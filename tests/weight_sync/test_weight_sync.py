@@ -27,18 +27,8 @@ from weight_sync import (
 )
 from weight_sync.checksum import checksum
 
-from tiny_hf import make_hf_model, save_hf_model
-
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
-
-
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    """(old, new): the engine starts from old; the 'trainer' holds new."""
-    old = save_hf_model(make_hf_model("qwen2", seed=0), tmp_path_factory.mktemp("old"))
-    new = save_hf_model(make_hf_model("qwen2", seed=1), tmp_path_factory.mktemp("new"))
-    return old, new
 
 
 def test_pack_unpack_is_bitwise_and_respects_bucket_size():
