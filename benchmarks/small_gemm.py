@@ -1,5 +1,6 @@
-"""The small-batch linear kernel (`rollout.native.small_linear`) against torch's GEMM at the
-engine's decode shapes, alternating, with the weights cached or evicted between layers.
+"""The small-batch linear kernel (`rollout.native.small_linear_unchecked`, as the engine calls
+it) against torch's GEMM at the engine's decode shapes, alternating, with the weights cached or
+evicted between layers.
 
 One "step" is what a decode step of the benchmark model multiplies (default: hidden 256,
 intermediate 704, 8 / 2 heads of 32, vocab 512, 4 layers): per layer the fused q/k/v projection,
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,27 +48,30 @@ def layer_weights(args, dtype) -> list[dict]:
 
 
 def torch_step(layer: dict, x: torch.Tensor) -> None:
-    torch.nn.functional.linear(x, layer["qkv"])
-    torch.addmm(
-        x, x, layer["o"].t()
-    ) if x.dtype == torch.float32 else x + torch.nn.functional.linear(x, layer["o"])
-    up = torch.nn.functional.linear(x, layer["gate_up"])
-    down_in = up[:, : layer["down"].shape[1]].contiguous()
-    torch.addmm(
-        x, down_in, layer["down"].t()
-    ) if x.dtype == torch.float32 else x + torch.nn.functional.linear(down_in, layer["down"])
+    """The reference: what `rollout.native.layers` ran before the kernel (addmm folds the
+    residual in float32; bfloat16 adds it after the product's rounding)."""
+
+    def add_linear(residual, inputs, weight):
+        if x.dtype == torch.float32:
+            return torch.addmm(residual, inputs, weight.t())
+        return residual + F.linear(inputs, weight)
+
+    F.linear(x, layer["qkv"])
+    add_linear(x, x, layer["o"])
+    up = F.linear(x, layer["gate_up"])
+    add_linear(x, up[:, : layer["down"].shape[1]].contiguous(), layer["down"])
     if "head" in layer:
-        torch.nn.functional.linear(x, layer["head"])
+        F.linear(x, layer["head"])
 
 
 def kernel_step(lib, layer: dict, x: torch.Tensor) -> None:
-    native.small_linear(lib, x, layer["qkv"])
-    native.small_linear(lib, x, layer["o"], residual=x)
-    up = native.small_linear(lib, x, layer["gate_up"])
+    native.small_linear_unchecked(lib, x, layer["qkv"], None, None)
+    native.small_linear_unchecked(lib, x, layer["o"], None, x)
+    up = native.small_linear_unchecked(lib, x, layer["gate_up"], None, None)
     down_in = up[:, : layer["down"].shape[1]].contiguous()
-    native.small_linear(lib, down_in, layer["down"], residual=x)
+    native.small_linear_unchecked(lib, down_in, layer["down"], None, x)
     if "head" in layer:
-        native.small_linear(lib, x, layer["head"])
+        native.small_linear_unchecked(lib, x, layer["head"], None, None)
 
 
 def timed_step(step, layers, x, evict: torch.Tensor | None) -> float:

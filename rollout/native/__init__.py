@@ -98,6 +98,13 @@ def declare_small_gemm(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.small_gemm.restype = None
     lib.small_gemm_has_avx512.restype = lib.small_gemm_has_bf16_dot.restype = _INT
+    # the dtypes its vector code is built for here (AVX-512; AVX-512 BF16 for bfloat16): where
+    # the engine uses it (the portable build is for tests and for correctness elsewhere)
+    lib.vector_dtypes = (
+        ((torch.float32,) + ((torch.bfloat16,) if lib.small_gemm_has_bf16_dot() else ()))
+        if lib.small_gemm_has_avx512()
+        else ()
+    )
     return lib
 
 
@@ -429,27 +436,33 @@ def small_linear(
     another order than torch's; bfloat16 rounds the float32 sum (+ bias) once, then again after
     the residual add, as torch's ops round."""
     assert small_linear_target(x, weight), (x.shape, x.stride(), weight.shape, weight.stride())
-    (rows, inner), outs = x.shape, weight.shape[0]
-    out = torch.empty(rows, outs, dtype=x.dtype)
+    outs = weight.shape[0]
     if bias is not None:
         assert bias.shape == (outs,) and bias.dtype == x.dtype, (bias.shape, bias.dtype)
         bias = bias.contiguous()
     if residual is not None:
-        assert residual.shape == out.shape and residual.dtype == x.dtype, residual.shape
-        if residual.stride(1) != 1 and outs > 1:
+        assert residual.shape == (x.shape[0], outs) and residual.dtype == x.dtype, residual.shape
+        if residual.stride(1) != 1:
             residual = residual.contiguous()
-    if not rows or not outs:
-        return out
-    if not inner:
-        out.zero_()
-        if bias is not None:
-            out += bias
-        return out if residual is None else out.add_(residual)
+    return small_linear_unchecked(lib, x, weight, bias, residual)
+
+
+def small_linear_unchecked(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """`small_linear` for arguments already known to suit it (bias contiguous, residual rows
+    contiguous): the per-call work of the engine's decode steps, kept to the call itself."""
+    rows, outs = x.shape[0], weight.shape[0]
+    out = torch.empty(rows, outs, dtype=x.dtype)
     lib.small_gemm(
-        rows, outs, inner, x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+        rows, outs, x.shape[1], x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
         None if bias is None else bias.data_ptr(),
         None if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0),
-        int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+        0 if residual is None else residual.stride(0), out.data_ptr(), outs,
+        x.dtype == torch.bfloat16, torch.get_num_threads(),
     )  # fmt: skip
     return out

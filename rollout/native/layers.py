@@ -9,7 +9,8 @@ reference), with
   (`addmm`, beta = 1): no separate pass over the hidden states. Not in bfloat16: addmm would add
   the residual before rounding the product to bfloat16, where the reference rounds both;
 * the linear layers (q/k/v, o_proj and down_proj with their residual adds, gate_up, the LM head)
-  of a batch of at most `SMALL_LINEAR_ROWS` tokens (decode steps) on the small-batch kernel
+  of a batch of at most `SMALL_LINEAR_ROWS` tokens (decode steps; float32: at least
+  `FLOAT32_MIN_ROWS`) on the small-batch kernel
   (`small_gemm.c`, residual added as the reference adds it), which reads the stored [out, in]
   weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed.
 
@@ -46,22 +47,21 @@ def use_native_pieces(model: CausalLM) -> None:
     model.pieces = LayerPieces(attention_inputs, attention_outputs, logits)
 
 
-# At most this many rows (tokens) go to the small-batch linear kernel. Measured on the engine's
-# decode shapes (benchmarks/small_gemm.py, RESULTS "Small-batch linear kernel"): it is faster
-# than torch's GEMM up to 16 rows, slower from 32 (float32: torch's blocked GEMM; bfloat16:
-# torch's AMX path).
+# The batches (rows, tokens) that go to the small-batch linear kernel: at most
+# SMALL_LINEAR_ROWS, and in float32 at least FLOAT32_MIN_ROWS. Measured on the engine's decode
+# shapes (benchmarks/small_gemm.py; benchmarks/RESULTS.md "Small-batch linear layers"): from 32
+# rows torch's GEMM is faster (its blocked float32 GEMM; AMX in bfloat16); in bfloat16 the kernel
+# is faster at 1..16 rows, in float32 only at 8..16 (below, torch's matrix-vector path and its
+# lower per-call cost win).
 SMALL_LINEAR_ROWS = 16
+FLOAT32_MIN_ROWS = 8
 
 
 def _small_gemm(dtype: torch.dtype):
     """The small-batch linear kernel where it is built with the vector code it is fast with
     (AVX-512; AVX-512 BF16 for bfloat16), else None."""
     lib = native.small_gemm()
-    if lib is None or not lib.small_gemm_has_avx512():
-        return None
-    if dtype == torch.bfloat16 and not lib.small_gemm_has_bf16_dot():
-        return None
-    return lib
+    return lib if lib is not None and dtype in lib.vector_dtypes else None
 
 
 def _linear(
@@ -71,17 +71,24 @@ def _linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual, added to the rounded product as `residual + ...`
-    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows."""
+    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows. The checks
+    are the few that the model's tensors can fail (a decode step makes ~20 of these calls)."""
+    rows = x.shape[0]
     if (
-        x.dim() == 2
-        and x.shape[0] <= SMALL_LINEAR_ROWS
-        and native.small_linear_target(x, weight)
-        and (bias is None or bias.dtype == x.dtype)
-        and (residual is None or residual.dtype == x.dtype)
+        rows <= SMALL_LINEAR_ROWS
+        and x.dim() == 2
+        and (rows >= FLOAT32_MIN_ROWS or x.dtype != torch.float32)
     ):
         lib = _small_gemm(x.dtype)
-        if lib is not None:
-            return native.small_linear(lib, x, weight, bias, residual)
+        if (
+            lib is not None
+            and weight.dtype == x.dtype
+            and x.stride(1) == 1
+            and weight.stride(1) == 1
+            and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
+            and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1))
+        ):
+            return native.small_linear_unchecked(lib, x, weight, bias, residual)
     if residual is None:
         return F.linear(x, weight, bias)
     if bias is None and x.dtype == torch.float32:
