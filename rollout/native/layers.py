@@ -9,8 +9,7 @@ reference), with
   (`addmm`, beta = 1): no separate pass over the hidden states. Not in bfloat16: addmm would add
   the residual before rounding the product to bfloat16, where the reference rounds both;
 * the linear layers (q/k/v, o_proj and down_proj with their residual adds, gate_up, the LM head)
-  of a batch of at most `SMALL_LINEAR_ROWS` tokens (decode steps; float32: at least
-  `FLOAT32_MIN_ROWS`) on the small-batch kernel
+  of a batch of at most `SMALL_LINEAR_ROWS` tokens (decode steps) on the small-batch kernel
   (`small_gemm.c`, residual added as the reference adds it), which reads the stored [out, in]
   weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed.
 
@@ -47,14 +46,12 @@ def use_native_pieces(model: CausalLM) -> None:
     model.pieces = LayerPieces(attention_inputs, attention_outputs, logits)
 
 
-# The batches (rows, tokens) that go to the small-batch linear kernel: at most
-# SMALL_LINEAR_ROWS, and in float32 at least FLOAT32_MIN_ROWS. Measured on the engine's decode
-# shapes (benchmarks/small_gemm.py; benchmarks/RESULTS.md "Small-batch linear layers"): from 32
-# rows torch's GEMM is faster (its blocked float32 GEMM; AMX in bfloat16); in bfloat16 the kernel
-# is faster at 1..16 rows, in float32 only at 8..16 (below, torch's matrix-vector path and its
-# lower per-call cost win).
+# At most this many rows (tokens) go to the small-batch linear kernel. Measured on the engine's
+# decode shapes with the weights evicted between layers, as the K/V reads evict them in the
+# engine (benchmarks/small_gemm.py; benchmarks/RESULTS.md "Small-batch linear layers"): the
+# kernel is faster than torch's GEMM at 1..16 rows in both dtypes, slower from 32 (torch's
+# blocked float32 GEMM; its AMX path in bfloat16).
 SMALL_LINEAR_ROWS = 16
-FLOAT32_MIN_ROWS = 8
 
 
 def _small_gemm(dtype: torch.dtype):
@@ -73,12 +70,7 @@ def _linear(
     """F.linear(x, weight, bias) (+ residual, added to the rounded product as `residual + ...`
     adds it; in float32 as addmm adds it): on the small-batch kernel for few rows. The checks
     are the few that the model's tensors can fail (a decode step makes ~20 of these calls)."""
-    rows = x.shape[0]
-    if (
-        rows <= SMALL_LINEAR_ROWS
-        and x.dim() == 2
-        and (rows >= FLOAT32_MIN_ROWS or x.dtype != torch.float32)
-    ):
+    if x.shape[0] <= SMALL_LINEAR_ROWS and x.dim() == 2:
         lib = _small_gemm(x.dtype)
         if (
             lib is not None

@@ -125,8 +125,8 @@ def test_a_column_major_weight_is_not_a_target():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
-    """`layers._linear`: the kernel for at most SMALL_LINEAR_ROWS rows (float32: at least
-    FLOAT32_MIN_ROWS; where it is built with its vector code), torch's GEMM elsewhere; the same
+    """`layers._linear`: the kernel for at most SMALL_LINEAR_ROWS rows (where it is built with
+    its vector code), torch's GEMM for more; the same
     function either way (float32: within a summation bound; bfloat16: within an ulp of each of
     its two roundings)."""
     if layers._small_gemm(dtype) is None:
@@ -137,14 +137,11 @@ def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
         native, "small_linear_unchecked", lambda *a: calls.append(a[1].shape) or real(*a)
     )
     w, bias = _randn(96, 64, seed=2).to(dtype), _randn(96, seed=3).to(dtype)
-    lowest = layers.FLOAT32_MIN_ROWS if dtype == torch.float32 else 1
-    for rows in sorted(
-        {1, lowest - 1, lowest, layers.SMALL_LINEAR_ROWS, layers.SMALL_LINEAR_ROWS + 1} - {0}
-    ):
+    for rows in (1, 5, layers.SMALL_LINEAR_ROWS, layers.SMALL_LINEAR_ROWS + 1):
         x, residual = _randn(rows, 64, seed=rows).to(dtype), _randn(rows, 96, seed=9).to(dtype)
         calls.clear()
         got = layers._linear(x, w, bias, residual)
-        assert len(calls) == (lowest <= rows <= layers.SMALL_LINEAR_ROWS)
+        assert len(calls) == (rows <= layers.SMALL_LINEAR_ROWS)
         product = x.double() @ w.double().t() + bias.double()
         ref = residual.double() + product
         if dtype == torch.bfloat16:  # the product rounded, then the sum: an ulp of each
@@ -176,12 +173,11 @@ def test_engine_decode_steps_run_on_the_kernel(tmp_path, monkeypatch, dtype):
     monkeypatch.setattr(
         native, "small_linear_unchecked", lambda *a: rows.append(a[1].shape[0]) or real(*a)
     )
-    # 2 prompts x 4 samples: decode steps of 8 rows (float32's lowest), prefills of 11 and 37
+    # 2 prompts x 4 samples: decode steps of 8 rows, prefills of 11 and 37 tokens
     params = SamplingParams(n=4, temperature=0.0, max_new_tokens=6, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(50, 61))]
     native_out = engine.generate(prompts, params)
     assert rows and max(rows) <= layers.SMALL_LINEAR_ROWS
-    assert min(rows) >= (layers.FLOAT32_MIN_ROWS if dtype == "float32" else 1)
     engine.model.pieces = LayerPieces(
         DecoderLayer.attention_inputs, DecoderLayer.attention_outputs, CausalLM._logits
     )
