@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--intermediate-size", type=int, default=704)

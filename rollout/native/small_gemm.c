@@ -181,7 +181,6 @@ static inline __attribute__((always_inline)) void outputs(
     int64_t n0, int64_t n1, int64_t M, const char *x, int64_t x_row, const char *w,
     int64_t w_row, int64_t K, const void *bias, const char *res, int64_t res_row, char *y,
     int64_t y_row, const int bf16) {
-  const int64_t size = bf16 ? 2 : 4;
   for (int64_t m = 0; m < M; m++)
     for (int64_t n = n0; n < n1; n++) {
       float acc = 0.f;
@@ -196,7 +195,6 @@ static inline __attribute__((always_inline)) void outputs(
         ((float *)(y + m * y_row))[n] = acc;
       }
     }
-  (void)size;
 }
 #endif
 
@@ -208,7 +206,7 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
                 int64_t w_row, const void *bias, const void *res, int64_t res_row, void *y,
                 int64_t y_row, int bf16, int num_threads) {
   const int64_t size = bf16 ? 2 : 4;
-  const int64_t tiles = (N + 3) / 4;
+  const int64_t tiles = (N + COLS - 1) / COLS;
   if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
   if (num_threads > tiles) num_threads = (int)tiles;
 #pragma omp parallel num_threads(num_threads)
@@ -219,7 +217,7 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
     const int t = 0, T = 1;
 #endif
     // contiguous ranges of whole tiles, one per thread
-    const int64_t n0 = tiles * t / T * 4, n1_tiles = tiles * (t + 1) / T * 4;
+    const int64_t n0 = tiles * t / T * COLS, n1_tiles = tiles * (t + 1) / T * COLS;
     const int64_t n1 = n1_tiles < N ? n1_tiles : N;
     if (bf16)
       outputs(n0, n1, M, x, x_row * size, w, w_row * size, K, bias, res, res_row * size, y,

@@ -114,6 +114,26 @@ def test_strided_views_are_read_in_place(build, dtype):
     assert not got.isnan().any()
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_split_the_outputs_without_changing_them(build, dtype):
+    """Several threads (each a contiguous range of whole 4-output tiles; 3 threads over 37
+    tiles: uneven ranges, a ragged last tile) give the one-thread result bit for bit: each
+    output is computed the same way whoever computes it."""
+    lib = BUILDS[build]
+    x, w = _randn(9, 200, seed=1).to(dtype), _randn(147, 200, seed=2).to(dtype)
+    bias, residual = _randn(147, seed=3).to(dtype), _randn(9, 147, seed=4).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native.small_linear(lib, x, w, bias, residual)
+        torch.set_num_threads(3)
+        split = native.small_linear(lib, x, w, bias, residual)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
+
+
 def test_a_column_major_weight_is_not_a_target():
     """The kernel reads each output's weights as one contiguous run: a transposed weight
     (`CausalLM.column_major`) stays on torch's path."""
