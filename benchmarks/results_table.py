@@ -241,6 +241,23 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "{:.2f}x",
         ),
     ),
+    "small_gemm": _figures(
+        (
+            "small-batch linear kernel vs torch, fp32, 16 rows, cold weights",
+            "cells/7/speedup_median",
+            "{:.2f}x",
+        ),
+        (
+            "small-batch linear kernel vs torch, bf16, 1 row, cold weights",
+            "cells/13/speedup_median",
+            "{:.2f}x",
+        ),
+        (
+            "small-batch linear kernel vs torch, bf16, 16 rows, cold weights",
+            "cells/19/speedup_median",
+            "{:.2f}x",
+        ),
+    ),
     "decode_attention_kernel": _figures(
         ("C decode-attention kernel vs the baseline's, first setting", "runs/0/speedup", "{:.2f}x"),
     ),

@@ -89,6 +89,25 @@ def declare_transpose(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def declare_small_gemm(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.small_gemm.argtypes = [
+        *(_I64,) * 3,  # M, N, K
+        *(_PTR, _I64, _PTR, _I64),  # x, its row stride, weight, its output stride
+        *(_PTR, _PTR, _I64, _PTR, _I64),  # bias, residual, its row stride, y, its row stride
+        *(_INT, _INT),  # bfloat16?, threads
+    ]
+    lib.small_gemm.restype = None
+    lib.small_gemm_has_avx512.restype = lib.small_gemm_has_bf16_dot.restype = _INT
+    # the dtypes its vector code is built for here (AVX-512; AVX-512 BF16 for bfloat16): where
+    # the engine uses it (the portable build is for tests and for correctness elsewhere)
+    lib.vector_dtypes = (
+        ((torch.float32,) + ((torch.bfloat16,) if lib.small_gemm_has_bf16_dot() else ()))
+        if lib.small_gemm_has_avx512()
+        else ()
+    )
+    return lib
+
+
 def _library(source: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: str):
     return native_build.LazyLibrary(
         Path(__file__).with_name(source),
@@ -104,6 +123,7 @@ prefill = _library("prefill_attention.c", declare_prefill, "prefill attention")
 pointwise = _library("pointwise.c", declare_pointwise, "element-wise kernels")
 sampling = _library("sampling.c", declare_sampling, "sampling")
 transpose = _library("transpose.c", declare_transpose, "transposing copy")
+small_gemm = _library("small_gemm.c", declare_small_gemm, "small-batch linear")
 
 
 def transposed_target(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -386,3 +406,63 @@ def sample_rows(
             torch.get_num_threads(),
         )  # fmt: skip
     return tokens, logprobs
+
+
+def small_linear_target(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `small_linear` takes x [M, K] and weight [N, K] as they are: both float32 or both
+    bfloat16 on the CPU, each row of x and each output's weights contiguous."""
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and x.dtype == weight.dtype
+        and x.dtype in POINTWISE_DTYPES
+        and x.device.type == weight.device.type == "cpu"
+        and x.shape[1] == weight.shape[1]
+        and (x.stride(1) == 1 or x.shape[1] == 1)
+        and (weight.stride(1) == 1 or weight.shape[1] == 1)
+    )
+
+
+def small_linear(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` (+ residual: `residual + F.linear(...)`, in float32 one
+    `addmm(residual, x, weight.t())`) for x [M, K], weight [N, K] as `small_linear_target`
+    says, bias [N], residual [M, N] of the same dtype -> a new [M, N] tensor. float32 sums in
+    another order than torch's; bfloat16 rounds the float32 sum (+ bias) once, then again after
+    the residual add, as torch's ops round."""
+    assert small_linear_target(x, weight), (x.shape, x.stride(), weight.shape, weight.stride())
+    outs = weight.shape[0]
+    if bias is not None:
+        assert bias.shape == (outs,) and bias.dtype == x.dtype, (bias.shape, bias.dtype)
+        bias = bias.contiguous()
+    if residual is not None:
+        assert residual.shape == (x.shape[0], outs) and residual.dtype == x.dtype, residual.shape
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    return small_linear_unchecked(lib, x, weight, bias, residual)
+
+
+def small_linear_unchecked(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """`small_linear` for arguments already known to suit it (bias contiguous, residual rows
+    contiguous): the per-call work of the engine's decode steps, kept to the call itself."""
+    rows, outs = x.shape[0], weight.shape[0]
+    out = torch.empty(rows, outs, dtype=x.dtype)
+    lib.small_gemm(
+        rows, outs, x.shape[1], x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), out.data_ptr(), outs,
+        x.dtype == torch.bfloat16, torch.get_num_threads(),
+    )  # fmt: skip
+    return out

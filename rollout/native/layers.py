@@ -7,7 +7,11 @@ reference), with
 * q and k rotated in place in the fused q/k/v projection's output;
 * in float32, the residual adds folded into the o_proj and down_proj matrix multiplies
   (`addmm`, beta = 1): no separate pass over the hidden states. Not in bfloat16: addmm would add
-  the residual before rounding the product to bfloat16, where the reference rounds both.
+  the residual before rounding the product to bfloat16, where the reference rounds both;
+* the linear layers (q/k/v, o_proj and down_proj with their residual adds, gate_up, the LM head)
+  of a batch of at most `SMALL_LINEAR_ROWS` tokens (decode steps) on the small-batch kernel
+  (`small_gemm.c`, residual added as the reference adds it), which reads the stored [out, in]
+  weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed.
 
 Used where `applies` says so: a CPU float32 or bfloat16 model without tensor parallelism (the
 row-parallel all-reduce would come between the multiply and the add) whose kernels are available,
@@ -42,6 +46,48 @@ def use_native_pieces(model: CausalLM) -> None:
     model.pieces = LayerPieces(attention_inputs, attention_outputs, logits)
 
 
+# At most this many rows (tokens) go to the small-batch linear kernel. Measured on the engine's
+# decode shapes with the weights evicted between layers, as the K/V reads evict them in the
+# engine (benchmarks/small_gemm.py; benchmarks/RESULTS.md "Small-batch linear layers"): the
+# kernel is faster than torch's GEMM at 1..16 rows in both dtypes, slower from 32 (torch's
+# blocked float32 GEMM; its AMX path in bfloat16).
+SMALL_LINEAR_ROWS = 16
+
+
+def _small_gemm(dtype: torch.dtype):
+    """The small-batch linear kernel where it is built with the vector code it is fast with
+    (AVX-512; AVX-512 BF16 for bfloat16), else None."""
+    lib = native.small_gemm()
+    return lib if lib is not None and dtype in lib.vector_dtypes else None
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) (+ residual, added to the rounded product as `residual + ...`
+    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows. The checks
+    are the few that the model's tensors can fail (a decode step makes 17 of these calls)."""
+    if x.shape[0] <= SMALL_LINEAR_ROWS and x.dim() == 2:
+        lib = _small_gemm(x.dtype)
+        if (
+            lib is not None
+            and weight.dtype == x.dtype
+            and x.stride(1) == 1
+            and weight.stride(1) == 1
+            and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
+            and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1))
+        ):
+            return native.small_linear_unchecked(lib, x, weight, bias, residual)
+    if residual is None:
+        return F.linear(x, weight, bias)
+    if bias is None and x.dtype == torch.float32:
+        return torch.addmm(residual, x, weight.t())
+    return residual + F.linear(x, weight, bias)
+
+
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return native.rms_norm(native.pointwise(), x, norm.weight, norm.eps)
 
@@ -52,7 +98,7 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
     if attn.qkv_weight is None or attn.q_norm is not None:
         return attn.project(h, positions, rotary)
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
-    qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias).view(x.shape[0], -1, attn.head_dim)
+    qkv = _linear(h, attn.qkv_weight, attn.qkv_bias).view(x.shape[0], -1, attn.head_dim)
     native.rotary_(
         native.pointwise(), qkv[:, : heads + kv_heads], rotary.cos, rotary.sin, positions
     )
@@ -61,13 +107,10 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
 
 
 def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x + linear(inputs), in one matrix multiply for a float32 linear without bias."""
-    if (
-        linear.bias is None
-        and isinstance(linear, torch.nn.Linear)  # not an FP8 layer
-        and x.dtype == torch.float32
-    ):
-        return torch.addmm(x, inputs, linear.weight.t())
+    """x + linear(inputs), in one matrix multiply for a float32 linear without bias (and on the
+    small-batch kernel for few rows)."""
+    if type(linear) is torch.nn.Linear:  # not an FP8 layer, not a tensor-parallel one
+        return _linear(inputs, linear.weight, linear.bias, residual=x)
     return x + linear(inputs)
 
 
@@ -77,10 +120,11 @@ def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tens
     h = _norm(layer.post_attention_layernorm, x)
     if mlp.gate_up_weight is None:
         return x + mlp(h)
-    gate, up = F.linear(h, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
+    gate, up = _linear(h, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
     return _add_linear(x, native.silu_mul(native.pointwise(), gate, up), mlp.down_proj)
 
 
 def logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    logits = model.lm_head(_norm(model.model.norm, hidden))
+    head, h = model.lm_head, _norm(model.model.norm, hidden)
+    logits = _linear(h, head.weight, head.bias) if type(head) is torch.nn.Linear else head(h)
     return logits.to(accum_dtype(logits.dtype))

@@ -1,0 +1,236 @@
+"""The small-batch linear kernel (`rollout/native/small_gemm.c`, `native.small_linear`) against
+float64 products and torch's own F.linear / addmm on the same inputs, in the vector (AVX-512)
+and the portable build; and the native model pieces' use of it (`rollout.native.layers`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from native_builds import builds
+
+from rollout import native
+from rollout.native import layers
+
+pytestmark = pytest.mark.skipif(
+    native.small_gemm() is None, reason="no C compiler: the engine multiplies in torch"
+)
+
+BUILDS = builds(native.small_gemm)
+assert "portable" not in BUILDS or BUILDS["portable"].small_gemm_has_avx512() == 0
+
+ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 16, 33]  # every tile remainder, the threshold and beyond
+SHAPES = [(1, 1), (3, 7), (4, 16), (5, 17), (17, 33), (64, 256), (131, 300), (384, 256)]
+U32 = 2.0**-24  # float32 unit roundoff
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _strided(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """t's values in a view whose rows are `extra` elements further apart."""
+    wide = torch.full((t.shape[0], t.shape[1] + extra), float("nan"), dtype=t.dtype)
+    wide[:, : t.shape[1]] = t
+    return wide[:, : t.shape[1]]
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("outs,inner", SHAPES)
+def test_float32_matches_float64_and_torch(build, rows, outs, inner):
+    """float32 x W^T (+ bias, + residual) within the summation-error bound of float64 products:
+    each output is a chain of at most K float32 multiply-adds plus the bias and residual adds
+    and a 16-lane tree (<= K + 8 roundings: the portable build sums in K order, the vector one in
+    16 lanes of K / 16 then the tree), so |error| <= (K + 8) u sum|terms| (u = 2^-24). A wrong
+    or missing term is off by O(|term|), far outside it. torch's GEMM obeys the same bound."""
+    lib = BUILDS[build]
+    x, w = _randn(rows, inner, seed=1), _randn(outs, inner, seed=2)
+    bias, residual = _randn(outs, seed=3), _randn(rows, outs, seed=4)
+    for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        got = native.small_linear(lib, x, w, b, r)
+        ref = x.double() @ w.double().t()
+        magnitude = x.double().abs() @ w.double().abs().t()
+        if b is not None:
+            ref, magnitude = ref + b.double(), magnitude + b.double().abs()
+        if r is not None:
+            ref, magnitude = ref + r.double(), magnitude + r.double().abs()
+        bound = (inner + 8) * U32 * magnitude + 1e-37
+        assert got.shape == (rows, outs) and got.dtype == torch.float32
+        assert ((got.double() - ref).abs() <= bound).all()
+        expected = F.linear(x, w, b) if r is None else torch.addmm(r, x, w.t(), beta=1)
+        if r is not None and b is not None:
+            expected = r + F.linear(x, w, b)
+        assert ((got.double() - expected.double()).abs() <= 2 * bound).all()
+
+
+def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 values at |t| (8 significant bits)."""
+    exponent = torch.floor(torch.log2(t.abs().clamp_min(2.0**-126)))
+    return torch.exp2(exponent - 7)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("outs,inner", SHAPES)
+def test_bfloat16_within_one_ulp_and_residual_as_torch_adds_it(build, rows, outs, inner):
+    """bfloat16 x W^T + bias: the float32-accumulated sum rounded once, so within one bfloat16
+    ulp of the float32 reference (round to nearest is half an ulp; the rest covers the float32
+    summation order) plus both float32 sums' error bound (the test above's; it matters only
+    where the terms cancel to a result far smaller than they are); almost always torch's
+    bfloat16 F.linear bit for bit. With a residual:
+    exactly torch's `residual + product` of the kernel's own rounded product (the add rounds
+    again, after the product's rounding, as the reference rounds)."""
+    lib = BUILDS[build]
+    x, w = _randn(rows, inner, seed=1).bfloat16(), _randn(outs, inner, seed=2).bfloat16()
+    bias, residual = _randn(outs, seed=3).bfloat16(), _randn(rows, outs, seed=4).bfloat16()
+    for b in (None, bias):
+        product = native.small_linear(lib, x, w, b)
+        assert product.dtype == torch.bfloat16 and product.shape == (rows, outs)
+        ref32 = F.linear(x.float(), w.float(), None if b is None else b.float())
+        magnitude = F.linear(
+            x.float().abs(), w.float().abs(), None if b is None else b.float().abs()
+        )
+        summation = 2 * (inner + 8) * U32 * magnitude.double()
+        assert ((product.float() - ref32).abs() <= _bf16_ulp(ref32) + summation).all()
+        assert (product == F.linear(x, w, b)).float().mean() >= 0.98
+        with_residual = native.small_linear(lib, x, w, b, residual)
+        assert torch.equal(with_residual, residual + product)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_views_are_read_in_place(build, dtype):
+    """Rows of x, of the weight and of the residual further apart than their lengths (a slice
+    of a wider tensor, as the fused projections' parameters are): the same result as on
+    contiguous copies, bit for bit."""
+    lib = BUILDS[build]
+    x, w = _randn(6, 40, seed=1).to(dtype), _randn(70, 40, seed=2).to(dtype)
+    bias, residual = _randn(70, seed=3).to(dtype), _randn(6, 70, seed=4).to(dtype)
+    sx, sw, sr = _strided(x, 9), _strided(w, 24), _strided(residual, 5)
+    assert not (sx.is_contiguous() or sw.is_contiguous() or sr.is_contiguous())
+    got = native.small_linear(lib, sx, sw, bias, sr)
+    assert torch.equal(got, native.small_linear(lib, x, w, bias, residual))
+    assert not got.isnan().any()
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_split_the_outputs_without_changing_them(build, dtype):
+    """Several threads (each a contiguous range of whole 4-output tiles; 3 threads over 37
+    tiles: uneven ranges, a ragged last tile) give the one-thread result bit for bit: each
+    output is computed the same way whoever computes it."""
+    lib = BUILDS[build]
+    x, w = _randn(9, 200, seed=1).to(dtype), _randn(147, 200, seed=2).to(dtype)
+    bias, residual = _randn(147, seed=3).to(dtype), _randn(9, 147, seed=4).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native.small_linear(lib, x, w, bias, residual)
+        torch.set_num_threads(3)
+        split = native.small_linear(lib, x, w, bias, residual)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
+
+
+def test_a_column_major_weight_is_not_a_target():
+    """The kernel reads each output's weights as one contiguous run: a transposed weight
+    (`CausalLM.column_major`) stays on torch's path."""
+    x, w = _randn(4, 32), _randn(48, 32)
+    assert native.small_linear_target(x, w)
+    assert not native.small_linear_target(x, w.t().contiguous().t())
+    assert not native.small_linear_target(x, w.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
+    """`layers._linear`: the kernel for at most SMALL_LINEAR_ROWS rows (where it is built with
+    its vector code), torch's GEMM for more; the same
+    function either way (float32: within a summation bound; bfloat16: within an ulp of each of
+    its two roundings)."""
+    if layers._small_gemm(dtype) is None:
+        pytest.skip("the kernel's vector code is not built here")
+    calls = []
+    real = native.small_linear_unchecked
+    monkeypatch.setattr(
+        native, "small_linear_unchecked", lambda *a: calls.append(a[1].shape) or real(*a)
+    )
+    w, bias = _randn(96, 64, seed=2).to(dtype), _randn(96, seed=3).to(dtype)
+    for rows in (1, 5, layers.SMALL_LINEAR_ROWS, layers.SMALL_LINEAR_ROWS + 1):
+        x, residual = _randn(rows, 64, seed=rows).to(dtype), _randn(rows, 96, seed=9).to(dtype)
+        calls.clear()
+        got = layers._linear(x, w, bias, residual)
+        assert len(calls) == (rows <= layers.SMALL_LINEAR_ROWS)
+        product = x.double() @ w.double().t() + bias.double()
+        ref = residual.double() + product
+        if dtype == torch.bfloat16:  # the product rounded, then the sum: an ulp of each
+            tol = _bf16_ulp(product.float()) + _bf16_ulp(ref.float())
+        else:
+            tol = 1e-5 * (residual.double().abs() + product.abs()) + 1e-6
+        assert ((got.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_decode_steps_run_on_the_kernel(tmp_path, monkeypatch, dtype):
+    """A CPU engine on the native pieces sends its decode steps' linear layers (few rows) to the
+    kernel and its prefill (many rows) to torch, and generates the same tokens as the
+    reference pieces (float32: logprobs to float32 rounding)."""
+    if layers._small_gemm(getattr(torch, dtype)) is None:
+        pytest.skip("the kernel's vector code is not built here")
+    from rollout import Engine, EngineConfig, SamplingParams
+    from rollout.model import CausalLM, DecoderLayer, LayerPieces
+
+    from tiny_hf import make_hf_model, save_hf_model
+
+    save_hf_model(make_hf_model("qwen2", seed=0), tmp_path)
+    engine = Engine(
+        EngineConfig(model_path=str(tmp_path), kv_cache_tokens=2048, seed=0, dtype=dtype)
+    )
+    assert engine.model.pieces.attention_inputs is layers.attention_inputs
+    rows = []
+    real = native.small_linear_unchecked
+    monkeypatch.setattr(
+        native, "small_linear_unchecked", lambda *a: rows.append(a[1].shape[0]) or real(*a)
+    )
+    # 2 prompts x 4 samples: decode steps of 8 rows, prefills of 11 and 37 tokens
+    params = SamplingParams(n=4, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    native_out = engine.generate(prompts, params)
+    assert rows and max(rows) <= layers.SMALL_LINEAR_ROWS
+    engine.model.pieces = LayerPieces(
+        DecoderLayer.attention_inputs, DecoderLayer.attention_outputs, CausalLM._logits
+    )
+    engine.flush_prefix_cache()
+    reference_out = engine.generate(prompts, params)
+    for a, b in zip(native_out, reference_out):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            if dtype == "float32":
+                torch.testing.assert_close(
+                    torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-5, rtol=0
+                )
+
+
+def test_the_benchmark_runs(tmp_path):
+    """`benchmarks/small_gemm.py` end to end at a tiny size (its figures are not asserted: speed
+    lives in the benchmark's JSON)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if layers._small_gemm(torch.float32) is None:
+        pytest.skip("the benchmark times the kernel's vector code, not built here")
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run.json"
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks/small_gemm.py"), "--rounds", "2", "--rows", "1",
+         "5", "--layers", "1", "--evict-mib", "1", "--threads", "1", "--out", str(out)],
+        check=True, capture_output=True, cwd=root,
+    )  # fmt: skip
+    cells = json.loads(out.read_text())["result"]["cells"]
+    assert {(c["dtype"], c["rows"], c["weights"]) for c in cells} == {
+        (d, r, w) for d in ("float32", "bfloat16") for r in (1, 5) for w in ("cached", "evicted")
+    }
+    assert all(c["torch_us_median"] > 0 and c["kernel_us_median"] > 0 for c in cells)
