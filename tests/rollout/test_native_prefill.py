@@ -98,7 +98,7 @@ def test_the_builds_differ_in_their_vector_path():
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [20, 32, 48, 64, 128])
+@pytest.mark.parametrize("head_dim", [20, 32, 48, 64, 96, 128])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)])
 @pytest.mark.parametrize("n, context", [(1, 1), (37, 37), (150, 150), (5, 69), (70, 200)])
 def test_kernel_matches_sdpa_in_float64(build, dtype, head_dim, heads, n, context):
