@@ -261,6 +261,18 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
     "decode_attention_kernel": _figures(
         ("C decode-attention kernel vs the baseline's, first setting", "runs/0/speedup", "{:.2f}x"),
     ),
+    "prefill_attention_amx": _figures(
+        (
+            "C prefill attention, bf16 on AMX tiles vs AVX-512, head dim 32",
+            "cases/head_dim_32/speedup_median",
+            "{:.2f}x",
+        ),
+        (
+            "C prefill attention, bf16 on AMX tiles vs AVX-512, head dim 128",
+            "cases/head_dim_128/speedup_median",
+            "{:.2f}x",
+        ),
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """The engine's C kernels for the CPU, float32: cascade decode attention (cascade_decode.c),
-causal prefill attention (prefill_attention.c, float32 and bfloat16 inputs, float32 arithmetic), the
+causal prefill attention (prefill_attention.c, float32 and bfloat16 inputs, float32 arithmetic;
+in bfloat16 on AMX tiles where the CPU has them, the probabilities rounded to bfloat16), the
 element-wise steps of a layer (pointwise.c: RMSNorm, rotary, SiLU * up, K/V row stores; all in
 bfloat16 too, rounding where the torch reference's bfloat16 ops round) and
 sampling without truncation (sampling.c: each row's draw and log-prob in one pass), and the
@@ -25,6 +26,9 @@ import torch
 import native_build
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# The same build without AMX tiles: on a CPU with them, the AVX-512 paths they replace (tests and
+# benchmarks/prefill_attention_amx.py run both).
+NO_AMX_FLAGS = [*FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 
@@ -52,7 +56,7 @@ def declare_prefill(lib: ctypes.CDLL) -> ctypes.CDLL:
         *(_F32, _INT, _INT),  # scale, bfloat16?, threads
     ]
     lib.prefill_attention.restype = _INT
-    lib.prefill_attention_has_avx512.restype = _INT
+    lib.prefill_attention_has_avx512.restype = lib.prefill_attention_has_amx.restype = _INT
     return lib
 
 
@@ -277,7 +281,10 @@ def prefill_attention(
 ) -> None:
     """Causal attention of `count` chunks into `out` (written in place):
     `F.scaled_dot_product_attention(q, k, v, attn_mask=causal lower-right, enable_gqa=True)`
-    per chunk, with softmax and products in float32.
+    per chunk, with softmax and products in float32. bfloat16 inputs on a CPU with AMX-BF16
+    (head dims a multiple of 32, up to 128): the products on AMX tiles and the probabilities
+    rounded to bfloat16 before P V, as torch's bfloat16 SDPA rounds them
+    (`lib.prefill_attention_has_amx()` says whether this build and process can).
 
     q, out [count, n, H, Dh]; k, v [count, Hkv, C, Dh] (C >= n: query i sees keys
     <= C - n + i), all float32 or all bfloat16, each row of Dh elements contiguous, any chunk,

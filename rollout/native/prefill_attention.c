@@ -27,8 +27,13 @@
    elsewhere, or for head sizes that are not a multiple of 16, plain C loops compute the same
    function. Results differ from torch's in
    float32 rounding only (for bfloat16, torch's kernel also rounds the probabilities to
-   bfloat16 before the PV product; this one keeps them in float32). */
+   bfloat16 before the PV product; this one keeps them in float32).
 
+   Built with AMX-BF16 (-march=native on a CPU that has it) and run where the OS grants the
+   tiles, bfloat16 items of head sizes 32, 64, 96 or 128 take item_amx instead: Q K^T and P V as
+   tile products, with P rounded to bfloat16 like torch's kernel (see item_amx). */
+
+#define _GNU_SOURCE  // syscall (arch_prctl for AMX) under -std=c11
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,6 +44,12 @@
 #define HAVE_BF16_DOT 1  // vdpbf16ps: two bfloat16 products a float32 lane, products exact
 #else
 #define HAVE_BF16_DOT 0
+#endif
+
+#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1  // tile products (item_amx), where the process may use them (amx_usable)
+#else
+#define HAVE_AMX 0
 #endif
 
 int prefill_attention_has_avx512(void) { return HAVE_AVX512; }
@@ -61,6 +72,7 @@ typedef struct {
   float *l;   // [rows] running sums
   float *alpha;  // [rows] the output's rescale factors of the current key block
   int64_t *lim;  // [rows] the current key block's keys each row sees (a prefix of the block)
+  uint16_t *p;   // [rows, BK] bfloat16 probabilities (item_amx)
 } buffers;
 
 #if HAVE_AVX512
@@ -470,6 +482,228 @@ static inline __attribute__((always_inline)) void item(
     }
 }
 
+#if HAVE_AMX
+/* The bfloat16 path on AMX tiles (head sizes a multiple of 32, up to 128): S = Q K^T and
+   O += P V each a tile product (_tile_dpbf16ps: bfloat16 pairs, float32 sums), the mask and
+   the online softmax in AVX-512 between them. Every tile is 16 rows x 64 bytes: an A tile 16
+   rows x 32 bfloat16, a B tile 16 pairs of rows x 16 columns in the pair ("VNNI") layout, a C
+   tile 16 x 16 float32. K's block is already in that layout as transposed pairs (ktw: pair p of
+   key t at ktw[p * BK + t]); V's block is laid out as key pairs (vw: keys 2u, 2u + 1 of column
+   x at word u * Dh + x), both in the per-thread scratch, not in the KV pool. The probabilities
+   P = e^(S - m) are rounded to bfloat16 for the P V product (as torch's bfloat16 SDPA and HF's
+   eager bfloat16 attention round them); the row sums l add those rounded values, so each
+   output row is the rounded weights' exact-sum-normalised combination of V's rows.
+
+   AMX state is a process permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM): amx_usable()
+   asks once, and with CPUID confirms the CPU has the tiles, so a build run where either is
+   missing takes the AVX-512 path. Tile numbers are immediates: C tiles 0-3, A 4, B 5. */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+
+static int amx_usable(void) {
+  static int state = -1;  // asked once per process; a racing second ask gets the same answer
+  if (state < 0) {
+    unsigned a, b, c, d;
+    const int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
+    state = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }
+  return state;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+static void amx_configure(void) {
+  tile_config cfg = {0};
+  cfg.palette = 1;
+  for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+/* Applies F(j) for the C tiles j < NC (NC <= 4), with j an immediate. */
+#define FOR_TILES(NC, F) \
+  do {                   \
+    F(0);                \
+    if ((NC) > 1) F(1);  \
+    if ((NC) > 2) F(2);  \
+    if ((NC) > 3) F(3);  \
+  } while (0)
+
+/* s[0 .. Rp)[0 .. NC * 16) = <q_r, key t> (unscaled) for the block's first NC * 16 keys. */
+static inline __attribute__((always_inline)) void amx_scores(const int64_t Dh, int64_t Rp, int NC,
+                                                             const uint16_t *q,
+                                                             const uint32_t *ktw, float *s) {
+  for (int64_t i = 0; i < Rp; i += 16) {
+#define ZERO(j) _tile_zero(j)
+    FOR_TILES(NC, ZERO);
+    for (int64_t x = 0; x < Dh; x += 32) {
+      _tile_loadd(4, q + i * Dh + x, Dh * 2);
+#define DOT(j)                                                 \
+  do {                                                         \
+    _tile_loadd(5, ktw + x / 2 * BK + 16 * (j), BK * 4);       \
+    _tile_dpbf16ps(j, 4, 5);                                   \
+  } while (0)
+      FOR_TILES(NC, DOT);
+#undef DOT
+    }
+#define STORE(j) _tile_stored(j, s + i * BK + 16 * (j), BK * 4)
+    FOR_TILES(NC, STORE);
+#undef STORE
+#undef ZERO
+  }
+}
+
+/* o[0 .. Rp) += P V over the block's first 32 * KS keys (p bfloat16 rows BK apart, zero past
+   the block's keys; vw the key pairs). */
+static inline __attribute__((always_inline)) void amx_weighted_values(const int64_t Dh,
+                                                                      int64_t Rp, int64_t KS,
+                                                                      const uint16_t *p,
+                                                                      const uint32_t *vw,
+                                                                      float *o) {
+  for (int64_t i = 0; i < Rp; i += 16)
+    for (int64_t c = 0; c < Dh; c += 64) {  // 4 C tiles (64 columns) at a time
+      const int NC = Dh - c >= 64 ? 4 : (int)(Dh - c) / 16;
+      float *oc = o + i * Dh + c;
+#define LOAD(j) _tile_loadd(j, oc + 16 * (j), Dh * 4)
+      FOR_TILES(NC, LOAD);
+#undef LOAD
+      for (int64_t u = 0; u < KS; u++) {
+        _tile_loadd(4, p + i * BK + 32 * u, BK * 2);
+#define DOT(j)                                                    \
+  do {                                                            \
+    _tile_loadd(5, vw + 16 * u * Dh + c + 16 * (j), Dh * 4);      \
+    _tile_dpbf16ps(j, 4, 5);                                      \
+  } while (0)
+        FOR_TILES(NC, DOT);
+#undef DOT
+      }
+#define STORE(j) _tile_stored(j, oc + 16 * (j), Dh * 4)
+      FOR_TILES(NC, STORE);
+#undef STORE
+    }
+}
+
+/* Row r's scores s[0 .. NC * 16) times the scale, masked past lim[r] keys (with `diag`), into
+   bfloat16 probabilities p[0 .. 32 * ceil(NC / 2)) (zero past NC * 16): updates m and l and
+   returns the output's rescale factor, as softmax_step does. */
+static inline __attribute__((always_inline)) float amx_softmax_row(int NC, float scale,
+                                                                   int diag, int64_t lim,
+                                                                   const float *s, uint16_t *p,
+                                                                   float *m, float *l) {
+  __m512 a[4];
+  const __m512 vs = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  __m512 vm = neg_inf;
+  for (int c = 0; c < NC; c++) {
+    a[c] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), vs);
+    if (diag) {
+      const int64_t seen = lim - 16 * c;  // keys of this vector the row sees
+      const __mmask16 keep =
+          seen >= 16 ? (__mmask16)0xFFFF : seen <= 0 ? 0 : (__mmask16)((1u << seen) - 1);
+      a[c] = _mm512_mask_mov_ps(neg_inf, keep, a[c]);
+    }
+    vm = _mm512_max_ps(vm, a[c]);
+  }
+  const float mx = _mm512_reduce_max_ps(vm), m_old = *m;
+  const float m_new = mx > m_old ? mx : m_old;
+  const float al = m_old == -INFINITY ? 0.f : mx > m_old ? expf(m_old - m_new) : 1.f;
+  const __m512 vmax = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int c = 0; c < NC; c++) {
+    const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(a[c], vmax)));  // to nearest even
+    _mm256_storeu_si256((__m256i *)(p + 16 * c), (__m256i)e);
+    vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(e));  // the rounded values
+  }
+  if (NC & 1) _mm256_storeu_si256((__m256i *)(p + 16 * NC), _mm256_setzero_si256());
+  *m = m_new;
+  *l = *l * al + _mm512_reduce_add_ps(vsum);
+  return al;
+}
+
+/* V's block [kb, kb + nk) as key pairs into vw (zero past nk, up to BK). */
+static inline __attribute__((always_inline)) void amx_load_values(const int64_t Dh,
+                                                                  const uint16_t *v, int64_t kb,
+                                                                  int64_t nk, int64_t kv_t,
+                                                                  uint32_t *vw) {
+  for (int64_t t = 0; t < nk; t += 2) {
+    const uint16_t *v0 = v + (kb + t) * kv_t;
+    if (t + 1 < nk) {
+      const uint16_t *v1 = v0 + kv_t;
+      for (int64_t x = 0; x < Dh; x += 16) {  // interleave two rows' 16 elements
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + x)));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + x)));
+        _mm512_storeu_si512((void *)(vw + t / 2 * Dh + x),
+                            _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    } else
+      for (int64_t x = 0; x < Dh; x++) vw[t / 2 * Dh + x] = v0[x];
+  }
+  for (int64_t u = (nk + 1) / 2; u < BK / 2; u++)
+    for (int64_t x = 0; x < Dh; x++) vw[u * Dh + x] = 0;
+}
+
+/* item() on AMX: same arguments, bfloat16 only, Dh % 32 == 0, Dh <= 128. */
+static inline __attribute__((always_inline)) void item_amx(
+    const int64_t Dh, int64_t g, int64_t n, int64_t C, int64_t i0, int64_t nq, int64_t h,
+    const uint16_t *q, int64_t q_t, const uint16_t *k, const uint16_t *v, int64_t kv_t,
+    uint16_t *out, int64_t o_t, float scale, const buffers *b) {
+  const int64_t R = nq * g, Rp = (R + 15) / 16 * 16, offset = C - n, kend = offset + i0 + nq;
+  uint16_t *qb = (uint16_t *)b->q, *p = b->p;
+  uint32_t *ktw = (uint32_t *)b->kt, *vw = (uint32_t *)b->v;
+  for (int64_t i = 0; i < nq; i++)
+    for (int64_t j = 0; j < g; j++)
+      memcpy(qb + (i * g + j) * Dh, q + (i0 + i) * q_t + (h * g + j) * Dh, Dh * 2);
+  memset(qb + R * Dh, 0, (size_t)((Rp - R) * Dh) * 2);  // padding rows: zero scores
+  memset(p + R * BK, 0, (size_t)((Rp - R) * BK) * 2);   // and zero probabilities
+  for (int64_t r = 0; r < R; r++) b->m[r] = -INFINITY, b->l[r] = 0.f;
+  memset(b->o, 0, sizeof(float) * (size_t)(Rp * Dh));
+  for (int64_t kb = 0; kb < kend; kb += BK) {
+    const int64_t nk = kend - kb < BK ? kend - kb : BK;
+    const int NC = (int)((nk + 15) / 16);  // key vectors holding the block's keys
+    for (int64_t t = 0; t < nk; t++) {
+      const uint32_t *ks = (const uint32_t *)(k + (kb + t) * kv_t);
+      for (int64_t u = 0; u < Dh / 2; u++) ktw[u * BK + t] = ks[u];
+    }
+    amx_load_values(Dh, v, kb, nk, kv_t, vw);
+    amx_scores(Dh, Rp, NC, qb, ktw, b->s);  // keys past nk: garbage columns, masked below
+    const int64_t first_hidden = offset + i0 + 1 - kb;  // as in item()
+    const int diag = first_hidden < BK;
+    for (int64_t r = 0; r < R; r++) {
+      const float al = amx_softmax_row(NC, scale, diag, first_hidden + r / g, b->s + r * BK,
+                                       p + r * BK, b->m + r, b->l + r);
+      if (al != 1.f) {
+        const __m512 va = _mm512_set1_ps(al);
+        for (int64_t x = 0; x < Dh; x += 16)
+          _mm512_storeu_ps(b->o + r * Dh + x, _mm512_mul_ps(_mm512_loadu_ps(b->o + r * Dh + x), va));
+      }
+    }
+    amx_weighted_values(Dh, Rp, (nk + 31) / 32, p, vw, b->o);
+  }
+  for (int64_t i = 0; i < nq; i++)
+    for (int64_t j = 0; j < g; j++) {
+      const int64_t r = i * g + j;
+      const __m512 inv = _mm512_set1_ps(1.f / b->l[r]);
+      uint16_t *dst = out + (i0 + i) * o_t + (h * g + j) * Dh;
+      for (int64_t x = 0; x < Dh; x += 16)
+        bf16_store16(dst + x, _mm512_mul_ps(_mm512_loadu_ps(b->o + r * Dh + x), inv));
+    }
+}
+#endif
+
+/* Whether bfloat16 items run on AMX tiles here (built with them, and the CPU and OS allow). */
+int prefill_attention_has_amx(void) {
+#if HAVE_AMX
+  return amx_usable();
+#else
+  return 0;
+#endif
+}
+
 /* q: chunk c's query token i, head a at q + c * q_c + i * q_t + a * Dh (elements); K, V: chunk
    c's key j of KV head h at k + c * kv_c + h * kv_h + j * kv_t; out like q with o_c, o_t.
    Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1), rows of Dh contiguous elements.
@@ -480,21 +714,26 @@ int prefill_attention(int64_t count, int64_t n, int64_t C, int64_t H, int64_t Hk
                       int64_t o_t, float scale, int bf16, int num_threads) {
   // about 128 rows an item (at least 16 tokens): each K / V block converted serves them all
   const int64_t g = H / Hkv, BQ = 128 / g > 16 ? 128 / g : 16;
-  const int64_t blocks = (n + BQ - 1) / BQ, rows = BQ * g;
+  const int64_t blocks = (n + BQ - 1) / BQ, rows = (BQ * g + 15) / 16 * 16;  // whole tiles
   const size_t esize = bf16 ? 2 : 4;
+  const int amx = bf16 && Dh % 32 == 0 && Dh <= 128 && prefill_attention_has_amx();
   int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
     buffers b = {0};
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rows * Dh + 2 * Dh * BK +
                                                           rows * BK + 3 * rows) +
-                                 sizeof(int64_t) * (size_t)rows);
+                                 sizeof(int64_t) * (size_t)rows +
+                                 sizeof(uint16_t) * (size_t)(rows * BK));
     failed = buf == NULL;
     if (buf != NULL) {
       b.q = buf, b.kt = b.q + rows * Dh, b.v = b.kt + Dh * BK, b.s = b.v + BK * Dh;
       b.o = b.s + rows * BK, b.m = b.o + rows * Dh, b.l = b.m + rows, b.alpha = b.l + rows;
-      b.lim = (int64_t *)(b.alpha + rows);
+      b.lim = (int64_t *)(b.alpha + rows), b.p = (uint16_t *)(b.lim + rows);
     }
+#if HAVE_AMX
+    if (amx) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < blocks * count * Hkv; it++) {
       if (buf == NULL) continue;
@@ -505,6 +744,21 @@ int prefill_attention(int64_t count, int64_t n, int64_t C, int64_t H, int64_t Hk
       const char *kc = (const char *)k + (c * kv_c + h * kv_h) * esize;
       const char *vc = (const char *)v + (c * kv_c + h * kv_h) * esize;
       char *oc = (char *)out + c * o_c * esize;
+#if HAVE_AMX
+      if (amx) {
+#define ITEM(DH)                                                                            \
+  item_amx(DH, g, n, C, i0, nq, h, (const uint16_t *)qc, q_t, (const uint16_t *)kc,          \
+           (const uint16_t *)vc, kv_t, (uint16_t *)oc, o_t, scale, &b)
+        switch (Dh) {
+          case 32: ITEM(32); break;
+          case 64: ITEM(64); break;
+          case 128: ITEM(128); break;
+          default: ITEM(Dh);
+        }
+#undef ITEM
+        continue;
+      }
+#endif
       switch (Dh) {  // constant head sizes let the compiler unroll the micro-kernels
 #define ITEM(DH) item(DH, g, n, C, i0, nq, h, qc, q_t, kc, vc, kv_t, oc, o_t, scale, bf16, &b)
         case 32: ITEM(32); break;
@@ -514,6 +768,9 @@ int prefill_attention(int64_t count, int64_t n, int64_t C, int64_t H, int64_t Hk
 #undef ITEM
       }
     }
+#if HAVE_AMX
+    if (amx) _tile_release();
+#endif
     free(buf);
   }
   return failed ? -1 : 0;

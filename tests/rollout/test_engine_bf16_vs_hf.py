@@ -24,6 +24,8 @@ from exact_float64 import exact_float64
 
 from rollout import Engine, EngineConfig, SamplingParams
 
+from tiny_hf import make_hf_model, save_hf_model
+
 MEAN_VS_HF, MAX_VS_HF = 0.02, 0.08
 MEAN_RATIO, MAX_RATIO = 1.25, 2.0
 
@@ -50,9 +52,17 @@ def errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, flo
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_bf16_engine_logprobs_as_close_as_hf_bf16(tiny_hf_checkpoints, family, temperature):
-    _, directory = tiny_hf_checkpoints(family)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2_head_dim_32"])
+def test_bf16_engine_logprobs_as_close_as_hf_bf16(
+    tiny_hf_checkpoints, tmp_path, family, temperature
+):
+    lengths = (5, 13, 22, 8)
+    if family == "qwen2_head_dim_32":  # prefill on AMX tiles where the CPU has them (head dim
+        # 32; prompts over several 64-key blocks): probabilities rounded to bfloat16
+        directory = save_hf_model(make_hf_model("qwen2", hidden_size=128), tmp_path)
+        lengths = (70, 13, 150, 8)
+    else:
+        _, directory = tiny_hf_checkpoints(family)
     hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=torch.bfloat16
     ).eval()
@@ -63,7 +73,7 @@ def test_bf16_engine_logprobs_as_close_as_hf_bf16(tiny_hf_checkpoints, family, t
     )
     rng = random.Random(11)
     vocab = hf_bf16.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 13, 22, 8)]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     engine = Engine(
         EngineConfig(model_path=str(directory), dtype="bfloat16", kv_cache_tokens=2048, page_size=4)
     )
@@ -82,7 +92,10 @@ def test_bf16_engine_logprobs_as_close_as_hf_bf16(tiny_hf_checkpoints, family, t
     assert engine_mean <= MEAN_RATIO * hf_mean, (engine_mean, hf_mean)
     assert engine_max <= MAX_RATIO * hf_max, (engine_max, hf_max)
     vs_max, vs_mean = errors(got, ref_hf)
-    assert vs_max <= MAX_VS_HF and vs_mean <= MEAN_VS_HF, (vs_max, vs_mean)
+    if family != "qwen2_head_dim_32":  # the direct bounds were measured on these two; the
+        # wider model's bfloat16 runs differ more from each other (0.081-0.084 max at main's
+        # float32 probabilities too): there the truth's ratios above are the bound
+        assert vs_max <= MAX_VS_HF and vs_mean <= MEAN_VS_HF, (vs_max, vs_mean)
 
     wrong = [response_logprobs(hf_bf16, p, c, 1.1 * temperature) for p, c in pairs]
     wrong_max, wrong_mean = errors(got, wrong)

@@ -1,5 +1,6 @@
 """The C prefill-attention kernel (`rollout.native.prefill_attention`) against SDPA in float64 on
-the same values: its vector (AVX-512) build and its portable build, float32 and bfloat16
+the same values: its vector build (AMX tiles for bfloat16 where the CPU has them), the same
+without AMX (the AVX-512 path, on such a CPU) and its portable build, float32 and bfloat16
 inputs, GQA ratios 1 / 4 / 8, head sizes with and without a vector path, ragged chunk lengths
 (not multiples of the query or key blocks), chunks after a cached prefix, q read in place from
 a fused projection's output; and the engine's `prefill_attention` on it against its float64
@@ -21,6 +22,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 BUILDS = builds(native.prefill)
+if BUILDS["native"].prefill_attention_has_amx():
+    BUILDS["no_amx"] = native.prefill.build(native.NO_AMX_FLAGS)
+
+
+def _on_amx(lib, dtype, head_dim) -> bool:
+    """Whether `lib` runs these inputs on AMX tiles (rounding the probabilities to bfloat16)."""
+    return (
+        dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and head_dim <= 128
+        and bool(lib.prefill_attention_has_amx())
+    )
 
 
 def _reference(q, k, v):
@@ -35,6 +48,32 @@ def _reference(q, k, v):
     return out.transpose(1, 2)
 
 
+def _reference_rounded_probabilities(q, k, v):
+    """The AMX path's function in float64: softmax probabilities rounded to bfloat16 before
+    P V (as torch's bfloat16 SDPA rounds them), and sum_t p_t |v_t| (each output's error
+    scale); both [count, n, H, D]."""
+    n, context, group = q.shape[1], k.shape[2], q.shape[2] // k.shape[1]
+    positions = torch.arange(context)
+    mask = positions.unsqueeze(0) <= positions[context - n :].unsqueeze(-1)
+    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = q.transpose(1, 2).double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    out = p.to(torch.bfloat16).double() @ v
+    return out.transpose(1, 2), (p @ v.abs()).transpose(1, 2)
+
+
+def _check_amx(got, q, k, v):
+    """The AMX path against `_reference_rounded_probabilities`. Its weights are the bfloat16
+    roundings of e^(s - m) (m the running maximum) over their own sum: each within 2^-9 of
+    e^(s - m), their sum within 2^-9 of the exact one, so each weight within ~2^-8 of p_t, and
+    the reference's bfloat16(p_t) within 2^-9: |got - want| <= 1.5 * 2^-8 * sum_t p_t |v_t|
+    (bounded by 2^-7 here), plus the output's rounding to bfloat16 (2^-9 relative, bounded by
+    2^-8 |want|) and float32 sums (1e-5)."""
+    want, scale = _reference_rounded_probabilities(q, k, v)
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2.0**-8 + scale * 2.0**-7 + 1e-5).all(), err.max().item()
+
+
 def _check(got, want, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), want, atol=3e-6, rtol=3e-6)
@@ -45,15 +84,21 @@ def _check(got, want, dtype):
 
 def test_the_builds_differ_in_their_vector_path():
     """Guards the tests below: the portable build really runs the plain loops."""
-    has = int("avx512f" in open("/proc/cpuinfo").read())
-    assert BUILDS["native"].prefill_attention_has_avx512() == has
+    flags = open("/proc/cpuinfo").read()
+    assert BUILDS["native"].prefill_attention_has_avx512() == int("avx512f" in flags)
+    if "amx_bf16" not in flags:
+        assert BUILDS["native"].prefill_attention_has_amx() == 0
+    if "no_amx" in BUILDS:  # this CPU has AMX: the no_amx build runs the AVX-512 path on it
+        assert BUILDS["no_amx"].prefill_attention_has_amx() == 0
+        assert BUILDS["no_amx"].prefill_attention_has_avx512() == 1
     if "portable" in BUILDS:
         assert BUILDS["portable"].prefill_attention_has_avx512() == 0
+        assert BUILDS["portable"].prefill_attention_has_amx() == 0
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [20, 32, 48, 64, 128])
+@pytest.mark.parametrize("head_dim", [20, 32, 48, 64, 96, 128])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)])
 @pytest.mark.parametrize("n, context", [(1, 1), (37, 37), (150, 150), (5, 69), (70, 200)])
 def test_kernel_matches_sdpa_in_float64(build, dtype, head_dim, heads, n, context):
@@ -65,7 +110,10 @@ def test_kernel_matches_sdpa_in_float64(build, dtype, head_dim, heads, n, contex
     k, v = (torch.randn(count, num_kv, context, head_dim, generator=g).to(dtype) for _ in "kv")
     out = torch.full_like(q, float("nan"))
     native.prefill_attention(BUILDS[build], q, k, v, out)
-    _check(out, _reference(q, k, v), dtype)
+    if _on_amx(BUILDS[build], dtype, head_dim):
+        _check_amx(out, q, k, v)
+    else:
+        _check(out, _reference(q, k, v), dtype)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -90,7 +138,10 @@ def test_fused_projection_rows_are_read_in_place_with_any_thread_count(threads, 
     copied = torch.empty_like(in_place)
     native.prefill_attention(lib, q.contiguous(), k.contiguous(), v.contiguous(), copied)
     assert torch.equal(in_place, copied)
-    _check(in_place, _reference(q, k, v), dtype)
+    if _on_amx(lib, dtype, head_dim):
+        _check_amx(in_place, q, k, v)
+    else:
+        _check(in_place, _reference(q, k, v), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,4 +175,11 @@ def test_engine_prefill_on_the_kernel_matches_its_float64_torch_path(dtype):
         outs[pool_dtype] = attention.forward(0, *(x.to(pool_dtype) for x in (q, k, v)), meta)
     want, got = outs[torch.float64], outs[dtype]
     assert got.dtype == dtype
-    _check(got, want, dtype)
+    if _on_amx(native.prefill(), dtype, head_dim):
+        # probabilities rounded to bfloat16 (_check_amx): each output within
+        # 1.5 * 2^-8 * sum_t p_t |v_t| <= 2^-7 max |v| of the float64 one, plus its rounding
+        err = (got.double() - want).abs()
+        v_max = max(v.abs().max().item(), *(c.abs().max().item() for c in cached))
+        assert (err <= want.abs() * 2.0**-8 + 2.0**-7 * v_max).all(), err.max().item()
+    else:
+        _check(got, want, dtype)
