@@ -65,6 +65,11 @@ _PIECE_BYTES = 2 << 20
 # parallel (`ColocatedSender` with small buckets), each already on its own core, where a helper
 # only competes with the other process.
 _INLINE_BYTES = 32 << 20
+# A bucket up to this size is packed with ordinary stores, so that it is still in the shared
+# last-level cache when the receiver's core verifies it and copies it out (streamed buckets,
+# `weight_sync.STREAM_BUCKET_BYTES`); a larger one would only evict it on the way, so its stores
+# stream past the cache (no read of each destination line first).
+_CACHED_STORE_BYTES = 16 << 20
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -108,9 +113,11 @@ def copy_with_checksums(
 ) -> list[int]:
     """dst.copy_(src) for each (dst, src), dst a 1-D tensor of src's numel and dtype, and the
     checksum of the bytes copied (0 for algorithm "none"). On CPU with the native kernel: one pass
-    over the bytes (hashed as they stream, stored past the cache: the receiver reads them next,
-    not this core), all pairs in one multi-threaded job. Elsewhere: copy, then hash the copies
-    (`checksums`: on a GPU, one host sync for all of them)."""
+    over the bytes, hashed as they stream, all pairs in one job (multi-threaded if large): stored
+    past the cache when they exceed `_CACHED_STORE_BYTES` (the receiver's core reads them next,
+    not this one), into the cache otherwise (the receiver finds them in the shared cache).
+    Elsewhere: copy, then hash the copies (`checksums`: on a GPU, one host sync for all of
+    them)."""
     on_cpu = algorithm in ("wxh64", "none") and any(dst.device.type == "cpu" for dst, _ in pairs)
     lib = native.kernel() if on_cpu else None  # GPU buffers: the torch copy + wsum64, as before
     results: list[int] = [0] * len(pairs)
@@ -134,7 +141,7 @@ def copy_with_checksums(
         for i, value in zip(copied, checksums([pairs[i][0] for i in copied], algorithm)):
             results[i] = value
     if segments:
-        sums = _native_job(segments)
+        sums = _native_job(segments, sum(n for _, _, n in segments) > _CACHED_STORE_BYTES)
         if algorithm == "wxh64":
             for i, v, (_, _, n) in zip(slots, sums, segments):
                 results[i] = _finalize(v, n)
@@ -146,17 +153,18 @@ def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return (flat if flat.device.type == "cpu" else flat.cpu()).contiguous()
 
 
-def _native_job(segments: list[tuple[int, int | None, int]]) -> list[int]:
+def _native_job(segments: list[tuple[int, int | None, int]], nontemporal: bool = True) -> list[int]:
     """wxh64's partial sum V of each (src, dst or None, nbytes) segment, copying src to dst where
-    dst is given. Segments are cut at multiples of 64 bytes (whole words and cache lines); a piece
-    at byte `start` of its segment begins at word start / 8."""
+    dst is given (`nontemporal`: with streaming stores). Segments are cut at multiples of 64
+    bytes (whole words and cache lines); a piece at byte `start` of its segment begins at word
+    start / 8."""
     lib = native.kernel()
     pieces = []
     for index, (_, _, nbytes) in enumerate(segments):
         count = max(1, -(-nbytes // _PIECE_BYTES))
         cuts = [nbytes * k // count // 64 * 64 for k in range(count)] + [nbytes]
         pieces.extend((index, cuts[k], cuts[k + 1] - cuts[k]) for k in range(count))
-    job = _Job(lib, segments, pieces)
+    job = _Job(lib, segments, pieces, int(nontemporal))
     total = sum(n for _, _, n in segments)
     helpers = 0 if total < _INLINE_BYTES else min(_THREADS - 1, len(pieces) - 1)
     if helpers:
@@ -173,8 +181,9 @@ def _native_job(segments: list[tuple[int, int | None, int]]) -> list[int]:
 
 
 class _Job:
-    def __init__(self, lib, segments, pieces):
+    def __init__(self, lib, segments, pieces, nontemporal: int):
         self.lib, self.segments, self.pieces = lib, segments, pieces
+        self.nontemporal = nontemporal
         self.sums = [0] * len(segments)
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -198,7 +207,9 @@ class _Job:
                 if dst is None:
                     v = lib.wxh64_sum(src + start, size, start // 8)
                 else:
-                    v = lib.wxh64_copy_sum(src + start, dst + start, size, start // 8, 1)
+                    v = lib.wxh64_copy_sum(
+                        src + start, dst + start, size, start // 8, self.nontemporal
+                    )
             except BaseException as e:  # noqa: BLE001 -- handed to the caller, who waits on `done`
                 self.error = e
                 self.done.set()

@@ -11,9 +11,13 @@
  * sums (computed with the right starting word index) added: that is how two threads share one
  * tensor. Every function here returns the partial sum V; the caller finalizes.
  *
- * The copy variant streams each 32-byte stripe once: load, hash from the register, store.
- * With `nontemporal` the stores bypass the cache (no read-for-ownership of the destination),
- * which saves a third of the DRAM traffic when the destination is not read again soon.
+ * The copy variant streams each vector once: load, hash from the register, store (AVX-512:
+ * eight words a vector, the source prefetched ahead; AVX2: four). The AVX-512, AVX2 and scalar
+ * loops compute the same sums (tests/weight_sync/test_wxh64.py checks the one built here against
+ * the numpy reference). With `nontemporal` the stores bypass the cache (no read-for-ownership
+ * of the destination), which saves a third of the DRAM traffic when the destination is not read
+ * again soon; without it the copy stays in the cache for the next reader (a streamed bucket,
+ * which the receiver's core verifies next, out of the shared last-level cache).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -58,7 +62,56 @@ static uint64_t tail_sum(const uint8_t *src, uint8_t *dst, size_t nbytes, size_t
     return v;
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+/* Eight words per vector, two vectors (two cache lines) per step. The source is prefetched
+ * PREFETCH_BYTES ahead: one core's hardware prefetchers alone leave its DRAM reads well short
+ * of what the memory gives (the sender's pack reads the trainer's weights out of DRAM). */
+#define STORE_ALIGN 64
+#define PREFETCH_BYTES 1024
+static inline __m512i mix8(__m512i w, __m512i key) {
+    const __m512i m1 = _mm512_set1_epi64((long long)M1), m2 = _mm512_set1_epi64((long long)M2);
+    const __m512i lo32 = _mm512_set1_epi64(0xffffffffLL);
+    __m512i d = _mm512_xor_si512(w, key);
+    d = _mm512_xor_si512(d, _mm512_slli_epi64(_mm512_mul_epu32(d, m1), 32));
+    d = _mm512_xor_si512(d, _mm512_and_si512(_mm512_mul_epu32(_mm512_srli_epi64(d, 32), m2), lo32));
+    return d;
+}
+
+/* mode 0: hash only; 1: copy with ordinary stores; 2: copy with streaming stores (dst 64-aligned). */
+static uint64_t run(const uint8_t *src, uint8_t *dst, size_t nbytes, uint64_t word0, int mode) {
+    size_t steps = nbytes / 128;
+    /* lane l of k0 keys word word0 + l (the key of word j is (j + 1) * P1), k1 the next eight */
+    __m512i k0 = _mm512_set_epi64(
+        (long long)((word0 + 8) * P1), (long long)((word0 + 7) * P1), (long long)((word0 + 6) * P1),
+        (long long)((word0 + 5) * P1), (long long)((word0 + 4) * P1), (long long)((word0 + 3) * P1),
+        (long long)((word0 + 2) * P1), (long long)((word0 + 1) * P1));
+    __m512i k1 = _mm512_add_epi64(k0, _mm512_set1_epi64((long long)(8 * P1)));
+    const __m512i step = _mm512_set1_epi64((long long)(16 * P1));
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    for (size_t s = 0; s < steps; s++) {
+        const uint8_t *p = src + 128 * s;
+        _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);  /* never faults */
+        _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        __m512i w0 = _mm512_loadu_si512((const void *)p);
+        __m512i w1 = _mm512_loadu_si512((const void *)(p + 64));
+        if (mode == 1) {
+            _mm512_storeu_si512((void *)(dst + 128 * s), w0);
+            _mm512_storeu_si512((void *)(dst + 128 * s + 64), w1);
+        } else if (mode == 2) {
+            _mm512_stream_si512((void *)(dst + 128 * s), w0);
+            _mm512_stream_si512((void *)(dst + 128 * s + 64), w1);
+        }
+        a0 = _mm512_add_epi64(a0, mix8(w0, k0));
+        a1 = _mm512_add_epi64(a1, mix8(w1, k1));
+        k0 = _mm512_add_epi64(k0, step);
+        k1 = _mm512_add_epi64(k1, step);
+    }
+    if (mode == 2) _mm_sfence();
+    uint64_t v = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
+    return v + tail_sum(src, mode ? dst : NULL, nbytes, steps * 16, word0);
+}
+#elif defined(__AVX2__)
+#define STORE_ALIGN 32
 static inline __m256i mix4(__m256i w, __m256i key) {
     const __m256i m1 = _mm256_set1_epi64x((long long)M1), m2 = _mm256_set1_epi64x((long long)M2);
     const __m256i lo32 = _mm256_set1_epi64x(0xffffffffLL);
@@ -130,9 +183,9 @@ uint64_t wxh64_copy_sum(const void *src, void *dst, size_t nbytes, uint64_t word
     int mode = 1;
 #if defined(__AVX2__)
     if (nontemporal) {
-        /* Streaming stores need a 32-byte aligned destination: copy a head of whole words with
+        /* Streaming stores need an aligned destination: copy a head of whole words with
          * ordinary stores until it is, if the misalignment is a whole number of words. */
-        size_t head = (32 - ((uintptr_t)d & 31)) & 31;
+        size_t head = (STORE_ALIGN - ((uintptr_t)d & (STORE_ALIGN - 1))) & (STORE_ALIGN - 1);
         if (head % 8 == 0 && head <= nbytes) {
             uint64_t v = head ? run(s, d, head, word0, 1) : 0;
             return v + run(s + head, d + head, nbytes - head, word0 + head / 8, 2);
