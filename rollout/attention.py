@@ -528,12 +528,9 @@ def cascade_decode_attention_matmul(
     meta: DecodeMetadata,
     suffix_kv: tuple[torch.Tensor, torch.Tensor],
     prefix_kv: tuple[torch.Tensor, torch.Tensor] | None,
-    probs_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`cascade_decode_attention` as explicit batched matrix products and one softmax over
-    prefix ++ suffix scores (any device; the reference of the flash path). With `probs_dtype`
-    the unnormalised probabilities are rounded to it for P @ V only (the normaliser sums the
-    unrounded ones): the C kernel's bfloat16 mode, checked against this in float64."""
+    prefix ++ suffix scores (any device; the reference of the flash path)."""
     num_heads, head_dim = q.shape[1:]
     out_dtype = q.dtype
     num_seqs, num_queries = meta.suffix_bias.shape[:2]
@@ -569,13 +566,12 @@ def cascade_decode_attention_matmul(
 
     suffix_p = torch.exp(suffix_scores - row_max)
     denom = suffix_p.sum(-1, keepdim=True)
-    rounded = (lambda p: p) if probs_dtype is None else (lambda p: p.to(probs_dtype).to(p.dtype))
-    out = _bmm(rounded(suffix_p), suffix_v)  # [Hkv, D, Q*g, Dh]
+    out = _bmm(suffix_p, suffix_v)  # [Hkv, D, Q*g, Dh]
     if has_prefix:
         prefix_p = torch.exp(prefix_scores - row_max)
         denom = denom + prefix_p.sum(-1, keepdim=True)
         grid_p = prefix_p.new_zeros(num_kv_heads, groups * members, rows, prefix_p.shape[-1])
-        grid_p.index_copy_(1, meta.member_index, rounded(prefix_p))
+        grid_p.index_copy_(1, meta.member_index, prefix_p)
         grid_out = grid_p.view(num_kv_heads, groups, members * rows, -1) @ prefix_v
         out = out + grid_out.view(num_kv_heads, groups * members, rows, head_dim).index_select(
             1, meta.member_index

@@ -262,7 +262,6 @@ typedef struct {
   float *ss;     // [rows, Ls] suffix scores, then probabilities
   float *o;      // [rows, Dh] unnormalised outputs
   float *inv;    // [rows] normalisers
-  uint32_t *pp;  // [rows, Lpad / 2] prefix probabilities as bfloat16 pairs (bfloat16 dot path)
   unsigned char *vis;  // [Lpad + Ls] key visible to some row: prefix keys, then one member's suffix
 } group_buffers;
 
@@ -585,103 +584,6 @@ static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, cons
 }
 
 
-#if HAVE_BF16_DOT
-/* Rows of probabilities (already bfloat16 values, as floats) -> bfloat16 pairs: pp[r][u] holds
-   p[r][2u] in its low half and p[r][2u + 1] in its high half, for u < Lpad / 2. */
-static inline void pack_p_pairs(const float *p, int64_t ldp, int64_t n_rows, int64_t Lpad,
-                                uint32_t *pp) {
-  for (int64_t r = 0; r < n_rows; r++)
-    for (int64_t t = 0; t < Lpad; t += 16)  // exact: every value is a bfloat16 already
-      _mm256_storeu_si256((__m256i *)(pp + r * (Lpad / 2) + t / 2),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ldp + t)));
-}
-
-/* Prefix V [n, Dh] (bfloat16, Dh % 32 == 0) -> vp [Lpad / 2, Dh] 32-bit words: word (u, x) holds
-   V[2u][x] in its low half and V[2u + 1][x] in its high half. A key masked for every row
-   (vis 0) and the keys past n are zero, so that no stale value ever meets a product. */
-static inline void pack_v_pairs(const int64_t Dh, const uint16_t *V, int64_t n, int64_t Lpad,
-                                const unsigned char *vis, uint32_t *vp) {
-  __m512i lo = _mm512_setzero_si512(), hi = lo;
-  {
-    int16_t l[32], h[32];
-    for (int j = 0; j < 16; j++) l[2 * j] = j, l[2 * j + 1] = 32 + j;
-    for (int j = 0; j < 16; j++) h[2 * j] = 16 + j, h[2 * j + 1] = 48 + j;
-    lo = _mm512_loadu_si512(l), hi = _mm512_loadu_si512(h);
-  }
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t u = 0; u < Lpad / 2; u++) {
-    const int64_t t = 2 * u;
-    const int even = t < n && vis[t], odd = t + 1 < n && vis[t + 1];
-    for (int64_t c = 0; c < Dh; c += 32) {
-      const __m512i a = even ? _mm512_loadu_si512(V + t * Dh + c) : zero;
-      const __m512i b = odd ? _mm512_loadu_si512(V + (t + 1) * Dh + c) : zero;
-      _mm512_storeu_si512(vp + u * Dh + c, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(vp + u * Dh + c + 16, _mm512_permutex2var_epi16(a, hi, b));
-    }
-  }
-}
-
-/* o[r] (RB rows of 32 columns, row stride ldo) += sum over key pairs u of
-   pp[r][u] . vp[u] (bfloat16 pairs; columns [0, 32) of rows of Dh words): RB rows share each V
-   load; per output element one chain over the pairs in order, whatever the blocking. */
-static inline __attribute__((always_inline)) void pv_block_dot(
-    const int RB, const int64_t Dh, const uint32_t *pp, int64_t ldp, const uint32_t *vp,
-    int64_t pairs, const unsigned char *vis, float *o, int64_t ldo, prefetcher *pf,
-    int64_t per_pair) {
-  __m512 acc[6][2];
-  for (int r = 0; r < RB; r++)
-    for (int v = 0; v < 2; v++) acc[r][v] = _mm512_loadu_ps(o + r * ldo + v * 16);
-  for (int64_t u = 0; u < pairs; u++) {
-    pf_issue(pf, per_pair);
-    if (!(vis[2 * u] | vis[2 * u + 1])) continue;  // both masked for every row: zero terms
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + u * Dh);
-    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + u * Dh + 16);
-    for (int r = 0; r < RB; r++) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pp[r * ldp + u]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, v0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, v1);
-    }
-  }
-  for (int r = 0; r < RB; r++)
-    for (int v = 0; v < 2; v++) _mm512_storeu_ps(o + r * ldo + v * 16, acc[r][v]);
-}
-
-/* o [n_rows, Dh] += P V over the prefix as bfloat16 pairs (pack_p_pairs, pack_v_pairs): 32
-   columns at a time, blocks of 6 rows, then one block of the rest. */
-static inline __attribute__((always_inline)) void pv_rows_dot(
-    const int64_t Dh, const uint32_t *pp, int64_t n_rows, const uint32_t *vp, int64_t Lpad,
-    const unsigned char *vis, float *o, prefetcher *pf) {
-  const int64_t pairs = Lpad / 2, ldp = Lpad / 2;
-  const int64_t visits = ((n_rows + 5) / 6) * (Dh / 32) * pairs;
-  const int64_t per_pair = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
-  for (int64_t c = 0; c < Dh; c += 32) {
-    int64_t i = 0;
-    for (; i + 6 <= n_rows; i += 6)
-      pv_block_dot(6, Dh, pp + i * ldp, ldp, vp + c, pairs, vis, o + i * Dh + c, Dh, pf,
-                   per_pair);
-    const uint32_t *pr = pp + i * ldp;
-    float *orr = o + i * Dh + c;
-    switch (n_rows - i) {
-      case 5: pv_block_dot(5, Dh, pr, ldp, vp + c, pairs, vis, orr, Dh, pf, per_pair); break;
-      case 4: pv_block_dot(4, Dh, pr, ldp, vp + c, pairs, vis, orr, Dh, pf, per_pair); break;
-      case 3: pv_block_dot(3, Dh, pr, ldp, vp + c, pairs, vis, orr, Dh, pf, per_pair); break;
-      case 2: pv_block_dot(2, Dh, pr, ldp, vp + c, pairs, vis, orr, Dh, pf, per_pair); break;
-      case 1: pv_block_dot(1, Dh, pr, ldp, vp + c, pairs, vis, orr, Dh, pf, per_pair); break;
-    }
-  }
-}
-#endif
-
-/* Probabilities p[0..n) -> their bfloat16 values (as floats), torch's rounding. */
-static inline void round_probs_bf16(float *p, int64_t n) {
-  int64_t j = 0;
-#if HAVE_AVX512
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(p + j, bf16_rounded16(_mm512_loadu_ps(p + j)));
-#endif
-  for (; j < n; j++) p[j] = bf16_rounded(p[j]);
-}
-
-
 /* One group item: the rows of n members (sequences mem[0..n)) of one group for KV head h. The
    prefix scores of all n * R rows come from one pass over the group's prefix K (transposed
    once per item), and its PV from one pass over prefix V with several rows per V load; each
@@ -795,23 +697,10 @@ static inline __attribute__((always_inline)) void group_item(
     const float m0 = row_max(sp, Lp), m1 = row_max(ss, Ls), m = m0 > m1 ? m0 : m1;
     const float sum = exp_sum(sp, Lp, m) + exp_sum(ss, Ls, m);
     b->inv[r] = 1.f / sum;
-    if (dot) {  // P V with P rounded to bfloat16 (the sum above is of the unrounded values)
-      if (!HAVE_BF16_DOT || Dh % 32 != 0) round_probs_bf16(sp, Lp);  // else: pack_p_pairs rounds
-      round_probs_bf16(ss, Ls);
-      for (int64_t j = Lp; j < Lpad; j++) sp[j] = 0.f;
-    }
   }
   // prefix PV for all rows, then each member's suffix PV and normalisation
   for (int64_t e = 0; e < N * Dh; e++) b->o[e] = 0.f;
-#if HAVE_BF16_DOT
-  if (dot && Dh % 32 == 0) {  // bfloat16 pair products: P and V are bfloat16 values
-    uint32_t *vp = (uint32_t *)b->kt;  // the transposed K is no longer needed
-    pack_v_pairs(Dh, (const uint16_t *)pv, Lp, Lpad, b->vis, vp);
-    pack_p_pairs(b->sp, Lpad, N, Lpad, b->pp);
-    pv_rows_dot(Dh, b->pp, N, vp, Lpad, b->vis, b->o, &pf_v);
-  } else
-#endif
-    pv_rows(Dh, b->sp, Lpad, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
+  pv_rows(Dh, b->sp, Lpad, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
   unsigned char *vis = b->vis + Lpad;
   for (int64_t i = 0; i < n; i++) {
     const int64_t d = mem[i];
@@ -917,15 +806,14 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
   {
     group_buffers b = {0};
     const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + rows * Lpad + rows * Ls +
-                                   rows * Dh + rows + rows * (Dh / 2) + rows * (Lpad / 2));
+                                   rows * Dh + rows + rows * (Dh / 2));
     float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls));
     failed = buf == NULL;
     if (buf != NULL) {
       b.q = buf, b.kt = b.q + rows * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
       b.ss = b.sp + rows * Lpad, b.o = b.ss + rows * Ls, b.inv = b.o + rows * Dh;
       b.qp = (uint32_t *)(b.inv + rows);
-      b.pp = b.qp + rows * (Dh / 2);
-      b.vis = (unsigned char *)(b.pp + rows * (Lpad / 2));
+      b.vis = (unsigned char *)(b.qp + rows * (Dh / 2));
     }
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < num_runs * Hkv; it++) {
