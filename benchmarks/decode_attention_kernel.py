@@ -8,7 +8,8 @@ suffix read in place from lanes [Hkv, lanes, capacity, Dh] (`--suffix-lens` wide
 sees all but 0-15 keys of its last page), q read in place from a fused q/k/v projection row.
 As in the engine (4 layers, big GEMMs between calls), calls cycle through 4 independent input
 sets and, with --cold (default), a 48 MiB buffer is written before each call to evict the
-caches.
+caches. K and V are float32, or with `--dtype bfloat16` bfloat16 (and q of bfloat16 values,
+as a bfloat16 model's, so that the kernel takes its bfloat16 dot path).
 
 Both builds are loaded in one process and called alternately (old/new, then new/old) on the
 same inputs; the figure is the median of the per-pair time ratios old / new, robust to a noisy
@@ -60,6 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warm", action="store_true", help="no cache eviction between calls")
     ap.add_argument("--groups", type=int, default=32, help="groups of 8 sequences")
     ap.add_argument("--prefix-len", type=int, default=128, help="keys of each group's prefix")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="K / V element type; bfloat16 also rounds q to bfloat16 values (a bfloat16 model's)",
+    )
     add_output_args(ap)
     return ap.parse_args(argv)
 
@@ -81,19 +88,29 @@ def baseline_library(spec: str, workdir: Path) -> ctypes.CDLL:
 
 
 def input_set(
-    g: torch.Generator, suffix_len: int, threads: int, groups: int = 32, prefix_len: int = 128
+    g: torch.Generator,
+    suffix_len: int,
+    threads: int,
+    groups: int = 32,
+    prefix_len: int = 128,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list, tuple, torch.Tensor]:
     """(tensors to keep alive, the kernel's arguments, its output tensor) for one layer."""
     seqs, kv_heads, rows, head_dim = groups * 8, 2, 4, 32
     capacity = max(256, suffix_len + 64)
     fused = torch.randn(seqs, kv_heads * rows + 2 * kv_heads, head_dim, generator=g)
+    fused = fused.to(dtype).float()  # a bfloat16 model's q: bfloat16 values, widened
     q = fused[:, : kv_heads * rows].unflatten(1, (kv_heads, rows))
-    lanes = [torch.randn(kv_heads, seqs, capacity, head_dim, generator=g) for _ in range(2)]
+    lanes = [
+        torch.randn(kv_heads, seqs, capacity, head_dim, generator=g).to(dtype) for _ in range(2)
+    ]
     sk, sv = (t[:, :, :suffix_len] for t in lanes)
     visible = suffix_len - torch.randint(0, 16, (seqs,), generator=g)
     sbias = torch.zeros(seqs, 1, suffix_len)
     sbias.masked_fill_(torch.arange(suffix_len) >= visible[:, None, None], float("-inf"))
-    pk, pv = (torch.randn(kv_heads, groups, prefix_len, head_dim, generator=g) for _ in range(2))
+    pk, pv = (
+        torch.randn(kv_heads, groups, prefix_len, head_dim, generator=g).to(dtype) for _ in range(2)
+    )
     pbias = torch.zeros(groups, prefix_len)
     group_of = torch.arange(seqs) // (seqs // groups)
     out = torch.empty(seqs, kv_heads, rows, head_dim)
@@ -119,8 +136,11 @@ def main(argv=None) -> dict:
         "pairs": args.pairs,
         "groups": args.groups,
         "prefix_len": args.prefix_len,
+        "dtype": args.dtype,
         "runs": [],
     }
+    dtype = getattr(torch, args.dtype)
+    entry = "cascade_decode_bf16" if dtype == torch.bfloat16 else "cascade_decode_f32"
     before = torch.get_num_threads()
     try:
         for suffix_len in args.suffix_lens:
@@ -128,12 +148,13 @@ def main(argv=None) -> dict:
                 torch.set_num_threads(threads)
                 g = torch.Generator().manual_seed(suffix_len)
                 sets = [
-                    input_set(g, suffix_len, threads, args.groups, args.prefix_len)
+                    input_set(g, suffix_len, threads, args.groups, args.prefix_len, dtype)
                     for _ in range(4)
                 ]
+                kernel = {name: getattr(lib, entry) for name, lib in libs.items()}
                 outs = {}
-                for name, lib in libs.items():
-                    assert lib.cascade_decode_f32(*sets[0][1]) == 0
+                for name in libs:
+                    assert kernel[name](*sets[0][1]) == 0
                     outs[name] = sets[0][2].clone()
                 times = {"old": [], "new": []}
                 for i in range(args.pairs):
@@ -142,7 +163,7 @@ def main(argv=None) -> dict:
                         if evict is not None:
                             evict.fill_(i)
                         start = time.perf_counter()
-                        libs[name].cascade_decode_f32(*call_args)
+                        kernel[name](*call_args)
                         times[name].append(time.perf_counter() - start)
                 ratios = [a / b for a, b in zip(times["old"], times["new"])]
                 result["runs"].append(

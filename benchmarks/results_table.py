@@ -241,6 +241,10 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "{:.2f}x",
         ),
     ),
+    "vector_peak": _figures(
+        ("512-bit FMAs per TSC cycle, one core, 8 chains", "rows/2/per_tsc_cycle", "{:.2f}"),
+        ("512-bit vdpbf16ps per TSC cycle, one core, 16 chains", "rows/9/per_tsc_cycle", "{:.2f}"),
+    ),
     "small_gemm": _figures(
         (
             "small-batch linear kernel vs torch, fp32, 16 rows, cold weights",
