@@ -8,8 +8,11 @@ benchmarks/vllm_env.py) runs from `.venv-vllm/`, in a process of its own; so doe
 Generation grid: for each cell (workload x dtype x prefix reuse) both engines are loaded and
 warmed up once (vLLM compiles then), then `--rounds` rounds each run one call per engine on the
 same fresh prompts (fresh every round, so no round finds an earlier one's prompts cached), the
-order swapped every round so background load hits both alike. n samples of exactly `new` tokens
-per prompt, T = 1, top-p 1, no top-k, EOS ignored; both pinned to the same `--threads` CPUs.
+order swapped every round so background load hits both alike, and each turn starting once the
+other engine's process has used no CPU for 0.1 s (an engine's OpenMP threads may keep spinning
+after its call returns: Intel OpenMP's default KMP_BLOCKTIME is 200 ms). n samples of exactly
+`new` tokens per prompt, T = 1, top-p 1, no top-k, EOS ignored; both pinned to the same
+`--threads` CPUs.
 
 * workloads: 32 prompts x 128 tokens, 128 new; 16 prompts x 512 tokens, 64 new (n = 8);
 * dtypes: float32, bfloat16; prefix reuse: on (our radix cache / vLLM's prefix caching), off.
@@ -243,6 +246,18 @@ def worker_command(engine: str, cell: Cell, args, model_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- the grid
 
 
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of all of a process's threads, in clock ticks (0 if it is gone)."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
 class Worker:
     """A generate_worker.py process: loaded and warmed up on construction."""
 
@@ -270,6 +285,21 @@ class Worker:
         self.proc.stdin.write("\n")
         self.proc.stdin.flush()
         return self._read("RESULT")
+
+    def wait_idle(self, quiet_s: float = 0.1, timeout_s: float = 5.0) -> float:
+        """Wait until this worker's process uses no CPU for `quiet_s` (at most `timeout_s`);
+        the seconds waited. After a generate call an engine's OpenMP threads may keep spinning
+        (Intel OpenMP's default KMP_BLOCKTIME is 200 ms), and on the same pinned CPUs that tail
+        would run inside the other engine's timed turn."""
+        start = time.monotonic()
+        used = _cpu_ticks(self.proc.pid)
+        while time.monotonic() - start < timeout_s:
+            time.sleep(quiet_s)
+            now = _cpu_ticks(self.proc.pid)
+            if now == used:
+                break
+            used = now
+        return time.monotonic() - start
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -300,6 +330,9 @@ def run_cell(cell: Cell, args, model_dir: Path, cpus: list[int], rng: random.Ran
             order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
             this = {}
             for engine in order:
+                for other in workers.values():
+                    if other is not workers[engine]:
+                        other.wait_idle()
                 out = workers[engine].run(prompts, args.n, w.new_tokens)
                 if not out["full"]:
                     raise RuntimeError(f"{cell.key}: {engine} did not generate every token")
