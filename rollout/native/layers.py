@@ -111,8 +111,11 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
     if (
         positions.dtype == torch.int64
         and positions.is_contiguous()
+        and positions.numel() == x.shape[0]
+        and cos.dtype == sin.dtype == torch.float32
         and cos.is_contiguous()
         and sin.is_contiguous()
+        and cos.shape == sin.shape
         and cos.shape[1] == attn.head_dim
     ):
         native.rotary_unchecked_(
