@@ -245,6 +245,23 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("512-bit FMAs per TSC cycle, one core, 8 chains", "rows/2/per_tsc_cycle", "{:.2f}"),
         ("512-bit vdpbf16ps per TSC cycle, one core, 16 chains", "rows/9/per_tsc_cycle", "{:.2f}"),
     ),
+    "pointwise_calls": _figures(
+        (
+            "a decode layer-step's element-wise calls, thin vs checked, bf16, 16 rows",
+            "cells/0/speedup_median",
+            "{:.2f}x",
+        ),
+        (
+            "a decode layer-step's element-wise calls, thin vs checked, bf16, 256 rows",
+            "cells/2/speedup_median",
+            "{:.2f}x",
+        ),
+        (
+            "a decode layer-step's element-wise calls, thin vs checked, fp32, 256 rows",
+            "cells/5/speedup_median",
+            "{:.2f}x",
+        ),
+    ),
     "small_gemm": _figures(
         (
             "small-batch linear kernel vs torch, fp32, 16 rows, cold weights",

@@ -45,6 +45,29 @@ def store_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> Non
         dst.index_copy_(1, index, src.transpose(0, 1).to(dst.dtype))
 
 
+def store_kv_rows(
+    dst_k: torch.Tensor, dst_v: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """`store_rows(dst_k, index, k)` and `store_rows(dst_v, index, v)`: in one C call where both
+    pairs share a layout (a layer's K and V; k, v views of one projection's output)."""
+    if (
+        k.dtype == v.dtype == dst_k.dtype == dst_v.dtype
+        and k.dtype in native.POINTWISE_DTYPES
+        and k.device.type == "cpu"
+        and k.stride() == v.stride()
+        and k.shape == v.shape
+        and k.stride(-1) == 1
+        and k.stride(-2) == k.shape[-1]
+        and dst_k.stride() == dst_v.stride()
+        and dst_k.shape == dst_v.shape
+        and (lib := native.pointwise()) is not None
+    ):
+        native.scatter_kv_rows_(lib, dst_k, dst_v, index, k, v)
+    else:
+        store_rows(dst_k, index, k)
+        store_rows(dst_v, index, v)
+
+
 def index_select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """`x.index_select(dim, index)` for any dtype: float8 through its bytes (index_select has no
     float8 kernel on every device)."""
@@ -164,8 +187,7 @@ class KVPool:
         pool holds them, which attention must use for these tokens too (quantized: dequantized
         from what was stored; otherwise k, v themselves)."""
         if not self.quantized:
-            store_rows(self.k[layer], slots, k)
-            store_rows(self.v[layer], slots, v)
+            store_kv_rows(self.k[layer], self.v[layer], slots, k, v)
             return k, v
         held = []
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.config import accum_dtype
-from rollout.kv_pool import KVPool, index_select, store_rows
+from rollout.kv_pool import KVPool, index_select, store_kv_rows
 
 if TYPE_CHECKING:
     from rollout.sequence import Sequence
@@ -296,8 +296,8 @@ class SuffixLanes:
         self, layer: int, write_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Write this step's decode-token K/V ([T, Hkv, dim], pool dtype) into their lanes."""
-        for buf, new in ((self.k, k), (self.v, v)):
-            store_rows(buf[layer].view(buf.shape[1], -1, buf.shape[4]), write_index, new)
+        dst_k, dst_v = (buf[layer].view(buf.shape[1], -1, buf.shape[4]) for buf in (self.k, self.v))
+        store_kv_rows(dst_k, dst_v, write_index, k, v)
 
     def check(self, running: list[Sequence]) -> None:
         """Assert the invariant of the module docstring for every lane still assigned."""

@@ -72,6 +72,19 @@ def declare_pointwise(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.scatter_rows_16.argtypes = lib.scatter_rows_f32.argtypes
     lib.silu_mul_bf16.argtypes = lib.silu_mul_f32.argtypes
     lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = lib.rms_norm_f32.argtypes
+    lib.add_rms_norm_bf16.restype = None
+    lib.scatter_kv_rows.argtypes = [
+        *(_PTR,) * 2,
+        _I64,
+        _I64,
+        *(_PTR,) * 2,
+        _I64,
+        _PTR,
+        *(_I64,) * 3,
+        _INT,
+    ]
+    lib.scatter_kv_rows.restype = _INT
     lib.rotary_bf16.restype = lib.scatter_rows_16.restype = _INT
     lib.pointwise_has_avx2.restype = _INT
     return lib
@@ -340,6 +353,51 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     return out
 
 
+def add_rms_norm_(
+    lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x += residual (in place: x becomes the residual stream), then `rms_norm` of it -> a new
+    tensor: `residual + x` and the `rollout.model.RMSNorm` of the sum in one pass, for x,
+    residual [T, H] of one dtype (float32 or bfloat16, rows contiguous)."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
+    _rows(x, "x", POINTWISE_DTYPES), _rows(residual, "residual", POINTWISE_DTYPES)
+    return add_rms_norm_unchecked_(lib, x, residual, weight.to(x.dtype).contiguous(), eps)
+
+
+def rms_norm_unchecked(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`rms_norm` for arguments already known to suit it (x [T, H] with contiguous rows, weight
+    [H] contiguous of x's dtype, one of `POINTWISE_DTYPES`): the engine's per-layer calls, with
+    no per-call checks."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if x.dtype == torch.bfloat16:
+        lib.rms_norm_bf16(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), eps, out.data_ptr(), x.shape[1],
+            x.shape[0], x.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+    else:
+        lib.rms_norm_f32(
+            x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), eps, out.data_ptr(),
+            x.shape[1], x.shape[0], x.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def add_rms_norm_unchecked_(
+    lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`add_rms_norm_` for arguments already known to suit it (as `rms_norm_unchecked`;
+    residual the same shape and dtype as x, rows contiguous)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    kernel = lib.add_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
+    kernel(
+        x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+        eps, out.data_ptr(), x.shape[1], x.shape[0], x.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def rotary_(
     lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
 ) -> None:
@@ -356,6 +414,34 @@ def rotary_(
         positions.data_ptr(), torch.get_num_threads(),
     ):  # fmt: skip
         raise IndexError(f"rotary: a position is outside the tables' {cos.shape[0]} rows")
+
+
+def rotary_unchecked_(
+    lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """`rotary_` for arguments already known to suit it (x's heads contiguous, cos / sin
+    contiguous float32 tables of x's head dim, positions int64 contiguous); the kernel still
+    refuses a position outside the tables."""
+    kernel = lib.rotary_bf16 if x.dtype == torch.bfloat16 else lib.rotary_f32
+    if kernel(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], cos.data_ptr(),
+        sin.data_ptr(), cos.shape[0], positions.data_ptr(), torch.get_num_threads(),
+    ):  # fmt: skip
+        raise IndexError(f"rotary: a position is outside the tables' {cos.shape[0]} rows")
+
+
+def silu_mul_halves_unchecked(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul` of the two halves of gate_up [T, 2 I] (the fused gate/up projection's output,
+    rows contiguous, float32 or bfloat16), read in place, with no per-call checks -> [T, I]."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, width, dtype=gate_up.dtype)
+    kernel = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
+    gate, stride = gate_up.data_ptr(), gate_up.stride(0)
+    kernel(
+        gate, stride, gate + width * gate_up.element_size(), stride, out.data_ptr(), width, rows,
+        width, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -390,6 +476,33 @@ def scatter_rows_(
         index.data_ptr(), num_tokens, num_kv_heads, head_dim, torch.get_num_threads(),
     ):  # fmt: skip
         raise IndexError(f"K/V store: a row index is outside [0, {dst.shape[1]})")
+
+
+def scatter_kv_rows_(
+    lib: ctypes.CDLL,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    index: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """`scatter_rows_(lib, dst_k, index, k)` and `scatter_rows_(lib, dst_v, index, v)` in one
+    call, for dst_k, dst_v of one shape and strides and k, v of one shape and strides (a layer's
+    K and V of the pool or the lanes; k, v views of one projection's output)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert dst_k.dtype == dst_v.dtype == k.dtype == v.dtype and k.dtype in POINTWISE_DTYPES
+    assert dst_k.shape == dst_v.shape and dst_k.stride() == dst_v.stride(), (dst_k, dst_v)
+    assert k.shape == v.shape and k.stride() == v.stride(), (k.stride(), v.stride())
+    assert dst_k.stride(1) == head_dim and dst_k.stride(2) == 1, dst_k.stride()
+    assert k.stride(1) == head_dim and k.stride(2) == 1, k.stride()
+    assert index.dtype == torch.int64 and index.is_contiguous() and index.numel() == num_tokens
+    size = k.element_size()
+    if num_tokens and lib.scatter_kv_rows(
+        dst_k.data_ptr(), dst_v.data_ptr(), dst_k.stride(0) * size, dst_k.shape[1],
+        k.data_ptr(), v.data_ptr(), k.stride(0) * size, index.data_ptr(), num_tokens,
+        num_kv_heads, head_dim * size, torch.get_num_threads(),
+    ):  # fmt: skip
+        raise IndexError(f"K/V store: a row index is outside [0, {dst_k.shape[1]})")
 
 
 def sample_rows(

@@ -7,7 +7,10 @@ reference), with
 * q and k rotated in place in the fused q/k/v projection's output;
 * in float32, the residual adds folded into the o_proj and down_proj matrix multiplies
   (`addmm`, beta = 1): no separate pass over the hidden states. Not in bfloat16: addmm would add
-  the residual before rounding the product to bfloat16, where the reference rounds both;
+  the residual before rounding the product to bfloat16, where the reference rounds both; there
+  the add before the post-attention norm goes into the norm's pass (`add_rms_norm_bf16`);
+* the kernels called through thin wrappers (`native.*_unchecked`): the layouts these pieces make
+  (new contiguous projection outputs, weights in the model dtype) checked here, not per call;
 * the linear layers (q/k/v, o_proj and down_proj with their residual adds, gate_up, the LM head)
   of a batch of at most `SMALL_LINEAR_ROWS` tokens (decode steps) on the small-batch kernel
   (`small_gemm.c`, residual added as the reference adds it), which reads the stored [out, in]
@@ -89,6 +92,10 @@ def _linear(
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """norm(x); the per-call checks skipped where the model's tensors are as the engine makes
+    them (rows of x contiguous, the weight in x's dtype): a decode step makes 2 per layer."""
+    if x.stride(1) == 1 and norm.weight.dtype == x.dtype and norm.weight.stride(0) == 1:
+        return native.rms_norm_unchecked(native.pointwise(), x, norm.weight, norm.eps)
     return native.rms_norm(native.pointwise(), x, norm.weight, norm.eps)
 
 
@@ -99,9 +106,23 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
         return attn.project(h, positions, rotary)
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
     qkv = _linear(h, attn.qkv_weight, attn.qkv_bias).view(x.shape[0], -1, attn.head_dim)
-    native.rotary_(
-        native.pointwise(), qkv[:, : heads + kv_heads], rotary.cos, rotary.sin, positions
-    )
+    # the projection's output is a new contiguous tensor: its heads are contiguous rows
+    cos, sin = rotary.cos, rotary.sin
+    if (
+        positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and positions.numel() == x.shape[0]
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape
+        and cos.shape[1] == attn.head_dim
+    ):
+        native.rotary_unchecked_(
+            native.pointwise(), qkv[:, : heads + kv_heads], cos, sin, positions
+        )
+    else:
+        native.rotary_(native.pointwise(), qkv[:, : heads + kv_heads], cos, sin, positions)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     return q, k, v
 
@@ -114,14 +135,38 @@ def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear) 
     return x + linear(inputs)
 
 
+def _add_linear_norm(
+    x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + linear(inputs), norm of it). In bfloat16, where `_linear` does not add the residual
+    (torch's GEMM: more than `SMALL_LINEAR_ROWS` rows), the add goes into the norm's pass
+    (`add_rms_norm_bf16`, the sum written over the projection's fresh output) instead of a
+    torch add of its own."""
+    if (
+        x.dtype == torch.bfloat16
+        and type(linear) is torch.nn.Linear
+        and (x.shape[0] > SMALL_LINEAR_ROWS or _small_gemm(x.dtype) is None)
+        and x.stride(1) == 1
+        and norm.weight.dtype == x.dtype
+        and norm.weight.stride(0) == 1
+    ):
+        y = F.linear(inputs, linear.weight, linear.bias)  # a new tensor, rows contiguous
+        h = native.add_rms_norm_unchecked_(native.pointwise(), y, x, norm.weight, norm.eps)
+        return y, h
+    x = _add_linear(x, inputs, linear)
+    return x, _norm(norm, x)
+
+
 def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tensor):
     attn, mlp = layer.self_attn, layer.mlp
-    x = _add_linear(x, attn_out.reshape(x.shape[0], -1), attn.o_proj)
-    h = _norm(layer.post_attention_layernorm, x)
+    inputs = attn_out.reshape(x.shape[0], -1)
+    x, h = _add_linear_norm(x, inputs, attn.o_proj, layer.post_attention_layernorm)
     if mlp.gate_up_weight is None:
         return x + mlp(h)
-    gate, up = _linear(h, mlp.gate_up_weight, mlp.gate_up_bias).chunk(2, dim=-1)
-    return _add_linear(x, native.silu_mul(native.pointwise(), gate, up), mlp.down_proj)
+    gate_up = _linear(h, mlp.gate_up_weight, mlp.gate_up_bias)  # new, rows contiguous
+    return _add_linear(
+        x, native.silu_mul_halves_unchecked(native.pointwise(), gate_up), mlp.down_proj
+    )
 
 
 def logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@
 #include "vector_math.h"
 
 #define PARALLEL_ELEMENTS 65536  // below this, one thread: the fork / join costs more
+#define PREFETCH_TOKENS 8         // how far ahead scatter_kv_rows asks for its destination rows
 
 int pointwise_has_avx2(void) { return HAVE_AVX2; }
 
@@ -122,44 +123,72 @@ int scatter_rows_f32(float *dst, int64_t dst_head_stride, int64_t dst_rows, cons
 
 /* out[t] = weight * bfloat16(x * 1 / sqrt(mean(x^2) + eps)): RMSNorm normalises in float32 and
    rounds to the model dtype before the (bfloat16) weight multiplies. */
+static inline void rms_norm_bf16_row(const uint16_t *xt, const uint16_t *weight, float eps,
+                                     uint16_t *ot, int64_t H) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if HAVE_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= H; i += 8) {
+    __m256 v = bf16_load8(xt + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  float lane[8];
+  _mm256_storeu_ps(lane, acc);
+  for (int k = 0; k < 8; k++) sum += lane[k];
+#endif
+  for (; i < H; i++) sum += bf16_load(xt[i]) * bf16_load(xt[i]);
+  const float inv = 1.f / sqrtf(sum / (float)H + eps);
+  i = 0;
+#if HAVE_AVX512
+  const __m512 vinv16 = _mm512_set1_ps(inv);
+  for (; i + 16 <= H; i += 16) {  // bf16_store8's rounding and packing, 16 lanes at a time
+    const __m512 y = _mm512_mul_ps(bf16_load16(weight + i),
+                                   bf16_rounded16(_mm512_mul_ps(bf16_load16(xt + i), vinv16)));
+    const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(bf16_rounded16(y)), 16);
+    _mm256_storeu_si256((__m256i *)(ot + i), _mm512_cvtepi32_epi16(b));  // each <= 0xFFFF
+  }
+#endif
+#if HAVE_AVX2
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; i + 8 <= H; i += 8)
+    bf16_store8(ot + i, _mm256_mul_ps(bf16_load8(weight + i),
+                                      bf16_rounded8(_mm256_mul_ps(bf16_load8(xt + i), vinv))));
+#endif
+  for (; i < H; i++)
+    ot[i] = bf16_round(bf16_load(weight[i]) * bf16_rounded(bf16_load(xt[i]) * inv));
+}
+
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, float eps,
                    uint16_t *out, int64_t out_stride, int64_t T, int64_t H, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++)
+    rms_norm_bf16_row(x + t * x_stride, weight, eps, out + t * out_stride, H);
+}
+
+/* The residual add and the RMSNorm after it, one pass over each token's row: x[t] =
+   bfloat16(x[t] + residual[t]) (the float32 sum rounded once, as torch's bfloat16 add rounds it;
+   written back: the new residual stream), then out[t] = `rms_norm_bf16` of it. In bfloat16 the
+   add cannot be folded into the projection's GEMM (the reference rounds the product before
+   adding), so without this it is a pass of its own. */
+void add_rms_norm_bf16(uint16_t *x, int64_t x_stride, const uint16_t *residual,
+                       int64_t residual_stride, const uint16_t *weight, float eps, uint16_t *out,
+                       int64_t out_stride, int64_t T, int64_t H, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_ELEMENTS) schedule(static)
   for (int64_t t = 0; t < T; t++) {
-    const uint16_t *xt = x + t * x_stride;
-    uint16_t *ot = out + t * out_stride;
-    float sum = 0.f;
+    uint16_t *xt = x + t * x_stride;
+    const uint16_t *rt = residual + t * residual_stride;
     int64_t i = 0;
-#if HAVE_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= H; i += 8) {
-      __m256 v = bf16_load8(xt + i);
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-    }
-    float lane[8];
-    _mm256_storeu_ps(lane, acc);
-    for (int k = 0; k < 8; k++) sum += lane[k];
-#endif
-    for (; i < H; i++) sum += bf16_load(xt[i]) * bf16_load(xt[i]);
-    const float inv = 1.f / sqrtf(sum / (float)H + eps);
-    i = 0;
 #if HAVE_AVX512
-    const __m512 vinv16 = _mm512_set1_ps(inv);
-    for (; i + 16 <= H; i += 16) {  // bf16_store8's rounding and packing, 16 lanes at a time
-      const __m512 y = _mm512_mul_ps(bf16_load16(weight + i),
-                                     bf16_rounded16(_mm512_mul_ps(bf16_load16(xt + i), vinv16)));
-      const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(bf16_rounded16(y)), 16);
-      _mm256_storeu_si256((__m256i *)(ot + i), _mm512_cvtepi32_epi16(b));  // each <= 0xFFFF
-    }
+    for (; i + 16 <= H; i += 16)
+      bf16_store16(xt + i, _mm512_add_ps(bf16_load16(xt + i), bf16_load16(rt + i)));
 #endif
 #if HAVE_AVX2
-    const __m256 vinv = _mm256_set1_ps(inv);
     for (; i + 8 <= H; i += 8)
-      bf16_store8(ot + i, _mm256_mul_ps(bf16_load8(weight + i),
-                                        bf16_rounded8(_mm256_mul_ps(bf16_load8(xt + i), vinv))));
+      bf16_store8(xt + i, _mm256_add_ps(bf16_load8(xt + i), bf16_load8(rt + i)));
 #endif
-    for (; i < H; i++)
-      ot[i] = bf16_round(bf16_load(weight[i]) * bf16_rounded(bf16_load(xt[i]) * inv));
+    for (; i < H; i++) xt[i] = bf16_round(bf16_load(xt[i]) + bf16_load(rt[i]));
+    rms_norm_bf16_row(xt, weight, eps, out + t * out_stride, H);
   }
 }
 
@@ -172,29 +201,50 @@ int rotary_bf16(uint16_t *x, int64_t x_stride, int64_t T, int64_t heads, int64_t
   const int64_t half = D / 2;
   for (int64_t t = 0; t < T; t++)
     if (positions[t] < 0 || positions[t] >= table_rows) return -1;  // nothing written
+  // Each token's table entries are rounded once, for all its heads (heads the inner loop).
 #pragma omp parallel for num_threads(num_threads) if (T * heads * D >= PARALLEL_ELEMENTS) schedule(static)
   for (int64_t t = 0; t < T; t++) {
     const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
-    for (int64_t h = 0; h < heads; h++) {
-      uint16_t *v = x + t * x_stride + h * D;
-      int64_t i = 0;
+    uint16_t *row = x + t * x_stride;
+    int64_t i = 0;
+#if HAVE_AVX512
+    for (; i + 16 <= half; i += 16) {
+      const __m512 c1 = bf16_rounded16(_mm512_loadu_ps(c + i));
+      const __m512 s1 = bf16_rounded16(_mm512_loadu_ps(s + i));
+      const __m512 c2 = bf16_rounded16(_mm512_loadu_ps(c + i + half));
+      const __m512 s2 = bf16_rounded16(_mm512_loadu_ps(s + i + half));
+      for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = row + h * D;
+        const __m512 x1 = bf16_load16(v + i), x2 = bf16_load16(v + i + half);
+        bf16_store16(v + i, _mm512_sub_ps(bf16_rounded16(_mm512_mul_ps(x1, c1)),
+                                          bf16_rounded16(_mm512_mul_ps(x2, s1))));
+        bf16_store16(v + i + half, _mm512_add_ps(bf16_rounded16(_mm512_mul_ps(x2, c2)),
+                                                 bf16_rounded16(_mm512_mul_ps(x1, s2))));
+      }
+    }
+#endif
 #if HAVE_AVX2
-      for (; i + 8 <= half; i += 8) {
+    for (; i + 8 <= half; i += 8) {
+      const __m256 c1 = bf16_rounded8(_mm256_loadu_ps(c + i));
+      const __m256 s1 = bf16_rounded8(_mm256_loadu_ps(s + i));
+      const __m256 c2 = bf16_rounded8(_mm256_loadu_ps(c + i + half));
+      const __m256 s2 = bf16_rounded8(_mm256_loadu_ps(s + i + half));
+      for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = row + h * D;
         const __m256 x1 = bf16_load8(v + i), x2 = bf16_load8(v + i + half);
-        const __m256 c1 = bf16_rounded8(_mm256_loadu_ps(c + i));
-        const __m256 s1 = bf16_rounded8(_mm256_loadu_ps(s + i));
-        const __m256 c2 = bf16_rounded8(_mm256_loadu_ps(c + i + half));
-        const __m256 s2 = bf16_rounded8(_mm256_loadu_ps(s + i + half));
         bf16_store8(v + i, _mm256_sub_ps(bf16_rounded8(_mm256_mul_ps(x1, c1)),
                                          bf16_rounded8(_mm256_mul_ps(x2, s1))));
         bf16_store8(v + i + half, _mm256_add_ps(bf16_rounded8(_mm256_mul_ps(x2, c2)),
                                                 bf16_rounded8(_mm256_mul_ps(x1, s2))));
       }
+    }
 #endif
-      for (; i < half; i++) {
+    for (; i < half; i++) {
+      const float c1 = bf16_rounded(c[i]), s1 = bf16_rounded(s[i]);
+      const float c2 = bf16_rounded(c[i + half]), s2 = bf16_rounded(s[i + half]);
+      for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = row + h * D;
         const float x1 = bf16_load(v[i]), x2 = bf16_load(v[i + half]);
-        const float c1 = bf16_rounded(c[i]), s1 = bf16_rounded(s[i]);
-        const float c2 = bf16_rounded(c[i + half]), s2 = bf16_rounded(s[i + half]);
         v[i] = bf16_round(bf16_rounded(x1 * c1) - bf16_rounded(x2 * s1));
         v[i + half] = bf16_round(bf16_rounded(x2 * c2) + bf16_rounded(x1 * s2));
       }
@@ -247,5 +297,36 @@ int scatter_rows_16(uint16_t *dst, int64_t dst_head_stride, int64_t dst_rows, co
     for (int64_t h = 0; h < Hkv; h++)
       memcpy(dst + h * dst_head_stride + index[t] * D, src + t * src_stride + h * D,
              sizeof(uint16_t) * (size_t)D);
+  return 0;
+}
+
+/* A layer's two K/V stores in one call: `scatter_rows_*` of k into dst_k and of v into dst_v, the
+   same index and strides for both (k and v are views of one projection's output; the pool's, or
+   the lanes', K and V tensors have one layout), rows of row_bytes bytes, strides in bytes.
+   Returns -1, writing nothing, if an index is out of range. */
+int scatter_kv_rows(char *dst_k, char *dst_v, int64_t dst_head_stride, int64_t dst_rows,
+                    const char *src_k, const char *src_v, int64_t src_stride,
+                    const int64_t *index, int64_t T, int64_t Hkv, int64_t row_bytes,
+                    int num_threads) {
+  for (int64_t t = 0; t < T; t++)
+    if (index[t] < 0 || index[t] >= dst_rows) return -1;  // nothing written
+  // the one-tensor scatters' threshold: PARALLEL_ELEMENTS bytes a tensor
+#pragma omp parallel for num_threads(num_threads) if (T * Hkv * row_bytes >= PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    // Each token's rows lie in pages of their own (a sequence's slots, its lane): a cache (and
+    // often a TLB) miss apiece. Asking for the rows a few tokens ahead overlaps those misses.
+    if (t + PREFETCH_TOKENS < T)
+      for (int64_t h = 0; h < Hkv; h++) {
+        const int64_t ahead = h * dst_head_stride + index[t + PREFETCH_TOKENS] * row_bytes;
+        __builtin_prefetch(dst_k + ahead, 1, 3);
+        __builtin_prefetch(dst_v + ahead, 1, 3);
+      }
+    for (int64_t h = 0; h < Hkv; h++) {
+      const int64_t to = h * dst_head_stride + index[t] * row_bytes;
+      const int64_t from = t * src_stride + h * row_bytes;
+      memcpy(dst_k + to, src_k + from, (size_t)row_bytes);
+      memcpy(dst_v + to, src_v + from, (size_t)row_bytes);
+    }
+  }
   return 0;
 }

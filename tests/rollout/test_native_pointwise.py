@@ -162,7 +162,8 @@ def test_rms_norm_bf16_matches_the_module(build, tokens, hidden):
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
-@pytest.mark.parametrize("head_dim", [8, 64, 128])
+# 8: the scalar loop; 16: one 8-lane step; 48: a 16-lane step and an 8-lane tail
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 48, 64, 128])
 def test_rotary_bf16_equals_the_module_bitwise(build, head_dim):
     """bfloat16 q/k rotated with the float32 tables rounded to bfloat16 and each product and sum
     rounded: bitwise the module's bfloat16 x * cos + rotate_half(x) * sin."""
@@ -235,3 +236,93 @@ def test_bf16_native_pieces_match_the_reference_pieces(tmp_path):
             torch.testing.assert_close(
                 torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-2, rtol=0
             )
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hidden", [(1, 8), (5, 20), (300, 256), (3, 1001)])
+def test_add_rms_norm_is_the_add_then_the_norm(build, dtype, tokens, hidden):
+    """The residual add folded into the norm's pass: x becomes torch's `residual + x` bitwise
+    (one rounding of the float32 sum in bfloat16), and the output is bitwise `rms_norm` of that
+    sum (the same row code), itself checked against the module above. Strided residual rows are
+    read in place."""
+    lib = BUILDS[build]
+    weight = _randn(hidden, seed=1).to(dtype)
+    x = _randn(tokens, hidden, seed=2, scale=3.0).to(dtype)
+    residual = _randn(tokens, 2 * hidden, seed=3, scale=5.0).to(dtype)[:, :hidden]
+    expected_sum = residual + x
+    got = native.add_rms_norm_(lib, x, residual, weight, 1e-6)
+    assert torch.equal(x, expected_sum)
+    assert torch.equal(got, native.rms_norm(lib, expected_sum, weight, 1e-6))
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unchecked_calls_equal_the_checked_ones(build, dtype):
+    """The engine's thin calls (no per-call checks) compute what the checked wrappers do:
+    bitwise, on the engine's layouts (q/k heads of a fused projection's output, the halves of the
+    fused gate/up output)."""
+    lib = BUILDS[build]
+    tokens, hidden, width, head_dim = 37, 64, 48, 16
+    x = _randn(tokens, hidden, seed=1, scale=2.0).to(dtype)
+    weight = _randn(hidden, seed=2).to(dtype)
+    assert torch.equal(
+        native.rms_norm_unchecked(lib, x, weight, 1e-6), native.rms_norm(lib, x, weight, 1e-6)
+    )
+    gate_up = _randn(tokens, 2 * width, seed=3, scale=4.0).to(dtype)
+    expected = native.silu_mul(lib, *gate_up.chunk(2, dim=-1))
+    assert torch.equal(native.silu_mul_halves_unchecked(lib, gate_up), expected)
+    rope = RotaryEmbedding(RopeSpec(theta=10000.0), head_dim, 256)
+    qkv = _randn(tokens, 8, head_dim, seed=4, scale=3.0).to(dtype)
+    positions = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(5))
+    expected = qkv.clone()
+    native.rotary_(lib, expected[:, :6], rope.cos, rope.sin, positions)
+    native.rotary_unchecked_(lib, qkv[:, :6], rope.cos, rope.sin, positions)
+    assert torch.equal(qkv, expected)
+    with pytest.raises(IndexError):
+        native.rotary_unchecked_(lib, qkv[:, :6], rope.cos, rope.sin, positions + 256)
+    assert torch.equal(qkv, expected)  # nothing written
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 130, 1100])  # 1100: over the parallel threshold
+def test_kv_row_scatter_equals_two_index_copies(build, dtype, tokens):
+    """A layer's K and V stores in one call: each destination as its own `index_copy_` makes it,
+    from k, v views of one projection's output into a [2, Hkv, N, D] pair (the pool's layout)."""
+    kv_heads, slots, head_dim = 2, 1200, 16
+    qkv = _randn(tokens, 4 + 2 * kv_heads, head_dim, seed=4).to(dtype)
+    k, v = qkv[:, 4 : 4 + kv_heads], qkv[:, 4 + kv_heads :]
+    index = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[:tokens]
+    dst = _randn(2, kv_heads, slots, head_dim, seed=6).to(dtype)
+    expected = dst.clone()
+    expected[0].index_copy_(1, index, k.transpose(0, 1))
+    expected[1].index_copy_(1, index, v.transpose(0, 1))
+    native.scatter_kv_rows_(BUILDS[build], dst[0], dst[1], index, k, v)
+    assert torch.equal(dst, expected)
+    before = dst.clone()
+    with pytest.raises(IndexError):
+        native.scatter_kv_rows_(BUILDS[build], dst[0], dst[1], index.flip(0) * 0 + slots, k, v)
+    assert torch.equal(dst, before)  # nothing written
+
+
+def test_the_calls_benchmark_runs(tmp_path):
+    """`benchmarks/pointwise_calls.py` end to end at a tiny size (its figures are not asserted:
+    speed lives in the benchmark's JSON)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run.json"
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks/pointwise_calls.py"), "--rounds", "2", "--rows",
+         "1", "5", "--pool-slots", "256", "--evict-mib", "1", "--threads", "1", "--out", str(out)],
+        check=True, capture_output=True, cwd=root,
+    )  # fmt: skip
+    cells = json.loads(out.read_text())["result"]["cells"]
+    assert {(c["dtype"], c["rows"]) for c in cells} == {
+        (d, r) for d in ("bfloat16", "float32") for r in (1, 5)
+    }
+    assert all(c["old_us_median"] > 0 and c["new_us_median"] > 0 for c in cells)
