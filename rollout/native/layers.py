@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from rollout import native
 from rollout.config import accum_dtype
+from rollout.fp8_linear import Fp8Linear
 from rollout.model import CausalLM, DecoderLayer, LayerPieces, RMSNorm
 from rollout.rope import RotaryEmbedding
 
@@ -99,13 +100,41 @@ def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return native.rms_norm(native.pointwise(), x, norm.weight, norm.eps)
 
 
+def _dense(linear: torch.nn.Module, dtype: torch.dtype):
+    """(weight, bias) that `linear` multiplies by in `dtype`: an nn.Linear's own, an FP8 layer's
+    dequantized weight (a CPU engine keeps it) and bias; None for any other layer. Both kinds
+    go through `_linear`, so an FP8 engine computes exactly as the engine running its
+    dequantized weights (the FP8 layers' contract), the small-batch kernel included."""
+    if type(linear) is torch.nn.Linear:
+        return linear.weight, linear.bias
+    if type(linear) is Fp8Linear and linear.tp is None:
+        return linear.dequantized_weight(dtype), linear.bias
+    return None
+
+
+def _fused_linear(h: torch.Tensor, linears: list[torch.nn.Module]) -> torch.Tensor | None:
+    """The outputs of the unfused `linears` (an FP8 model's q/k/v or gate/up) side by side, as
+    their fused projection would give them (each output one dot product on either path); None
+    unless every one is `_dense`."""
+    dense = [_dense(linear, h.dtype) for linear in linears]
+    if any(d is None for d in dense):
+        return None
+    return torch.cat([_linear(h, *d) for d in dense], dim=1)
+
+
 def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: RotaryEmbedding):
     attn = layer.self_attn
     h = _norm(layer.input_layernorm, x)
-    if attn.qkv_weight is None or attn.q_norm is not None:
+    if attn.q_norm is not None:
         return attn.project(h, positions, rotary)
+    if attn.qkv_weight is not None:
+        qkv = _linear(h, attn.qkv_weight, attn.qkv_bias)
+    else:
+        qkv = _fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj])
+        if qkv is None:
+            return attn.project(h, positions, rotary)
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
-    qkv = _linear(h, attn.qkv_weight, attn.qkv_bias).view(x.shape[0], -1, attn.head_dim)
+    qkv = qkv.view(x.shape[0], -1, attn.head_dim)
     # the projection's output is a new contiguous tensor: its heads are contiguous rows
     cos, sin = rotary.cos, rotary.sin
     if (
@@ -130,8 +159,9 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
 def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """x + linear(inputs), in one matrix multiply for a float32 linear without bias (and on the
     small-batch kernel for few rows)."""
-    if type(linear) is torch.nn.Linear:  # not an FP8 layer, not a tensor-parallel one
-        return _linear(inputs, linear.weight, linear.bias, residual=x)
+    dense = _dense(linear, inputs.dtype)  # not a tensor-parallel layer
+    if dense is not None:
+        return _linear(inputs, *dense, residual=x)
     return x + linear(inputs)
 
 
@@ -142,15 +172,16 @@ def _add_linear_norm(
     (torch's GEMM: more than `SMALL_LINEAR_ROWS` rows), the add goes into the norm's pass
     (`add_rms_norm_bf16`, the sum written over the projection's fresh output) instead of a
     torch add of its own."""
+    dense = _dense(linear, inputs.dtype)
     if (
         x.dtype == torch.bfloat16
-        and type(linear) is torch.nn.Linear
+        and dense is not None
         and (x.shape[0] > SMALL_LINEAR_ROWS or _small_gemm(x.dtype) is None)
         and x.stride(1) == 1
         and norm.weight.dtype == x.dtype
         and norm.weight.stride(0) == 1
     ):
-        y = F.linear(inputs, linear.weight, linear.bias)  # a new tensor, rows contiguous
+        y = F.linear(inputs, *dense)  # a new tensor, rows contiguous
         h = native.add_rms_norm_unchecked_(native.pointwise(), y, x, norm.weight, norm.eps)
         return y, h
     x = _add_linear(x, inputs, linear)
@@ -161,9 +192,14 @@ def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tens
     attn, mlp = layer.self_attn, layer.mlp
     inputs = attn_out.reshape(x.shape[0], -1)
     x, h = _add_linear_norm(x, inputs, attn.o_proj, layer.post_attention_layernorm)
-    if mlp.gate_up_weight is None:
+    if mlp.gate_up_weight is not None:
+        gate_up = _linear(h, mlp.gate_up_weight, mlp.gate_up_bias)  # new, rows contiguous
+    elif hasattr(mlp, "gate_proj"):  # a dense MLP left unfused (FP8)
+        gate_up = _fused_linear(h, [mlp.gate_proj, mlp.up_proj])
+    else:  # mixture of experts
+        gate_up = None
+    if gate_up is None:
         return x + mlp(h)
-    gate_up = _linear(h, mlp.gate_up_weight, mlp.gate_up_bias)  # new, rows contiguous
     return _add_linear(
         x, native.silu_mul_halves_unchecked(native.pointwise(), gate_up), mlp.down_proj
     )
@@ -171,5 +207,6 @@ def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tens
 
 def logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     head, h = model.lm_head, _norm(model.model.norm, hidden)
-    logits = _linear(h, head.weight, head.bias) if type(head) is torch.nn.Linear else head(h)
+    dense = _dense(head, h.dtype)
+    logits = _linear(h, *dense) if dense is not None else head(h)
     return logits.to(accum_dtype(logits.dtype))

@@ -212,11 +212,13 @@ def fp8_engine(directory, **overrides) -> Engine:
 
 
 # No two prompts share a page-aligned prefix: see `test_prefix_reuse_across_requests`.
-# Engine and HF compute K/V in float32 in different orders (batch shapes, fused projections):
-# equal to rounding, but where a value lies within that rounding of the midpoint between two
-# e4m3 values the two round it to neighbours, one e4m3 step (1/16 relative) apart. Rare, yet it
-# moves log-probs by up to ~1e-3 (the quantization itself moves them by ~1e-1).
-LOGPROB_ATOL = 1e-3
+# Engine and HF compute K/V in float32 in different orders (batch shapes, fused projections, the
+# small-batch linear kernel's dot products): equal to rounding, but where a value lies within
+# that rounding of the midpoint between two e4m3 values the two round it to neighbours, one e4m3
+# step (1/16 relative) apart. Rare, yet one such flip moves later log-probs by up to a few 1e-3
+# (2.6e-3 seen: llama, n-gram speculation); the quantization itself moves them by ~1e-1, which
+# the tests check stays more than 10x this bound.
+LOGPROB_ATOL = 5e-3
 PROMPTS = [[5, 9, 2, 7, 11, 3, 8, 1, 4], [6, 9, 2, 7, 11, 3, 8, 1, 6, 6], [1, 2, 3]]
 ENGINE_VARIANTS = {
     "lanes": {},
