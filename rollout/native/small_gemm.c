@@ -372,12 +372,14 @@ static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, i
 
 /* small_gemm for bfloat16 on tiles (byte strides): x^T packed once, the threads splitting the
    whole 16-output tiles into contiguous ranges; the last thread also computes the outputs past
-   the last whole 16 on the AVX-512 path. */
-static void amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
+   the last whole 16 on the AVX-512 path. 0 (nothing done) where the packed x^T cannot be
+   allocated. */
+static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
                      const char *w, int64_t w_row, const void *bias, const char *res,
                      int64_t res_row, char *y, int64_t y_row, int num_threads) {
   const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
   uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
+  if (!xp) return 0;  // the caller takes the AVX-512 path
   amx_pack(M, K, x, x_row, xp, tiles_m);
   if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
   if (num_threads > tiles) num_threads = (int)tiles;
@@ -396,6 +398,7 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_r
       outputs(tiles * 16, N, M, x, x_row, w, w_row, K, bias, res, res_row, y, y_row, 1);
   }
   free(xp);
+  return 1;
 }
 #endif
 
@@ -417,11 +420,10 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
                 int64_t y_row, int bf16, int num_threads) {
   const int64_t size = bf16 ? 2 : 4;
 #if HAVE_AMX
-  if (bf16 && N >= 16 && M >= AMX_MIN_ROWS && amx_usable()) {
-    amx_gemm(M, N, K, x, x_row * size, w, w_row * size, bias, res, res_row * size, y,
-             y_row * size, num_threads);
+  if (bf16 && N >= 16 && M >= AMX_MIN_ROWS && amx_usable() &&
+      amx_gemm(M, N, K, x, x_row * size, w, w_row * size, bias, res, res_row * size, y,
+               y_row * size, num_threads))
     return;
-  }
 #endif
   const int64_t tiles = (N + COLS - 1) / COLS;
   if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
