@@ -58,7 +58,7 @@ def use_native_pieces(model: CausalLM) -> None:
 # tiles: faster than torch's up to SMALL_LINEAR_ROWS_AMX rows (RESULTS.md "bfloat16 small-batch
 # linear layers on AMX tiles").
 SMALL_LINEAR_ROWS = 16
-SMALL_LINEAR_ROWS_AMX = 64
+SMALL_LINEAR_ROWS_AMX = 256
 
 
 def small_linear_rows(dtype: torch.dtype) -> int:

@@ -231,7 +231,7 @@ static inline __attribute__((always_inline)) void outputs(
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
 /* From this many rows of x the tiles are faster than the AVX-512 path (benchmarks/small_gemm.py,
    RESULTS.md "bfloat16 small-batch linear layers on AMX tiles"). */
-enum { AMX_MIN_ROWS = 1 };
+enum { AMX_MIN_ROWS = 8 };
 
 static int amx_usable(void) {
   static int state = -1;  // asked once per process; a racing second ask gets the same answer
