@@ -108,8 +108,9 @@ def test_bfloat16_within_one_ulp_and_residual_as_torch_adds_it(build, rows, outs
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("outs,inner", SHAPES + [(48, 64), (40, 95), (272, 4000)])
 def test_amx_tiles_and_avx512_agree_within_the_bound(rows, outs, inner):
-    """The AMX build's bfloat16 products (tiles for whole 16 outputs, the AVX-512 path for the
-    rest; K past the last whole 32 from a zero-padded staging tile) and the no-AMX build's:
+    """The AMX build's bfloat16 products (from 8 rows: tiles for whole 16 outputs, the AVX-512
+    path for the rest; K past the last whole 32 from a zero-padded staging tile) and the
+    no-AMX build's:
     both the float32 sum rounded once, so each within one bfloat16 ulp (of the float64 result)
     plus both float32 summation bounds of the float64 reference, hence within two ulps plus
     twice that of each other; bias and residual as in the test above, rows of x strided."""
