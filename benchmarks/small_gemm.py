@@ -8,7 +8,9 @@ o_proj + residual, gate_up, down_proj + residual, then the LM head; each layer's
 tensors. `--evict` writes a buffer larger than the L2 caches after each layer (outside the timed
 region), as the K/V pool's reads do in the engine, so each layer's weights come from memory.
 The two paths take turns step by step; the figure per (dtype, M, cache) is the median of the
-per-round time ratios torch / kernel (> 1: the kernel is faster). Prints one JSON object.
+per-round time ratios torch / kernel (> 1: the kernel is faster). Where the kernel runs bfloat16
+on AMX tiles, its no-AMX build (the AVX-512 path) takes turns as a third path, with the median
+ratio no-AMX / AMX. Prints one JSON object.
 
     flock /tmp/miles_cpu.lock .venv/bin/python benchmarks/small_gemm.py --rounds 200
 """
@@ -106,6 +108,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     lib = native.small_gemm()
     assert lib is not None, "the small-batch linear kernel is not available here"
+    no_amx = native.small_gemm.build(native.NO_AMX_FLAGS) if lib.small_gemm_has_amx() else None
     evict_buffer = torch.zeros(args.evict_mib << 18)
     load_before = os.getloadavg()
     cells = []
@@ -120,12 +123,14 @@ def main(argv=None) -> dict:
                     "torch": torch_step,
                     "kernel": lambda layer, x: kernel_step(lib, layer, x),
                 }
+                if no_amx is not None and dtype == torch.bfloat16:
+                    paths["no_amx"] = lambda layer, x: kernel_step(no_amx, layer, x)
                 for step in paths.values():  # warm-up
                     for _ in range(3):
                         timed_step(step, layers, x, evict)
                 seconds = {name: [] for name in paths}
                 for r in range(args.rounds):
-                    order = ("torch", "kernel") if r % 2 == 0 else ("kernel", "torch")
+                    order = list(paths) if r % 2 == 0 else list(paths)[::-1]
                     for name in order:
                         seconds[name].append(timed_step(paths[name], layers, x, evict))
                 ratios = [t / k for t, k in zip(seconds["torch"], seconds["kernel"])]
@@ -137,6 +142,14 @@ def main(argv=None) -> dict:
                     kernel_us_median=round(statistics.median(seconds["kernel"]) * 1e6, 1),
                     speedup_median=round(statistics.median(ratios), 3),
                 )
+                if "no_amx" in paths:
+                    cell["no_amx_us_median"] = round(statistics.median(seconds["no_amx"]) * 1e6, 1)
+                    cell["amx_speedup_median"] = round(
+                        statistics.median(
+                            [n / k for n, k in zip(seconds["no_amx"], seconds["kernel"])]
+                        ),
+                        3,
+                    )
                 print(cell, file=sys.stderr, flush=True)
                 cells.append(cell)
     result = dict(

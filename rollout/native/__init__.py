@@ -115,6 +115,7 @@ def declare_small_gemm(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.small_gemm.restype = None
     lib.small_gemm_has_avx512.restype = lib.small_gemm_has_bf16_dot.restype = _INT
+    lib.small_gemm_has_amx.restype = _INT
     # the dtypes its vector code is built for here (AVX-512; AVX-512 BF16 for bfloat16): where
     # the engine uses it (the portable build is for tests and for correctness elsewhere)
     lib.vector_dtypes = (
@@ -554,7 +555,8 @@ def small_linear(
     `addmm(residual, x, weight.t())`) for x [M, K], weight [N, K] as `small_linear_target`
     says, bias [N], residual [M, N] of the same dtype -> a new [M, N] tensor. float32 sums in
     another order than torch's; bfloat16 rounds the float32 sum (+ bias) once, then again after
-    the residual add, as torch's ops round."""
+    the residual add, as torch's ops round (on AMX tiles where `lib.small_gemm_has_amx()`: the
+    same function, another summation order)."""
     assert small_linear_target(x, weight), (x.shape, x.stride(), weight.shape, weight.stride())
     outs = weight.shape[0]
     if bias is not None:

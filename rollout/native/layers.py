@@ -12,7 +12,7 @@ reference), with
 * the kernels called through thin wrappers (`native.*_unchecked`): the layouts these pieces make
   (new contiguous projection outputs, weights in the model dtype) checked here, not per call;
 * the linear layers (q/k/v, o_proj and down_proj with their residual adds, gate_up, the LM head)
-  of a batch of at most `SMALL_LINEAR_ROWS` tokens (decode steps) on the small-batch kernel
+  of a batch of at most `small_linear_rows(dtype)` tokens (decode steps) on the small-batch kernel
   (`small_gemm.c`, residual added as the reference adds it), which reads the stored [out, in]
   weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed.
 
@@ -53,9 +53,25 @@ def use_native_pieces(model: CausalLM) -> None:
 # At most this many rows (tokens) go to the small-batch linear kernel. Measured on the engine's
 # decode shapes with the weights evicted between layers, as the K/V reads evict them in the
 # engine (benchmarks/small_gemm.py; benchmarks/RESULTS.md "Small-batch linear layers"): the
-# kernel is faster than torch's GEMM at 1..16 rows in both dtypes, slower from 32 (torch's
-# blocked float32 GEMM; its AMX path in bfloat16).
+# kernel's AVX-512 path is faster than torch's GEMM at 1..16 rows in both dtypes, slower from 32
+# (torch's blocked float32 GEMM; its AMX path in bfloat16). bfloat16 on the kernel's own AMX
+# tiles: faster than torch's up to SMALL_LINEAR_ROWS_AMX rows (RESULTS.md "bfloat16 small-batch
+# linear layers on AMX tiles").
 SMALL_LINEAR_ROWS = 16
+SMALL_LINEAR_ROWS_AMX = 256
+
+
+def small_linear_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` that `_linear` sends to the small-batch kernel."""
+    limit = _ROW_LIMITS.get(dtype)
+    if limit is None:
+        lib = _small_gemm(dtype)
+        amx = dtype == torch.bfloat16 and lib is not None and lib.small_gemm_has_amx()
+        limit = _ROW_LIMITS[dtype] = SMALL_LINEAR_ROWS_AMX if amx else SMALL_LINEAR_ROWS
+    return limit
+
+
+_ROW_LIMITS: dict[torch.dtype, int] = {}
 
 
 def _small_gemm(dtype: torch.dtype):
@@ -74,7 +90,7 @@ def _linear(
     """F.linear(x, weight, bias) (+ residual, added to the rounded product as `residual + ...`
     adds it; in float32 as addmm adds it): on the small-batch kernel for few rows. The checks
     are the few that the model's tensors can fail (a decode step makes 17 of these calls)."""
-    if x.shape[0] <= SMALL_LINEAR_ROWS and x.dim() == 2:
+    if x.dim() == 2 and x.shape[0] <= small_linear_rows(x.dtype):
         lib = _small_gemm(x.dtype)
         if (
             lib is not None
@@ -169,14 +185,14 @@ def _add_linear_norm(
     x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear, norm: RMSNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + linear(inputs), norm of it). In bfloat16, where `_linear` does not add the residual
-    (torch's GEMM: more than `SMALL_LINEAR_ROWS` rows), the add goes into the norm's pass
+    (torch's GEMM: more than `small_linear_rows` rows), the add goes into the norm's pass
     (`add_rms_norm_bf16`, the sum written over the projection's fresh output) instead of a
     torch add of its own."""
     dense = _dense(linear, inputs.dtype)
     if (
         x.dtype == torch.bfloat16
         and dense is not None
-        and (x.shape[0] > SMALL_LINEAR_ROWS or _small_gemm(x.dtype) is None)
+        and (x.shape[0] > small_linear_rows(x.dtype) or _small_gemm(x.dtype) is None)
         and x.stride(1) == 1
         and norm.weight.dtype == x.dtype
         and norm.weight.stride(0) == 1

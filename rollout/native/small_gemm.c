@@ -21,10 +21,18 @@
    (+ bias) as addmm(residual, x, W^T) does. Results differ from torch's in float32 summation
    order only (and vdpbf16ps flushes denormal inputs and results to zero).
 
+   bfloat16 on AMX tiles (built with AMX-BF16, run where CPUID and the OS grant them): the weight
+   is still read in place, as the A operand (tileloadd of 16 outputs x 32 K values at the
+   weight's own row stride); x^T is packed per call into the B operand's pair layout; see
+   amx_outputs. Same function, same single rounding: only the float32 summation order differs.
+
    Without AVX-512 (the portable build) plain C loops compute the same function. */
 
+#define _GNU_SOURCE  // syscall (arch_prctl for AMX) under -std=c11
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "vector_math.h"
 
@@ -36,6 +44,12 @@
 #define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
+#endif
+
+#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
 #endif
 
 int small_gemm_has_avx512(void) { return HAVE_AVX512; }
@@ -198,6 +212,205 @@ static inline __attribute__((always_inline)) void outputs(
 }
 #endif
 
+
+#if HAVE_AMX
+/* bfloat16 on AMX tiles. Tiles are 16 rows x 64 bytes: the A tile 16 outputs x 32 K values,
+   loaded straight from the weight rows (stride: the weight's row stride); a B tile 16 pairs of K
+   x 16 rows of x in the pair layout B[k/2][m][2] = x[m][k], x[m][k + 1] (x^T packed per call,
+   zero past K and past M); a C tile C[n][m] = the 16 x 16 float32 sums, stored and read back
+   transposed into y's rows. Tile numbers are immediates: C tiles 0-3 (up to 64 rows of x at a
+   time), A 4, B 5. Outputs past the last whole 16 go to the AVX-512 path (`outputs`); the K
+   values past the last whole 32 of a tile's weight rows are copied, zero-padded, into a 16 x 32
+   staging tile (tileloadd would read past the rows' ends otherwise). AMX state is a process
+   permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM): amx_usable() asks once, and with CPUID
+   confirms the CPU has the tiles; each thread configures its tiles and releases them after. */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+/* From this many rows of x the tiles are faster than the AVX-512 path (benchmarks/small_gemm.py,
+   RESULTS.md "bfloat16 small-batch linear layers on AMX tiles"). */
+enum { AMX_MIN_ROWS = 8 };
+
+static int amx_usable(void) {
+  static int state = -1;  // asked once per process; a racing second ask gets the same answer
+  if (state < 0) {
+    unsigned a, b, c, d;
+    const int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
+    state = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }
+  return state;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+static void amx_configure(void) {
+  tile_config cfg = {0};
+  cfg.palette = 1;
+  for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+/* x^T in the pair layout: xp[c][j] (chunk c of 32 K values, tile j of 16 rows) a 16 x 16 array
+   of uint32 pairs, xp[c][j][p][i] = the pair (x[16j + i][32c + 2p], x[16j + i][32c + 2p + 1]),
+   zero past K and past M: each 16 x 16 block of x's pairs transposed in registers (unpacks of
+   32- and 64-bit elements within 128-bit lanes, then a 4 x 4 transpose of the lanes). */
+static void amx_pack(int64_t M, int64_t K, const char *x, int64_t x_row, uint32_t *xp,
+                     int64_t tiles_m) {
+  const int64_t chunks = (K + 31) / 32;
+  for (int64_t c = 0; c < chunks; c++) {
+    const int64_t left = K - 32 * c;
+    const __mmask32 mask = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+    for (int64_t j = 0; j < tiles_m; j++) {
+      __m512i r[16], t[16], u[16];
+      for (int i = 0; i < 16; i++)
+        r[i] = 16 * j + i < M ? _mm512_maskz_loadu_epi16(mask, x + (16 * j + i) * x_row + 64 * c)
+                              : _mm512_setzero_si512();
+      for (int i = 0; i < 16; i += 2) {  // t[i], t[i + 1]: rows i, i + 1 interleaved
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {  // u[i + q], 128-bit lane L: rows i..i+3 of pair 4L + q
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+      }
+      uint32_t *out = xp + (c * tiles_m + j) * 256;
+      for (int q = 0; q < 4; q++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xEE);
+        _mm512_store_si512(out + 16 * q, _mm512_shuffle_i32x4(v0, v2, 0x88));
+        _mm512_store_si512(out + 16 * (4 + q), _mm512_shuffle_i32x4(v0, v2, 0xDD));
+        _mm512_store_si512(out + 16 * (8 + q), _mm512_shuffle_i32x4(v1, v3, 0x88));
+        _mm512_store_si512(out + 16 * (12 + q), _mm512_shuffle_i32x4(v1, v3, 0xDD));
+      }
+    }
+  }
+}
+
+/* Outputs [n0, n1) (whole tiles of 16) of all M rows on tiles, x^T packed in xp. */
+static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, int64_t tiles_m,
+                        const char *w, int64_t w_row, int64_t K, const void *bias,
+                        const char *res, int64_t res_row, char *y, int64_t y_row) {
+  const int64_t whole = K / 32, tail = K - 32 * whole;
+  uint16_t staged[16 * 32] __attribute__((aligned(64)));
+  float c[16 * 16] __attribute__((aligned(64)));
+  // [0, 16, ..., 240]: the float offsets of a column of C
+  const __m512i gather_column = _mm512_slli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 4);
+  for (int64_t n = n0; n < n1; n += 16) {
+    const char *wn = w + n * w_row;
+    // the next tile's weight rows into L2 while this one's are multiplied (within the range)
+    const char *next = n + 32 <= n1 ? wn + 16 * w_row : NULL;
+    if (tail) {
+      const __mmask32 mask = (__mmask32)((1u << tail) - 1);
+      for (int r = 0; r < 16; r++)
+        _mm512_store_si512(staged + 32 * r,
+                           _mm512_maskz_loadu_epi16(mask, wn + r * w_row + 64 * whole));
+    }
+    for (int64_t j0 = 0; j0 < tiles_m; j0 += 4) {
+      const int64_t nj = tiles_m - j0 < 4 ? tiles_m - j0 : 4;
+      const int64_t chunks = whole + (tail > 0);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < chunks; k++) {
+        if (k < whole) {
+          _tile_loadd(4, wn + 64 * k, w_row);
+          if (next && j0 == 0)
+            for (int r = 0; r < 16; r++) _mm_prefetch(next + r * w_row + 64 * k, _MM_HINT_T1);
+        } else {
+          _tile_loadd(4, staged, 64);
+        }
+        const uint32_t *b = xp + (k * tiles_m + j0) * 256;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nj > 1) {
+          _tile_loadd(5, b + 256, 64);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (nj > 2) {
+          _tile_loadd(5, b + 512, 64);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (nj > 3) {
+          _tile_loadd(5, b + 768, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      __m512 bv = _mm512_setzero_ps();
+      if (bias) bv = bf16_load16((const uint16_t *)bias + n);
+      for (int64_t j = 0; j < nj; j++) {
+        switch (j) {
+          case 0: _tile_stored(0, c, 64); break;
+          case 1: _tile_stored(1, c, 64); break;
+          case 2: _tile_stored(2, c, 64); break;
+          default: _tile_stored(3, c, 64);
+        }
+        const int64_t m0 = 16 * (j0 + j), rows = M - m0 < 16 ? M - m0 : 16;
+        for (int64_t i = 0; i < rows; i++) {
+          // row m0 + i's 16 outputs: column i of C
+          __m512 v = _mm512_add_ps(_mm512_i32gather_ps(gather_column, c + i, 4), bv);
+          if (res)
+            v = _mm512_add_ps(bf16_rounded16(v),
+                              bf16_load16((const uint16_t *)(res + (m0 + i) * res_row) + n));
+          bf16_store16((uint16_t *)(y + (m0 + i) * y_row) + n, v);
+        }
+      }
+    }
+  }
+}
+
+/* small_gemm for bfloat16 on tiles (byte strides): x^T packed once, the threads splitting the
+   whole 16-output tiles into contiguous ranges; the last thread also computes the outputs past
+   the last whole 16 on the AVX-512 path. 0 (nothing done) where the packed x^T cannot be
+   allocated. */
+static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
+                     const char *w, int64_t w_row, const void *bias, const char *res,
+                     int64_t res_row, char *y, int64_t y_row, int num_threads) {
+  const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
+  uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
+  if (!xp) return 0;  // the caller takes the AVX-512 path
+  amx_pack(M, K, x, x_row, xp, tiles_m);
+  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
+  if (num_threads > tiles) num_threads = (int)tiles;
+#pragma omp parallel num_threads(num_threads)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    const int t = 0, T = 1;
+#endif
+    amx_configure();
+    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, M, xp, tiles_m, w, w_row, K, bias,
+                res, res_row, y, y_row);
+    _tile_release();
+    if (t == T - 1 && tiles * 16 < N)
+      outputs(tiles * 16, N, M, x, x_row, w, w_row, K, bias, res, res_row, y, y_row, 1);
+  }
+  free(xp);
+  return 1;
+}
+#endif
+
+/* Whether bfloat16 runs on AMX tiles here (built with them, and the CPU and OS allow). */
+int small_gemm_has_amx(void) {
+#if HAVE_AMX
+  return amx_usable();
+#else
+  return 0;
+#endif
+}
+
 /* y = x W^T (+ bias) (+ residual). x [M, K], residual and y [M, N]: rows of contiguous elements,
    row strides in elements; w [N, K]: each output's K weights contiguous, w_row elements apart;
    bias [N] contiguous or NULL; residual NULL for none. bf16: every tensor bfloat16, else all
@@ -206,6 +419,12 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
                 int64_t w_row, const void *bias, const void *res, int64_t res_row, void *y,
                 int64_t y_row, int bf16, int num_threads) {
   const int64_t size = bf16 ? 2 : 4;
+#if HAVE_AMX
+  if (bf16 && N >= 16 && M >= AMX_MIN_ROWS && amx_usable() &&
+      amx_gemm(M, N, K, x, x_row * size, w, w_row * size, bias, res, res_row * size, y,
+               y_row * size, num_threads))
+    return;
+#endif
   const int64_t tiles = (N + COLS - 1) / COLS;
   if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
   if (num_threads > tiles) num_threads = (int)tiles;

@@ -18,8 +18,14 @@ pytestmark = pytest.mark.skipif(
 
 BUILDS = builds(native.small_gemm)
 assert "portable" not in BUILDS or BUILDS["portable"].small_gemm_has_avx512() == 0
+if BUILDS["native"].small_gemm_has_amx():
+    # the AVX-512 path the AMX tiles replace for bfloat16, kept tested on a CPU with them
+    BUILDS["no_amx"] = native.small_gemm.build(native.NO_AMX_FLAGS)
+    assert BUILDS["no_amx"].small_gemm_has_amx() == 0
 
-ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 16, 33]  # every tile remainder, the threshold and beyond
+# every 4-row tile remainder, 16-row AMX tile counts and remainders (1..4 C tiles, a second
+# pass of 64 rows), the thresholds and beyond
+ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 48, 64, 65]
 SHAPES = [(1, 1), (3, 7), (4, 16), (5, 17), (17, 33), (64, 256), (131, 300), (384, 256)]
 U32 = 2.0**-24  # float32 unit roundoff
 
@@ -98,6 +104,32 @@ def test_bfloat16_within_one_ulp_and_residual_as_torch_adds_it(build, rows, outs
         assert torch.equal(with_residual, residual + product)
 
 
+@pytest.mark.skipif("no_amx" not in BUILDS, reason="no AMX tiles here")
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("outs,inner", SHAPES + [(48, 64), (40, 95), (272, 4000)])
+def test_amx_tiles_and_avx512_agree_within_the_bound(rows, outs, inner):
+    """The AMX build's bfloat16 products (from 8 rows: tiles for whole 16 outputs, the AVX-512
+    path for the rest; K past the last whole 32 from a zero-padded staging tile) and the
+    no-AMX build's:
+    both the float32 sum rounded once, so each within one bfloat16 ulp (of the float64 result)
+    plus both float32 summation bounds of the float64 reference, hence within two ulps plus
+    twice that of each other; bias and residual as in the test above, rows of x strided."""
+    x = _strided(_randn(rows, inner, seed=5).bfloat16(), 7)
+    w = _randn(outs, inner, seed=6).bfloat16()
+    bias, residual = _randn(outs, seed=7).bfloat16(), _randn(rows, outs, seed=8).bfloat16()
+    ref = x.double() @ w.double().t() + bias.double()
+    magnitude = x.double().abs() @ w.double().abs().t() + bias.double().abs()
+    summation = 2 * (inner + 8) * U32 * magnitude
+    products = {}
+    for build in ("native", "no_amx"):
+        got = native.small_linear(BUILDS[build], x, w, bias)
+        assert ((got.double() - ref).abs() <= _bf16_ulp(ref.float()).double() + summation).all()
+        assert torch.equal(native.small_linear(BUILDS[build], x, w, bias, residual), residual + got)
+        products[build] = got.double()
+    gap = (products["native"] - products["no_amx"]).abs()
+    assert (gap <= 2 * _bf16_ulp(ref.float()).double() + 2 * summation).all()
+
+
 @pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_views_are_read_in_place(build, dtype):
@@ -145,8 +177,8 @@ def test_a_column_major_weight_is_not_a_target():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
-    """`layers._linear`: the kernel for at most SMALL_LINEAR_ROWS rows (where it is built with
-    its vector code), torch's GEMM for more; the same
+    """`layers._linear`: the kernel for at most `small_linear_rows(dtype)` rows (where it is
+    built with its vector code; more in bfloat16 on AMX tiles), torch's GEMM for more; the same
     function either way (float32: within a summation bound; bfloat16: within an ulp of each of
     its two roundings)."""
     if layers._small_gemm(dtype) is None:
@@ -157,11 +189,14 @@ def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
         native, "small_linear_unchecked", lambda *a: calls.append(a[1].shape) or real(*a)
     )
     w, bias = _randn(96, 64, seed=2).to(dtype), _randn(96, seed=3).to(dtype)
-    for rows in (1, 5, layers.SMALL_LINEAR_ROWS, layers.SMALL_LINEAR_ROWS + 1):
+    limit = layers.small_linear_rows(dtype)
+    amx = dtype == torch.bfloat16 and native.small_gemm().small_gemm_has_amx()
+    assert limit == (layers.SMALL_LINEAR_ROWS_AMX if amx else layers.SMALL_LINEAR_ROWS)
+    for rows in (1, 5, limit, limit + 1):
         x, residual = _randn(rows, 64, seed=rows).to(dtype), _randn(rows, 96, seed=9).to(dtype)
         calls.clear()
         got = layers._linear(x, w, bias, residual)
-        assert len(calls) == (rows <= layers.SMALL_LINEAR_ROWS)
+        assert len(calls) == (rows <= limit)
         product = x.double() @ w.double().t() + bias.double()
         ref = residual.double() + product
         if dtype == torch.bfloat16:  # the product rounded, then the sum: an ulp of each
@@ -197,7 +232,7 @@ def test_engine_decode_steps_run_on_the_kernel(tmp_path, monkeypatch, dtype):
     params = SamplingParams(n=4, temperature=0.0, max_new_tokens=6, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(50, 61))]
     native_out = engine.generate(prompts, params)
-    assert rows and max(rows) <= layers.SMALL_LINEAR_ROWS
+    assert rows and max(rows) <= layers.small_linear_rows(getattr(torch, dtype))
     engine.model.pieces = LayerPieces(
         DecoderLayer.attention_inputs, DecoderLayer.attention_outputs, CausalLM._logits
     )
