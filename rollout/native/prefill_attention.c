@@ -46,11 +46,7 @@
 #define HAVE_BF16_DOT 0
 #endif
 
-#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_AMX 1  // tile products (item_amx), where the process may use them (amx_usable)
-#else
-#define HAVE_AMX 0
-#endif
+#include "amx_tiles.h"  // HAVE_AMX, amx_usable, amx_configure
 
 int prefill_attention_has_avx512(void) { return HAVE_AVX512; }
 
@@ -494,37 +490,8 @@ static inline __attribute__((always_inline)) void item(
    eager bfloat16 attention round them); the row sums l add those rounded values, so each
    output row is the rounded weights' exact-sum-normalised combination of V's rows.
 
-   AMX state is a process permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM): amx_usable()
-   asks once, and with CPUID confirms the CPU has the tiles, so a build run where either is
-   missing takes the AVX-512 path. Tile numbers are immediates: C tiles 0-3, A 4, B 5. */
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-
-static int amx_usable(void) {
-  static int state = -1;  // asked once per process; a racing second ask gets the same answer
-  if (state < 0) {
-    unsigned a, b, c, d;
-    const int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
-    state = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }
-  return state;
-}
-
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} tile_config;
-
-static void amx_configure(void) {
-  tile_config cfg = {0};
-  cfg.palette = 1;
-  for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
+   Where the process may not use the tiles (amx_tiles.h: amx_usable) the AVX-512 path runs.
+   Tile numbers are immediates: C tiles 0-3, A 4, B 5. */
 
 /* Applies F(j) for the C tiles j < NC (NC <= 4), with j an immediate. */
 #define FOR_TILES(NC, F) \

@@ -46,11 +46,7 @@
 #define HAVE_BF16_DOT 0
 #endif
 
-#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
+#include "amx_tiles.h"  // HAVE_AMX, amx_usable, amx_configure
 
 int small_gemm_has_avx512(void) { return HAVE_AVX512; }
 int small_gemm_has_bf16_dot(void) { return HAVE_BF16_DOT; }
@@ -221,40 +217,11 @@ static inline __attribute__((always_inline)) void outputs(
    transposed into y's rows. Tile numbers are immediates: C tiles 0-3 (up to 64 rows of x at a
    time), A 4, B 5. Outputs past the last whole 16 go to the AVX-512 path (`outputs`); the K
    values past the last whole 32 of a tile's weight rows are copied, zero-padded, into a 16 x 32
-   staging tile (tileloadd would read past the rows' ends otherwise). AMX state is a process
-   permission on Linux (arch_prctl ARCH_REQ_XCOMP_PERM): amx_usable() asks once, and with CPUID
-   confirms the CPU has the tiles; each thread configures its tiles and releases them after. */
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+   staging tile (tileloadd would read past the rows' ends otherwise). Each thread configures its
+   tiles (amx_tiles.h: amx_configure) and releases them after. */
 /* From this many rows of x the tiles are faster than the AVX-512 path (benchmarks/small_gemm.py,
    RESULTS.md "bfloat16 small-batch linear layers on AMX tiles"). */
 enum { AMX_MIN_ROWS = 8 };
-
-static int amx_usable(void) {
-  static int state = -1;  // asked once per process; a racing second ask gets the same answer
-  if (state < 0) {
-    unsigned a, b, c, d;
-    const int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
-    state = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }
-  return state;
-}
-
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} tile_config;
-
-static void amx_configure(void) {
-  tile_config cfg = {0};
-  cfg.palette = 1;
-  for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
 
 /* x^T in the pair layout: xp[c][j] (chunk c of 32 K values, tile j of 16 rows) a 16 x 16 array
    of uint32 pairs, xp[c][j][p][i] = the pair (x[16j + i][32c + 2p], x[16j + i][32c + 2p + 1]),

@@ -105,7 +105,8 @@ def test_bfloat16_within_one_ulp_and_residual_as_torch_adds_it(build, rows, outs
 
 
 @pytest.mark.skipif("no_amx" not in BUILDS, reason="no AMX tiles here")
-@pytest.mark.parametrize("rows", ROWS)
+# up to the engine's limit on AMX (layers.SMALL_LINEAR_ROWS_AMX): several 64-row passes
+@pytest.mark.parametrize("rows", ROWS + [128, 200, 256])
 @pytest.mark.parametrize("outs,inner", SHAPES + [(48, 64), (40, 95), (272, 4000)])
 def test_amx_tiles_and_avx512_agree_within_the_bound(rows, outs, inner):
     """The AMX build's bfloat16 products (from 8 rows: tiles for whole 16 outputs, the AVX-512
