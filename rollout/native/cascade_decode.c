@@ -36,8 +36,14 @@
 
 #include "vector_math.h"
 
-#if HAVE_AVX512 && defined(__AVX512BF16__)
-#define HAVE_BF16_DOT 1  // vdpbf16ps: two bfloat16 products a float32 lane, products exact
+/* vdpbf16ps (two bfloat16 products a float32 lane, products exact) for a bfloat16 model's prefix
+   scores, rather than FMAs over the widened K, only on cores where it is the faster of the two.
+   Where it was measured to pay (AMD EPYC: one 512-bit FMA a cycle) it does twice the products
+   of an FMA; on the Sapphire-Rapids-class Xeon (two 512-bit FMA ports) it sustains ~0.7 a TSC
+   cycle against ~2.8 FMAs (benchmarks/vector_peak.py), so the FMA tile outruns it there. AMX
+   (which only those Xeons have) marks the second kind of core. */
+#if HAVE_AVX512 && defined(__AVX512BF16__) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
+#define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
 #endif
@@ -255,10 +261,13 @@ static inline __attribute__((always_inline)) void item(
 typedef struct {
   float *q;      // [rows, Dh] the item's query rows, member after member
   uint32_t *qp;  // [rows, Dh / 2] the same rows as bfloat16 pairs (the bfloat16 dot path)
-  float *kt;     // [Dh, Lpad] prefix K transposed, keys Lp..Lpad zero (AVX2 build); on the
-                 // bfloat16 dot path [Dh / 2, Lpad] pairs of bfloat16 (32-bit words)
+  float *kt;     // [Lpad / 16, Dh, 16] prefix K transposed block by block, keys Lp..Lpad zero
+                 // (AVX2 build); on the bfloat16 dot path [Dh / 2, Lpad] pairs of bfloat16
+                 // (32-bit words)
   float *pb;     // [Lpad] prefix bias, -inf past Lp
-  float *sp;     // [rows, Lpad] prefix scores, then probabilities
+  float *sp;     // [rows, lsp] prefix scores, then probabilities (columns Lpad.. unused)
+  int64_t lsp;   // sp's row stride, Lpad + 16: rows Lpad * 4 bytes apart (2 KiB at Lpad = 512)
+                 // would all fall into the same 2 of L1's 64 sets
   float *ss;     // [rows, Ls] suffix scores, then probabilities
   float *o;      // [rows, Dh] unnormalised outputs
   float *inv;    // [rows] normalisers
@@ -358,22 +367,54 @@ static inline __attribute__((always_inline)) void prefix_block(
 }
 
 #if HAVE_AVX512
-/* prefix_block with the 16 keys in one 16-lane register: each dot the same FMA chain over x,
-   so the scores are bitwise prefix_block's. */
-static inline __attribute__((always_inline)) void prefix_block16(
-    const int RB, const int64_t Dh, const float *q, const float *kt, int64_t ldk,
+/* Scores of RB rows of q [RB, Dh] against KB blocks of 16 keys, K^T block-major (block c: the
+   [Dh, 16] floats at kt + c * Dh * 16), bias and s per key as in prefix_block. A register tile
+   of RB x KB accumulators: each x loads KB key vectors and RB q values for RB * KB FMAs (with
+   one key vector a row, 1 + RB loads fed RB FMAs, and loads, not FMAs, set the pace). Each dot
+   is still the one FMA chain over x from 0 of prefix_block, so the scores are bitwise its and
+   do not depend on RB or KB (how rows and keys are blocked). */
+static inline __attribute__((always_inline)) void prefix_tile16(
+    const int RB, const int KB, const int64_t Dh, const float *q, const float *kt,
     const float *bias, float scale, float *s, int64_t lds) {
-  __m512 a[8];
-  for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+  __m512 a[6][4];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < KB; c++) a[r][c] = _mm512_setzero_ps();
   for (int64_t x = 0; x < Dh; x++) {
-    const __m512 k = _mm512_loadu_ps(kt + x * ldk);
-    for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * Dh + x]), k, a[r]);
+    __m512 k[4];
+    for (int c = 0; c < KB; c++) k[c] = _mm512_loadu_ps(kt + c * Dh * 16 + x * 16);
+    for (int r = 0; r < RB; r++) {
+      const __m512 vq = _mm512_set1_ps(q[r * Dh + x]);
+      for (int c = 0; c < KB; c++) a[r][c] = _mm512_fmadd_ps(vq, k[c], a[r][c]);
+    }
   }
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512 b = _mm512_loadu_ps(bias);
-  const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
-  for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
-    _mm512_storeu_ps(s + r * lds, _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r], vscale, b), ninf));
+  for (int c = 0; c < KB; c++) {
+    const __m512 b = _mm512_loadu_ps(bias + c * 16);
+    const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
+    for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
+      _mm512_storeu_ps(s + r * lds + c * 16,
+                       _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r][c], vscale, b), ninf));
+  }
+}
+
+/* prefix_tile16 over all N rows for KB key blocks: tiles of 6 rows, then one of the rest. */
+static inline __attribute__((always_inline)) void prefix_rows16(
+    const int KB, const int64_t Dh, int64_t N, const float *q, const float *kt,
+    const float *bias, float scale, float *s, int64_t lds, prefetcher *pf, int64_t per_call) {
+  int64_t r = 0;
+  for (; r + 6 <= N; r += 6) {
+    prefix_tile16(6, KB, Dh, q + r * Dh, kt, bias, scale, s + r * lds, lds);
+    pf_issue(pf, per_call);
+  }
+  const float *qr = q + r * Dh;
+  float *sr = s + r * lds;
+  switch (N - r) {  // the last rows: one tile of a constant size
+    case 5: prefix_tile16(5, KB, Dh, qr, kt, bias, scale, sr, lds); break;
+    case 4: prefix_tile16(4, KB, Dh, qr, kt, bias, scale, sr, lds); break;
+    case 3: prefix_tile16(3, KB, Dh, qr, kt, bias, scale, sr, lds); break;
+    case 2: prefix_tile16(2, KB, Dh, qr, kt, bias, scale, sr, lds); break;
+    case 1: prefix_tile16(1, KB, Dh, qr, kt, bias, scale, sr, lds); break;
+  }
 }
 #endif
 
@@ -420,32 +461,32 @@ static inline __attribute__((always_inline)) void prefix_scores_dot(const int64_
     memcpy(&lo, b->q + 2 * e, 4), memcpy(&hi, b->q + 2 * e + 1, 4);
     b->qp[e] = (lo >> 16) | (hi & 0xFFFF0000u);
   }
-  const int64_t calls = Lpad / 16 * ((N + 7) / 8), per_call = (pf_lines(pf) + calls - 1) / calls;
+  const int64_t lsp = b->lsp, calls = Lpad / 16 * ((N + 7) / 8), per_call = (pf_lines(pf) + calls - 1) / calls;
   for (int64_t c = 0; c < Lpad; c += 16) {
     float *s = b->sp + c;
     int any = 0;
     for (int64_t t = 0; t < 16; t++) any |= b->vis[c + t];
     if (!any) {  // 16 masked keys: no dots
       for (int64_t r = 0; r < N; r++)
-        for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
+        for (int64_t t = 0; t < 16; t++) s[r * lsp + t] = -INFINITY;
       continue;
     }
     const uint32_t *kt = ktp + c;
     const float *pb = b->pb + c;
     int64_t r = 0;
     for (; r + 8 <= N; r += 8) {
-      prefix_block_dot(8, Dh, b->qp + r * P, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+      prefix_block_dot(8, Dh, b->qp + r * P, kt, Lpad, pb, scale, s + r * lsp, lsp);
       pf_issue(pf, per_call);
     }
     const uint32_t *qr = b->qp + r * P;
     switch (N - r) {  // the last rows: one block of a constant size
-      case 7: prefix_block_dot(7, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 6: prefix_block_dot(6, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 5: prefix_block_dot(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 4: prefix_block_dot(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 3: prefix_block_dot(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 2: prefix_block_dot(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 1: prefix_block_dot(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 7: prefix_block_dot(7, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 6: prefix_block_dot(6, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 5: prefix_block_dot(5, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 4: prefix_block_dot(4, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 3: prefix_block_dot(3, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 2: prefix_block_dot(2, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 1: prefix_block_dot(1, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
     }
   }
 }
@@ -619,70 +660,82 @@ static inline __attribute__((always_inline)) void group_item(
   if (dot) prefix_scores_dot(Dh, N, (const uint16_t *)pk, Lp, Lpad, scale, b, &pf);
 #endif
   if (!dot) {
+    // K^T block-major: keys in blocks of 16, block c the [Dh, 16] floats at kt + c * Dh * 16.
+    // A block's rows are contiguous (one row-major [Dh, Lpad] K^T put the Dh rows a block
+    // reads Lpad * 4 bytes apart: at Lpad = 512, 2 of L1's 64 sets for all of them).
     {
       int64_t j = 0;
       if (Dh % 8 == 0)
         for (; j + 8 <= Lp; j += 8)
           for (int64_t x = 0; x < Dh; x += 8)
-            transpose8(kv_at(pk, j * Dh + x, bf16), Dh, b->kt + x * Lpad + j, Lpad, bf16);
-      for (int64_t x = 0; x < Dh; x++)
-        for (int64_t t = j; t < Lpad; t++)
-          b->kt[x * Lpad + t] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
+            transpose8(kv_at(pk, j * Dh + x, bf16), Dh, b->kt + (j / 16) * Dh * 16 + x * 16 + j % 16,
+                       16, bf16);
+      for (int64_t t = j; t < Lpad; t++)
+        for (int64_t x = 0; x < Dh; x++)
+          b->kt[(t / 16) * Dh * 16 + x * 16 + t % 16] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
     }
-    const int64_t calls = Lpad / 16 * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
-    for (int64_t j = 0; j < Lpad; j += 16) {
-      float *s = b->sp + j;
-      const float *kt = b->kt + j, *pb = b->pb + j;
+    const int64_t blocks = Lpad / 16, lsp = b->lsp;
+#if HAVE_AVX512
+    enum { KB = 4 };  // key blocks a tile: with 6 rows, 24 accumulators + 4 key vectors
+    const int64_t calls = (blocks + KB - 1) / KB * ((N + 5) / 6);
+    const int64_t per_call = (pf_lines(&pf) + calls - 1) / calls;
+    for (int64_t c = 0; c < blocks; c += KB) {
+      const int64_t kb = blocks - c < KB ? blocks - c : KB;
+      float *s = b->sp + c * 16;
+      const float *kt = b->kt + c * Dh * 16, *pb = b->pb + c * 16;
       int any = 0;
-      for (int64_t t = 0; t < 16; t++) any |= b->vis[j + t];
+      for (int64_t t = 0; t < kb * 16; t++) any |= b->vis[c * 16 + t];
+      if (!any) {  // masked keys only: no dots
+        for (int64_t r = 0; r < N; r++)
+          for (int64_t t = 0; t < kb * 16; t++) s[r * lsp + t] = -INFINITY;
+        continue;
+      }
+      switch (kb) {
+        case 4: prefix_rows16(4, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
+        case 3: prefix_rows16(3, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
+        case 2: prefix_rows16(2, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
+        case 1: prefix_rows16(1, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
+      }
+    }
+#else
+    const int64_t calls = blocks * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
+    for (int64_t c = 0; c < blocks; c++) {
+      float *s = b->sp + c * 16;
+      const float *kt = b->kt + c * Dh * 16, *pb = b->pb + c * 16;
+      int any = 0;
+      for (int64_t t = 0; t < 16; t++) any |= b->vis[c * 16 + t];
       if (!any) {  // 16 masked keys: no dots
         for (int64_t r = 0; r < N; r++)
-          for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
+          for (int64_t t = 0; t < 16; t++) s[r * lsp + t] = -INFINITY;
         continue;
       }
       int64_t r = 0;
-#if HAVE_AVX512
-      for (; r + 8 <= N; r += 8) {
-        prefix_block16(8, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
-        pf_issue(&pf, per_call);
-      }
-      const float *q8 = b->q + r * Dh;
-      switch (N - r) {  // the last rows: one block of a constant size
-        case 7: prefix_block16(7, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 6: prefix_block16(6, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 5: prefix_block16(5, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 4: prefix_block16(4, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 3: prefix_block16(3, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 2: prefix_block16(2, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 1: prefix_block16(1, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      }
-      r = N;
-#endif
       for (; r + 6 <= N; r += 6) {
-        prefix_block(6, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+        prefix_block(6, Dh, b->q + r * Dh, kt, 16, pb, scale, s + r * lsp, lsp);
         pf_issue(&pf, per_call);
       }
       const float *qr = b->q + r * Dh;
       switch (N - r) {  // the last rows: one block of a constant size
-        case 5: prefix_block(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 4: prefix_block(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 3: prefix_block(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 2: prefix_block(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 1: prefix_block(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 5: prefix_block(5, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 4: prefix_block(4, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 3: prefix_block(3, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 2: prefix_block(2, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 1: prefix_block(1, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
       }
     }
+#endif
   }
 #else
   pf_issue(&pf, pf_lines(&pf));
   for (int64_t r = 0; r < N; r++)
     for (int64_t j = 0; j < Lpad; j++) {
       if (b->pb[j] == -INFINITY) {
-        b->sp[r * Lpad + j] = -INFINITY;
+        b->sp[r * b->lsp + j] = -INFINITY;
         continue;
       }
       float acc = 0.f;
       for (int64_t x = 0; x < Dh; x++) acc += b->q[r * Dh + x] * kv_get(pk, j * Dh + x, bf16);
-      b->sp[r * Lpad + j] = acc * scale + b->pb[j];
+      b->sp[r * b->lsp + j] = acc * scale + b->pb[j];
     }
 #endif
   pf_issue(&pf, pf_lines(&pf));  // whatever is left (masked blocks issue none)
@@ -693,14 +746,14 @@ static inline __attribute__((always_inline)) void group_item(
            Ls, rows_per_bias, scale, b->ss + i * R * Ls, Ls, bf16);
   }
   for (int64_t r = 0; r < N; r++) {
-    float *sp = b->sp + r * Lpad, *ss = b->ss + r * Ls;
+    float *sp = b->sp + r * b->lsp, *ss = b->ss + r * Ls;
     const float m0 = row_max(sp, Lp), m1 = row_max(ss, Ls), m = m0 > m1 ? m0 : m1;
     const float sum = exp_sum(sp, Lp, m) + exp_sum(ss, Ls, m);
     b->inv[r] = 1.f / sum;
   }
   // prefix PV for all rows, then each member's suffix PV and normalisation
   for (int64_t e = 0; e < N * Dh; e++) b->o[e] = 0.f;
-  pv_rows(Dh, b->sp, Lpad, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
+  pv_rows(Dh, b->sp, b->lsp, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
   unsigned char *vis = b->vis + Lpad;
   for (int64_t i = 0; i < n; i++) {
     const int64_t d = mem[i];
@@ -805,13 +858,14 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
     group_buffers b = {0};
-    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + rows * Lpad + rows * Ls +
+    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + rows * (Lpad + 16) + rows * Ls +
                                    rows * Dh + rows + rows * (Dh / 2));
     float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls));
     failed = buf == NULL;
     if (buf != NULL) {
       b.q = buf, b.kt = b.q + rows * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
-      b.ss = b.sp + rows * Lpad, b.o = b.ss + rows * Ls, b.inv = b.o + rows * Dh;
+      b.lsp = Lpad + 16, b.ss = b.sp + rows * b.lsp, b.o = b.ss + rows * Ls;
+      b.inv = b.o + rows * Dh;
       b.qp = (uint32_t *)(b.inv + rows);
       b.vis = (unsigned char *)(b.qp + rows * (Dh / 2));
     }
