@@ -26,9 +26,9 @@
 
    With AVX2 + FMA (x86-64, -march=native on a machine that has them) the products are vector
    code and exp is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere plain C loops compute
-   the same function. With AVX-512 BF16, bfloat16 K and a q of bfloat16 values (a bfloat16
-   model's), the prefix scores are bfloat16 dot products: the same exact products, summed in
-   another order. Results differ from torch's in float32 rounding only. */
+   the same function. With AVX-512 BF16 (and no AMX: see HAVE_BF16_DOT), bfloat16 K and a q of
+   bfloat16 values (a bfloat16 model's), the prefix scores are bfloat16 dot products: the same
+   exact products, summed in another order. Results differ from torch's in float32 rounding only. */
 
 #include <math.h>
 #include <stdint.h>
@@ -194,6 +194,28 @@ static inline float exp_sum(float *s, int64_t L, float m) {
 /* Row r of s (L scores) -> unnormalised probabilities e^(s - max) in place; returns their sum. */
 static inline float exp_row(float *sr, int64_t L) { return exp_sum(sr, L, row_max(sr, L)); }
 
+#if HAVE_AVX512
+/* row_max and exp_sum of one row of L = 16 * blocks scores stored as blocks of 16 floats,
+   block c at s + c * ldc (the prefix scores by key blocks; keys past the prefix -inf, so they
+   add exact zeros). exp_sum_blocked's sum is one 16-lane chain over the blocks in order. */
+static inline float row_max_blocked(const float *s, int64_t ldc, int64_t L) {
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < L / 16; c++) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + c * ldc));
+  return _mm512_reduce_max_ps(vm);
+}
+
+static inline float exp_sum_blocked(float *s, int64_t ldc, int64_t L, float m) {
+  const __m512 vmax = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < L / 16; c++) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + c * ldc), vmax));
+    _mm512_storeu_ps(s + c * ldc, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+#endif
+
 #if HAVE_AVX2
 /* acc0 += p0[t] V[t], acc1 += p1[t] V[t] over n rows of V [n, Dh]: two query rows share each V
    load, and their 2 x Dh / 8 independent accumulator chains hide the FMA latency. */
@@ -265,7 +287,8 @@ typedef struct {
                  // (AVX2 build); on the bfloat16 dot path [Dh / 2, Lpad] pairs of bfloat16
                  // (32-bit words)
   float *pb;     // [Lpad] prefix bias, -inf past Lp
-  float *sp;     // [rows, lsp] prefix scores, then probabilities (columns Lpad.. unused)
+  float *sp;     // prefix scores, then probabilities: [rows, lsp], or by key blocks (see
+                 // group_item); room for (rows + 1) * lsp floats
   int64_t lsp;   // sp's row stride, Lpad + 16: rows Lpad * 4 bytes apart (2 KiB at Lpad = 512)
                  // would all fall into the same 2 of L1's 64 sets
   float *ss;     // [rows, Ls] suffix scores, then probabilities
@@ -375,7 +398,7 @@ static inline __attribute__((always_inline)) void prefix_block(
    do not depend on RB or KB (how rows and keys are blocked). */
 static inline __attribute__((always_inline)) void prefix_tile16(
     const int RB, const int KB, const int64_t Dh, const float *q, const float *kt,
-    const float *bias, float scale, float *s, int64_t lds) {
+    const float *bias, float scale, float *s, int64_t lds, int64_t ldc) {
   __m512 a[6][4];
   for (int r = 0; r < RB; r++)
     for (int c = 0; c < KB; c++) a[r][c] = _mm512_setzero_ps();
@@ -392,28 +415,30 @@ static inline __attribute__((always_inline)) void prefix_tile16(
     const __m512 b = _mm512_loadu_ps(bias + c * 16);
     const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
     for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
-      _mm512_storeu_ps(s + r * lds + c * 16,
+      _mm512_storeu_ps(s + r * lds + c * ldc,
                        _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r][c], vscale, b), ninf));
   }
 }
 
-/* prefix_tile16 over all N rows for KB key blocks: tiles of 6 rows, then one of the rest. */
+/* prefix_tile16 over all N rows for KB key blocks: tiles of 6 rows, then one of the rest. Score
+   (r, 16 c + t) at s + r * lds + c * ldc + t (the key blocks' layout in sp, as group_item's). */
 static inline __attribute__((always_inline)) void prefix_rows16(
     const int KB, const int64_t Dh, int64_t N, const float *q, const float *kt,
-    const float *bias, float scale, float *s, int64_t lds, prefetcher *pf, int64_t per_call) {
+    const float *bias, float scale, float *s, int64_t lds, int64_t ldc, prefetcher *pf,
+    int64_t per_call) {
   int64_t r = 0;
   for (; r + 6 <= N; r += 6) {
-    prefix_tile16(6, KB, Dh, q + r * Dh, kt, bias, scale, s + r * lds, lds);
+    prefix_tile16(6, KB, Dh, q + r * Dh, kt, bias, scale, s + r * lds, lds, ldc);
     pf_issue(pf, per_call);
   }
   const float *qr = q + r * Dh;
   float *sr = s + r * lds;
   switch (N - r) {  // the last rows: one tile of a constant size
-    case 5: prefix_tile16(5, KB, Dh, qr, kt, bias, scale, sr, lds); break;
-    case 4: prefix_tile16(4, KB, Dh, qr, kt, bias, scale, sr, lds); break;
-    case 3: prefix_tile16(3, KB, Dh, qr, kt, bias, scale, sr, lds); break;
-    case 2: prefix_tile16(2, KB, Dh, qr, kt, bias, scale, sr, lds); break;
-    case 1: prefix_tile16(1, KB, Dh, qr, kt, bias, scale, sr, lds); break;
+    case 5: prefix_tile16(5, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 4: prefix_tile16(4, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 3: prefix_tile16(3, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 2: prefix_tile16(2, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 1: prefix_tile16(1, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
   }
 }
 #endif
@@ -442,10 +467,12 @@ static inline __attribute__((always_inline)) void prefix_block_dot(
     _mm512_storeu_ps(s + r * lds, _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r], vscale, b), ninf));
 }
 
-/* Prefix scores [N, Lpad] on the bfloat16 dot path: K transposed by 32-bit pairs into b->kt,
-   the q rows packed into pairs, then blocks of 8 rows x 16 keys. */
-static inline __attribute__((always_inline)) void prefix_scores_dot(const int64_t Dh, int64_t N, const uint16_t *pk, int64_t Lp,
-                              int64_t Lpad, float scale, const group_buffers *b, prefetcher *pf) {
+/* Prefix scores on the bfloat16 dot path: K transposed by 32-bit pairs into b->kt, the q rows
+   packed into pairs, then blocks of 8 rows x 16 keys; score (r, 16 c + t) at
+   b->sp[r * lsp + c * ldc + t]. */
+static inline __attribute__((always_inline)) void prefix_scores_dot(
+    const int64_t Dh, int64_t N, const uint16_t *pk, int64_t Lp, int64_t Lpad, float scale,
+    const group_buffers *b, int64_t lsp, int64_t ldc, prefetcher *pf) {
   const int64_t P = Dh / 2;
   const uint32_t *kw = (const uint32_t *)pk;
   uint32_t *ktp = (uint32_t *)b->kt;
@@ -461,9 +488,9 @@ static inline __attribute__((always_inline)) void prefix_scores_dot(const int64_
     memcpy(&lo, b->q + 2 * e, 4), memcpy(&hi, b->q + 2 * e + 1, 4);
     b->qp[e] = (lo >> 16) | (hi & 0xFFFF0000u);
   }
-  const int64_t lsp = b->lsp, calls = Lpad / 16 * ((N + 7) / 8), per_call = (pf_lines(pf) + calls - 1) / calls;
+  const int64_t calls = Lpad / 16 * ((N + 7) / 8), per_call = (pf_lines(pf) + calls - 1) / calls;
   for (int64_t c = 0; c < Lpad; c += 16) {
-    float *s = b->sp + c;
+    float *s = b->sp + c / 16 * ldc;
     int any = 0;
     for (int64_t t = 0; t < 16; t++) any |= b->vis[c + t];
     if (!any) {  // 16 masked keys: no dots
@@ -582,6 +609,82 @@ static inline __attribute__((always_inline)) void pv_cols16(
 }
 #endif
 
+#if HAVE_AVX512
+/* pv_block16 with p by key blocks: p(r, 16 c + u) at p[c * ldc + r * 16 + u], so each key's RB
+   probabilities sit at constant offsets from one pointer (with rows ldp apart the compiler
+   kept the row offsets on the stack and reloaded them for every key, and more than 6 rows a
+   block did not fit). Each output element is the same FMA chain over the keys in order as in
+   pv_block16: bitwise the same results. */
+static inline __attribute__((always_inline)) void pv_prefix_block16(
+    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldc, const void *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  __m512 acc[12][2];
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * Dh + v * 16);
+  for (int64_t c = 0; c * 16 < n; c++) {
+    const float *pc = p + c * ldc;
+    const int64_t un = n - c * 16 < 16 ? n - c * 16 : 16;
+    for (int64_t u = 0; u < un; u++) {
+      const int64_t t = c * 16 + u;
+      pf_issue(pf, per_key);
+      if (!vis[t]) continue;  // masked for every row: V[t] is never read
+      __m512 vv[2];
+      for (int v = 0; v < NV; v++)
+        vv[v] = bf16 ? bf16_load16((const uint16_t *)V + t * Dh + v * 16)
+                     : _mm512_loadu_ps((const float *)V + t * Dh + v * 16);
+      for (int r = 0; r < RB; r++) {
+        const __m512 b = _mm512_set1_ps(pc[r * 16 + u]);
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(b, vv[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + r * Dh + v * 16, acc[r][v]);
+}
+
+/* pv_prefix_block16 over N rows for the NV * 16 columns at V, o: blocks of 12 rows (24
+   accumulators at NV = 2: per key NV V loads and 12 probabilities feed 24 FMAs, and V is read
+   half as often as with the 6-row blocks the row stride forced), then one block of the rest. */
+static inline __attribute__((always_inline)) void pv_prefix_cols16(
+    const int NV, const int64_t Dh, const float *p, int64_t ldc, int64_t N, const void *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  int64_t i = 0;
+  for (; i + 12 <= N; i += 12)
+    pv_prefix_block16(12, NV, Dh, p + i * 16, ldc, V, n, vis, o + i * Dh, pf, per_key, bf16);
+  const float *pr = p + i * 16;
+  float *orr = o + i * Dh;
+  switch (N - i) {  // the last rows: one block of a constant size
+    case 11: pv_prefix_block16(11, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 10: pv_prefix_block16(10, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 9: pv_prefix_block16(9, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 8: pv_prefix_block16(8, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 7: pv_prefix_block16(7, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 6: pv_prefix_block16(6, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 5: pv_prefix_block16(5, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 4: pv_prefix_block16(4, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 3: pv_prefix_block16(3, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 2: pv_prefix_block16(2, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 1: pv_prefix_block16(1, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+  }
+}
+
+/* o [N, Dh] += P @ V [n, Dh] for the prefix probabilities by key blocks (group_item's sp: block
+   c at p + c * ldc, Dh a multiple of 16), 32 (then 16) columns at a time. */
+static inline __attribute__((always_inline)) void pv_prefix16(
+    const int64_t Dh, const float *p, int64_t ldc, int64_t N, const void *V, int64_t n,
+    const unsigned char *vis, float *o, prefetcher *pf, const int bf16) {
+  const int64_t visits = ((N + 11) / 12) * ((Dh + 31) / 32) * n;
+  const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
+  for (int64_t c = 0; c < Dh; c += 32) {
+    const void *Vc = kv_at(V, c, bf16);
+    if (Dh - c >= 32) pv_prefix_cols16(2, Dh, p, ldc, N, Vc, n, vis, o + c, pf, per_key, bf16);
+    else pv_prefix_cols16(1, Dh, p, ldc, N, Vc, n, vis, o + c, pf, per_key, bf16);
+  }
+}
+#endif
+
 /* o [n_rows, Dh] += p [n_rows, ldp] @ V [n, Dh] over the keys with vis[t]; issues the pending
    prefetches of pf spread over the keys it visits. */
 static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, const float *p,
@@ -637,6 +740,12 @@ static inline __attribute__((always_inline)) void group_item(
     int64_t s_d, int64_t Ls, const float *sbias, int64_t sbias_d, int64_t Hkv, float scale,
     float *out, const group_buffers *b, const void *next_pk, const int bf16, const int dot) {
   const int64_t N = n * R, Q = R / rows_per_bias, es = bf16 ? 2 : 4;
+  // sp by key blocks where the 16-lane kernels cover the head: score (r, 16 c + t) at
+  // sp[c * ldc_sp + r * 16 + t], so P @ V finds a block's rows at constant offsets from one
+  // pointer; ldc_sp = (N + 1) * 16, not N * 16, for the softmax's pass along a row (blocks
+  // N * 64 bytes apart: 2 KiB at N = 32, 2 of L1's 64 sets). Else row-major [N, lsp].
+  const int blocked = HAVE_AVX512 && Dh % 16 == 0;
+  const int64_t ldc_sp = N * 16 + 16;
   prefetcher pf = {0}, pf_v = {0};  // prefix K now; prefix V, suffix K; suffix V
   pf_add(&pf, pk, Lp * Dh * es);
   pf_issue(&pf, pf_lines(&pf));
@@ -657,7 +766,9 @@ static inline __attribute__((always_inline)) void group_item(
   // prefix scores [N, Lpad] (columns past Lp are -inf)
 #if HAVE_AVX2
 #if HAVE_BF16_DOT
-  if (dot) prefix_scores_dot(Dh, N, (const uint16_t *)pk, Lp, Lpad, scale, b, &pf);
+  if (dot)
+    prefix_scores_dot(Dh, N, (const uint16_t *)pk, Lp, Lpad, scale, b, blocked ? 16 : b->lsp,
+                      blocked ? ldc_sp : 16, &pf);
 #endif
   if (!dot) {
     // K^T block-major: keys in blocks of 16, block c the [Dh, 16] floats at kt + c * Dh * 16.
@@ -668,33 +779,35 @@ static inline __attribute__((always_inline)) void group_item(
       if (Dh % 8 == 0)
         for (; j + 8 <= Lp; j += 8)
           for (int64_t x = 0; x < Dh; x += 8)
-            transpose8(kv_at(pk, j * Dh + x, bf16), Dh, b->kt + (j / 16) * Dh * 16 + x * 16 + j % 16,
-                       16, bf16);
+            transpose8(kv_at(pk, j * Dh + x, bf16), Dh,
+                       b->kt + (j / 16) * Dh * 16 + x * 16 + j % 16, 16, bf16);
       for (int64_t t = j; t < Lpad; t++)
         for (int64_t x = 0; x < Dh; x++)
           b->kt[(t / 16) * Dh * 16 + x * 16 + t % 16] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
     }
     const int64_t blocks = Lpad / 16, lsp = b->lsp;
 #if HAVE_AVX512
+    const int64_t lds = blocked ? 16 : lsp, ldc = blocked ? ldc_sp : 16;
     enum { KB = 4 };  // key blocks a tile: with 6 rows, 24 accumulators + 4 key vectors
     const int64_t calls = (blocks + KB - 1) / KB * ((N + 5) / 6);
     const int64_t per_call = (pf_lines(&pf) + calls - 1) / calls;
     for (int64_t c = 0; c < blocks; c += KB) {
       const int64_t kb = blocks - c < KB ? blocks - c : KB;
-      float *s = b->sp + c * 16;
+      float *s = b->sp + c * ldc;
       const float *kt = b->kt + c * Dh * 16, *pb = b->pb + c * 16;
       int any = 0;
       for (int64_t t = 0; t < kb * 16; t++) any |= b->vis[c * 16 + t];
       if (!any) {  // masked keys only: no dots
         for (int64_t r = 0; r < N; r++)
-          for (int64_t t = 0; t < kb * 16; t++) s[r * lsp + t] = -INFINITY;
+          for (int64_t u = 0; u < kb; u++)
+            for (int64_t t = 0; t < 16; t++) s[r * lds + u * ldc + t] = -INFINITY;
         continue;
       }
       switch (kb) {
-        case 4: prefix_rows16(4, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
-        case 3: prefix_rows16(3, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
-        case 2: prefix_rows16(2, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
-        case 1: prefix_rows16(1, Dh, N, b->q, kt, pb, scale, s, lsp, &pf, per_call); break;
+        case 4: prefix_rows16(4, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
+        case 3: prefix_rows16(3, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
+        case 2: prefix_rows16(2, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
+        case 1: prefix_rows16(1, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
       }
     }
 #else
@@ -746,14 +859,28 @@ static inline __attribute__((always_inline)) void group_item(
            Ls, rows_per_bias, scale, b->ss + i * R * Ls, Ls, bf16);
   }
   for (int64_t r = 0; r < N; r++) {
-    float *sp = b->sp + r * b->lsp, *ss = b->ss + r * Ls;
-    const float m0 = row_max(sp, Lp), m1 = row_max(ss, Ls), m = m0 > m1 ? m0 : m1;
+    float *ss = b->ss + r * Ls;
+    const float m1 = row_max(ss, Ls);
+#if HAVE_AVX512
+    if (blocked) {
+      float *sp = b->sp + r * 16;
+      const float m0 = row_max_blocked(sp, ldc_sp, Lpad), m = m0 > m1 ? m0 : m1;
+      b->inv[r] = 1.f / (exp_sum_blocked(sp, ldc_sp, Lpad, m) + exp_sum(ss, Ls, m));
+      continue;
+    }
+#endif
+    float *sp = b->sp + r * b->lsp;
+    const float m0 = row_max(sp, Lp), m = m0 > m1 ? m0 : m1;
     const float sum = exp_sum(sp, Lp, m) + exp_sum(ss, Ls, m);
     b->inv[r] = 1.f / sum;
   }
   // prefix PV for all rows, then each member's suffix PV and normalisation
   for (int64_t e = 0; e < N * Dh; e++) b->o[e] = 0.f;
-  pv_rows(Dh, b->sp, b->lsp, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
+#if HAVE_AVX512
+  if (blocked) pv_prefix16(Dh, b->sp, ldc_sp, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
+  else
+#endif
+    pv_rows(Dh, b->sp, b->lsp, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
   unsigned char *vis = b->vis + Lpad;
   for (int64_t i = 0; i < n; i++) {
     const int64_t d = mem[i];
@@ -858,13 +985,13 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
     group_buffers b = {0};
-    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + rows * (Lpad + 16) + rows * Ls +
-                                   rows * Dh + rows + rows * (Dh / 2));
+    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + (rows + 1) * (Lpad + 16) +
+                                   rows * Ls + rows * Dh + rows + rows * (Dh / 2));
     float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls));
     failed = buf == NULL;
     if (buf != NULL) {
       b.q = buf, b.kt = b.q + rows * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
-      b.lsp = Lpad + 16, b.ss = b.sp + rows * b.lsp, b.o = b.ss + rows * Ls;
+      b.lsp = Lpad + 16, b.ss = b.sp + (rows + 1) * b.lsp, b.o = b.ss + rows * Ls;
       b.inv = b.o + rows * Dh;
       b.qp = (uint32_t *)(b.inv + rows);
       b.vis = (unsigned char *)(b.qp + rows * (Dh / 2));
