@@ -746,6 +746,7 @@ static inline __attribute__((always_inline)) void group_item(
   // N * 64 bytes apart: 2 KiB at N = 32, 2 of L1's 64 sets). Else row-major [N, lsp].
   const int blocked = HAVE_AVX512 && Dh % 16 == 0;
   const int64_t ldc_sp = N * 16 + 16;
+  (void)blocked, (void)ldc_sp;  // unused in builds without AVX-512
   prefetcher pf = {0}, pf_v = {0};  // prefix K now; prefix V, suffix K; suffix V
   pf_add(&pf, pk, Lp * Dh * es);
   pf_issue(&pf, pf_lines(&pf));
@@ -763,7 +764,7 @@ static inline __attribute__((always_inline)) void group_item(
     b->pb[j] = j < Lp ? pbias[j] : -INFINITY;
     b->vis[j] = b->pb[j] != -INFINITY;
   }
-  // prefix scores [N, Lpad] (columns past Lp are -inf)
+  // prefix scores into sp (keys past Lp -inf)
 #if HAVE_AVX2
 #if HAVE_BF16_DOT
   if (dot)
