@@ -243,7 +243,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
     ),
     "vector_peak": _figures(
         ("512-bit FMAs per TSC cycle, one core, 8 chains", "rows/2/per_tsc_cycle", "{:.2f}"),
-        ("512-bit vdpbf16ps per TSC cycle, one core, 16 chains", "rows/9/per_tsc_cycle", "{:.2f}"),
+        ("512-bit vdpbf16ps per TSC cycle, one core, 16 chains", "rows/10/per_tsc_cycle", "{:.2f}"),
     ),
     "pointwise_calls": _figures(
         (

@@ -26,9 +26,9 @@
 
    With AVX2 + FMA (x86-64, -march=native on a machine that has them) the products are vector
    code and exp is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere plain C loops compute
-   the same function. With AVX-512 BF16, bfloat16 K and a q of bfloat16 values (a bfloat16
-   model's), the prefix scores are bfloat16 dot products: the same exact products, summed in
-   another order. Results differ from torch's in float32 rounding only. */
+   the same function. With AVX-512 BF16 (and no AMX: see HAVE_BF16_DOT), bfloat16 K and a q of
+   bfloat16 values (a bfloat16 model's), the prefix scores are bfloat16 dot products: the same
+   exact products, summed in another order. Results differ from torch's in float32 rounding only. */
 
 #include <math.h>
 #include <stdint.h>
@@ -36,8 +36,14 @@
 
 #include "vector_math.h"
 
-#if HAVE_AVX512 && defined(__AVX512BF16__)
-#define HAVE_BF16_DOT 1  // vdpbf16ps: two bfloat16 products a float32 lane, products exact
+/* vdpbf16ps (two bfloat16 products a float32 lane, products exact) for a bfloat16 model's prefix
+   scores, rather than FMAs over the widened K, only on cores where it is the faster of the two.
+   Where it was measured to pay (AMD EPYC: one 512-bit FMA a cycle) it does twice the products
+   of an FMA; on the Sapphire-Rapids-class Xeon (two 512-bit FMA ports) it sustains ~0.7 a TSC
+   cycle against ~2.8 FMAs (benchmarks/vector_peak.py), so the FMA tile outruns it there. AMX
+   (which only those Xeons have) marks the second kind of core. */
+#if HAVE_AVX512 && defined(__AVX512BF16__) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
+#define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
 #endif
@@ -188,6 +194,28 @@ static inline float exp_sum(float *s, int64_t L, float m) {
 /* Row r of s (L scores) -> unnormalised probabilities e^(s - max) in place; returns their sum. */
 static inline float exp_row(float *sr, int64_t L) { return exp_sum(sr, L, row_max(sr, L)); }
 
+#if HAVE_AVX512
+/* row_max and exp_sum of one row of L = 16 * blocks scores stored as blocks of 16 floats,
+   block c at s + c * ldc (the prefix scores by key blocks; keys past the prefix -inf, so they
+   add exact zeros). exp_sum_blocked's sum is one 16-lane chain over the blocks in order. */
+static inline float row_max_blocked(const float *s, int64_t ldc, int64_t L) {
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < L / 16; c++) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + c * ldc));
+  return _mm512_reduce_max_ps(vm);
+}
+
+static inline float exp_sum_blocked(float *s, int64_t ldc, int64_t L, float m) {
+  const __m512 vmax = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < L / 16; c++) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + c * ldc), vmax));
+    _mm512_storeu_ps(s + c * ldc, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+#endif
+
 #if HAVE_AVX2
 /* acc0 += p0[t] V[t], acc1 += p1[t] V[t] over n rows of V [n, Dh]: two query rows share each V
    load, and their 2 x Dh / 8 independent accumulator chains hide the FMA latency. */
@@ -255,10 +283,14 @@ static inline __attribute__((always_inline)) void item(
 typedef struct {
   float *q;      // [rows, Dh] the item's query rows, member after member
   uint32_t *qp;  // [rows, Dh / 2] the same rows as bfloat16 pairs (the bfloat16 dot path)
-  float *kt;     // [Dh, Lpad] prefix K transposed, keys Lp..Lpad zero (AVX2 build); on the
-                 // bfloat16 dot path [Dh / 2, Lpad] pairs of bfloat16 (32-bit words)
+  float *kt;     // [Lpad / 16, Dh, 16] prefix K transposed block by block, keys Lp..Lpad zero
+                 // (AVX2 build); on the bfloat16 dot path [Dh / 2, Lpad] pairs of bfloat16
+                 // (32-bit words)
   float *pb;     // [Lpad] prefix bias, -inf past Lp
-  float *sp;     // [rows, Lpad] prefix scores, then probabilities
+  float *sp;     // prefix scores, then probabilities: [rows, lsp], or by key blocks (see
+                 // group_item); room for (rows + 1) * lsp floats
+  int64_t lsp;   // sp's row stride, Lpad + 16: rows Lpad * 4 bytes apart (2 KiB at Lpad = 512)
+                 // would all fall into the same 2 of L1's 64 sets
   float *ss;     // [rows, Ls] suffix scores, then probabilities
   float *o;      // [rows, Dh] unnormalised outputs
   float *inv;    // [rows] normalisers
@@ -358,22 +390,56 @@ static inline __attribute__((always_inline)) void prefix_block(
 }
 
 #if HAVE_AVX512
-/* prefix_block with the 16 keys in one 16-lane register: each dot the same FMA chain over x,
-   so the scores are bitwise prefix_block's. */
-static inline __attribute__((always_inline)) void prefix_block16(
-    const int RB, const int64_t Dh, const float *q, const float *kt, int64_t ldk,
-    const float *bias, float scale, float *s, int64_t lds) {
-  __m512 a[8];
-  for (int r = 0; r < RB; r++) a[r] = _mm512_setzero_ps();
+/* Scores of RB rows of q [RB, Dh] against KB blocks of 16 keys, K^T block-major (block c: the
+   [Dh, 16] floats at kt + c * Dh * 16), bias and s per key as in prefix_block. A register tile
+   of RB x KB accumulators: each x loads KB key vectors and RB q values for RB * KB FMAs (with
+   one key vector a row, 1 + RB loads fed RB FMAs, and loads, not FMAs, set the pace). Each dot
+   is still the one FMA chain over x from 0 of prefix_block, so the scores are bitwise its and
+   do not depend on RB or KB (how rows and keys are blocked). */
+static inline __attribute__((always_inline)) void prefix_tile16(
+    const int RB, const int KB, const int64_t Dh, const float *q, const float *kt,
+    const float *bias, float scale, float *s, int64_t lds, int64_t ldc) {
+  __m512 a[6][4];
+  for (int r = 0; r < RB; r++)
+    for (int c = 0; c < KB; c++) a[r][c] = _mm512_setzero_ps();
   for (int64_t x = 0; x < Dh; x++) {
-    const __m512 k = _mm512_loadu_ps(kt + x * ldk);
-    for (int r = 0; r < RB; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * Dh + x]), k, a[r]);
+    __m512 k[4];
+    for (int c = 0; c < KB; c++) k[c] = _mm512_loadu_ps(kt + c * Dh * 16 + x * 16);
+    for (int r = 0; r < RB; r++) {
+      const __m512 vq = _mm512_set1_ps(q[r * Dh + x]);
+      for (int c = 0; c < KB; c++) a[r][c] = _mm512_fmadd_ps(vq, k[c], a[r][c]);
+    }
   }
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512 b = _mm512_loadu_ps(bias);
-  const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
-  for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
-    _mm512_storeu_ps(s + r * lds, _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r], vscale, b), ninf));
+  for (int c = 0; c < KB; c++) {
+    const __m512 b = _mm512_loadu_ps(bias + c * 16);
+    const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
+    for (int r = 0; r < RB; r++)  // a masked key: -inf whatever its (stale) K row holds
+      _mm512_storeu_ps(s + r * lds + c * ldc,
+                       _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r][c], vscale, b), ninf));
+  }
+}
+
+/* prefix_tile16 over all N rows for KB key blocks: tiles of 6 rows, then one of the rest. Score
+   (r, 16 c + t) at s + r * lds + c * ldc + t (the key blocks' layout in sp, as group_item's). */
+static inline __attribute__((always_inline)) void prefix_rows16(
+    const int KB, const int64_t Dh, int64_t N, const float *q, const float *kt,
+    const float *bias, float scale, float *s, int64_t lds, int64_t ldc, prefetcher *pf,
+    int64_t per_call) {
+  int64_t r = 0;
+  for (; r + 6 <= N; r += 6) {
+    prefix_tile16(6, KB, Dh, q + r * Dh, kt, bias, scale, s + r * lds, lds, ldc);
+    pf_issue(pf, per_call);
+  }
+  const float *qr = q + r * Dh;
+  float *sr = s + r * lds;
+  switch (N - r) {  // the last rows: one tile of a constant size
+    case 5: prefix_tile16(5, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 4: prefix_tile16(4, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 3: prefix_tile16(3, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 2: prefix_tile16(2, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+    case 1: prefix_tile16(1, KB, Dh, qr, kt, bias, scale, sr, lds, ldc); break;
+  }
 }
 #endif
 
@@ -401,10 +467,12 @@ static inline __attribute__((always_inline)) void prefix_block_dot(
     _mm512_storeu_ps(s + r * lds, _mm512_mask_blend_ps(m, _mm512_fmadd_ps(a[r], vscale, b), ninf));
 }
 
-/* Prefix scores [N, Lpad] on the bfloat16 dot path: K transposed by 32-bit pairs into b->kt,
-   the q rows packed into pairs, then blocks of 8 rows x 16 keys. */
-static inline __attribute__((always_inline)) void prefix_scores_dot(const int64_t Dh, int64_t N, const uint16_t *pk, int64_t Lp,
-                              int64_t Lpad, float scale, const group_buffers *b, prefetcher *pf) {
+/* Prefix scores on the bfloat16 dot path: K transposed by 32-bit pairs into b->kt, the q rows
+   packed into pairs, then blocks of 8 rows x 16 keys; score (r, 16 c + t) at
+   b->sp[r * lsp + c * ldc + t]. */
+static inline __attribute__((always_inline)) void prefix_scores_dot(
+    const int64_t Dh, int64_t N, const uint16_t *pk, int64_t Lp, int64_t Lpad, float scale,
+    const group_buffers *b, int64_t lsp, int64_t ldc, prefetcher *pf) {
   const int64_t P = Dh / 2;
   const uint32_t *kw = (const uint32_t *)pk;
   uint32_t *ktp = (uint32_t *)b->kt;
@@ -422,30 +490,30 @@ static inline __attribute__((always_inline)) void prefix_scores_dot(const int64_
   }
   const int64_t calls = Lpad / 16 * ((N + 7) / 8), per_call = (pf_lines(pf) + calls - 1) / calls;
   for (int64_t c = 0; c < Lpad; c += 16) {
-    float *s = b->sp + c;
+    float *s = b->sp + c / 16 * ldc;
     int any = 0;
     for (int64_t t = 0; t < 16; t++) any |= b->vis[c + t];
     if (!any) {  // 16 masked keys: no dots
       for (int64_t r = 0; r < N; r++)
-        for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
+        for (int64_t t = 0; t < 16; t++) s[r * lsp + t] = -INFINITY;
       continue;
     }
     const uint32_t *kt = ktp + c;
     const float *pb = b->pb + c;
     int64_t r = 0;
     for (; r + 8 <= N; r += 8) {
-      prefix_block_dot(8, Dh, b->qp + r * P, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+      prefix_block_dot(8, Dh, b->qp + r * P, kt, Lpad, pb, scale, s + r * lsp, lsp);
       pf_issue(pf, per_call);
     }
     const uint32_t *qr = b->qp + r * P;
     switch (N - r) {  // the last rows: one block of a constant size
-      case 7: prefix_block_dot(7, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 6: prefix_block_dot(6, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 5: prefix_block_dot(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 4: prefix_block_dot(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 3: prefix_block_dot(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 2: prefix_block_dot(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      case 1: prefix_block_dot(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+      case 7: prefix_block_dot(7, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 6: prefix_block_dot(6, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 5: prefix_block_dot(5, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 4: prefix_block_dot(4, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 3: prefix_block_dot(3, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 2: prefix_block_dot(2, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
+      case 1: prefix_block_dot(1, Dh, qr, kt, Lpad, pb, scale, s + r * lsp, lsp); break;
     }
   }
 }
@@ -541,6 +609,82 @@ static inline __attribute__((always_inline)) void pv_cols16(
 }
 #endif
 
+#if HAVE_AVX512
+/* pv_block16 with p by key blocks: p(r, 16 c + u) at p[c * ldc + r * 16 + u], so each key's RB
+   probabilities sit at constant offsets from one pointer (with rows ldp apart the compiler
+   kept the row offsets on the stack and reloaded them for every key, and more than 6 rows a
+   block did not fit). Each output element is the same FMA chain over the keys in order as in
+   pv_block16: bitwise the same results. */
+static inline __attribute__((always_inline)) void pv_prefix_block16(
+    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldc, const void *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  __m512 acc[12][2];
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * Dh + v * 16);
+  for (int64_t c = 0; c * 16 < n; c++) {
+    const float *pc = p + c * ldc;
+    const int64_t un = n - c * 16 < 16 ? n - c * 16 : 16;
+    for (int64_t u = 0; u < un; u++) {
+      const int64_t t = c * 16 + u;
+      pf_issue(pf, per_key);
+      if (!vis[t]) continue;  // masked for every row: V[t] is never read
+      __m512 vv[2];
+      for (int v = 0; v < NV; v++)
+        vv[v] = bf16 ? bf16_load16((const uint16_t *)V + t * Dh + v * 16)
+                     : _mm512_loadu_ps((const float *)V + t * Dh + v * 16);
+      for (int r = 0; r < RB; r++) {
+        const __m512 b = _mm512_set1_ps(pc[r * 16 + u]);
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(b, vv[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; r++)
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + r * Dh + v * 16, acc[r][v]);
+}
+
+/* pv_prefix_block16 over N rows for the NV * 16 columns at V, o: blocks of 12 rows (24
+   accumulators at NV = 2: per key NV V loads and 12 probabilities feed 24 FMAs, and V is read
+   half as often as with the 6-row blocks the row stride forced), then one block of the rest. */
+static inline __attribute__((always_inline)) void pv_prefix_cols16(
+    const int NV, const int64_t Dh, const float *p, int64_t ldc, int64_t N, const void *V,
+    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
+    const int bf16) {
+  int64_t i = 0;
+  for (; i + 12 <= N; i += 12)
+    pv_prefix_block16(12, NV, Dh, p + i * 16, ldc, V, n, vis, o + i * Dh, pf, per_key, bf16);
+  const float *pr = p + i * 16;
+  float *orr = o + i * Dh;
+  switch (N - i) {  // the last rows: one block of a constant size
+    case 11: pv_prefix_block16(11, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 10: pv_prefix_block16(10, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 9: pv_prefix_block16(9, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 8: pv_prefix_block16(8, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 7: pv_prefix_block16(7, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 6: pv_prefix_block16(6, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 5: pv_prefix_block16(5, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 4: pv_prefix_block16(4, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 3: pv_prefix_block16(3, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 2: pv_prefix_block16(2, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+    case 1: pv_prefix_block16(1, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+  }
+}
+
+/* o [N, Dh] += P @ V [n, Dh] for the prefix probabilities by key blocks (group_item's sp: block
+   c at p + c * ldc, Dh a multiple of 16), 32 (then 16) columns at a time. */
+static inline __attribute__((always_inline)) void pv_prefix16(
+    const int64_t Dh, const float *p, int64_t ldc, int64_t N, const void *V, int64_t n,
+    const unsigned char *vis, float *o, prefetcher *pf, const int bf16) {
+  const int64_t visits = ((N + 11) / 12) * ((Dh + 31) / 32) * n;
+  const int64_t per_key = visits > 0 ? (pf_lines(pf) + visits - 1) / visits : 0;
+  for (int64_t c = 0; c < Dh; c += 32) {
+    const void *Vc = kv_at(V, c, bf16);
+    if (Dh - c >= 32) pv_prefix_cols16(2, Dh, p, ldc, N, Vc, n, vis, o + c, pf, per_key, bf16);
+    else pv_prefix_cols16(1, Dh, p, ldc, N, Vc, n, vis, o + c, pf, per_key, bf16);
+  }
+}
+#endif
+
 /* o [n_rows, Dh] += p [n_rows, ldp] @ V [n, Dh] over the keys with vis[t]; issues the pending
    prefetches of pf spread over the keys it visits. */
 static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, const float *p,
@@ -596,6 +740,13 @@ static inline __attribute__((always_inline)) void group_item(
     int64_t s_d, int64_t Ls, const float *sbias, int64_t sbias_d, int64_t Hkv, float scale,
     float *out, const group_buffers *b, const void *next_pk, const int bf16, const int dot) {
   const int64_t N = n * R, Q = R / rows_per_bias, es = bf16 ? 2 : 4;
+  // sp by key blocks where the 16-lane kernels cover the head: score (r, 16 c + t) at
+  // sp[c * ldc_sp + r * 16 + t], so P @ V finds a block's rows at constant offsets from one
+  // pointer; ldc_sp = (N + 1) * 16, not N * 16, for the softmax's pass along a row (blocks
+  // N * 64 bytes apart: 2 KiB at N = 32, 2 of L1's 64 sets). Else row-major [N, lsp].
+  const int blocked = HAVE_AVX512 && Dh % 16 == 0;
+  const int64_t ldc_sp = N * 16 + 16;
+  (void)blocked, (void)ldc_sp;  // unused in builds without AVX-512
   prefetcher pf = {0}, pf_v = {0};  // prefix K now; prefix V, suffix K; suffix V
   pf_add(&pf, pk, Lp * Dh * es);
   pf_issue(&pf, pf_lines(&pf));
@@ -613,76 +764,92 @@ static inline __attribute__((always_inline)) void group_item(
     b->pb[j] = j < Lp ? pbias[j] : -INFINITY;
     b->vis[j] = b->pb[j] != -INFINITY;
   }
-  // prefix scores [N, Lpad] (columns past Lp are -inf)
+  // prefix scores into sp (keys past Lp -inf)
 #if HAVE_AVX2
 #if HAVE_BF16_DOT
-  if (dot) prefix_scores_dot(Dh, N, (const uint16_t *)pk, Lp, Lpad, scale, b, &pf);
+  if (dot)
+    prefix_scores_dot(Dh, N, (const uint16_t *)pk, Lp, Lpad, scale, b, blocked ? 16 : b->lsp,
+                      blocked ? ldc_sp : 16, &pf);
 #endif
   if (!dot) {
+    // K^T block-major: keys in blocks of 16, block c the [Dh, 16] floats at kt + c * Dh * 16.
+    // A block's rows are contiguous (one row-major [Dh, Lpad] K^T put the Dh rows a block
+    // reads Lpad * 4 bytes apart: at Lpad = 512, 2 of L1's 64 sets for all of them).
     {
       int64_t j = 0;
       if (Dh % 8 == 0)
         for (; j + 8 <= Lp; j += 8)
           for (int64_t x = 0; x < Dh; x += 8)
-            transpose8(kv_at(pk, j * Dh + x, bf16), Dh, b->kt + x * Lpad + j, Lpad, bf16);
-      for (int64_t x = 0; x < Dh; x++)
-        for (int64_t t = j; t < Lpad; t++)
-          b->kt[x * Lpad + t] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
+            transpose8(kv_at(pk, j * Dh + x, bf16), Dh,
+                       b->kt + (j / 16) * Dh * 16 + x * 16 + j % 16, 16, bf16);
+      for (int64_t t = j; t < Lpad; t++)
+        for (int64_t x = 0; x < Dh; x++)
+          b->kt[(t / 16) * Dh * 16 + x * 16 + t % 16] = t < Lp ? kv_get(pk, t * Dh + x, bf16) : 0.f;
     }
-    const int64_t calls = Lpad / 16 * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
-    for (int64_t j = 0; j < Lpad; j += 16) {
-      float *s = b->sp + j;
-      const float *kt = b->kt + j, *pb = b->pb + j;
+    const int64_t blocks = Lpad / 16, lsp = b->lsp;
+#if HAVE_AVX512
+    const int64_t lds = blocked ? 16 : lsp, ldc = blocked ? ldc_sp : 16;
+    enum { KB = 4 };  // key blocks a tile: with 6 rows, 24 accumulators + 4 key vectors
+    const int64_t calls = (blocks + KB - 1) / KB * ((N + 5) / 6);
+    const int64_t per_call = (pf_lines(&pf) + calls - 1) / calls;
+    for (int64_t c = 0; c < blocks; c += KB) {
+      const int64_t kb = blocks - c < KB ? blocks - c : KB;
+      float *s = b->sp + c * ldc;
+      const float *kt = b->kt + c * Dh * 16, *pb = b->pb + c * 16;
       int any = 0;
-      for (int64_t t = 0; t < 16; t++) any |= b->vis[j + t];
+      for (int64_t t = 0; t < kb * 16; t++) any |= b->vis[c * 16 + t];
+      if (!any) {  // masked keys only: no dots
+        for (int64_t r = 0; r < N; r++)
+          for (int64_t u = 0; u < kb; u++)
+            for (int64_t t = 0; t < 16; t++) s[r * lds + u * ldc + t] = -INFINITY;
+        continue;
+      }
+      switch (kb) {
+        case 4: prefix_rows16(4, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
+        case 3: prefix_rows16(3, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
+        case 2: prefix_rows16(2, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
+        case 1: prefix_rows16(1, Dh, N, b->q, kt, pb, scale, s, lds, ldc, &pf, per_call); break;
+      }
+    }
+#else
+    const int64_t calls = blocks * ((N + 5) / 6), per_call = (pf_lines(&pf) + calls - 1) / calls;
+    for (int64_t c = 0; c < blocks; c++) {
+      float *s = b->sp + c * 16;
+      const float *kt = b->kt + c * Dh * 16, *pb = b->pb + c * 16;
+      int any = 0;
+      for (int64_t t = 0; t < 16; t++) any |= b->vis[c * 16 + t];
       if (!any) {  // 16 masked keys: no dots
         for (int64_t r = 0; r < N; r++)
-          for (int64_t t = 0; t < 16; t++) s[r * Lpad + t] = -INFINITY;
+          for (int64_t t = 0; t < 16; t++) s[r * lsp + t] = -INFINITY;
         continue;
       }
       int64_t r = 0;
-#if HAVE_AVX512
-      for (; r + 8 <= N; r += 8) {
-        prefix_block16(8, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
-        pf_issue(&pf, per_call);
-      }
-      const float *q8 = b->q + r * Dh;
-      switch (N - r) {  // the last rows: one block of a constant size
-        case 7: prefix_block16(7, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 6: prefix_block16(6, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 5: prefix_block16(5, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 4: prefix_block16(4, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 3: prefix_block16(3, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 2: prefix_block16(2, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 1: prefix_block16(1, Dh, q8, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-      }
-      r = N;
-#endif
       for (; r + 6 <= N; r += 6) {
-        prefix_block(6, Dh, b->q + r * Dh, kt, Lpad, pb, scale, s + r * Lpad, Lpad);
+        prefix_block(6, Dh, b->q + r * Dh, kt, 16, pb, scale, s + r * lsp, lsp);
         pf_issue(&pf, per_call);
       }
       const float *qr = b->q + r * Dh;
       switch (N - r) {  // the last rows: one block of a constant size
-        case 5: prefix_block(5, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 4: prefix_block(4, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 3: prefix_block(3, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 2: prefix_block(2, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
-        case 1: prefix_block(1, Dh, qr, kt, Lpad, pb, scale, s + r * Lpad, Lpad); break;
+        case 5: prefix_block(5, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 4: prefix_block(4, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 3: prefix_block(3, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 2: prefix_block(2, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
+        case 1: prefix_block(1, Dh, qr, kt, 16, pb, scale, s + r * lsp, lsp); break;
       }
     }
+#endif
   }
 #else
   pf_issue(&pf, pf_lines(&pf));
   for (int64_t r = 0; r < N; r++)
     for (int64_t j = 0; j < Lpad; j++) {
       if (b->pb[j] == -INFINITY) {
-        b->sp[r * Lpad + j] = -INFINITY;
+        b->sp[r * b->lsp + j] = -INFINITY;
         continue;
       }
       float acc = 0.f;
       for (int64_t x = 0; x < Dh; x++) acc += b->q[r * Dh + x] * kv_get(pk, j * Dh + x, bf16);
-      b->sp[r * Lpad + j] = acc * scale + b->pb[j];
+      b->sp[r * b->lsp + j] = acc * scale + b->pb[j];
     }
 #endif
   pf_issue(&pf, pf_lines(&pf));  // whatever is left (masked blocks issue none)
@@ -693,14 +860,28 @@ static inline __attribute__((always_inline)) void group_item(
            Ls, rows_per_bias, scale, b->ss + i * R * Ls, Ls, bf16);
   }
   for (int64_t r = 0; r < N; r++) {
-    float *sp = b->sp + r * Lpad, *ss = b->ss + r * Ls;
-    const float m0 = row_max(sp, Lp), m1 = row_max(ss, Ls), m = m0 > m1 ? m0 : m1;
+    float *ss = b->ss + r * Ls;
+    const float m1 = row_max(ss, Ls);
+#if HAVE_AVX512
+    if (blocked) {
+      float *sp = b->sp + r * 16;
+      const float m0 = row_max_blocked(sp, ldc_sp, Lpad), m = m0 > m1 ? m0 : m1;
+      b->inv[r] = 1.f / (exp_sum_blocked(sp, ldc_sp, Lpad, m) + exp_sum(ss, Ls, m));
+      continue;
+    }
+#endif
+    float *sp = b->sp + r * b->lsp;
+    const float m0 = row_max(sp, Lp), m = m0 > m1 ? m0 : m1;
     const float sum = exp_sum(sp, Lp, m) + exp_sum(ss, Ls, m);
     b->inv[r] = 1.f / sum;
   }
   // prefix PV for all rows, then each member's suffix PV and normalisation
   for (int64_t e = 0; e < N * Dh; e++) b->o[e] = 0.f;
-  pv_rows(Dh, b->sp, Lpad, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
+#if HAVE_AVX512
+  if (blocked) pv_prefix16(Dh, b->sp, ldc_sp, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
+  else
+#endif
+    pv_rows(Dh, b->sp, b->lsp, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
   unsigned char *vis = b->vis + Lpad;
   for (int64_t i = 0; i < n; i++) {
     const int64_t d = mem[i];
@@ -805,13 +986,14 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
     group_buffers b = {0};
-    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + rows * Lpad + rows * Ls +
-                                   rows * Dh + rows + rows * (Dh / 2));
+    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + (rows + 1) * (Lpad + 16) +
+                                   rows * Ls + rows * Dh + rows + rows * (Dh / 2));
     float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls));
     failed = buf == NULL;
     if (buf != NULL) {
       b.q = buf, b.kt = b.q + rows * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
-      b.ss = b.sp + rows * Lpad, b.o = b.ss + rows * Ls, b.inv = b.o + rows * Dh;
+      b.lsp = Lpad + 16, b.ss = b.sp + (rows + 1) * b.lsp, b.o = b.ss + rows * Ls;
+      b.inv = b.o + rows * Dh;
       b.qp = (uint32_t *)(b.inv + rows);
       b.vis = (unsigned char *)(b.qp + rows * (Dh / 2));
     }

@@ -50,8 +50,11 @@ def _reference(q, k_cache, v_cache, meta, page_size):
 def test_the_builds_differ_in_their_vector_path():
     """Guards the test below: the portable build really runs the plain loops."""
     assert BUILDS["native"].cascade_decode_has_avx2() == int("avx2" in open("/proc/cpuinfo").read())
+    # the bfloat16 dot path where the CPU has AVX-512 BF16 and no AMX (a core with two 512-bit
+    # FMA ports, where FMAs over the widened K are faster: see cascade_decode.c)
+    flags = open("/proc/cpuinfo").read().split()
     assert BUILDS["native"].cascade_decode_has_bf16_dot() == int(
-        "avx512_bf16" in open("/proc/cpuinfo").read()
+        "avx512_bf16" in flags and not {"amx_tile", "amx_bf16"} <= set(flags)
     )
     if "portable" in BUILDS:
         assert BUILDS["portable"].cascade_decode_has_avx2() == 0
@@ -327,8 +330,9 @@ def test_a_bfloat16_models_q_scores_the_prefix_through_bfloat16_dot_products(
     build, head_dim, page_size
 ):
     """q whose values are all bfloat16 (a bfloat16 model's, widened) against a bfloat16 pool:
-    where the CPU has AVX-512 BF16 the prefix scores are bfloat16 dot products, each product the
-    float32 kernel's exact one and only the summation order different, so the output stays
+    where the build uses them (AVX-512 BF16, no AMX) the prefix scores are bfloat16 dot
+    products, each product the float32 kernel's exact one and only the summation order
+    different (elsewhere the float32 kernel's FMAs over the widened K), so the output stays
     within float32 rounding of the float64 reference (the float32 tests' bound), is bitwise the
     same for any number of threads, and stale K under masked keys never matters."""
     q, k_cache, v_cache, meta = _group_case(head_dim, page_size, seed=head_dim + page_size)
