@@ -59,8 +59,6 @@ def use_native_pieces(model: CausalLM) -> None:
 # linear layers on AMX tiles").
 SMALL_LINEAR_ROWS = 16
 SMALL_LINEAR_ROWS_AMX = 256
-# float32 on the kernel's outer-product path (small_gemm.c, fp32_gemm) from 17 rows
-SMALL_LINEAR_ROWS_FP32 = 256
 
 
 def small_linear_rows(dtype: torch.dtype) -> int:
@@ -69,13 +67,7 @@ def small_linear_rows(dtype: torch.dtype) -> int:
     if limit is None:
         lib = _small_gemm(dtype)
         amx = dtype == torch.bfloat16 and lib is not None and lib.small_gemm_has_amx()
-        if amx:
-            limit = SMALL_LINEAR_ROWS_AMX
-        elif dtype == torch.float32 and lib is not None and lib.small_gemm_has_avx512():
-            limit = SMALL_LINEAR_ROWS_FP32
-        else:
-            limit = SMALL_LINEAR_ROWS
-        _ROW_LIMITS[dtype] = limit
+        limit = _ROW_LIMITS[dtype] = SMALL_LINEAR_ROWS_AMX if amx else SMALL_LINEAR_ROWS
     return limit
 
 
