@@ -26,7 +26,12 @@
    weight's own row stride); x^T is packed per call into the B operand's pair layout; see
    amx_outputs. Same function, same single rounding: only the float32 summation order differs.
 
-   Without AVX-512 (the portable build) plain C loops compute the same function. */
+   Without AVX-512 (the portable build) plain C loops compute the same function.
+
+   small_gemm_prepared: the same multiply of a transform of x's rows (bfloat16): RMSNorm, or
+   SiLU(gate) * up of a [M, 2K] input, by pointwise.c's own row kernels (bf16_rows.h) into a
+   scratch [M, K] first: the bits of the separate element-wise kernel then small_gemm, in one
+   call (a decode layer's norm -> q/k/v, norm -> gate/up and SiLU * up -> down_proj). */
 
 #define _GNU_SOURCE  // syscall (arch_prctl for AMX) under -std=c11
 #include <stddef.h>
@@ -35,6 +40,7 @@
 #include <string.h>
 
 #include "vector_math.h"
+#include "bf16_rows.h"  // rms_norm_bf16_row, silu_mul_bf16_row: pointwise.c's row kernels
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -412,4 +418,37 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
       outputs(n0, n1, M, x, x_row * size, w, w_row * size, K, bias, res, res_row * size, y,
               y_row * size, 0);
   }
+}
+
+/* The transforms small_gemm_prepared applies to x's rows (rollout.native.PREPARE_*). */
+enum { PREPARE_RMS_NORM = 1, PREPARE_SILU_MUL = 2 };
+/* Below this many transformed elements one thread prepares the rows: pointwise.c's threshold,
+   where the fork / join costs more than it saves. */
+enum { PREPARE_PARALLEL_ELEMENTS = 65536 };
+
+/* small_gemm (bfloat16) of x's rows transformed: PREPARE_RMS_NORM: x [M, K], each row
+   `rms_norm_bf16_row` with norm_weight [K] and eps (the bits of pointwise.c's rms_norm_bf16);
+   PREPARE_SILU_MUL: x [M, 2K], each row's halves `silu_mul_bf16_row` (gate, then up: the bits
+   of silu_mul_bf16 on the halves; norm_weight unused). The rows go into a scratch [M, K], then
+   small_gemm multiplies it with every other argument as given: y is bitwise the separate
+   transform then small_gemm. Returns 0, or -1 (nothing written) where the scratch cannot be
+   allocated or `prepare` is unknown. */
+int small_gemm_prepared(int64_t M, int64_t N, int64_t K, int prepare, const void *x,
+                        int64_t x_row, const void *norm_weight, float eps, const void *w,
+                        int64_t w_row, const void *bias, const void *res, int64_t res_row,
+                        void *y, int64_t y_row, int num_threads) {
+  if (prepare != PREPARE_RMS_NORM && prepare != PREPARE_SILU_MUL) return -1;
+  uint16_t *rows = malloc(sizeof(uint16_t) * (size_t)(M * K > 0 ? M * K : 1));
+  if (!rows) return -1;
+  const uint16_t *xs = x;
+#pragma omp parallel for num_threads(num_threads) if (M * K >= PREPARE_PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t m = 0; m < M; m++) {
+    if (prepare == PREPARE_RMS_NORM)
+      rms_norm_bf16_row(xs + m * x_row, norm_weight, eps, rows + m * K, K);
+    else
+      silu_mul_bf16_row(xs + m * x_row, xs + m * x_row + K, rows + m * K, K);
+  }
+  small_gemm(M, N, K, rows, K, w, w_row, bias, res, res_row, y, y_row, 1, num_threads);
+  free(rows);
+  return 0;
 }
