@@ -14,7 +14,10 @@ reference), with
 * the linear layers (q/k/v, o_proj and down_proj with their residual adds, gate_up, the LM head)
   of a batch of at most `small_linear_rows(dtype)` tokens (decode steps) on the small-batch kernel
   (`small_gemm.c`, residual added as the reference adds it), which reads the stored [out, in]
-  weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed.
+  weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed;
+  there, in bfloat16, the RMSNorm before q/k/v, gate_up and the LM head and the SiLU * up before
+  down_proj computed in the multiply's own call (`native.small_linear_prepared_unchecked`,
+  bitwise the separate calls: an FP8 model's unfused layers keep the separate calls).
 
 Used where `applies` says so: a CPU float32 or bfloat16 model without tensor parallelism (the
 row-parallel all-reduce would come between the multiply and the add) whose kernels are available,

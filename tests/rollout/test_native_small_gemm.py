@@ -363,3 +363,27 @@ def test_engine_prepared_calls_change_no_bits(tmp_path, monkeypatch):
     for a, b in zip(fused, separate):
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_prepared_threads_change_no_bits(build):
+    """On 2 threads (the transform and, on AMX tiles, the pack split over them) the prepared
+    calls give the bits of the separate calls on 1."""
+    lib, pw = BUILDS[build], _pointwise_for(build)
+    before = torch.get_num_threads()
+    for rows, outs, inner in [(128, 1408, 256), (300, 100, 95), (256, 256, 704)]:
+        x = _randn(rows, inner, seed=1).to(torch.bfloat16)
+        gate_up = _randn(rows, 2 * inner, seed=6).to(torch.bfloat16)
+        norm_w = (1 + _randn(inner, seed=5) / 4).to(torch.bfloat16)
+        w = _randn(outs, inner, seed=2).to(torch.bfloat16)
+        residual = _randn(rows, outs, seed=4).to(torch.bfloat16)
+        try:
+            torch.set_num_threads(1)
+            normed = native.small_linear(lib, native.rms_norm(pw, x, norm_w, 1e-6), w)
+            hidden = native.silu_mul(pw, gate_up[:, :inner], gate_up[:, inner:])
+            silu = native.small_linear(lib, hidden, w, None, residual)
+            torch.set_num_threads(2)
+            assert _same_bits(native.small_linear_rms_norm(lib, x, norm_w, 1e-6, w), normed)
+            assert _same_bits(native.small_linear_silu_mul(lib, gate_up, w, None, residual), silu)
+        finally:
+            torch.set_num_threads(before)
