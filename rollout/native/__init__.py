@@ -114,6 +114,14 @@ def declare_small_gemm(lib: ctypes.CDLL) -> ctypes.CDLL:
         *(_INT, _INT),  # bfloat16?, threads
     ]
     lib.small_gemm.restype = None
+    lib.small_gemm_prepared.argtypes = [
+        *(_I64,) * 3,  # M, N, K
+        *(_INT, _PTR, _I64, _PTR, _F32),  # transform, x, its row stride, norm weight, eps
+        *(_PTR, _I64),  # weight, its output stride
+        *(_PTR, _PTR, _I64, _PTR, _I64),  # bias, residual, its row stride, y, its row stride
+        _INT,  # threads
+    ]
+    lib.small_gemm_prepared.restype = _INT
     lib.small_gemm_has_avx512.restype = lib.small_gemm_has_bf16_dot.restype = _INT
     lib.small_gemm_has_amx.restype = _INT
     # the dtypes its vector code is built for here (AVX-512; AVX-512 BF16 for bfloat16): where
@@ -588,3 +596,87 @@ def small_linear_unchecked(
         x.dtype == torch.bfloat16, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+# The input transforms of `small_linear_prepared_unchecked` (small_gemm.c's PREPARE_*).
+PREPARE_RMS_NORM, PREPARE_SILU_MUL = 1, 2
+
+
+def small_linear_prepared_unchecked(
+    lib: ctypes.CDLL,
+    prepare: int,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """`small_linear_unchecked` (bfloat16) of a transform of x, in one call and one pass over x:
+    PREPARE_RMS_NORM, `rms_norm` of x [M, K] (norm_weight [K] contiguous bfloat16, eps);
+    PREPARE_SILU_MUL, `silu_mul_halves_unchecked` of x [M, 2 K]. Bitwise the separate element-wise
+    kernel then `small_linear_unchecked` (the same row code, `bf16_rows.h`), for arguments known to
+    suit both (rows of x contiguous, weight [N, K] as `small_linear_target` says)."""
+    rows, outs = x.shape[0], weight.shape[0]
+    out = torch.empty(rows, outs, dtype=x.dtype)
+    if lib.small_gemm_prepared(
+        rows, outs, weight.shape[1], prepare, x.data_ptr(), x.stride(0),
+        None if norm_weight is None else norm_weight.data_ptr(), eps, weight.data_ptr(),
+        weight.stride(0), None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), out.data_ptr(), outs,
+        torch.get_num_threads(),
+    ):  # fmt: skip
+        raise MemoryError("small_gemm_prepared: no memory for the transformed rows")
+    return out
+
+
+def small_linear_rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`small_linear(lib, rms_norm(x, norm_weight, eps), weight, bias, residual)` for bfloat16
+    x [M, K] (rows contiguous) in one call, bitwise."""
+    assert x.dtype == torch.bfloat16 and small_linear_target(x, weight), (x.dtype, x.shape)
+    assert norm_weight.shape == (x.shape[1],), norm_weight.shape
+    return small_linear_prepared_unchecked(
+        lib, PREPARE_RMS_NORM, x, norm_weight.to(x.dtype).contiguous(), eps, weight,
+        *_small_linear_extras(x, weight, bias, residual),
+    )  # fmt: skip
+
+
+def small_linear_silu_mul(
+    lib: ctypes.CDLL,
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`small_linear(lib, silu_mul_halves(gate_up), weight, bias, residual)` for bfloat16
+    gate_up [M, 2 K] (rows contiguous) in one call, bitwise."""
+    inner = weight.shape[1]
+    assert gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2, gate_up.dtype
+    assert gate_up.shape[1] == 2 * inner and gate_up.stride(1) == 1, (gate_up.shape, inner)
+    assert weight.dtype == gate_up.dtype and (weight.stride(1) == 1 or inner == 1), weight.stride()
+    return small_linear_prepared_unchecked(
+        lib, PREPARE_SILU_MUL, gate_up, None, 0.0, weight,
+        *_small_linear_extras(gate_up[:, :inner], weight, bias, residual),
+    )  # fmt: skip
+
+
+def _small_linear_extras(x, weight, bias, residual):
+    """(bias, residual) checked and laid out as `small_linear` takes them."""
+    outs = weight.shape[0]
+    if bias is not None:
+        assert bias.shape == (outs,) and bias.dtype == x.dtype, (bias.shape, bias.dtype)
+        bias = bias.contiguous()
+    if residual is not None:
+        assert residual.shape == (x.shape[0], outs) and residual.dtype == x.dtype, residual.shape
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    return bias, residual

@@ -14,7 +14,10 @@ reference), with
 * the linear layers (q/k/v, o_proj and down_proj with their residual adds, gate_up, the LM head)
   of a batch of at most `small_linear_rows(dtype)` tokens (decode steps) on the small-batch kernel
   (`small_gemm.c`, residual added as the reference adds it), which reads the stored [out, in]
-  weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed.
+  weights once; torch's GEMM for larger batches and wherever the kernel is not built for speed;
+  there, in bfloat16, the RMSNorm before q/k/v, gate_up and the LM head and the SiLU * up before
+  down_proj computed in the multiply's own call (`native.small_linear_prepared_unchecked`,
+  bitwise the separate calls: an FP8 model's unfused layers keep the separate calls).
 
 Used where `applies` says so: a CPU float32 or bfloat16 model without tensor parallelism (the
 row-parallel all-reduce would come between the multiply and the add) whose kernels are available,
@@ -116,6 +119,38 @@ def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return native.rms_norm(native.pointwise(), x, norm.weight, norm.eps)
 
 
+def _prepared_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The small-batch kernel where `_linear` would send bfloat16 x's rows (or their transform)
+    to it, for the element-wise step before the multiply to go into the same call
+    (`native.small_linear_prepared_unchecked`); else None. Bitwise the separate calls, so an FP8
+    layer (its own unfused path) still computes as the dequantized engine."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > small_linear_rows(x.dtype):
+        return None
+    lib = _small_gemm(x.dtype)
+    if (
+        lib is not None
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
+    ):
+        return lib
+    return None
+
+
+def _norm_linear(
+    norm: RMSNorm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """_linear(norm(x), weight, bias): in bfloat16 on the small-batch kernel, the norm computed
+    in the same call (no normed tensor, one call fewer)."""
+    lib = _prepared_kernel(x, weight, bias)
+    if lib is not None and norm.weight.dtype == x.dtype and norm.weight.stride(0) == 1:
+        return native.small_linear_prepared_unchecked(
+            lib, native.PREPARE_RMS_NORM, x, norm.weight, norm.eps, weight, bias, None
+        )
+    return _linear(_norm(norm, x), weight, bias)
+
+
 def _dense(linear: torch.nn.Module, dtype: torch.dtype):
     """(weight, bias) that `linear` multiplies by in `dtype`: an nn.Linear's own, an FP8 layer's
     dequantized weight (a CPU engine keeps it) and bias; None for any other layer. Both kinds
@@ -140,12 +175,12 @@ def _fused_linear(h: torch.Tensor, linears: list[torch.nn.Module]) -> torch.Tens
 
 def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: RotaryEmbedding):
     attn = layer.self_attn
-    h = _norm(layer.input_layernorm, x)
-    if attn.q_norm is not None:
-        return attn.project(h, positions, rotary)
-    if attn.qkv_weight is not None:
-        qkv = _linear(h, attn.qkv_weight, attn.qkv_bias)
+    if attn.q_norm is None and attn.qkv_weight is not None:
+        qkv = _norm_linear(layer.input_layernorm, x, attn.qkv_weight, attn.qkv_bias)
     else:
+        h = _norm(layer.input_layernorm, x)
+        if attn.q_norm is not None:
+            return attn.project(h, positions, rotary)
         qkv = _fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj])
         if qkv is None:
             return attn.project(h, positions, rotary)
@@ -181,6 +216,22 @@ def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear) 
     return x + linear(inputs)
 
 
+def _silu_mul_add_linear(
+    x: torch.Tensor, gate_up: torch.Tensor, linear: torch.nn.Module
+) -> torch.Tensor:
+    """x + linear(silu(gate) * up) of gate_up's halves (new, rows contiguous): in bfloat16 on
+    the small-batch kernel, SiLU * up computed in the multiply's call."""
+    dense = _dense(linear, gate_up.dtype)
+    if dense is not None and x.dtype == gate_up.dtype and x.stride(1) == 1:
+        weight, bias = dense
+        lib = _prepared_kernel(gate_up, weight, bias)
+        if lib is not None and gate_up.shape[1] == 2 * weight.shape[1]:
+            return native.small_linear_prepared_unchecked(
+                lib, native.PREPARE_SILU_MUL, gate_up, None, 0.0, weight, bias, x
+            )
+    return _add_linear(x, native.silu_mul_halves_unchecked(native.pointwise(), gate_up), linear)
+
+
 def _add_linear_norm(
     x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear, norm: RMSNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +258,14 @@ def _add_linear_norm(
 def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tensor):
     attn, mlp = layer.self_attn, layer.mlp
     inputs = attn_out.reshape(x.shape[0], -1)
-    x, h = _add_linear_norm(x, inputs, attn.o_proj, layer.post_attention_layernorm)
+    norm = layer.post_attention_layernorm
+    if mlp.gate_up_weight is not None and _prepared_kernel(x, mlp.gate_up_weight, mlp.gate_up_bias):
+        # the residual added in o_proj's call (as `_add_linear_norm` adds it at these sizes),
+        # the norm in gate/up's: h is only gate/up's input
+        x = _add_linear(x, inputs, attn.o_proj)
+        gate_up = _norm_linear(norm, x, mlp.gate_up_weight, mlp.gate_up_bias)
+        return _silu_mul_add_linear(x, gate_up, mlp.down_proj)
+    x, h = _add_linear_norm(x, inputs, attn.o_proj, norm)
     if mlp.gate_up_weight is not None:
         gate_up = _linear(h, mlp.gate_up_weight, mlp.gate_up_bias)  # new, rows contiguous
     elif hasattr(mlp, "gate_proj"):  # a dense MLP left unfused (FP8)
@@ -216,13 +274,11 @@ def attention_outputs(layer: DecoderLayer, x: torch.Tensor, attn_out: torch.Tens
         gate_up = None
     if gate_up is None:
         return x + mlp(h)
-    return _add_linear(
-        x, native.silu_mul_halves_unchecked(native.pointwise(), gate_up), mlp.down_proj
-    )
+    return _silu_mul_add_linear(x, gate_up, mlp.down_proj)
 
 
 def logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    head, h = model.lm_head, _norm(model.model.norm, hidden)
-    dense = _dense(head, h.dtype)
-    logits = _linear(h, *dense) if dense is not None else head(h)
+    head, norm = model.lm_head, model.model.norm
+    dense = _dense(head, hidden.dtype)
+    logits = _norm_linear(norm, hidden, *dense) if dense is not None else head(_norm(norm, hidden))
     return logits.to(accum_dtype(logits.dtype))

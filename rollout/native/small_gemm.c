@@ -26,7 +26,12 @@
    weight's own row stride); x^T is packed per call into the B operand's pair layout; see
    amx_outputs. Same function, same single rounding: only the float32 summation order differs.
 
-   Without AVX-512 (the portable build) plain C loops compute the same function. */
+   Without AVX-512 (the portable build) plain C loops compute the same function.
+
+   small_gemm_prepared: the same multiply of a transform of x's rows (bfloat16): RMSNorm, or
+   SiLU(gate) * up of a [M, 2K] input, by pointwise.c's own row kernels (bf16_rows.h) into a
+   scratch [M, K] first: the bits of the separate element-wise kernel then small_gemm, in one
+   call (a decode layer's norm -> q/k/v, norm -> gate/up and SiLU * up -> down_proj). */
 
 #define _GNU_SOURCE  // syscall (arch_prctl for AMX) under -std=c11
 #include <stddef.h>
@@ -35,6 +40,7 @@
 #include <string.h>
 
 #include "vector_math.h"
+#include "bf16_rows.h"  // rms_norm_bf16_row, silu_mul_bf16_row: pointwise.c's row kernels
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -61,6 +67,23 @@ enum {
   COLS = 4,                  // outputs in a register tile: 16 accumulators
   PARALLEL_MACS = 1 << 15,   // below this many multiply-adds one thread does all
 };
+
+/* The transforms small_gemm_prepared applies to x's rows (rollout.native.PREPARE_*). */
+enum { PREPARE_RMS_NORM = 1, PREPARE_SILU_MUL = 2 };
+/* Below this many transformed elements one thread prepares the rows on the AVX-512 path:
+   pointwise.c's threshold, where the fork / join costs more than it saves. */
+enum { PREPARE_PARALLEL_ELEMENTS = 65536 };
+
+/* Row x (PREPARE_RMS_NORM: K elements; PREPARE_SILU_MUL: 2 K, gate then up) transformed into
+   out's K elements by pointwise.c's row kernels. */
+static inline void prepare_row(int prepare, const char *x, int64_t K, const void *norm_weight,
+                               float eps, uint16_t *out) {
+  const uint16_t *row = (const uint16_t *)x;
+  if (prepare == PREPARE_RMS_NORM)
+    rms_norm_bf16_row(row, norm_weight, eps, out, K);
+  else
+    silu_mul_bf16_row(row, row + K, out, K);
+}
 
 static inline __attribute__((always_inline)) float element(const void *p, int64_t i,
                                                           const int bf16) {
@@ -228,12 +251,12 @@ enum { AMX_MIN_ROWS = 8 };
    zero past K and past M: each 16 x 16 block of x's pairs transposed in registers (unpacks of
    32- and 64-bit elements within 128-bit lanes, then a 4 x 4 transpose of the lanes). */
 static void amx_pack(int64_t M, int64_t K, const char *x, int64_t x_row, uint32_t *xp,
-                     int64_t tiles_m) {
+                     int64_t tiles_m, int64_t j0, int64_t j1) {  // row tiles [j0, j1)
   const int64_t chunks = (K + 31) / 32;
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t left = K - 32 * c;
     const __mmask32 mask = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
-    for (int64_t j = 0; j < tiles_m; j++) {
+    for (int64_t j = j0; j < j1; j++) {
       __m512i r[16], t[16], u[16];
       for (int i = 0; i < 16; i++)
         r[i] = 16 * j + i < M ? _mm512_maskz_loadu_epi16(mask, x + (16 * j + i) * x_row + 64 * c)
@@ -347,7 +370,7 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_ro
   const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
   uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
   if (!xp) return 0;  // the caller takes the AVX-512 path
-  amx_pack(M, K, x, x_row, xp, tiles_m);
+  amx_pack(M, K, x, x_row, xp, tiles_m, 0, tiles_m);
   if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
   if (num_threads > tiles) num_threads = (int)tiles;
 #pragma omp parallel num_threads(num_threads)
@@ -363,6 +386,46 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_ro
     _tile_release();
     if (t == T - 1 && tiles * 16 < N)
       outputs(tiles * 16, N, M, x, x_row, w, w_row, K, bias, res, res_row, y, y_row, 1);
+  }
+  free(xp);
+  return 1;
+}
+
+/* amx_gemm of x's rows transformed (small_gemm_prepared) in one parallel region: each thread
+   transforms its share of x's 16-row tiles into the scratch `rows` [M, K] and packs them (the
+   transform and the pack split over the threads, where amx_gemm packs on one), then, after a
+   barrier, computes its outputs from the packed scratch as amx_gemm does: the same xp, the
+   same sums, so bitwise amx_gemm of the transformed rows. 0 (nothing done) where the packed
+   x^T cannot be allocated. */
+static int amx_gemm_prepared(int prepare, int64_t M, int64_t N, int64_t K, const char *x,
+                             int64_t x_row, const void *norm_weight, float eps, uint16_t *rows,
+                             const char *w, int64_t w_row, const void *bias, const char *res,
+                             int64_t res_row, char *y, int64_t y_row, int num_threads) {
+  const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
+  uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
+  if (!xp) return 0;
+  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
+  if (num_threads > tiles) num_threads = (int)tiles;
+#pragma omp parallel num_threads(num_threads)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    const int t = 0, T = 1;
+#endif
+    const int64_t j0 = tiles_m * t / T, j1 = tiles_m * (t + 1) / T;
+    const int64_t m1 = 16 * j1 < M ? 16 * j1 : M;
+    for (int64_t m = 16 * j0; m < m1; m++)
+      prepare_row(prepare, x + m * x_row, K, norm_weight, eps, rows + m * K);
+    amx_pack(M, K, (const char *)rows, 2 * K, xp, tiles_m, j0, j1);
+#pragma omp barrier
+    amx_configure();
+    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, M, xp, tiles_m, w, w_row, K, bias,
+                res, res_row, y, y_row);
+    _tile_release();
+    if (t == T - 1 && tiles * 16 < N)
+      outputs(tiles * 16, N, M, (const char *)rows, 2 * K, w, w_row, K, bias, res, res_row, y,
+              y_row, 1);
   }
   free(xp);
   return 1;
@@ -412,4 +475,36 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
       outputs(n0, n1, M, x, x_row * size, w, w_row * size, K, bias, res, res_row * size, y,
               y_row * size, 0);
   }
+}
+
+/* small_gemm (bfloat16) of x's rows transformed: PREPARE_RMS_NORM: x [M, K], each row
+   `rms_norm_bf16_row` with norm_weight [K] and eps (the bits of pointwise.c's rms_norm_bf16);
+   PREPARE_SILU_MUL: x [M, 2K], each row's halves `silu_mul_bf16_row` (gate, then up: the bits
+   of silu_mul_bf16 on the halves; norm_weight unused). The rows go into a scratch [M, K], then
+   small_gemm multiplies it with every other argument as given: y is bitwise the separate
+   transform then small_gemm. Returns 0, or -1 (nothing written) where the scratch cannot be
+   allocated or `prepare` is unknown. */
+int small_gemm_prepared(int64_t M, int64_t N, int64_t K, int prepare, const void *x,
+                        int64_t x_row, const void *norm_weight, float eps, const void *w,
+                        int64_t w_row, const void *bias, const void *res, int64_t res_row,
+                        void *y, int64_t y_row, int num_threads) {
+  if (prepare != PREPARE_RMS_NORM && prepare != PREPARE_SILU_MUL) return -1;
+  uint16_t *rows = malloc(sizeof(uint16_t) * (size_t)(M * K > 0 ? M * K : 1));
+  if (!rows) return -1;
+#if HAVE_AMX
+  // small_gemm's AMX condition: there the transform and the pack run in the multiply's region
+  if (N >= 16 && M >= AMX_MIN_ROWS && amx_usable() &&
+      amx_gemm_prepared(prepare, M, N, K, x, 2 * x_row, norm_weight, eps, rows, w, 2 * w_row,
+                        bias, res, 2 * res_row, y, 2 * y_row, num_threads)) {
+    free(rows);
+    return 0;
+  }
+#endif
+  const char *xs = x;
+#pragma omp parallel for num_threads(num_threads) if (M * K >= PREPARE_PARALLEL_ELEMENTS) schedule(static)
+  for (int64_t m = 0; m < M; m++)
+    prepare_row(prepare, xs + 2 * m * x_row, K, norm_weight, eps, rows + m * K);
+  small_gemm(M, N, K, rows, K, w, w_row, bias, res, res_row, y, y_row, 1, num_threads);
+  free(rows);
+  return 0;
 }

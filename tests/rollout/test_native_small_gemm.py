@@ -270,3 +270,120 @@ def test_the_benchmark_runs(tmp_path):
         (d, r, w) for d in ("float32", "bfloat16") for r in (1, 5) for w in ("cached", "evicted")
     }
     assert all(c["torch_us_median"] > 0 and c["kernel_us_median"] > 0 for c in cells)
+
+
+# The pointwise build whose row kernels (bf16_rows.h) each small_gemm build compiles in: the
+# no-AMX build differs from the native one in AMX only, which the row kernels do not use.
+POINTWISE = builds(native.pointwise)
+PREPARED_ROWS = [1, 3, 4, 7, 8, 13, 16, 17, 33, 64, 65, 128, 200, 300]
+PREPARED_SHAPES = [(3, 7), (16, 16), (17, 33), (40, 95), (64, 256), (131, 300)]
+
+
+def _pointwise_for(build: str):
+    return POINTWISE["portable" if build == "portable" else "native"]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("rows", PREPARED_ROWS)
+@pytest.mark.parametrize("outs,inner", PREPARED_SHAPES)
+def test_prepared_rms_norm_is_the_separate_calls_bitwise(build, rows, outs, inner):
+    """small_linear_rms_norm (the norm computed in the multiply's call) is bitwise rms_norm
+    then small_linear: the same row code (bf16_rows.h) and the same multiply of the same rows.
+    Both separate kernels are tested against torch (test_native_pointwise.py, above), so
+    exact equality is the claim; a wrong norm, stride or operand would change bits."""
+    lib, pw = BUILDS[build], _pointwise_for(build)
+    x = (_randn(rows, inner, seed=1) * 3).to(torch.bfloat16)
+    norm_w = (1 + _randn(inner, seed=5) / 4).to(torch.bfloat16)
+    w = _randn(outs, inner, seed=2).to(torch.bfloat16)
+    bias, residual = _randn(outs, seed=3).to(torch.bfloat16), _randn(rows, outs, seed=4)
+    residual = residual.to(torch.bfloat16)
+    for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        got = native.small_linear_rms_norm(lib, x, norm_w, 1e-6, w, b, r)
+        ref = native.small_linear(lib, native.rms_norm(pw, x, norm_w, 1e-6), w, b, r)
+        assert _same_bits(got, ref)
+    # rows read at their own stride
+    wide = _strided(x, 5)
+    got = native.small_linear_rms_norm(lib, wide, norm_w, 1e-6, w)
+    assert _same_bits(got, native.small_linear(lib, native.rms_norm(pw, x, norm_w, 1e-6), w))
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("rows", PREPARED_ROWS)
+@pytest.mark.parametrize("outs,inner", PREPARED_SHAPES)
+def test_prepared_silu_mul_is_the_separate_calls_bitwise(build, rows, outs, inner):
+    """small_linear_silu_mul of gate_up [M, 2 K] is bitwise silu_mul of its halves then
+    small_linear (as above: the same row code and multiply)."""
+    lib, pw = BUILDS[build], _pointwise_for(build)
+    gate_up = (_randn(rows, 2 * inner, seed=1) * 3).to(torch.bfloat16)
+    w = _randn(outs, inner, seed=2).to(torch.bfloat16)
+    bias = _randn(outs, seed=3).to(torch.bfloat16)
+    residual = _randn(rows, outs, seed=4).to(torch.bfloat16)
+    hidden = native.silu_mul(pw, gate_up[:, :inner], gate_up[:, inner:])
+    for b, r in [(None, None), (bias, None), (None, residual), (bias, residual)]:
+        got = native.small_linear_silu_mul(lib, gate_up, w, b, r)
+        assert _same_bits(got, native.small_linear(lib, hidden, w, b, r))
+    got = native.small_linear_silu_mul(lib, _strided(gate_up, 3), w, bias, residual)
+    assert _same_bits(got, native.small_linear(lib, hidden, w, bias, residual))
+
+
+def test_engine_prepared_calls_change_no_bits(tmp_path, monkeypatch):
+    """A bfloat16 engine on the native pieces with the element-wise steps in the multiplies'
+    calls (`layers._prepared_kernel`) generates bitwise what it does with them as separate
+    calls: the same tokens and log-probs; its decode steps make the prepared calls."""
+    if layers._small_gemm(torch.bfloat16) is None:
+        pytest.skip("the kernel's vector code is not built here")
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    from tiny_hf import make_hf_model, save_hf_model
+
+    save_hf_model(make_hf_model("qwen2", seed=0), tmp_path)
+    engine = Engine(
+        EngineConfig(model_path=str(tmp_path), kv_cache_tokens=2048, seed=0, dtype="bfloat16")
+    )
+    prepared = []
+    real = native.small_linear_prepared_unchecked
+    monkeypatch.setattr(
+        native,
+        "small_linear_prepared_unchecked",
+        lambda *a: prepared.append(a[1]) or real(*a),
+    )
+    params = SamplingParams(n=4, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    fused = engine.generate(prompts, params)
+    assert {native.PREPARE_RMS_NORM, native.PREPARE_SILU_MUL} <= set(prepared)
+    monkeypatch.setattr(layers, "_prepared_kernel", lambda *a: None)
+    engine.flush_prefix_cache()
+    prepared.clear()
+    separate = engine.generate(prompts, params)
+    assert not prepared
+    for a, b in zip(fused, separate):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_prepared_threads_change_no_bits(build):
+    """On 2 threads (the transform and, on AMX tiles, the pack split over them) the prepared
+    calls give the bits of the separate calls on 1."""
+    lib, pw = BUILDS[build], _pointwise_for(build)
+    before = torch.get_num_threads()
+    for rows, outs, inner in [(128, 1408, 256), (300, 100, 95), (256, 256, 704)]:
+        x = _randn(rows, inner, seed=1).to(torch.bfloat16)
+        gate_up = _randn(rows, 2 * inner, seed=6).to(torch.bfloat16)
+        norm_w = (1 + _randn(inner, seed=5) / 4).to(torch.bfloat16)
+        w = _randn(outs, inner, seed=2).to(torch.bfloat16)
+        residual = _randn(rows, outs, seed=4).to(torch.bfloat16)
+        try:
+            torch.set_num_threads(1)
+            normed = native.small_linear(lib, native.rms_norm(pw, x, norm_w, 1e-6), w)
+            hidden = native.silu_mul(pw, gate_up[:, :inner], gate_up[:, inner:])
+            silu = native.small_linear(lib, hidden, w, None, residual)
+            torch.set_num_threads(2)
+            assert _same_bits(native.small_linear_rms_norm(lib, x, norm_w, 1e-6, w), normed)
+            assert _same_bits(native.small_linear_silu_mul(lib, gate_up, w, None, residual), silu)
+        finally:
+            torch.set_num_threads(before)
