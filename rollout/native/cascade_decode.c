@@ -380,7 +380,9 @@ typedef struct {
    the loads of its members' suffix K and V (and of the next item's prefix K) while it computes
    on the prefix, so that their memory latency overlaps arithmetic (each suffix is a short run
    of its own, which the hardware prefetchers learn too late). Only a hint: it changes no
-   result. */
+   result. The lines go to L2, not L1 (locality 1): an item's suffix K alone is 128 KiB at
+   8 members x 128 keys x Dh 32, so fetched into L1 (48 KiB) they evicted the tiles' K^T, the
+   scores and each other before use. */
 #define PF_MAX_RANGES 67  // a run of at most 64 members: their suffix K, prefix K, V, next K
 typedef struct {
   const char *p[PF_MAX_RANGES];
@@ -408,7 +410,7 @@ static inline void pf_issue(prefetcher *f, int64_t lines) {
   while (lines > 0 && k < f->n) {
     const char *p = f->p[k];
     const int64_t len = f->len[k];
-    for (; lines > 0 && off < len; lines--, off += 64) __builtin_prefetch(p + off, 0, 3);
+    for (; lines > 0 && off < len; lines--, off += 64) __builtin_prefetch(p + off, 0, 1);
     if (off >= len) k++, off = 0;
   }
   f->k = k, f->off = off;
