@@ -71,13 +71,92 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int6
 }
 #endif
 
+#if HAVE_AVX512
+/* The four dots of one row against four keys, as 16-lane partial sums a[0..3] (lane l: the
+   products of dims l, l + 16, ...), summed across lanes by one fixed tree (pairs of lanes
+   within each 128-bit quarter, then the quarters): lane i of the result is key i's dot. */
+static inline __attribute__((always_inline)) __m128 reduce4x16(const __m512 *a) {
+  const __m512 u01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 u23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(u01, u23, 0x44), _mm512_shuffle_ps(u01, u23, 0xEE));
+  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+/* Dots of RB (<= 4) rows of q [RB, Dh] against 16 keys k [16, Dh] as stored (rows of Dh):
+   d[r * 16 + t] = <q_r, k_t>. Four keys at a time, a register tile of RB x 4 accumulators along
+   Dh (each x loads 4 key vectors and RB q vectors for 4 RB FMAs; the AVX2 loop re-read every
+   key for every row), then reduce4x16. A dot's order of operations depends on Dh only, not on
+   RB nor on the other rows or keys. Dh a multiple of 16. */
+static inline __attribute__((always_inline)) void suffix_dots16(const int RB, const int64_t Dh,
+                                                                const float *q, const void *k,
+                                                                float *d, const int bf16) {
+  for (int g = 0; g < 4; g++) {
+    __m512 a[4][4];
+    for (int r = 0; r < RB; r++)
+      for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+    for (int64_t x = 0; x < Dh; x += 16) {
+      __m512 kv[4];
+      for (int c = 0; c < 4; c++) {
+        const int64_t e = (4 * g + c) * Dh + x;
+        kv[c] = bf16 ? bf16_load16((const uint16_t *)k + e) : _mm512_loadu_ps((const float *)k + e);
+      }
+      for (int r = 0; r < RB; r++) {
+        const __m512 vq = _mm512_loadu_ps(q + r * Dh + x);
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_fmadd_ps(vq, kv[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < RB; r++) _mm_storeu_ps(d + r * 16 + 4 * g, reduce4x16(a[r]));
+  }
+}
+#endif
+
 /* s[r * ld + j] = scale * <q_r, k_j> + bias[(r / rows_per_bias) * bias_stride + j] for the R
-   rows of q [R, Dh] against L keys k [L, Dh]; a masked key's score is -inf. */
+   rows of q [R, Dh] against L keys k [L, Dh]; a masked key's score is -inf. With AVX-512 and
+   Dh a multiple of 16, keys in blocks of 16 through suffix_dots16 (then 8 at a time as with
+   AVX2, then one at a time): which path a key takes depends on L and Dh only. */
 static inline __attribute__((always_inline)) void scores(
     const float *q, int64_t R, const int64_t Dh, const void *k, int64_t L, const float *bias,
     int64_t bias_stride, int64_t rows_per_bias, float scale, float *s, int64_t ld,
     const int bf16) {
   int64_t j = 0;
+#if HAVE_AVX512
+  if (Dh % 16 == 0) {
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    float d[4 * 16];
+    for (; j + 16 <= L; j += 16) {
+      const void *kb = kv_at(k, j * Dh, bf16);
+      for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int rb = R - r0 < 4 ? (int)(R - r0) : 4;
+        __mmask16 m[4];
+        int any = 0;
+        for (int r = 0; r < rb; r++) {
+          const __m512 vb = _mm512_loadu_ps(bias + ((r0 + r) / rows_per_bias) * bias_stride + j);
+          m[r] = _mm512_cmp_ps_mask(vb, ninf, _CMP_EQ_OQ);
+          any |= m[r] != 0xFFFF;
+        }
+        if (any) switch (rb) {  // else a whole masked block: no dots
+            case 4: suffix_dots16(4, Dh, q + r0 * Dh, kb, d, bf16); break;
+            case 3: suffix_dots16(3, Dh, q + r0 * Dh, kb, d, bf16); break;
+            case 2: suffix_dots16(2, Dh, q + r0 * Dh, kb, d, bf16); break;
+            case 1: suffix_dots16(1, Dh, q + r0 * Dh, kb, d, bf16); break;
+          }
+        for (int r = 0; r < rb; r++) {
+          float *sr = s + (r0 + r) * ld + j;
+          if (m[r] == 0xFFFF) {
+            _mm512_storeu_ps(sr, ninf);
+            continue;
+          }
+          const __m512 vb = _mm512_loadu_ps(bias + ((r0 + r) / rows_per_bias) * bias_stride + j);
+          // a masked key: -inf whatever its (stale) K row holds (inf + -inf would be NaN)
+          _mm512_storeu_ps(sr, _mm512_mask_blend_ps(
+                                   m[r], _mm512_fmadd_ps(_mm512_loadu_ps(d + r * 16), vscale, vb),
+                                   ninf));
+        }
+      }
+    }
+  }
+#endif
 #if HAVE_AVX2
   const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
   for (; Dh % 8 == 0 && j + 8 <= L; j += 8) {  // other head sizes: the plain loop below
@@ -301,7 +380,9 @@ typedef struct {
    the loads of its members' suffix K and V (and of the next item's prefix K) while it computes
    on the prefix, so that their memory latency overlaps arithmetic (each suffix is a short run
    of its own, which the hardware prefetchers learn too late). Only a hint: it changes no
-   result. */
+   result. The lines go to L2, not L1 (locality 1): an item's suffix K alone is 128 KiB at
+   8 members x 128 keys x Dh 32, so fetched into L1 (48 KiB) they evicted the tiles' K^T, the
+   scores and each other before use. */
 #define PF_MAX_RANGES 67  // a run of at most 64 members: their suffix K, prefix K, V, next K
 typedef struct {
   const char *p[PF_MAX_RANGES];
@@ -329,7 +410,7 @@ static inline void pf_issue(prefetcher *f, int64_t lines) {
   while (lines > 0 && k < f->n) {
     const char *p = f->p[k];
     const int64_t len = f->len[k];
-    for (; lines > 0 && off < len; lines--, off += 64) __builtin_prefetch(p + off, 0, 3);
+    for (; lines > 0 && off < len; lines--, off += 64) __builtin_prefetch(p + off, 0, 1);
     if (off >= len) k++, off = 0;
   }
   f->k = k, f->off = off;
