@@ -84,6 +84,24 @@ def _small_gemm(dtype: torch.dtype):
     return lib if lib is not None and dtype in lib.vector_dtypes else None
 
 
+def _small_linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The small-batch kernel for x W^T (+ bias) where x has at most `small_linear_rows` rows
+    and the tensors are as it takes them, else None. The checks are the few that the model's
+    tensors can fail (a decode step makes 17 of these calls)."""
+    if x.dim() != 2 or x.shape[0] > small_linear_rows(x.dtype):
+        return None
+    lib = _small_gemm(x.dtype)
+    if (
+        lib is not None
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
+    ):
+        return lib
+    return None
+
+
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -91,19 +109,12 @@ def _linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual, added to the rounded product as `residual + ...`
-    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows. The checks
-    are the few that the model's tensors can fail (a decode step makes 17 of these calls)."""
-    if x.dim() == 2 and x.shape[0] <= small_linear_rows(x.dtype):
-        lib = _small_gemm(x.dtype)
-        if (
-            lib is not None
-            and weight.dtype == x.dtype
-            and x.stride(1) == 1
-            and weight.stride(1) == 1
-            and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
-            and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1))
-        ):
-            return native.small_linear_unchecked(lib, x, weight, bias, residual)
+    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows."""
+    lib = _small_linear_kernel(x, weight, bias)
+    if lib is not None and (
+        residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)
+    ):
+        return native.small_linear_unchecked(lib, x, weight, bias, residual)
     if residual is None:
         return F.linear(x, weight, bias)
     if bias is None and x.dtype == torch.float32:
@@ -124,18 +135,7 @@ def _prepared_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     to it, for the element-wise step before the multiply to go into the same call
     (`native.small_linear_prepared_unchecked`); else None. Bitwise the separate calls, so an FP8
     layer (its own unfused path) still computes as the dequantized engine."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > small_linear_rows(x.dtype):
-        return None
-    lib = _small_gemm(x.dtype)
-    if (
-        lib is not None
-        and weight.dtype == x.dtype
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
-        and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
-    ):
-        return lib
-    return None
+    return _small_linear_kernel(x, weight, bias) if x.dtype == torch.bfloat16 else None
 
 
 def _norm_linear(
