@@ -566,15 +566,7 @@ def small_linear(
     the residual add, as torch's ops round (on AMX tiles where `lib.small_gemm_has_amx()`: the
     same function, another summation order)."""
     assert small_linear_target(x, weight), (x.shape, x.stride(), weight.shape, weight.stride())
-    outs = weight.shape[0]
-    if bias is not None:
-        assert bias.shape == (outs,) and bias.dtype == x.dtype, (bias.shape, bias.dtype)
-        bias = bias.contiguous()
-    if residual is not None:
-        assert residual.shape == (x.shape[0], outs) and residual.dtype == x.dtype, residual.shape
-        if residual.stride(1) != 1:
-            residual = residual.contiguous()
-    return small_linear_unchecked(lib, x, weight, bias, residual)
+    return small_linear_unchecked(lib, x, weight, *_small_linear_extras(x, weight, bias, residual))
 
 
 def small_linear_unchecked(
