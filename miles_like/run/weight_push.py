@@ -33,7 +33,6 @@ from typing import NamedTuple, TypeVar
 
 from miles_like.run.calls import start_call, start_on_all, wait_all
 from weight_sync import DEFAULT_BUCKET_BYTES, DeviceIdentity, pair_colocated
-from weight_sync.identity import CPU
 
 MIB = 1 << 20
 K = TypeVar("K", bound=Hashable)
@@ -164,42 +163,24 @@ class _Routed(_Push):
 
     def push(self, in_place: bool = False) -> list[dict]:
         self._no_in_place(in_place)
-        targets = self.targets()
-        reports: dict[int, dict] = {}
-        for wave in self._waves(targets):
-            calls = [
+        reports = wait_all(
+            [
                 start_call(
                     f"trainer rank {r}",
-                    self.trainers[r],
+                    t,
                     self.method,
-                    *targets[r],
+                    shared,
+                    as_bytes,
                     self.bucket_bytes,
                     self.timeout_s,
                     self.quantization,
                 )
-                for r in wave
-            ]
-            reports.update(zip(wave, wait_all(calls, self.timeout_s)))
+                for r, (t, (shared, as_bytes)) in enumerate(zip(self.trainers, self.targets()))
+            ],
+            self.timeout_s,
+        )
         self._commit()
-        return [reports[r] for r in range(len(targets))]
-
-    def _waves(self, targets: list[tuple[list, list]]) -> list[list[int]]:
-        """The trainer ranks to start together, wave after wave. A rank that streams to its
-        engines on the CPU (shared receivers only: `TrainerWeightSender._stream`) occupies each
-        engine's one actor thread for the whole sync and waits until every engine has joined its
-        stream. Two such ranks started together could each hold one engine while waiting for the
-        other (each engine takes the calls in arrival order): a deadlock until the timeout. So
-        every streaming rank after the first waits for the wave before it; the other ranks
-        (per-bucket calls) start with the first."""
-        places = self.sender_places()
-        streamed = [
-            r
-            for r, (shared, as_bytes) in enumerate(targets)
-            if shared and not as_bytes and places[r].identity.device == CPU
-        ]
-        later = streamed[1:]
-        first = [r for r in range(len(targets)) if r not in later]
-        return [first, *([r] for r in later)]
+        return reports
 
 
 class ColocatedPush(_Routed):
