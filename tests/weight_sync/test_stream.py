@@ -23,7 +23,6 @@ import torch
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.weights import iter_safetensors
 from weight_sync import (
-    STREAM_NUM_BUFFERS,
     BucketReceiver,
     BucketStream,
     ColocatedSender,
@@ -71,21 +70,14 @@ def _sync(stream, sender, receivers, weights, timeout_s: float = 60.0):
     return report, threads
 
 
-# Double buffering, and the RL loop's setting (the sender up to two buckets ahead of the acks).
-NUM_BUFFERS = sorted({2, STREAM_NUM_BUFFERS})
-
-
-@pytest.mark.parametrize("num_buffers", NUM_BUFFERS)
-def test_streamed_syncs_update_two_engines_bitwise(two_checkpoints, num_buffers):
+def test_streamed_syncs_update_two_engines_bitwise(two_checkpoints):
     """Two engines fed by one sender, two syncs on the same stream (new weights, then back to the
     old): every parameter equals the sent tensor, greedy outputs match a fresh engine."""
     old, new = two_checkpoints
     engines = [_engine(old), _engine(old)]
     receivers = [BucketReceiver(e) for e in engines]
     stream = BucketStream()
-    sender = ColocatedSender(
-        stream.deliver, bucket_bytes=BUCKET, split_tensors=True, num_buffers=num_buffers
-    )
+    sender = ColocatedSender(stream.deliver, bucket_bytes=BUCKET, split_tensors=True)
     for version, source in enumerate([new, old], start=1):
         weights = list(iter_safetensors(source))
         report, threads = _sync(stream, sender, receivers, weights)
@@ -104,8 +96,7 @@ def test_streamed_syncs_update_two_engines_bitwise(two_checkpoints, num_buffers)
     stream.close()
 
 
-@pytest.mark.parametrize("num_buffers", NUM_BUFFERS)
-def test_a_corrupted_bucket_is_refused_with_nothing_of_it_loaded(two_checkpoints, num_buffers):
+def test_a_corrupted_bucket_is_refused_with_nothing_of_it_loaded(two_checkpoints):
     """One flipped byte in the bucket holding the embedding's second piece: the sender raises
     the receiver's checksum error naming the tensor, that bucket's elements keep their old
     values, and the engine generates nothing until a whole update is committed."""
@@ -124,9 +115,7 @@ def test_a_corrupted_bucket_is_refused_with_nothing_of_it_loaded(two_checkpoints
             corrupted.append(manifest)
         return stream.deliver(handle, manifest)
 
-    sender = ColocatedSender(
-        corrupting_deliver, bucket_bytes=BUCKET, split_tensors=True, num_buffers=num_buffers
-    )
+    sender = ColocatedSender(corrupting_deliver, bucket_bytes=BUCKET, split_tensors=True)
     with pytest.raises(WeightSyncError, match="checksum mismatch") as err:
         _sync(stream, sender, [BucketReceiver(engine)], weights)
     assert EMBED in str(err.value) and "refused a bucket" in str(err.value)
