@@ -377,9 +377,10 @@ static inline __attribute__((always_inline)) void amx_finish_tile(
    finishing them all at once left it idle. Each C tile sums its K chunks in order, as before.
    (The row tiles outer, so that a pass's packed x^T stays in L1 across the weight tiles, was
    measured no better on 2 threads, worse at N = 384: RESULTS.md.) */
-static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, int64_t tiles_m,
-                        const char *w, int64_t w_row, int64_t K, const void *bias,
-                        const char *res, int64_t res_row, char *y, int64_t y_row) {
+static void amx_outputs(int64_t n0, int64_t n1, int64_t j_begin, int64_t j_end, int64_t M,
+                        const uint32_t *xp, int64_t tiles_m, const char *w, int64_t w_row,
+                        int64_t K, const void *bias, const char *res, int64_t res_row, char *y,
+                        int64_t y_row) {
   const int64_t whole = K / 32, tail = K - 32 * whole, chunks = whole + (tail > 0);
   uint16_t staged[16 * 32] __attribute__((aligned(64)));
   float c[4][16 * 16] __attribute__((aligned(64)));
@@ -402,8 +403,8 @@ static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, i
         _mm512_store_si512(staged + 32 * r,
                            _mm512_maskz_loadu_epi16(mask, wn + r * w_row + 64 * whole));
     }
-    for (int64_t j0 = 0; j0 < tiles_m; j0 += 4) {
-      const int64_t nj = tiles_m - j0 < 4 ? tiles_m - j0 : 4;
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += 4) {
+      const int64_t nj = j_end - j0 < 4 ? j_end - j0 : 4;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -411,7 +412,7 @@ static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, i
       for (int64_t k = 0; k < chunks; k++) {
         if (k < whole) {
           _tile_loadd(4, wn + 64 * k, w_row);
-          if (next && j0 == 0)
+          if (next && j0 == j_begin)
             for (int r = 0; r < 16; r++) _mm_prefetch(next + r * w_row + 64 * k, _MM_HINT_T1);
         } else {
           _tile_loadd(4, staged, 64);
@@ -445,17 +446,62 @@ static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, i
 #undef FINISH_ONE
 }
 
-/* small_gemm for bfloat16 on tiles (byte strides): x^T packed once, the threads splitting the
-   whole 16-output tiles into contiguous ranges; the last thread also computes the outputs past
-   the last whole 16 on the AVX-512 path. 0 (nothing done) where the packed x^T cannot be
-   allocated. */
-static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
-                     const char *w, int64_t w_row, const void *bias, const char *res,
-                     int64_t res_row, char *y, int64_t y_row, int num_threads) {
+/* From this many row tiles a thread (2 threads: from 128 rows) the threads split the rows of
+   x, each all the outputs of its own row tiles: each then packs and reads only its own x^T
+   (its panel of 4 row tiles, 32 KiB at K = 256, stays near; no barrier between the pack and
+   the products) and the threads share the weight reads. Below it they split the outputs. */
+enum { AMX_ROW_SPLIT_TILES = 4 };
+
+/* One thread's part of amx_gemm / amx_gemm_prepared: x's rows (transformed by `prepare`, into
+   `rows`, where prepare is not 0) packed into xp for its row tiles, then its outputs. */
+static void amx_thread(int t, int T, int prepare, int64_t M, int64_t N, int64_t K, const char *x,
+                       int64_t x_row, const void *norm_weight, float eps, uint16_t *rows,
+                       uint32_t *xp, const char *w, int64_t w_row, const void *bias,
+                       const char *res, int64_t res_row, char *y, int64_t y_row) {
+  const int64_t tiles_m = (M + 15) / 16, tiles = N / 16;
+  const int split_rows = T > 1 && tiles_m >= AMX_ROW_SPLIT_TILES * T;
+  const int64_t j0 = tiles_m * t / T, j1 = tiles_m * (t + 1) / T;
+  const int64_t m0 = 16 * j0, m1 = 16 * j1 < M ? 16 * j1 : M;
+  if (prepare) {
+    for (int64_t m = m0; m < m1; m++)
+      prepare_row(prepare, x + m * x_row, K, norm_weight, eps, rows + m * K);
+    x = (const char *)rows, x_row = 2 * K;
+  }
+  amx_pack(M, K, x, x_row, xp, tiles_m, j0, j1);
+  if (!split_rows) {
+#pragma omp barrier
+  }
+  amx_configure();
+  if (split_rows)
+    amx_outputs(0, tiles * 16, j0, j1, M, xp, tiles_m, w, w_row, K, bias, res, res_row, y,
+                y_row);
+  else
+    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, 0, tiles_m, M, xp, tiles_m, w,
+                w_row, K, bias, res, res_row, y, y_row);
+  _tile_release();
+  if (tiles * 16 < N) {  // the outputs past the last whole 16 on the AVX-512 path
+    if (split_rows)
+      outputs(tiles * 16, N, m1 - m0, x + m0 * x_row, x_row, w, w_row, K, bias,
+              res ? res + m0 * res_row : NULL, res_row, y + m0 * y_row, y_row, 1);
+    else if (t == T - 1)
+      outputs(tiles * 16, N, M, x, x_row, w, w_row, K, bias, res, res_row, y, y_row, 1);
+  }
+}
+
+/* small_gemm for bfloat16 on tiles (byte strides), and of x's rows transformed
+   (small_gemm_prepared: `prepare` PREPARE_*, the scratch `rows` [M, K]; 0 for none): in one
+   parallel region, each thread transforms and packs its share of x's 16-row tiles (amx_thread),
+   then computes its outputs; the last thread's (or each thread's rows') outputs past the last
+   whole 16 on the AVX-512 path. Whichever way the threads split the work, every C tile sums its
+   K chunks in order: bitwise the same on 1 and 2 threads. 0 (nothing done) where the packed x^T
+   cannot be allocated. */
+static int amx_gemm_any(int prepare, int64_t M, int64_t N, int64_t K, const char *x,
+                        int64_t x_row, const void *norm_weight, float eps, uint16_t *rows,
+                        const char *w, int64_t w_row, const void *bias, const char *res,
+                        int64_t res_row, char *y, int64_t y_row, int num_threads) {
   const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
   uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
   if (!xp) return 0;  // the caller takes the AVX-512 path
-  amx_pack(M, K, x, x_row, xp, tiles_m, 0, tiles_m);
   if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
   if (num_threads > tiles) num_threads = (int)tiles;
 #pragma omp parallel num_threads(num_threads)
@@ -465,55 +511,26 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_ro
 #else
     const int t = 0, T = 1;
 #endif
-    amx_configure();
-    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, M, xp, tiles_m, w, w_row, K, bias,
-                res, res_row, y, y_row);
-    _tile_release();
-    if (t == T - 1 && tiles * 16 < N)
-      outputs(tiles * 16, N, M, x, x_row, w, w_row, K, bias, res, res_row, y, y_row, 1);
+    amx_thread(t, T, prepare, M, N, K, x, x_row, norm_weight, eps, rows, xp, w, w_row, bias, res,
+               res_row, y, y_row);
   }
   free(xp);
   return 1;
 }
 
-/* amx_gemm of x's rows transformed (small_gemm_prepared) in one parallel region: each thread
-   transforms its share of x's 16-row tiles into the scratch `rows` [M, K] and packs them (the
-   transform and the pack split over the threads, where amx_gemm packs on one), then, after a
-   barrier, computes its outputs from the packed scratch as amx_gemm does: the same xp, the
-   same sums, so bitwise amx_gemm of the transformed rows. 0 (nothing done) where the packed
-   x^T cannot be allocated. */
+static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
+                    const char *w, int64_t w_row, const void *bias, const char *res,
+                    int64_t res_row, char *y, int64_t y_row, int num_threads) {
+  return amx_gemm_any(0, M, N, K, x, x_row, NULL, 0.f, NULL, w, w_row, bias, res, res_row, y,
+                      y_row, num_threads);
+}
+
 static int amx_gemm_prepared(int prepare, int64_t M, int64_t N, int64_t K, const char *x,
                              int64_t x_row, const void *norm_weight, float eps, uint16_t *rows,
                              const char *w, int64_t w_row, const void *bias, const char *res,
                              int64_t res_row, char *y, int64_t y_row, int num_threads) {
-  const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
-  uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
-  if (!xp) return 0;
-  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
-  if (num_threads > tiles) num_threads = (int)tiles;
-#pragma omp parallel num_threads(num_threads)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-    const int t = 0, T = 1;
-#endif
-    const int64_t j0 = tiles_m * t / T, j1 = tiles_m * (t + 1) / T;
-    const int64_t m1 = 16 * j1 < M ? 16 * j1 : M;
-    for (int64_t m = 16 * j0; m < m1; m++)
-      prepare_row(prepare, x + m * x_row, K, norm_weight, eps, rows + m * K);
-    amx_pack(M, K, (const char *)rows, 2 * K, xp, tiles_m, j0, j1);
-#pragma omp barrier
-    amx_configure();
-    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, M, xp, tiles_m, w, w_row, K, bias,
-                res, res_row, y, y_row);
-    _tile_release();
-    if (t == T - 1 && tiles * 16 < N)
-      outputs(tiles * 16, N, M, (const char *)rows, 2 * K, w, w_row, K, bias, res, res_row, y,
-              y_row, 1);
-  }
-  free(xp);
-  return 1;
+  return amx_gemm_any(prepare, M, N, K, x, x_row, norm_weight, eps, rows, w, w_row, bias, res,
+                      res_row, y, y_row, num_threads);
 }
 #endif
 
