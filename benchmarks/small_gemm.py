@@ -10,9 +10,13 @@ region), as the K/V pool's reads do in the engine, so each layer's weights come 
 The two paths take turns step by step; the figure per (dtype, M, cache) is the median of the
 per-round time ratios torch / kernel (> 1: the kernel is faster). Where the kernel runs bfloat16
 on AMX tiles, its no-AMX build (the AVX-512 path) takes turns as a third path, with the median
-ratio no-AMX / AMX. Prints one JSON object.
+ratio no-AMX / AMX. `--baseline REV` adds the kernel as built from another commit's sources
+(`rollout/native` at REV) as a further path, with the median ratio baseline / this tree.
+Prints one JSON object.
 
     flock /tmp/miles_cpu.lock .venv/bin/python benchmarks/small_gemm.py --rounds 200
+    flock /tmp/miles_cpu.lock .venv/bin/python benchmarks/small_gemm.py --baseline main \
+        --dtypes bfloat16 --rows 16 64 128 256 --skip no_amx
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import native_build
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,6 +85,22 @@ def kernel_step(lib, layer: dict, x: torch.Tensor) -> None:
         native.small_linear_unchecked(lib, x, layer["head"], None, None)
 
 
+def baseline_kernel(rev: str, directory: Path):
+    """small_gemm.c as it was at `rev` (with the headers it includes from there), built with the
+    same flags as this tree's."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "rollout/native"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    archive_path = directory / "native.tar"
+    archive_path.write_bytes(archive)
+    with tarfile.open(archive_path) as tar:
+        tar.extractall(directory, filter="data")
+    source = directory / "rollout" / "native" / "small_gemm.c"
+    return native.declare_small_gemm(native_build.load(source, native.FLAGS))
+
+
 def timed_step(step, layers, x, evict: torch.Tensor | None) -> float:
     total = 0.0
     for layer in layers:
@@ -102,13 +127,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--evict-mib", type=int, default=32)
+    ap.add_argument("--baseline", help="git revision whose kernel runs as a further path")
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["no_amx"],
+        help="paths to leave out (no_amx: the no-AMX build)",
+    )
     add_output_args(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     lib = native.small_gemm()
     assert lib is not None, "the small-batch linear kernel is not available here"
-    no_amx = native.small_gemm.build(native.NO_AMX_FLAGS) if lib.small_gemm_has_amx() else None
+    no_amx = (
+        native.small_gemm.build(native.NO_AMX_FLAGS)
+        if lib.small_gemm_has_amx() and "no_amx" not in args.skip
+        else None
+    )
+    baseline_dir = tempfile.TemporaryDirectory() if args.baseline else None
+    baseline = baseline_kernel(args.baseline, Path(baseline_dir.name)) if args.baseline else None
     evict_buffer = torch.zeros(args.evict_mib << 18)
     load_before = os.getloadavg()
     cells = []
@@ -125,6 +164,8 @@ def main(argv=None) -> dict:
                 }
                 if no_amx is not None and dtype == torch.bfloat16:
                     paths["no_amx"] = lambda layer, x: kernel_step(no_amx, layer, x)
+                if baseline is not None:
+                    paths["baseline"] = lambda layer, x: kernel_step(baseline, layer, x)
                 for step in paths.values():  # warm-up
                     for _ in range(3):
                         timed_step(step, layers, x, evict)
@@ -150,6 +191,16 @@ def main(argv=None) -> dict:
                         ),
                         3,
                     )
+                if "baseline" in paths:
+                    cell["baseline_us_median"] = round(
+                        statistics.median(seconds["baseline"]) * 1e6, 1
+                    )
+                    cell["baseline_speedup_median"] = round(
+                        statistics.median(
+                            [b / k for b, k in zip(seconds["baseline"], seconds["kernel"])]
+                        ),
+                        3,
+                    )
                 print(cell, file=sys.stderr, flush=True)
                 cells.append(cell)
     result = dict(
@@ -164,6 +215,7 @@ def main(argv=None) -> dict:
             layers=args.layers,
         ),
         evict_mib=args.evict_mib,
+        baseline=args.baseline,
         cells=cells,
         load_average_before=load_before,
         load_average_after=os.getloadavg(),

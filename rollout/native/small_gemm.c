@@ -286,16 +286,113 @@ static void amx_pack(int64_t M, int64_t K, const char *x, int64_t x_row, uint32_
   }
 }
 
-/* Outputs [n0, n1) (whole tiles of 16) of all M rows on tiles, x^T packed in xp. */
-static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, int64_t tiles_m,
-                        const char *w, int64_t w_row, int64_t K, const void *bias,
-                        const char *res, int64_t res_row, char *y, int64_t y_row) {
-  const int64_t whole = K / 32, tail = K - 32 * whole;
+/* A C tile's outputs: c[o][i] the float32 sum of output n + o for row i (of `rows` <= 16), as
+   _tile_stored wrote it. Each of C's rows (one output, 16 rows of x) gets its bias and is
+   rounded to bfloat16 as it lies; the 16 x 16 bfloat16 block is then transposed in registers
+   into y's rows (which are the rows of x), where the residual, if any, is added and the sum
+   rounded again. Rounding is element by element, so this is bitwise the rounding of each
+   row's sums after a transpose of the float32 tile (a gather of each column of C, which costs
+   more: 16 gathered floats per row against a word transpose per two rows). */
+static inline __attribute__((always_inline)) void amx_finish_tile(
+    const float *c, int64_t rows, int64_t n, const uint16_t *bias, const char *res,
+    int64_t res_row, char *y, int64_t y_row) {
+  // the high (bfloat16) halves of two vectors of rounded floats: a's 16, then b's 16
+  const __m512i high_words = _mm512_set_epi16(
+      63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+      31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  /* p[k]: C's rows 2k, 2k + 1 (outputs n + 2k, n + 2k + 1), 16 words each, rounded by
+     vcvtne2ps2bf16: to nearest even, as bf16_rounded16, except that it keeps a NaN's sign and
+     payload and flushes denormals to zero. A tile with any NaN or denormal sum is rounded
+     again by bf16_rounded16's arithmetic, so the words are always bf16_round's. */
+  __m512i p[8];
+  __mmask16 special = 0;
+  for (int k = 0; k < 8; k++) {
+    __m512 a = _mm512_load_ps(c + 32 * k), b = _mm512_load_ps(c + 32 * k + 16);
+    if (bias) {
+      a = _mm512_add_ps(a, _mm512_set1_ps(bf16_load(bias[n + 2 * k])));
+      b = _mm512_add_ps(b, _mm512_set1_ps(bf16_load(bias[n + 2 * k + 1])));
+    }
+    // fpclass 0xA1: quiet NaN, denormal, signalling NaN
+    special |= _mm512_fpclass_ps_mask(a, 0xA1) | _mm512_fpclass_ps_mask(b, 0xA1);
+    p[k] = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's words first
+  }
+  if (special)
+    for (int k = 0; k < 8; k++) {
+      __m512 a = _mm512_load_ps(c + 32 * k), b = _mm512_load_ps(c + 32 * k + 16);
+      if (bias) {
+        a = _mm512_add_ps(a, _mm512_set1_ps(bf16_load(bias[n + 2 * k])));
+        b = _mm512_add_ps(b, _mm512_set1_ps(bf16_load(bias[n + 2 * k + 1])));
+      }
+      p[k] = _mm512_permutex2var_epi16(_mm512_castps_si512(bf16_rounded16(a)), high_words,
+                                       _mm512_castps_si512(bf16_rounded16(b)));
+    }
+  /* The transpose: p[r] holds the word (o, i) (output o, row i) at register r = o >> 1, word
+     (o & 1) << 4 | i; q[r] must hold it at r = i >> 1, word (i & 1) << 4 | o. Three stages
+     each combine the registers that differ in one bit of r: stage 0 (dwords) and 1 (qwords)
+     swap r's bits 0 and 1 (o's bits 1 and 2) with the word's bits 1 and 2 (i's bits 1 and 2),
+     stage 2 (words) r's bit 2 with i's bit 3 and puts each word where q wants it. */
+  const __m512i lo0 = _mm512_set_epi32(30, 14, 28, 12, 26, 10, 24, 8, 22, 6, 20, 4, 18, 2, 16, 0);
+  const __m512i hi0 = _mm512_set_epi32(31, 15, 29, 13, 27, 11, 25, 9, 23, 7, 21, 5, 19, 3, 17, 1);
+  const __m512i lo1 = _mm512_set_epi64(14, 6, 12, 4, 10, 2, 8, 0);
+  const __m512i hi1 = _mm512_set_epi64(15, 7, 13, 5, 11, 3, 9, 1);
+  const __m512i lo2 = _mm512_set_epi16(
+      55, 39, 53, 37, 51, 35, 49, 33, 23, 7, 21, 5, 19, 3, 17, 1,
+      54, 38, 52, 36, 50, 34, 48, 32, 22, 6, 20, 4, 18, 2, 16, 0);
+  const __m512i hi2 = _mm512_set_epi16(
+      63, 47, 61, 45, 59, 43, 57, 41, 31, 15, 29, 13, 27, 11, 25, 9,
+      62, 46, 60, 44, 58, 42, 56, 40, 30, 14, 28, 12, 26, 10, 24, 8);
+  __m512i t[8], q[8];
+  for (int r = 0; r < 8; r += 2) {
+    t[r] = _mm512_permutex2var_epi32(p[r], lo0, p[r + 1]);
+    t[r + 1] = _mm512_permutex2var_epi32(p[r], hi0, p[r + 1]);
+  }
+  for (int h = 0; h < 4; h++) {
+    const int r = (h & 1) | (h & 2) << 1;  // 0, 1, 4, 5
+    p[r] = _mm512_permutex2var_epi64(t[r], lo1, t[r + 2]);
+    p[r + 2] = _mm512_permutex2var_epi64(t[r], hi1, t[r + 2]);
+  }
+  for (int r = 0; r < 4; r++) {
+    q[r] = _mm512_permutex2var_epi16(p[r], lo2, p[r + 4]);
+    q[r + 4] = _mm512_permutex2var_epi16(p[r], hi2, p[r + 4]);
+  }
+  // q[r]: rows 2r, 2r + 1, each its 16 outputs
+  for (int64_t i = 0; i < rows; i++) {
+    const __m512i two = q[i >> 1];
+    __m256i out = i & 1 ? _mm512_extracti64x4_epi64(two, 1) : _mm512_castsi512_si256(two);
+    uint16_t *yi = (uint16_t *)(y + i * y_row) + n;
+    if (res) {
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16));
+      bf16_store16(yi, _mm512_add_ps(v, bf16_load16((const uint16_t *)(res + i * res_row) + n)));
+    } else {
+      _mm256_storeu_si256((__m256i *)yi, out);
+    }
+  }
+}
+
+/* Outputs [n0, n1) (whole tiles of 16) of all M rows on tiles, x^T packed in xp: for each
+   weight tile (16 outputs), passes of up to 4 row tiles (64 rows of x), 4 C tiles each.
+
+   A pass's C tiles are stored to `c` at its end and finished (amx_finish_tile) one per K step
+   during the next pass's products: the vector work then runs beside the tile unit, where
+   finishing them all at once left it idle. Each C tile sums its K chunks in order, as before.
+   (The row tiles outer, so that a pass's packed x^T stays in L1 across the weight tiles, was
+   measured no better on 2 threads, worse at N = 384: RESULTS.md.) */
+static void amx_outputs(int64_t n0, int64_t n1, int64_t j_begin, int64_t j_end, int64_t M,
+                        const uint32_t *xp, int64_t tiles_m, const char *w, int64_t w_row,
+                        int64_t K, const void *bias, const char *res, int64_t res_row, char *y,
+                        int64_t y_row) {
+  const int64_t whole = K / 32, tail = K - 32 * whole, chunks = whole + (tail > 0);
   uint16_t staged[16 * 32] __attribute__((aligned(64)));
-  float c[16 * 16] __attribute__((aligned(64)));
-  // [0, 16, ..., 240]: the float offsets of a column of C
-  const __m512i gather_column = _mm512_slli_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 4);
+  float c[4][16 * 16] __attribute__((aligned(64)));
+  // the pass whose C tiles wait in c: its outputs, first row tile, tiles and those finished
+  int64_t waiting_n = 0, waiting_j0 = 0, waiting = 0, finished = 0;
+#define FINISH_ONE()                                                                        \
+  do {                                                                                      \
+    const int64_t m0 = 16 * (waiting_j0 + finished), rows = M - m0 < 16 ? M - m0 : 16;      \
+    amx_finish_tile(c[finished], rows, waiting_n, (const uint16_t *)bias,                   \
+                    res ? res + m0 * res_row : NULL, res_row, y + m0 * y_row, y_row);       \
+    finished++;                                                                             \
+  } while (0)
   for (int64_t n = n0; n < n1; n += 16) {
     const char *wn = w + n * w_row;
     // the next tile's weight rows into L2 while this one's are multiplied (within the range)
@@ -306,9 +403,8 @@ static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, i
         _mm512_store_si512(staged + 32 * r,
                            _mm512_maskz_loadu_epi16(mask, wn + r * w_row + 64 * whole));
     }
-    for (int64_t j0 = 0; j0 < tiles_m; j0 += 4) {
-      const int64_t nj = tiles_m - j0 < 4 ? tiles_m - j0 : 4;
-      const int64_t chunks = whole + (tail > 0);
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += 4) {
+      const int64_t nj = j_end - j0 < 4 ? j_end - j0 : 4;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -316,7 +412,7 @@ static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, i
       for (int64_t k = 0; k < chunks; k++) {
         if (k < whole) {
           _tile_loadd(4, wn + 64 * k, w_row);
-          if (next && j0 == 0)
+          if (next && j0 == j_begin)
             for (int r = 0; r < 16; r++) _mm_prefetch(next + r * w_row + 64 * k, _MM_HINT_T1);
         } else {
           _tile_loadd(4, staged, 64);
@@ -336,41 +432,76 @@ static void amx_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp, i
           _tile_loadd(5, b + 768, 64);
           _tile_dpbf16ps(3, 4, 5);
         }
+        if (finished < waiting) FINISH_ONE();
       }
-      __m512 bv = _mm512_setzero_ps();
-      if (bias) bv = bf16_load16((const uint16_t *)bias + n);
-      for (int64_t j = 0; j < nj; j++) {
-        switch (j) {
-          case 0: _tile_stored(0, c, 64); break;
-          case 1: _tile_stored(1, c, 64); break;
-          case 2: _tile_stored(2, c, 64); break;
-          default: _tile_stored(3, c, 64);
-        }
-        const int64_t m0 = 16 * (j0 + j), rows = M - m0 < 16 ? M - m0 : 16;
-        for (int64_t i = 0; i < rows; i++) {
-          // row m0 + i's 16 outputs: column i of C
-          __m512 v = _mm512_add_ps(_mm512_i32gather_ps(gather_column, c + i, 4), bv);
-          if (res)
-            v = _mm512_add_ps(bf16_rounded16(v),
-                              bf16_load16((const uint16_t *)(res + (m0 + i) * res_row) + n));
-          bf16_store16((uint16_t *)(y + (m0 + i) * y_row) + n, v);
-        }
-      }
+      while (finished < waiting) FINISH_ONE();
+      _tile_stored(0, c[0], 64);
+      if (nj > 1) _tile_stored(1, c[1], 64);
+      if (nj > 2) _tile_stored(2, c[2], 64);
+      if (nj > 3) _tile_stored(3, c[3], 64);
+      waiting_n = n, waiting_j0 = j0, waiting = nj, finished = 0;
     }
+  }
+  while (finished < waiting) FINISH_ONE();
+#undef FINISH_ONE
+}
+
+/* From this many row tiles a thread (2 threads: from 128 rows) the threads split the rows of
+   x, each all the outputs of its own row tiles: each then packs and reads only its own x^T
+   (its panel of 4 row tiles, 32 KiB at K = 256, stays near; no barrier between the pack and
+   the products) and the threads share the weight reads. Below it they split the outputs. */
+enum { AMX_ROW_SPLIT_TILES = 4 };
+
+/* One thread's part of amx_gemm / amx_gemm_prepared: x's rows (transformed by `prepare`, into
+   `rows`, where prepare is not 0) packed into xp for its row tiles, then its outputs. */
+static void amx_thread(int t, int T, int prepare, int64_t M, int64_t N, int64_t K, const char *x,
+                       int64_t x_row, const void *norm_weight, float eps, uint16_t *rows,
+                       uint32_t *xp, const char *w, int64_t w_row, const void *bias,
+                       const char *res, int64_t res_row, char *y, int64_t y_row) {
+  const int64_t tiles_m = (M + 15) / 16, tiles = N / 16;
+  const int split_rows = T > 1 && tiles_m >= AMX_ROW_SPLIT_TILES * T;
+  const int64_t j0 = tiles_m * t / T, j1 = tiles_m * (t + 1) / T;
+  const int64_t m0 = 16 * j0, m1 = 16 * j1 < M ? 16 * j1 : M;
+  if (prepare) {
+    for (int64_t m = m0; m < m1; m++)
+      prepare_row(prepare, x + m * x_row, K, norm_weight, eps, rows + m * K);
+    x = (const char *)rows, x_row = 2 * K;
+  }
+  amx_pack(M, K, x, x_row, xp, tiles_m, j0, j1);
+  if (!split_rows) {
+#pragma omp barrier
+  }
+  amx_configure();
+  if (split_rows)
+    amx_outputs(0, tiles * 16, j0, j1, M, xp, tiles_m, w, w_row, K, bias, res, res_row, y,
+                y_row);
+  else
+    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, 0, tiles_m, M, xp, tiles_m, w,
+                w_row, K, bias, res, res_row, y, y_row);
+  _tile_release();
+  if (tiles * 16 < N) {  // the outputs past the last whole 16 on the AVX-512 path
+    if (split_rows)
+      outputs(tiles * 16, N, m1 - m0, x + m0 * x_row, x_row, w, w_row, K, bias,
+              res ? res + m0 * res_row : NULL, res_row, y + m0 * y_row, y_row, 1);
+    else if (t == T - 1)
+      outputs(tiles * 16, N, M, x, x_row, w, w_row, K, bias, res, res_row, y, y_row, 1);
   }
 }
 
-/* small_gemm for bfloat16 on tiles (byte strides): x^T packed once, the threads splitting the
-   whole 16-output tiles into contiguous ranges; the last thread also computes the outputs past
-   the last whole 16 on the AVX-512 path. 0 (nothing done) where the packed x^T cannot be
-   allocated. */
-static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
-                     const char *w, int64_t w_row, const void *bias, const char *res,
-                     int64_t res_row, char *y, int64_t y_row, int num_threads) {
+/* small_gemm for bfloat16 on tiles (byte strides), and of x's rows transformed
+   (small_gemm_prepared: `prepare` PREPARE_*, the scratch `rows` [M, K]; 0 for none): in one
+   parallel region, each thread transforms and packs its share of x's 16-row tiles (amx_thread),
+   then computes its outputs; the last thread's (or each thread's rows') outputs past the last
+   whole 16 on the AVX-512 path. Whichever way the threads split the work, every C tile sums its
+   K chunks in order: bitwise the same on 1 and 2 threads. 0 (nothing done) where the packed x^T
+   cannot be allocated. */
+static int amx_gemm_any(int prepare, int64_t M, int64_t N, int64_t K, const char *x,
+                        int64_t x_row, const void *norm_weight, float eps, uint16_t *rows,
+                        const char *w, int64_t w_row, const void *bias, const char *res,
+                        int64_t res_row, char *y, int64_t y_row, int num_threads) {
   const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
   uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
   if (!xp) return 0;  // the caller takes the AVX-512 path
-  amx_pack(M, K, x, x_row, xp, tiles_m, 0, tiles_m);
   if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
   if (num_threads > tiles) num_threads = (int)tiles;
 #pragma omp parallel num_threads(num_threads)
@@ -380,55 +511,26 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_ro
 #else
     const int t = 0, T = 1;
 #endif
-    amx_configure();
-    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, M, xp, tiles_m, w, w_row, K, bias,
-                res, res_row, y, y_row);
-    _tile_release();
-    if (t == T - 1 && tiles * 16 < N)
-      outputs(tiles * 16, N, M, x, x_row, w, w_row, K, bias, res, res_row, y, y_row, 1);
+    amx_thread(t, T, prepare, M, N, K, x, x_row, norm_weight, eps, rows, xp, w, w_row, bias, res,
+               res_row, y, y_row);
   }
   free(xp);
   return 1;
 }
 
-/* amx_gemm of x's rows transformed (small_gemm_prepared) in one parallel region: each thread
-   transforms its share of x's 16-row tiles into the scratch `rows` [M, K] and packs them (the
-   transform and the pack split over the threads, where amx_gemm packs on one), then, after a
-   barrier, computes its outputs from the packed scratch as amx_gemm does: the same xp, the
-   same sums, so bitwise amx_gemm of the transformed rows. 0 (nothing done) where the packed
-   x^T cannot be allocated. */
+static int amx_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
+                    const char *w, int64_t w_row, const void *bias, const char *res,
+                    int64_t res_row, char *y, int64_t y_row, int num_threads) {
+  return amx_gemm_any(0, M, N, K, x, x_row, NULL, 0.f, NULL, w, w_row, bias, res, res_row, y,
+                      y_row, num_threads);
+}
+
 static int amx_gemm_prepared(int prepare, int64_t M, int64_t N, int64_t K, const char *x,
                              int64_t x_row, const void *norm_weight, float eps, uint16_t *rows,
                              const char *w, int64_t w_row, const void *bias, const char *res,
                              int64_t res_row, char *y, int64_t y_row, int num_threads) {
-  const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
-  uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
-  if (!xp) return 0;
-  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
-  if (num_threads > tiles) num_threads = (int)tiles;
-#pragma omp parallel num_threads(num_threads)
-  {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-    const int t = 0, T = 1;
-#endif
-    const int64_t j0 = tiles_m * t / T, j1 = tiles_m * (t + 1) / T;
-    const int64_t m1 = 16 * j1 < M ? 16 * j1 : M;
-    for (int64_t m = 16 * j0; m < m1; m++)
-      prepare_row(prepare, x + m * x_row, K, norm_weight, eps, rows + m * K);
-    amx_pack(M, K, (const char *)rows, 2 * K, xp, tiles_m, j0, j1);
-#pragma omp barrier
-    amx_configure();
-    amx_outputs(tiles * t / T * 16, tiles * (t + 1) / T * 16, M, xp, tiles_m, w, w_row, K, bias,
-                res, res_row, y, y_row);
-    _tile_release();
-    if (t == T - 1 && tiles * 16 < N)
-      outputs(tiles * 16, N, M, (const char *)rows, 2 * K, w, w_row, K, bias, res, res_row, y,
-              y_row, 1);
-  }
-  free(xp);
-  return 1;
+  return amx_gemm_any(prepare, M, N, K, x, x_row, norm_weight, eps, rows, w, w_row, bias, res,
+                      res_row, y, y_row, num_threads);
 }
 #endif
 

@@ -131,6 +131,52 @@ def test_amx_tiles_and_avx512_agree_within_the_bound(rows, outs, inner):
     assert (gap <= 2 * _bf16_ulp(ref.float()).double() + 2 * summation).all()
 
 
+@pytest.mark.skipif("no_amx" not in BUILDS, reason="no AMX tiles here")
+@pytest.mark.parametrize("rows", [16, 40, 128])
+def test_amx_rounds_nan_and_denormal_sums_as_torch(rows):
+    """The AMX path rounds its C tiles with vcvtne2ps2bf16, which keeps a NaN's sign and payload
+    and flushes denormals to zero; a tile holding either is rounded again bf16_round's way.
+    Exact sums (small integers) with NaN rows (a NaN and a -NaN in x) and denormal outputs (a
+    denormal bias over a zero row of x): bitwise the float64 result rounded by torch (denormals
+    to nearest), NaN rows the one quiet NaN 0x7FC0 that bf16_round (and the kernel before the
+    instruction) gives whatever the NaN's sign (torch's own conversion keeps it)."""
+    x = torch.randint(-3, 4, (rows, 64), generator=torch.Generator().manual_seed(1))
+    w = torch.randint(-3, 4, (48, 64), generator=torch.Generator().manual_seed(2))
+    bias = torch.randint(-3, 4, (48,), generator=torch.Generator().manual_seed(3)).float()
+    bias[::3] = torch.linspace(-3e-39, 3e-39, 16)  # bfloat16 denormals (below 2^-126)
+    x, w, bias = x.bfloat16(), w.bfloat16(), bias.bfloat16()
+    x[3] = 0  # row 3: the bias alone
+    x[5, 7], x[9, 2] = float("nan"), -float("nan")
+    ref = (x.double() @ w.double().t() + bias.double()).float().bfloat16()
+    got = native.small_linear(BUILDS["native"], x, w, bias)
+    assert (got[3, ::3] != 0).all() and (got[3, ::3].float().abs() < 2.0**-126).all()
+    nan_rows = torch.zeros(rows, dtype=torch.bool)
+    nan_rows[[5, 9]] = True
+    assert (got[nan_rows].view(torch.int16) == 0x7FC0).all()
+    assert torch.equal(got[~nan_rows].view(torch.int16), ref[~nan_rows].view(torch.int16))
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_threads_split_the_rows_without_changing_them(build):
+    """From 4 16-row tiles a thread the AMX path's threads split x's rows (each all outputs of
+    its rows; the outputs past the last whole 16 on the AVX-512 path per row range): 2 and 3
+    threads give the one-thread bits, with bias, residual, strided x and a ragged N."""
+    lib = BUILDS[build]
+    before = torch.get_num_threads()
+    for rows in (128, 200, 300):
+        x = _strided(_randn(rows, 200, seed=1).bfloat16(), 5)
+        w = _randn(147, 200, seed=2).bfloat16()
+        bias, residual = _randn(147, seed=3).bfloat16(), _randn(rows, 147, seed=4).bfloat16()
+        try:
+            torch.set_num_threads(1)
+            alone = native.small_linear(lib, x, w, bias, residual)
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(native.small_linear(lib, x, w, bias, residual), alone)
+        finally:
+            torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_views_are_read_in_place(build, dtype):
