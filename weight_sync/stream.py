@@ -113,9 +113,10 @@ class BucketStream:
                         raise
                 if time.monotonic() < deadline:
                     continue
+                connected = len(self._peers)
                 self.abort()
                 raise WeightSyncError(
-                    f"weight stream: {len(self._peers)} of {count} receivers connected within "
+                    f"weight stream: {connected} of {count} receivers connected within "
                     f"{timeout_s:.0f} s (a receiver died or was never started)"
                 ) from None
             conn.settimeout(max(1e-3, deadline - time.monotonic()))
@@ -128,6 +129,12 @@ class BucketStream:
                 continue
             conn.settimeout(timeout_s)
             self._peers.append(conn)
+
+    @property
+    def connected(self) -> int:
+        """Receivers connected in this sync so far (readable from another thread while
+        `accept` waits)."""
+        return len(self._peers)
 
     def deliver(self, handle, manifest) -> _StreamAcks:
         """Hand one bucket to every connected receiver; the returned future's `result()` is the

@@ -96,6 +96,43 @@ def test_streamed_syncs_update_two_engines_bitwise(two_checkpoints):
     stream.close()
 
 
+def test_two_senders_stream_into_one_receiver_at_once(two_checkpoints):
+    """Two trainer ranks (disjoint halves of the weights, split tensors in both) streaming into
+    one engine at the same time, as an engine takes every pipeline stage's stream in a sync:
+    both syncs finish, and after the commit every parameter equals the sent tensor."""
+    old, new = two_checkpoints
+    engine = _engine(old)
+    receiver = BucketReceiver(engine)
+    weights = list(iter_safetensors(new))
+    halves = [weights[0::2], weights[1::2]]
+    streams = [BucketStream(), BucketStream()]
+    senders = [ColocatedSender(s.deliver, bucket_bytes=BUCKET, split_tensors=True) for s in streams]
+    results: list = [None, None]
+
+    def rank(k: int) -> None:
+        try:
+            results[k] = _sync(streams[k], senders[k], [receiver], halves[k])
+        except Exception as e:  # noqa: BLE001 -- asserted below
+            results[k] = e
+
+    ranks = [threading.Thread(target=rank, args=(k,), daemon=True) for k in (0, 1)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout=120)
+    for (report, (thread,)), half in zip(results, halves):
+        assert thread.error is None
+        assert report.num_buckets > 2 and thread.report.num_buckets == report.num_buckets
+        assert report.nbytes == sum(t.nbytes for _, t in half)
+    receiver.commit()  # refused if a split tensor missed a piece
+    params = dict(engine.model.named_parameters())
+    for name, tensor in weights:
+        assert torch.equal(params[name], tensor), name
+    for sender, stream in zip(senders, streams):
+        sender.close()
+        stream.close()
+
+
 def test_a_corrupted_bucket_is_refused_with_nothing_of_it_loaded(two_checkpoints):
     """One flipped byte in the bucket holding the embedding's second piece: the sender raises
     the receiver's checksum error naming the tensor, that bucket's elements keep their old
