@@ -36,6 +36,11 @@ from weight_sync.colocated import BucketReceiver, LoadAck
 from weight_sync.errors import WeightSyncError
 
 STREAM_BUCKET_BYTES = 16 << 20  # about the last-level cache: verified and copied out while cached
+# Buckets in flight on a stream: with three the sender may pack up to two buckets ahead of the
+# receiver, so the pipeline absorbs the sync's changing pace (the sender's reads of the trainer's
+# weights are slower where they come from memory, faster where the cache still holds them, while
+# the receiver's share is steadier) instead of each side waiting on the other bucket by bucket.
+STREAM_NUM_BUFFERS = 3
 _HEADER = struct.Struct("<Q")  # the length of each pickled message
 _TOKEN_BYTES = 16
 
