@@ -114,7 +114,12 @@ def test_two_senders_stream_into_one_receiver_at_once(two_checkpoints):
     weights = list(iter_safetensors(new))
     halves = [weights[0::2], weights[1::2]]
     streams = [BucketStream(), BucketStream()]
-    senders = [ColocatedSender(s.deliver, bucket_bytes=BUCKET, split_tensors=True) for s in streams]
+    senders = [
+        ColocatedSender(
+            s.deliver, bucket_bytes=BUCKET, split_tensors=True, num_buffers=STREAM_NUM_BUFFERS
+        )
+        for s in streams
+    ]
     results: list = [None, None]
 
     def rank(k: int) -> None:

@@ -23,7 +23,7 @@ import torch
 from miles_like.run.engine_inspection import parameter_digests
 from rollout import Engine, EngineConfig
 from rollout.weights import iter_safetensors
-from weight_sync import STREAM_BUCKET_BYTES, BucketStream, ColocatedSender
+from weight_sync import STREAM_BUCKET_BYTES, STREAM_NUM_BUFFERS, BucketStream, ColocatedSender
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,11 @@ class RankSender(threading.Thread):
         super().__init__(daemon=True)
         self.tensors = tensors
         self.stream = BucketStream()
-        self.sender = ColocatedSender(
-            self.stream.deliver, bucket_bytes=min(BUCKET, STREAM_BUCKET_BYTES), split_tensors=True
+        self.sender = ColocatedSender(  # as the RL loop's streaming rank, in smaller buckets
+            self.stream.deliver,
+            bucket_bytes=min(BUCKET, STREAM_BUCKET_BYTES),
+            split_tensors=True,
+            num_buffers=STREAM_NUM_BUFFERS,
         )
         self.buckets = 0
         self.error: BaseException | None = None
