@@ -41,6 +41,7 @@ from rollout.random_checkpoint import TINY_QWEN2, write_random_checkpoint  # noq
 from rollout.weights import iter_safetensors  # noqa: E402
 from weight_sync import (  # noqa: E402
     STREAM_BUCKET_BYTES,
+    STREAM_NUM_BUFFERS,
     BroadcastReceiver,
     BroadcastSender,
     BucketReceiver,
@@ -213,7 +214,12 @@ def main(argv=None) -> dict:
         default=STREAM_BUCKET_BYTES >> 20,
         help="colocated buckets: small enough to be verified and copied out while cached",
     )
-    parser.add_argument("--buffers", type=int, default=2, help="colocated buckets in flight")
+    parser.add_argument(
+        "--buffers",
+        type=int,
+        default=STREAM_NUM_BUFFERS,
+        help="colocated buckets in flight (the RL loop's: weight_sync.STREAM_NUM_BUFFERS)",
+    )
     parser.add_argument(
         "--split-tensors",
         action=argparse.BooleanOptionalAction,

@@ -24,6 +24,7 @@ from weight_sync.group import SyncGroup
 from weight_sync.identity import DeviceIdentity, device_identity, pair_colocated
 from weight_sync.stream import (
     STREAM_BUCKET_BYTES,
+    STREAM_NUM_BUFFERS,
     BucketStream,
     StreamAddress,
     StreamReport,
@@ -51,6 +52,7 @@ __all__ = [
     "device_identity",
     "pair_colocated",
     "STREAM_BUCKET_BYTES",
+    "STREAM_NUM_BUFFERS",
     "BucketStream",
     "StreamAddress",
     "StreamReport",

@@ -159,14 +159,22 @@ def _native_job(segments: list[tuple[int, int | None, int]], nontemporal: bool =
     bytes (whole words and cache lines); a piece at byte `start` of its segment begins at word
     start / 8."""
     lib = native.kernel()
+    if sum(n for _, _, n in segments) < _INLINE_BYTES or _THREADS == 1:
+        # One thread: a call per segment, none of the shared job's pieces, lock and event (a
+        # streamed bucket is hashed once by the sender and once by the receiver, each the
+        # critical path of its side).
+        mode = int(nontemporal)
+        return [
+            lib.wxh64_sum(src, n, 0) if dst is None else lib.wxh64_copy_sum(src, dst, n, 0, mode)
+            for src, dst, n in segments
+        ]
     pieces = []
     for index, (_, _, nbytes) in enumerate(segments):
         count = max(1, -(-nbytes // _PIECE_BYTES))
         cuts = [nbytes * k // count // 64 * 64 for k in range(count)] + [nbytes]
         pieces.extend((index, cuts[k], cuts[k + 1] - cuts[k]) for k in range(count))
     job = _Job(lib, segments, pieces, int(nontemporal))
-    total = sum(n for _, _, n in segments)
-    helpers = 0 if total < _INLINE_BYTES else min(_THREADS - 1, len(pieces) - 1)
+    helpers = min(_THREADS - 1, len(pieces) - 1)
     if helpers:
         global _pool
         if _pool is None:

@@ -19,6 +19,7 @@ engine gets that memory back); the next `send` allocates them again.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -180,7 +181,14 @@ class ColocatedSender:
 
 
 class BucketReceiver:
-    """Engine side of both transports: verify a bucket, load it in place, acknowledge."""
+    """Engine side of both transports: verify a bucket, load it in place, acknowledge.
+
+    Several senders may feed one receiver at once (the streams of several trainer ranks,
+    `weight_sync.stream`, each loading its own tensors): their buckets load one at a time, a
+    bucket's verify and load as one step under `_lock`, so the engine and the split-tensor
+    bookkeeping see one bucket's calls at a time. The lock is held only while a bucket is
+    verified and copied, never while waiting for a sender, so no stream waits on another's
+    sender."""
 
     def __init__(
         self,
@@ -194,8 +202,13 @@ class BucketReceiver:
         self.opener = opener or BufferOpener()
         self.ops = ops or DeviceOps()
         self.split = SplitTensors(engine)  # pieces of tensors split across buckets
+        self._lock = threading.Lock()
 
     def load_buffer(self, buffer: torch.Tensor, manifest: Manifest) -> LoadAck:
+        with self._lock:
+            return self._load_buffer(buffer, manifest)
+
+    def _load_buffer(self, buffer: torch.Tensor, manifest: Manifest) -> LoadAck:
         t0 = time.perf_counter()
         if self.verify and manifest.checksum_algorithm != "none":
             bad = corrupted_tensors(buffer, manifest)
@@ -216,14 +229,17 @@ class BucketReceiver:
     def load(self, handle: BufferHandle, manifest: Manifest) -> LoadAck:
         """Map the sender's buffer, verify, load, acknowledge. A CUDA buffer's mapping is
         dropped on return (after the copies finished), so the sender's `release` frees it."""
-        return self.load_buffer(self.opener.open(handle), manifest)
+        with self._lock:
+            return self._load_buffer(self.opener.open(handle), manifest)
 
     def commit(self) -> None:
-        incomplete = self.split.incomplete()
-        self.split.reset()
-        if incomplete:
-            raise WeightSyncError(
-                f"weight sync ended with split tensors missing pieces: {incomplete[:8]}; "
-                "the update is not committed (the engine serves nothing until a whole one is)"
-            )
-        self.engine.commit_weights()
+        with self._lock:
+            incomplete = self.split.incomplete()
+            self.split.reset()
+            if incomplete:
+                raise WeightSyncError(
+                    f"weight sync ended with split tensors missing pieces: {incomplete[:8]}; "
+                    "the update is not committed (the engine serves nothing until a whole one "
+                    "is)"
+                )
+            self.engine.commit_weights()

@@ -36,6 +36,11 @@ from weight_sync.colocated import BucketReceiver, LoadAck
 from weight_sync.errors import WeightSyncError
 
 STREAM_BUCKET_BYTES = 16 << 20  # about the last-level cache: verified and copied out while cached
+# Buckets in flight on a stream: with three the sender may pack up to two buckets ahead of the
+# receiver, so the pipeline absorbs the sync's changing pace (the sender's reads of the trainer's
+# weights are slower where they come from memory, faster where the cache still holds them, while
+# the receiver's share is steadier) instead of each side waiting on the other bucket by bucket.
+STREAM_NUM_BUFFERS = 3
 _HEADER = struct.Struct("<Q")  # the length of each pickled message
 _TOKEN_BYTES = 16
 
@@ -113,9 +118,10 @@ class BucketStream:
                         raise
                 if time.monotonic() < deadline:
                     continue
+                connected = len(self._peers)
                 self.abort()
                 raise WeightSyncError(
-                    f"weight stream: {len(self._peers)} of {count} receivers connected within "
+                    f"weight stream: {connected} of {count} receivers connected within "
                     f"{timeout_s:.0f} s (a receiver died or was never started)"
                 ) from None
             conn.settimeout(max(1e-3, deadline - time.monotonic()))
@@ -128,6 +134,12 @@ class BucketStream:
                 continue
             conn.settimeout(timeout_s)
             self._peers.append(conn)
+
+    @property
+    def connected(self) -> int:
+        """Receivers connected in this sync so far (readable from another thread while
+        `accept` waits)."""
+        return len(self._peers)
 
     def deliver(self, handle, manifest) -> _StreamAcks:
         """Hand one bucket to every connected receiver; the returned future's `result()` is the

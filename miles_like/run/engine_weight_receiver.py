@@ -15,6 +15,7 @@ rollout window stays as it was. Under engine TP only full tensors, not own shard
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -76,6 +77,9 @@ class EngineWeightReceiver:
         self.own_shards_group = False  # that group carries this rank's own shards
         self.timeout_s = 0.0  # the sync group's
         self.follower = follower
+        # streams of several trainer ranks run at once (`receive_stream`); each closes the
+        # window (or opens an in-place update) before its first load, one at a time
+        self._before_load_lock = threading.Lock()
         # a follower's receives run on its serving thread (`ReceiveShards`); their outcomes
         # come back here, to the controller's call
         self.received: queue.Queue = queue.Queue()
@@ -117,8 +121,10 @@ class EngineWeightReceiver:
         return self._bucket_receiver(own_shards).load(handle, manifest)
 
     def receive_stream(self, address, own_shards: bool, timeout_s: float, in_place: bool):
-        """One colocated sync's buckets, handed over on the sender's socket
-        (`weight_sync.receive_stream`); the receiver's report, as a dict."""
+        """One colocated sync's buckets from one trainer rank, handed over on its socket
+        (`weight_sync.receive_stream`); the receiver's report, as a dict. Calls for several
+        ranks run at once (`EngineWorker`'s "weights" group), each on its own thread, into the
+        same `BucketReceiver` (it loads one bucket at a time)."""
         from weight_sync import receive_stream
 
         self._before_load(own_shards, in_place)
@@ -131,10 +137,11 @@ class EngineWeightReceiver:
     def _before_load(self, own_shards: bool, in_place: bool) -> None:
         if self.engine is None:
             return
-        if in_place:
-            self.begin_in_place(own_shards)
-        else:
-            self.close_window()
+        with self._before_load_lock:
+            if in_place:
+                self.begin_in_place(own_shards)
+            else:
+                self.close_window()
 
     def _bucket_receiver(self, own_shards: bool):
         if own_shards:

@@ -8,9 +8,10 @@ is ever served by half-updated weights. The batch `generate` works either way (c
 the window for its own duration).
 
 Ray runs `generate_one`, `generate_wave`, `decode_wave` and `cancel_wave` in the `serve`
-concurrency group, so many concurrent calls are batched together by the engine; every other
-method is in the default group, one at a time. Weight receiving is `EngineWeightReceiver`'s;
-the tensor-parallel ranks' control is `engine_tp`'s.
+concurrency group, so many concurrent calls are batched together by the engine; `receive_stream`
+runs in the `weights` group (see there); every other method is in the default group, one at a
+time. Weight receiving is `EngineWeightReceiver`'s; the tensor-parallel ranks' control is
+`engine_tp`'s.
 
 The batch calls return each sample as a `RoutedSample`: with `return_routes` (routing replay)
 a mixture of experts' routes travel with it, else none are sent.
@@ -36,7 +37,9 @@ from miles_like.run.routed_samples import finished_requests, routed_samples
 __all__ = ["CLOSED", "EngineWorker"]
 
 
-@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1})
+# "weights": one thread per trainer rank streaming to this engine in a sync (`receive_stream`);
+# a sync has at most one per pipeline stage (per stage and TP rank in the resharding sync)
+@ray.remote(concurrency_groups={"serve": 512, "tp": 1, "activity": 1, "handoff": 1, "weights": 64})
 class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
     def __init__(self, engine_cfg, threads: int, tp_rank: int = 0, return_routes: bool = False):
         self.return_routes = return_routes  # a mixture's routes with its samples
@@ -260,12 +263,22 @@ class EngineWorker(PrefillDecodeRoles, EngineEndpoint, EngineInspection):
         this TP rank's own shards (the resharding sync delivers to every rank)."""
         return self.weights.load_bucket(handle, manifest, own_shards, in_place)
 
+    @ray.method(concurrency_group="weights")
     def receive_stream(
         self, address, own_shards: bool = False, timeout_s: float = 600.0, in_place: bool = False
     ) -> dict:
         """Every bucket of one colocated sync from a trainer rank on this host, handed over on
         its socket (`weight_sync.BucketStream`) instead of a call per bucket; as `load_bucket`
-        otherwise. Returns the receiver's report."""
+        otherwise. Returns the receiver's report.
+
+        Its own group, with a thread per call: each streaming trainer rank starts one call on
+        every engine it feeds and waits for all of them to connect, while its export's
+        collectives (TP all-gathers, the vocabulary exchange) wait for the other ranks. Taken
+        one at a time, an engine serving rank 0's stream would hold rank 1's call back while
+        another engine served rank 1's and held rank 0's: each rank waiting for the engine the
+        other holds. Run at once, every rank's stream is served as it arrives; their buckets
+        load one at a time (`BucketReceiver`), and the commit (default group) comes only after
+        every rank's push, which waits for these calls, returned."""
         return self.weights.receive_stream(address, own_shards, timeout_s, in_place)
 
     def load_bucket_bytes(

@@ -153,7 +153,12 @@ class TrainerWeightSender:
         """Every engine on this rank's host CPU: one `receive_stream` call per engine starts its
         side of a `weight_sync.BucketStream`, and the buckets (small, tensors split across
         them) go through shared memory with their hand-offs on the stream's socket."""
-        from weight_sync import STREAM_BUCKET_BYTES, BucketStream, ColocatedSender
+        from weight_sync import (
+            STREAM_BUCKET_BYTES,
+            STREAM_NUM_BUFFERS,
+            BucketStream,
+            ColocatedSender,
+        )
 
         if self.streamed is None:
             self.bucket_stream = BucketStream()
@@ -161,6 +166,7 @@ class TrainerWeightSender:
                 self.bucket_stream.deliver,
                 bucket_bytes=min(bucket_bytes, STREAM_BUCKET_BYTES),
                 quantization=quantization,
+                num_buffers=STREAM_NUM_BUFFERS,
                 split_tensors=True,
             )
         calls = [

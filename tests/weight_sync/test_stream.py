@@ -23,6 +23,7 @@ import torch
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.weights import iter_safetensors
 from weight_sync import (
+    STREAM_NUM_BUFFERS,
     BucketReceiver,
     BucketStream,
     ColocatedSender,
@@ -70,14 +71,21 @@ def _sync(stream, sender, receivers, weights, timeout_s: float = 60.0):
     return report, threads
 
 
-def test_streamed_syncs_update_two_engines_bitwise(two_checkpoints):
+# Double buffering, and the RL loop's setting (the sender up to two buckets ahead of the acks).
+NUM_BUFFERS = sorted({2, STREAM_NUM_BUFFERS})
+
+
+@pytest.mark.parametrize("num_buffers", NUM_BUFFERS)
+def test_streamed_syncs_update_two_engines_bitwise(two_checkpoints, num_buffers):
     """Two engines fed by one sender, two syncs on the same stream (new weights, then back to the
     old): every parameter equals the sent tensor, greedy outputs match a fresh engine."""
     old, new = two_checkpoints
     engines = [_engine(old), _engine(old)]
     receivers = [BucketReceiver(e) for e in engines]
     stream = BucketStream()
-    sender = ColocatedSender(stream.deliver, bucket_bytes=BUCKET, split_tensors=True)
+    sender = ColocatedSender(
+        stream.deliver, bucket_bytes=BUCKET, split_tensors=True, num_buffers=num_buffers
+    )
     for version, source in enumerate([new, old], start=1):
         weights = list(iter_safetensors(source))
         report, threads = _sync(stream, sender, receivers, weights)
@@ -96,7 +104,50 @@ def test_streamed_syncs_update_two_engines_bitwise(two_checkpoints):
     stream.close()
 
 
-def test_a_corrupted_bucket_is_refused_with_nothing_of_it_loaded(two_checkpoints):
+def test_two_senders_stream_into_one_receiver_at_once(two_checkpoints):
+    """Two trainer ranks (disjoint halves of the weights, split tensors in both) streaming into
+    one engine at the same time, as an engine takes every pipeline stage's stream in a sync:
+    both syncs finish, and after the commit every parameter equals the sent tensor."""
+    old, new = two_checkpoints
+    engine = _engine(old)
+    receiver = BucketReceiver(engine)
+    weights = list(iter_safetensors(new))
+    halves = [weights[0::2], weights[1::2]]
+    streams = [BucketStream(), BucketStream()]
+    senders = [
+        ColocatedSender(
+            s.deliver, bucket_bytes=BUCKET, split_tensors=True, num_buffers=STREAM_NUM_BUFFERS
+        )
+        for s in streams
+    ]
+    results: list = [None, None]
+
+    def rank(k: int) -> None:
+        try:
+            results[k] = _sync(streams[k], senders[k], [receiver], halves[k])
+        except Exception as e:  # noqa: BLE001 -- asserted below
+            results[k] = e
+
+    ranks = [threading.Thread(target=rank, args=(k,), daemon=True) for k in (0, 1)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout=120)
+    for (report, (thread,)), half in zip(results, halves):
+        assert thread.error is None
+        assert report.num_buckets > 2 and thread.report.num_buckets == report.num_buckets
+        assert report.nbytes == sum(t.nbytes for _, t in half)
+    receiver.commit()  # refused if a split tensor missed a piece
+    params = dict(engine.model.named_parameters())
+    for name, tensor in weights:
+        assert torch.equal(params[name], tensor), name
+    for sender, stream in zip(senders, streams):
+        sender.close()
+        stream.close()
+
+
+@pytest.mark.parametrize("num_buffers", NUM_BUFFERS)
+def test_a_corrupted_bucket_is_refused_with_nothing_of_it_loaded(two_checkpoints, num_buffers):
     """One flipped byte in the bucket holding the embedding's second piece: the sender raises
     the receiver's checksum error naming the tensor, that bucket's elements keep their old
     values, and the engine generates nothing until a whole update is committed."""
@@ -115,7 +166,9 @@ def test_a_corrupted_bucket_is_refused_with_nothing_of_it_loaded(two_checkpoints
             corrupted.append(manifest)
         return stream.deliver(handle, manifest)
 
-    sender = ColocatedSender(corrupting_deliver, bucket_bytes=BUCKET, split_tensors=True)
+    sender = ColocatedSender(
+        corrupting_deliver, bucket_bytes=BUCKET, split_tensors=True, num_buffers=num_buffers
+    )
     with pytest.raises(WeightSyncError, match="checksum mismatch") as err:
         _sync(stream, sender, [BucketReceiver(engine)], weights)
     assert EMBED in str(err.value) and "refused a bucket" in str(err.value)

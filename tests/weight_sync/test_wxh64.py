@@ -107,7 +107,8 @@ def _finalize(v: int, n: int) -> int:
 
 @pytest.mark.parametrize("n", [(9 << 20) + 12_345, (33 << 20) + 3])
 def test_chunked_across_threads_matches_reference(n):
-    """Large tensors are cut into chunks that threads claim; the sum must not depend on it."""
+    """Below `_INLINE_BYTES` (9 MiB) one call per tensor, above it (33 MiB) chunks that threads
+    claim; the sum must not depend on it."""
     data = torch.from_numpy(_bytes(n, seed=1))
     expected = wxh64_reference(data.numpy())
     assert checksum(data, "wxh64") == expected
