@@ -44,6 +44,7 @@ from benchmarks.vs_vllm import (  # noqa: E402
     free_port,
     pinned,
     server_command,
+    server_cpu,
 )
 
 KEYS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "failed", "completed")
@@ -92,7 +93,7 @@ def serve_once(tree: Path, args, model_dir: Path, cpus: list[int], work: Path, n
         args.verbose,
         server_cwd=tree,
     )
-    return {k: raw.get(k) for k in KEYS}
+    return {k: raw.get(k) for k in KEYS} | server_cpu(raw)
 
 
 def commit_of(ref: str) -> str:

@@ -491,7 +491,10 @@ def bench_server(
     server_cwd: Path = ROOT,
 ) -> dict:
     """Start a server, wait until it answers, drive it with `bench_cmd` (`vllm bench serve`, one
-    OpenMP thread), stop it; returns the load generator's saved result."""
+    OpenMP thread), stop it; returns the load generator's saved result, with `server_cpu_s`: the
+    CPU seconds the server's processes (all threads, child processes included) used while the
+    load generator ran (its start-up and first test prompt included: an idle server uses ~0.02
+    cores, ours and vLLM's alike)."""
     # --verbose shows the logs on stderr: stdout stays the JSON alone
     logs = sys.stderr if verbose else subprocess.DEVNULL
     server = subprocess.Popen(server_cmd, cwd=server_cwd, env=server_env, stdout=logs, stderr=logs)
@@ -499,7 +502,9 @@ def bench_server(
         wait_healthy(f"http://127.0.0.1:{port}", server)
         bench_env = dict(os.environ, OMP_NUM_THREADS="1")
         bench_env.pop("LD_PRELOAD", None)
+        cpu_before = process_tree_cpu_s(server.pid)
         subprocess.run(bench_cmd, cwd=ROOT, env=bench_env, check=True, stdout=logs, stderr=logs)
+        server_cpu_s = process_tree_cpu_s(server.pid) - cpu_before
     finally:
         server.terminate()
         try:
@@ -507,7 +512,34 @@ def bench_server(
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    return json.loads(result_file.read_text())
+    return {**json.loads(result_file.read_text()), "server_cpu_s": server_cpu_s}
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its live descendants (every thread)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def server_cpu(raw: dict) -> dict:
+    """The server's CPU use over a load generator's run (`bench_server`): seconds, cores busy on
+    average over the timed part, and microseconds per output token. A server that keeps its
+    CPUs busy but serves fewer tokens a second spends its cycles elsewhere than one that leaves
+    them idle (waiting, e.g. on the GIL): this tells the two apart."""
+    cpu_s, duration = raw["server_cpu_s"], raw.get("duration") or 0.0
+    tokens = raw.get("total_output_tokens") or 0
+    return {
+        "server_cpu_s": cpu_s,
+        "server_cores_busy": cpu_s / duration if duration else None,
+        "server_cpu_us_per_output_token": 1e6 * cpu_s / tokens if tokens else None,
+    }
 
 
 def run_serving(engine: str, args, model_dir: Path, cpus: list[int], work: Path) -> dict:
@@ -520,7 +552,7 @@ def run_serving(engine: str, args, model_dir: Path, cpus: list[int], work: Path)
         work / f"{engine}.json",
         args.verbose,
     )
-    out = {k: raw.get(k) for k in SERVING_KEYS}
+    out = {k: raw.get(k) for k in SERVING_KEYS} | server_cpu(raw)
     errors = [e for e in raw.get("errors", []) if e]
     out["distinct_errors"] = sorted(set(errors))[:5]
     out["output_lens_all_requested"] = all(

@@ -85,3 +85,39 @@ def test_generate_worker_on_our_engine_speaks_the_protocol(tmp_path):
         result = json.loads(payload)
         assert result["full"] and result["seconds"] > 0
         assert result["generated"] == len(job["prompts"]) * job["n"] * job["new_tokens"]
+
+
+def test_server_cpu_counts_every_descendant_process_by_its_own_clock():
+    """`process_tree_cpu_s` (the serving run's server CPU) against a grandchild's own
+    `time.process_time()`: a shell whose child burns ~0.3 s of CPU, then sleeps alive."""
+    from benchmarks.vs_vllm import process_tree_cpu_s, server_cpu
+
+    burn = (
+        "import time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\n"
+        "print(time.process_time(), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    shell = subprocess.Popen(
+        ["sh", "-c", f'{sys.executable} -c "$0"', burn], stdout=subprocess.PIPE, text=True
+    )
+    import psutil
+
+    try:
+        own_clock = float(shell.stdout.readline())  # the child's CPU seconds, busy loop done
+        counted = process_tree_cpu_s(shell.pid)
+    finally:
+        for proc in (*psutil.Process(shell.pid).children(recursive=True), shell):
+            proc.kill()
+        shell.wait()
+    # the child's own clock, within the kernel's tick accounting (10 ms) and the shell's start
+    assert own_clock >= 0.3
+    assert own_clock - 0.03 <= counted <= own_clock + 0.15
+    # per token and per second of the timed run, as the JSON reports them
+    cpu = server_cpu({"server_cpu_s": 2.0, "duration": 4.0, "total_output_tokens": 1000})
+    assert cpu == {
+        "server_cpu_s": 2.0,
+        "server_cores_busy": 0.5,
+        "server_cpu_us_per_output_token": 2000.0,
+    }
