@@ -31,8 +31,9 @@
    exact products, summed in another order. Results differ from torch's in float32 rounding only.
 
    Built with AMX-BF16 (-march=native on a CPU that has it) and run where the OS grants the
-   tiles, a bfloat16 model's groups of at least AMX_MIN_ROWS query rows a KV head (head sizes
-   32, 64, 96 or 128) compute the prefix part on tiles instead: S = Q K^T and O = P V as tile
+   tiles, a bfloat16 model's groups of at least AMX_MIN_ROWS query rows a KV head with a prefix
+   of AMX_MIN_PREFIX keys or more (head sizes 32, 64, 96 or 128) compute the prefix part on
+   tiles instead: S = Q K^T and O = P V as tile
    products, the softmax in float32 between them, P rounded to bfloat16 for the product (as
    prefill_attention.c's item_amx and torch's bfloat16 attention round it); the suffix part
    stays as above. The path is chosen per group (its size, not the run's), so it does not
@@ -62,10 +63,13 @@
    the tiles instead (AMX_MIN_ROWS). */
 #define USE_BF16_DOT (HAVE_BF16_DOT && !HAVE_AMX)
 
-/* Groups of at least this many query rows a KV head (members x query rows each) take the AMX
-   prefix path; smaller ones the FMA tile (a tile product computes 16 rows however few are
-   real). */
-enum { AMX_MIN_ROWS = 16 };
+/* Groups of at least AMX_MIN_ROWS query rows a KV head (members x query rows each), in a call
+   whose prefix (the longest group's, keys) is at least AMX_MIN_PREFIX, take the AMX prefix
+   path; the others the FMA tile. A tile product computes 16 rows however few are real, and
+   with short prefixes the tiles' fixed costs (packing K and V, storing and reloading the score
+   tiles) outweighed the products they save: against the FMA tile, 16 groups x 8 members, one
+   thread, warm, 0.89x at 128 prefix keys, 1.04x at 256, 1.19x at 512 (benchmarks/RESULTS.md). */
+enum { AMX_MIN_ROWS = 16, AMX_MIN_PREFIX = 256 };
 
 int cascade_decode_has_avx2(void) { return HAVE_AVX2; }
 int cascade_decode_has_bf16_dot(void) { return USE_BF16_DOT; }
@@ -1055,8 +1059,8 @@ static inline __attribute__((always_inline)) void group_item(
     memset(qb + N * Dh, 0, sizeof(uint16_t) * (size_t)((Npad - N) * Dh));
     amx_pack_k(Dh, (const uint16_t *)pk, Lp, Lpad, (uint32_t *)b->kt);
     const int64_t tiles = Npad / 16 * ((Lpad / 16 + 3) / 4);
-    amx_prefix_dots(Dh, Npad, qb, (const uint32_t *)b->kt, Lpad / 16, b->sp, ldc_sp, &pf,
-                    (pf_lines(&pf) + tiles - 1) / tiles);
+    amx_prefix_dots(Dh, Npad, qb, (const uint32_t *)b->kt, Lpad / 16, b->sp, ldc_sp, &pf, 0);
+    (void)tiles;
   }
 #endif
 #if USE_BF16_DOT
@@ -1145,14 +1149,21 @@ static inline __attribute__((always_inline)) void group_item(
       b->sp[r * b->lsp + j] = acc * scale + b->pb[j];
     }
 #endif
-  pf_issue(&pf, pf_lines(&pf));  // whatever is left (masked blocks issue none)
+  // whatever is left (masked blocks issue none); after the tiles' short pass, spread over the
+  // suffix scores and the softmax rows instead (issued in one burst, it stalled on full fill
+  // buffers with no work to overlap)
+  if (!amx) pf_issue(&pf, pf_lines(&pf));
+  const int64_t per_member = (pf_lines(&pf) + 2 * n - 1) / (2 * n);
   // each member's suffix scores, then one softmax per row over prefix ++ suffix
   for (int64_t i = 0; i < n; i++) {
+    pf_issue(&pf, per_member);
     const int64_t d = mem[i];
     scores(b->q + i * R * Dh, R, Dh, kv_at(sk, h * s_h + d * s_d, bf16), Ls, sbias + d * sbias_d,
            Ls, rows_per_bias, scale, b->ss + i * R * Ls, Ls, bf16);
   }
+  const int64_t per_row = (pf_lines(&pf) + N - 1) / N;  // 0 unless amx
   for (int64_t r = 0; r < N; r++) {
+    pf_issue(&pf, per_row);
     float *ss = b->ss + r * Ls;
     const float m1 = row_max(ss, Ls);
 #if HAVE_AVX512
@@ -1331,9 +1342,10 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
       const void *pki = kv_at(pk, h * p_h + g * p_g, bf16);
       const void *pvi = kv_at(pv, h * p_h + g * p_g, bf16), *next_pk = NULL;
       const float *pb = pbias + g * Lp;
-      // the tiles for a group of at least AMX_MIN_ROWS rows: decided by the group's size, not
-      // the run's (which depends on the number of threads)
-      const int amx_g = amx && (start[g] - (g > 0 ? start[g - 1] : 0)) * R >= AMX_MIN_ROWS;
+      // the tiles for a group of at least AMX_MIN_ROWS rows: decided by the group's size and
+      // the call's prefix, not the run's size (which depends on the number of threads)
+      const int amx_g = amx && (start[g] - (g > 0 ? start[g - 1] : 0)) * R >= AMX_MIN_ROWS &&
+                        Lp >= AMX_MIN_PREFIX;
       if (it + 1 < num_runs * Hkv)
         next_pk = kv_at(pk, ((it + 1) % Hkv) * p_h +
                                 group_of[order[runs[2 * ((it + 1) / Hkv)]]] * p_g, bf16);
@@ -1386,17 +1398,17 @@ int cascade_decode_bf16(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t r
   // so a row's result never depends on how rows are blocked (the number of threads)
   int q_bf16 = Lp > 0 && (USE_BF16_DOT || HAVE_AMX);
   for (int64_t d = 0; q_bf16 && d < D; d++) {
+    uint32_t low = 0;  // a sequence's rows at a time, no early exit inside: a vector loop
     for (int64_t e = 0; e < Hkv * R * Dh; e++) {
       uint32_t w;
       memcpy(&w, q + d * q_d + e, sizeof w);
-      if (w & 0xFFFFu) {
-        q_bf16 = 0;
-        break;
-      }
+      low |= w & 0xFFFFu;
     }
+    q_bf16 = low == 0;
   }
   const int dot = USE_BF16_DOT && Dh % 2 == 0 && q_bf16;
-  const int amx = q_bf16 && Dh % 32 == 0 && Dh <= 128 && cascade_decode_has_amx();
+  const int amx =
+      q_bf16 && Dh % 32 == 0 && Dh <= 128 && Lp >= AMX_MIN_PREFIX && cascade_decode_has_amx();
   return cascade_decode(D, Hkv, R, Dh, rows_per_bias, q, q_d, sk, sv, s_h, s_d, Ls, sbias, pk, pv,
                         p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 1, dot,
                         amx);

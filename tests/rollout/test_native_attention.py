@@ -50,10 +50,18 @@ def _reference(q, k_cache, v_cache, meta, page_size):
     return cascade_decode_attention_matmul(q.double(), meta, suffix, prefix)
 
 
-def _on_amx(lib, head_dim: int) -> bool:
-    """Whether `lib` runs a bfloat16 model's groups of at least 16 rows a KV head on AMX tiles
-    (the prefix probabilities rounded to bfloat16) at this head size."""
-    return head_dim % 32 == 0 and head_dim <= 128 and bool(lib.cascade_decode_has_amx())
+AMX_MIN_ROWS, AMX_MIN_PREFIX = 16, 256  # cascade_decode.c's thresholds for the AMX prefix path
+
+
+def _on_amx(lib, head_dim: int, meta) -> bool:
+    """Whether `lib` runs a bfloat16 model's groups of at least AMX_MIN_ROWS rows a KV head on
+    AMX tiles (the prefix probabilities rounded to bfloat16) at this head size and prefix."""
+    return (
+        head_dim % 32 == 0
+        and head_dim <= 128
+        and meta.prefix_bias.shape[1] >= AMX_MIN_PREFIX
+        and bool(lib.cascade_decode_has_amx())
+    )
 
 
 def _check_amx(got, q, k_cache, v_cache, meta, page_size):
@@ -212,7 +220,9 @@ def test_a_bfloat16_pool_is_gathered_as_stored_for_the_kernel():
     want = _reference(q.float(), k_cache.float(), v_cache.float(), meta, 4)
     err = (got.double() - want).abs()
     bound = want.abs() * 2.0**-8 + 1e-6  # the output rounded once to bfloat16
-    if _on_amx(native.attention(), 32):  # and the probabilities (_check_amx): 1.01 * 2^-7 each
+    if _on_amx(
+        native.attention(), 32, meta
+    ):  # and the probabilities (_check_amx): 1.01 * 2^-7 each
         bound += (
             1.01 * 2.0**-7 * _reference(q.float(), k_cache.float(), v_cache.float().abs(), meta, 4)
         )
@@ -383,7 +393,7 @@ def test_a_bfloat16_models_q_scores_the_prefix_through_bfloat16_dot_products(
         torch.set_num_threads(before)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
-    if _on_amx(lib, head_dim):  # the group of 8 (and of 5) on AMX tiles
+    if _on_amx(lib, head_dim, meta):  # the group of 8 (and of 5) on AMX tiles
         _check_amx(outs[0], q, k_cache.float(), v_cache.float(), meta, page_size)
     else:
         want = _reference(q, k_cache.float(), v_cache.float(), meta, page_size)
@@ -391,7 +401,7 @@ def test_a_bfloat16_models_q_scores_the_prefix_through_bfloat16_dot_products(
     widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
     float32_kernel = cascade_decode_attention_native(lib, q, meta, *widened)
     # the dot path (or the tiles) really ran where the CPU has it: other last bits
-    differs = bool(lib.cascade_decode_has_bf16_dot()) or _on_amx(lib, head_dim)
+    differs = bool(lib.cascade_decode_has_bf16_dot()) or _on_amx(lib, head_dim, meta)
     assert torch.equal(outs[0], float32_kernel) != differs
     pk = prefix[0].clone()
     masked = torch.isneginf(meta.prefix_bias)
@@ -429,15 +439,18 @@ def _threshold_case(head_dim: int, page_size: int, seed: int):
     """A bfloat16 model's decode step (1 query, 4 q heads a KV head: 4 rows a sequence) with
     groups around the AMX threshold of 16 rows a KV head: 3 members (12 rows, the FMA tile), 4
     (16), 8 (32), 10 (40: a padded tile) and 4 with no prefix at all (every prefix key masked);
-    prefixes of different lengths (shorter ones masked to the longest), key counts not
-    multiples of 32. Returns q, the bfloat16 pool, meta and the token rows of the small group."""
+    prefixes of different lengths (shorter ones masked to the longest, which is past
+    AMX_MIN_PREFIX), key counts not multiples of 32. Returns q, the bfloat16 pool, meta and the
+    token rows of the small group."""
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache = random_pool(2, 400, page_size, head_dim, torch.float32, g)
-    sizes = [(9, 3), (5, 4), (13, 8), (0, 4), (7, 10)]
+    keys = [180, 100, 300, 0, 140]  # prefix keys a group, rounded up to whole pages
+    sizes = [(-(-n // page_size), m) for n, m in zip(keys, [3, 4, 8, 4, 10])]
     groups = [
         (pages, torch.randint(0, 3 * page_size, (n,), generator=g).tolist()) for pages, n in sizes
     ]
     meta = cascade_metadata(groups, page_size, 400, g)
+    assert meta.prefix_bias.shape[1] >= AMX_MIN_PREFIX
     q = torch.randn(meta.num_tokens, 8, head_dim, generator=g).bfloat16().float()
     small = meta.query_index[: sizes[0][1]]  # sequences in group order, one query each
     return q, k_cache.bfloat16(), v_cache.bfloat16(), meta, small
@@ -468,7 +481,7 @@ def test_bfloat16_groups_of_16_rows_or_more_take_the_amx_tiles(build, head_dim, 
     got = outs[0]
     widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
     float32_kernel = cascade_decode_attention_native(lib, q, meta, *widened)
-    if _on_amx(lib, head_dim):
+    if _on_amx(lib, head_dim, meta):
         path = "AMX tiles (groups >= 16 rows), FMA tile (the 12-row group)"
         _check_amx(got, q, k_cache.float(), v_cache.float(), meta, page_size)
         assert torch.equal(got[small], float32_kernel[small])
