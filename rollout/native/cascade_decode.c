@@ -33,11 +33,11 @@
    Built with AMX-BF16 (-march=native on a CPU that has it) and run where the OS grants the
    tiles, a bfloat16 model's groups of at least AMX_MIN_ROWS query rows a KV head with a prefix
    of AMX_MIN_PREFIX keys or more (head sizes 32, 64, 96 or 128) compute the prefix part on
-   tiles instead: S = Q K^T and O = P V as tile
-   products, the softmax in float32 between them, P rounded to bfloat16 for the product (as
-   prefill_attention.c's item_amx and torch's bfloat16 attention round it); the suffix part
-   stays as above. The path is chosen per group (its size, not the run's), so it does not
-   depend on the number of threads. */
+   tiles instead: S = Q K^T and O = P V as tile products, the softmax in float32 between them,
+   P rounded to bfloat16 for the product (as prefill_attention.c's item_amx and torch's
+   bfloat16 attention round it); the suffix part stays as above. The path is chosen per group
+   (its size and the call's prefix, not the run's size), so it does not depend on the number
+   of threads. */
 
 #define _GNU_SOURCE  // syscall (arch_prctl for AMX, amx_tiles.h) under -std=c11
 #include <math.h>
@@ -1059,8 +1059,8 @@ static inline __attribute__((always_inline)) void group_item(
     memset(qb + N * Dh, 0, sizeof(uint16_t) * (size_t)((Npad - N) * Dh));
     amx_pack_k(Dh, (const uint16_t *)pk, Lp, Lpad, (uint32_t *)b->kt);
     const int64_t tiles = Npad / 16 * ((Lpad / 16 + 3) / 4);
-    amx_prefix_dots(Dh, Npad, qb, (const uint32_t *)b->kt, Lpad / 16, b->sp, ldc_sp, &pf, 0);
-    (void)tiles;
+    amx_prefix_dots(Dh, Npad, qb, (const uint32_t *)b->kt, Lpad / 16, b->sp, ldc_sp, &pf,
+                    (pf_lines(&pf) + tiles - 1) / tiles);
   }
 #endif
 #if USE_BF16_DOT
@@ -1149,21 +1149,14 @@ static inline __attribute__((always_inline)) void group_item(
       b->sp[r * b->lsp + j] = acc * scale + b->pb[j];
     }
 #endif
-  // whatever is left (masked blocks issue none); after the tiles' short pass, spread over the
-  // suffix scores and the softmax rows instead (issued in one burst, it stalled on full fill
-  // buffers with no work to overlap)
-  if (!amx) pf_issue(&pf, pf_lines(&pf));
-  const int64_t per_member = (pf_lines(&pf) + 2 * n - 1) / (2 * n);
+  pf_issue(&pf, pf_lines(&pf));  // whatever is left (masked blocks issue none)
   // each member's suffix scores, then one softmax per row over prefix ++ suffix
   for (int64_t i = 0; i < n; i++) {
-    pf_issue(&pf, per_member);
     const int64_t d = mem[i];
     scores(b->q + i * R * Dh, R, Dh, kv_at(sk, h * s_h + d * s_d, bf16), Ls, sbias + d * sbias_d,
            Ls, rows_per_bias, scale, b->ss + i * R * Ls, Ls, bf16);
   }
-  const int64_t per_row = (pf_lines(&pf) + N - 1) / N;  // 0 unless amx
   for (int64_t r = 0; r < N; r++) {
-    pf_issue(&pf, per_row);
     float *ss = b->ss + r * Ls;
     const float m1 = row_max(ss, Ls);
 #if HAVE_AVX512
@@ -1396,7 +1389,10 @@ int cascade_decode_bf16(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t r
   // the prefix scores through bfloat16 dot products or AMX tiles where that changes no
   // product: every q value a bfloat16 (a bfloat16 model's q, widened); decided once per call,
   // so a row's result never depends on how rows are blocked (the number of threads)
-  int q_bf16 = Lp > 0 && (USE_BF16_DOT || HAVE_AMX);
+  // (scanned only where a path needs it: q may be cold, and the check reads all of it)
+  int q_bf16 = (USE_BF16_DOT && Dh % 2 == 0 && Lp > 0) ||
+               (HAVE_AMX && Dh % 32 == 0 && Dh <= 128 && Lp >= AMX_MIN_PREFIX &&
+                cascade_decode_has_amx());
   for (int64_t d = 0; q_bf16 && d < D; d++) {
     uint32_t low = 0;  // a sequence's rows at a time, no early exit inside: a vector loop
     for (int64_t e = 0; e < Hkv * R * Dh; e++) {
