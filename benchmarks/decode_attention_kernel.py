@@ -83,7 +83,8 @@ def baseline_library(spec: str, workdir: Path) -> ctypes.CDLL:
             ["git", "-C", str(ROOT), "show", rev], capture_output=True, text=True, check=True
         ).stdout
     (workdir / "cascade_decode.c").write_text(text)
-    shutil.copy(SOURCE.with_name("vector_math.h"), workdir / "vector_math.h")
+    for header in ("vector_math.h", "amx_tiles.h"):
+        shutil.copy(SOURCE.with_name(header), workdir / header)
     return native.declare_attention(native_build.load(workdir / "cascade_decode.c", native.FLAGS))
 
 

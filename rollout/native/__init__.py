@@ -44,6 +44,8 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cascade_decode_bf16.argtypes = lib.cascade_decode_f32.argtypes
     lib.cascade_decode_bf16.restype = _INT
     lib.cascade_decode_has_avx2.restype = lib.cascade_decode_has_bf16_dot.restype = _INT
+    if hasattr(lib, "cascade_decode_has_amx"):  # older sources (a benchmark's baseline) lack it
+        lib.cascade_decode_has_amx.restype = _INT
     return lib
 
 

@@ -28,28 +28,61 @@
    code and exp is a vector polynomial (Cephes' expf, ~1 ulp); elsewhere plain C loops compute
    the same function. With AVX-512 BF16 (and no AMX: see HAVE_BF16_DOT), bfloat16 K and a q of
    bfloat16 values (a bfloat16 model's), the prefix scores are bfloat16 dot products: the same
-   exact products, summed in another order. Results differ from torch's in float32 rounding only. */
+   exact products, summed in another order. Results differ from torch's in float32 rounding only.
 
+   Built with AMX-BF16 (-march=native on a CPU that has it) and run where the OS grants the
+   tiles, a bfloat16 model's groups of at least AMX_MIN_ROWS query rows a KV head with a prefix
+   of AMX_MIN_PREFIX keys or more (head sizes 32, 64, 96 or 128) compute the prefix part on
+   tiles instead: S = Q K^T and O = P V as tile products, the softmax in float32 between them,
+   P rounded to bfloat16 for the product (as prefill_attention.c's item_amx and torch's
+   bfloat16 attention round it); the suffix part stays as above. The path is chosen per group
+   (its size and the call's prefix, not the run's size), so it does not depend on the number
+   of threads. */
+
+#define _GNU_SOURCE  // syscall (arch_prctl for AMX, amx_tiles.h) under -std=c11
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "vector_math.h"
 
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1  // the build has vdpbf16ps (amx_tiles.h asks for it besides AMX)
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+#include "amx_tiles.h"  // HAVE_AMX, amx_usable, amx_configure
+
 /* vdpbf16ps (two bfloat16 products a float32 lane, products exact) for a bfloat16 model's prefix
    scores, rather than FMAs over the widened K, only on cores where it is the faster of the two.
    Where it was measured to pay (AMD EPYC: one 512-bit FMA a cycle) it does twice the products
    of an FMA; on the Sapphire-Rapids-class Xeon (two 512-bit FMA ports) it sustains ~0.7 a TSC
    cycle against ~2.8 FMAs (benchmarks/vector_peak.py), so the FMA tile outruns it there. AMX
-   (which only those Xeons have) marks the second kind of core. */
-#if HAVE_AVX512 && defined(__AVX512BF16__) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
-#define HAVE_BF16_DOT 1
-#else
-#define HAVE_BF16_DOT 0
-#endif
+   (which only those Xeons have) marks the second kind of core; there, large enough groups take
+   the tiles instead (AMX_MIN_ROWS). */
+#define USE_BF16_DOT (HAVE_BF16_DOT && !HAVE_AMX)
+
+/* Groups of at least AMX_MIN_ROWS query rows a KV head (members x query rows each), in a call
+   whose prefix (the longest group's, keys) is at least AMX_MIN_PREFIX, take the AMX prefix
+   path; the others the FMA tile. A tile product computes 16 rows however few are real, and
+   with short prefixes the tiles' fixed costs (packing K and V, storing and reloading the score
+   tiles) outweighed the products they save: against the FMA tile, 16 groups x 8 members, one
+   thread, warm, 0.89x at 128 prefix keys, 1.04x at 256, 1.19x at 512 (benchmarks/RESULTS.md). */
+enum { AMX_MIN_ROWS = 16, AMX_MIN_PREFIX = 256 };
 
 int cascade_decode_has_avx2(void) { return HAVE_AVX2; }
-int cascade_decode_has_bf16_dot(void) { return HAVE_BF16_DOT; }
+int cascade_decode_has_bf16_dot(void) { return USE_BF16_DOT; }
+
+/* Whether a bfloat16 model's groups take the AMX prefix path here (built with the tiles, and the
+   CPU and OS allow them). */
+int cascade_decode_has_amx(void) {
+#if HAVE_AMX
+  return amx_usable();
+#else
+  return 0;
+#endif
+}
 
 /* K / V elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1, widened exactly on load);
    queries, scores, probabilities and outputs are float32 either way. `bf16` is a constant at
@@ -374,6 +407,9 @@ typedef struct {
   float *o;      // [rows, Dh] unnormalised outputs
   float *inv;    // [rows] normalisers
   unsigned char *vis;  // [Lpad + Ls] key visible to some row: prefix keys, then one member's suffix
+  unsigned char *vis32;  // [Lp32 / 32] some key of a 32-key prefix block visible (AMX path)
+  uint16_t *pw;  // [Lp32 / 32, Npad, 32] bfloat16 prefix probabilities as A tiles (AMX path)
+  uint32_t *vw;  // [Lp32 / 2, Dh] prefix V by key pairs as B tiles (AMX path)
 } group_buffers;
 
 /* Software prefetch of a list of byte ranges, a few cache lines at a time: a group item issues
@@ -524,7 +560,7 @@ static inline __attribute__((always_inline)) void prefix_rows16(
 }
 #endif
 
-#if HAVE_BF16_DOT
+#if USE_BF16_DOT
 /* prefix_block on bfloat16 pairs: q rows qp [RB, Dh / 2] and keys ktp [Dh / 2, ldk] as pairs of
    bfloat16 (element 2x in the low half), 16 keys per register. Used only where every q value
    is a bfloat16 (a bfloat16 model's q, widened) and K is bfloat16: each product is then the
@@ -766,6 +802,167 @@ static inline __attribute__((always_inline)) void pv_prefix16(
 }
 #endif
 
+#if HAVE_AMX
+/* Applies F(j) for the C tiles j < NC (NC <= 4), with j an immediate (tile numbers are). */
+#define FOR_TILES(NC, F) \
+  do {                   \
+    F(0);                \
+    if ((NC) > 1) F(1);  \
+    if ((NC) > 2) F(2);  \
+    if ((NC) > 3) F(3);  \
+  } while (0)
+
+/* ---- The prefix part on AMX tiles (bfloat16 K / V, q of bfloat16 values, Dh % 32 == 0, at
+   most 128). S = Q K^T and O = P V are tile products (_tile_dpbf16ps: bfloat16 pairs, float32
+   sums); the scale, bias, mask and softmax stay in float32 AVX-512 between them. Tiles as
+   amx_configure sets them (16 rows x 64 bytes): C tiles 0-3, A 4, B 5. An item's N rows are
+   padded to Npad (a multiple of 16) with zero q rows, whose results are never read.
+
+   Each row's result is fixed whatever rows share its tiles (a tile product computes every C
+   row from its own A row), so it does not depend on the number of threads. The probabilities
+   e^(s - m) are rounded to bfloat16 for the P V product (as prefill_attention.c's item_amx
+   and torch's bfloat16 attention round them) and the row's sum adds those rounded values; the
+   suffix part stays in float32. ---- */
+
+/* K^T by bfloat16 pairs for the B tiles, block-major: block c (keys 16 c .. 16 c + 15) is the
+   [Dh / 2, 16] words at ktw + c * Dh * 8, word (p, t) = pair p (dims 2p, 2p + 1) of key t;
+   keys past Lp zero. Bit moves only (transpose8 on 32-bit words). */
+static inline __attribute__((always_inline)) void amx_pack_k(const int64_t Dh, const uint16_t *pk,
+                                                             int64_t Lp, int64_t Lpad,
+                                                             uint32_t *ktw) {
+  const int64_t P = Dh / 2;
+  const uint32_t *kw = (const uint32_t *)pk;
+  int64_t j = 0;
+  for (; j + 8 <= Lp; j += 8)
+    for (int64_t x = 0; x < P; x += 8)
+      transpose8(kw + j * P + x, P, (float *)(ktw + (j / 16) * P * 16 + x * 16 + j % 16), 16, 0);
+  for (int64_t t = j; t < Lpad; t++)
+    for (int64_t x = 0; x < P; x++)
+      ktw[(t / 16) * P * 16 + x * 16 + t % 16] = t < Lp ? kw[t * P + x] : 0u;
+}
+
+/* Raw dots <q_r, k_t> of the Npad rows of qb (bfloat16 [Npad, Dh]) into sp by key blocks: block
+   c of rows r0 .. r0 + 15 is the 16 x 16 floats at sp + c * ldc + r0 * 16 (the blocked layout
+   of group_item, written by one tile store). Four key blocks (C tiles) at a time. */
+static inline __attribute__((always_inline)) void amx_prefix_dots(
+    const int64_t Dh, int64_t Npad, const uint16_t *qb, const uint32_t *ktw, int64_t blocks,
+    float *sp, int64_t ldc, prefetcher *pf, int64_t per_tile) {
+  for (int64_t i = 0; i < Npad; i += 16)
+    for (int64_t c = 0; c < blocks; c += 4) {
+      const int NC = blocks - c < 4 ? (int)(blocks - c) : 4;
+#define ZERO(j) _tile_zero(j)
+      FOR_TILES(NC, ZERO);
+#undef ZERO
+      for (int64_t x = 0; x < Dh; x += 32) {
+        _tile_loadd(4, qb + i * Dh + x, Dh * 2);
+#define DOT(j)                                                      \
+  do {                                                              \
+    _tile_loadd(5, ktw + (c + (j)) * Dh * 8 + x / 2 * 16, 64);      \
+    _tile_dpbf16ps(j, 4, 5);                                        \
+  } while (0)
+        FOR_TILES(NC, DOT);
+#undef DOT
+      }
+#define STORE(j) _tile_stored(j, sp + (c + (j)) * ldc + i * 16, 64)
+      FOR_TILES(NC, STORE);
+#undef STORE
+      pf_issue(pf, per_tile);
+    }
+}
+
+/* Row r of the raw dots (blocks of 16 at s + c * ldc) -> scores dot * scale + bias (-inf where
+   masked, whatever the dot: stale K may overflow), in place; returns their maximum. */
+static inline float amx_scores_row(float *s, int64_t ldc, int64_t blocks, const float *pb,
+                                   float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  __m512 vm = ninf;
+  for (int64_t c = 0; c < blocks; c++) {
+    const __m512 b = _mm512_loadu_ps(pb + c * 16);
+    const __mmask16 m = _mm512_cmp_ps_mask(b, ninf, _CMP_EQ_OQ);
+    const __m512 v =
+        _mm512_mask_blend_ps(m, _mm512_fmadd_ps(_mm512_loadu_ps(s + c * ldc), vscale, b), ninf);
+    _mm512_storeu_ps(s + c * ldc, v);
+    vm = _mm512_max_ps(vm, v);
+  }
+  return _mm512_reduce_max_ps(vm);
+}
+
+/* Row r's scores (blocks of 16 at s + c * ldc) -> bfloat16 probabilities e^(s - m), rounded to
+   nearest even, into p's A-tile layout (key block u of 32: row r's 32 at p + u * ldu + r * 32;
+   the second half of a last odd block zero); returns the sum of the rounded values (one 16-lane
+   chain over the blocks in order). */
+static inline float amx_probabilities_row(const float *s, int64_t ldc, int64_t blocks, float m,
+                                          uint16_t *p, int64_t ldu) {
+  const __m512 vmax = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < blocks; c++) {
+    const __m256bh e =
+        _mm512_cvtneps_pbh(exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + c * ldc), vmax)));
+    _mm256_storeu_si256((__m256i *)(p + c / 2 * ldu + c % 2 * 16), (__m256i)e);
+    vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(e));
+  }
+  if (blocks & 1)
+    _mm256_storeu_si256((__m256i *)(p + blocks / 2 * ldu + 16), _mm256_setzero_si256());
+  return _mm512_reduce_add_ps(vsum);
+}
+
+/* V by key pairs for the B tiles: vw[u * Dh + x] = V[2u][x] | V[2u + 1][x] << 16 for the
+   pairs u < Lp32 / 2; a key not visible to any row (vis) or past Lp is zero, its V row never
+   read. */
+static inline __attribute__((always_inline)) void amx_pack_v(const int64_t Dh, const uint16_t *pv,
+                                                             int64_t Lp, int64_t Lp32,
+                                                             const unsigned char *vis,
+                                                             uint32_t *vw) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t = 0; t < Lp32; t += 2) {
+    const int v0 = t < Lp && vis[t], v1 = t + 1 < Lp && vis[t + 1];
+    for (int64_t x = 0; x < Dh; x += 16) {
+      const __m512i lo =
+          v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pv + t * Dh + x))) : zero;
+      const __m512i hi =
+          v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pv + (t + 1) * Dh + x)))
+             : zero;
+      _mm512_storeu_si512((void *)(vw + t / 2 * Dh + x),
+                          _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+/* o [Npad, Dh] = P V over the Lp32 / 32 key blocks (p in amx_probabilities_row's layout, vw
+   amx_pack_v's), 64 columns (4 C tiles) at a time; each element one chain of tile products
+   over the key blocks in order. Blocks whose 32 keys no row sees are skipped (their P and V are
+   zero: the sums would not change). */
+static inline __attribute__((always_inline)) void amx_pv(const int64_t Dh, int64_t Npad,
+                                                         int64_t Lp32, const uint16_t *p,
+                                                         const uint32_t *vw,
+                                                         const unsigned char *vis32, float *o,
+                                                         prefetcher *pf, int64_t per_block) {
+  for (int64_t i = 0; i < Npad; i += 16)
+    for (int64_t c = 0; c < Dh; c += 64) {
+      const int NC = Dh - c >= 64 ? 4 : (int)(Dh - c) / 16;
+      float *oc = o + i * Dh + c;
+#define ZERO(j) _tile_zero(j)
+      FOR_TILES(NC, ZERO);
+#undef ZERO
+      for (int64_t u = 0; u < Lp32 / 32; u++) {
+        pf_issue(pf, per_block);
+        if (!vis32[u]) continue;
+        _tile_loadd(4, p + u * Npad * 32 + i * 32, 64);
+#define DOT(j)                                                    \
+  do {                                                            \
+    _tile_loadd(5, vw + 16 * u * Dh + c + 16 * (j), Dh * 4);      \
+    _tile_dpbf16ps(j, 4, 5);                                      \
+  } while (0)
+        FOR_TILES(NC, DOT);
+#undef DOT
+      }
+#define STORE(j) _tile_stored(j, oc + 16 * (j), Dh * 4)
+      FOR_TILES(NC, STORE);
+#undef STORE
+    }
+}
+#endif
+
 /* o [n_rows, Dh] += p [n_rows, ldp] @ V [n, Dh] over the keys with vis[t]; issues the pending
    prefetches of pf spread over the keys it visits. */
 static inline __attribute__((always_inline)) void pv_rows(const int64_t Dh, const float *p,
@@ -819,14 +1016,18 @@ static inline __attribute__((always_inline)) void group_item(
     const int64_t *mem, int64_t n, int64_t h, const void *pk, const void *pv, int64_t Lp,
     int64_t Lpad, const float *pbias, const void *sk, const void *sv, int64_t s_h,
     int64_t s_d, int64_t Ls, const float *sbias, int64_t sbias_d, int64_t Hkv, float scale,
-    float *out, const group_buffers *b, const void *next_pk, const int bf16, const int dot) {
+    float *out, const group_buffers *b, const void *next_pk, const int bf16, const int dot,
+    const int amx) {
   const int64_t N = n * R, Q = R / rows_per_bias, es = bf16 ? 2 : 4;
+  // the AMX path pads the rows to whole tiles, the keys to whole 32-key blocks of P
+  const int64_t Npad = (N + 15) / 16 * 16, Lp32 = (Lp + 31) / 32 * 32;
+  (void)Npad, (void)Lp32, (void)amx;  // unused in builds without AMX
   // sp by key blocks where the 16-lane kernels cover the head: score (r, 16 c + t) at
   // sp[c * ldc_sp + r * 16 + t], so P @ V finds a block's rows at constant offsets from one
   // pointer; ldc_sp = (N + 1) * 16, not N * 16, for the softmax's pass along a row (blocks
   // N * 64 bytes apart: 2 KiB at N = 32, 2 of L1's 64 sets). Else row-major [N, lsp].
   const int blocked = HAVE_AVX512 && Dh % 16 == 0;
-  const int64_t ldc_sp = N * 16 + 16;
+  const int64_t ldc_sp = (amx ? Npad : N) * 16 + 16;
   (void)blocked, (void)ldc_sp;  // unused in builds without AVX-512
   prefetcher pf = {0}, pf_v = {0};  // prefix K now; prefix V, suffix K; suffix V
   pf_add(&pf, pk, Lp * Dh * es);
@@ -847,12 +1048,27 @@ static inline __attribute__((always_inline)) void group_item(
   }
   // prefix scores into sp (keys past Lp -inf)
 #if HAVE_AVX2
-#if HAVE_BF16_DOT
+#if HAVE_AMX
+  if (amx) {
+    uint16_t *qb = (uint16_t *)b->qp;  // q as bfloat16 (its values are: exact), zero past N
+    for (int64_t e = 0; e < N * Dh; e++) {
+      uint32_t w;
+      memcpy(&w, b->q + e, sizeof w);
+      qb[e] = (uint16_t)(w >> 16);
+    }
+    memset(qb + N * Dh, 0, sizeof(uint16_t) * (size_t)((Npad - N) * Dh));
+    amx_pack_k(Dh, (const uint16_t *)pk, Lp, Lpad, (uint32_t *)b->kt);
+    const int64_t tiles = Npad / 16 * ((Lpad / 16 + 3) / 4);
+    amx_prefix_dots(Dh, Npad, qb, (const uint32_t *)b->kt, Lpad / 16, b->sp, ldc_sp, &pf,
+                    (pf_lines(&pf) + tiles - 1) / tiles);
+  }
+#endif
+#if USE_BF16_DOT
   if (dot)
     prefix_scores_dot(Dh, N, (const uint16_t *)pk, Lp, Lpad, scale, b, blocked ? 16 : b->lsp,
                       blocked ? ldc_sp : 16, &pf);
 #endif
-  if (!dot) {
+  if (!dot && !amx) {
     // K^T block-major: keys in blocks of 16, block c the [Dh, 16] floats at kt + c * Dh * 16.
     // A block's rows are contiguous (one row-major [Dh, Lpad] K^T put the Dh rows a block
     // reads Lpad * 4 bytes apart: at Lpad = 512, 2 of L1's 64 sets for all of them).
@@ -946,6 +1162,16 @@ static inline __attribute__((always_inline)) void group_item(
 #if HAVE_AVX512
     if (blocked) {
       float *sp = b->sp + r * 16;
+#if HAVE_AMX
+      if (amx) {  // scale, bias and mask applied here (the tiles store raw dots)
+        const float m0 = amx_scores_row(sp, ldc_sp, Lpad / 16, b->pb, scale);
+        const float m = m0 > m1 ? m0 : m1;
+        b->inv[r] = 1.f / (amx_probabilities_row(sp, ldc_sp, Lpad / 16, m, b->pw + r * 32,
+                                                 Npad * 32) +
+                           exp_sum(ss, Ls, m));
+        continue;
+      }
+#endif
       const float m0 = row_max_blocked(sp, ldc_sp, Lpad), m = m0 > m1 ? m0 : m1;
       b->inv[r] = 1.f / (exp_sum_blocked(sp, ldc_sp, Lpad, m) + exp_sum(ss, Ls, m));
       continue;
@@ -958,6 +1184,20 @@ static inline __attribute__((always_inline)) void group_item(
   }
   // prefix PV for all rows, then each member's suffix PV and normalisation
   for (int64_t e = 0; e < N * Dh; e++) b->o[e] = 0.f;
+#if HAVE_AMX
+  if (amx) {
+    for (int64_t u = 0; u < Lp32 / 32; u++) {  // padding rows: zero probabilities
+      memset(b->pw + u * Npad * 32 + N * 32, 0, sizeof(uint16_t) * (size_t)((Npad - N) * 32));
+      unsigned char any = 0;
+      for (int64_t t = 32 * u; t < 32 * u + 32 && t < Lpad; t++) any |= b->vis[t];
+      b->vis32[u] = any;
+    }
+    amx_pack_v(Dh, (const uint16_t *)pv, Lp, Lp32, b->vis, b->vw);
+    const int64_t visits = Npad / 16 * ((Dh + 63) / 64) * (Lp32 / 32);
+    amx_pv(Dh, Npad, Lp32, b->pw, b->vw, b->vis32, b->o, &pf_v,
+           visits > 0 ? (pf_lines(&pf_v) + visits - 1) / visits : 0);
+  } else
+#endif
 #if HAVE_AVX512
   if (blocked) pv_prefix16(Dh, b->sp, ldc_sp, N, pv, Lp, b->vis, b->o, &pf_v, bf16);
   else
@@ -998,7 +1238,7 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
                           int64_t s_h, int64_t s_d, int64_t Ls, const float *sbias,
                           const void *pk, const void *pv, int64_t p_h, int64_t p_g, int64_t Lp,
                           const float *pbias, const int64_t *group_of, int64_t num_groups,
-                          float scale, float *out, int num_threads, int bf16, int dot) {
+                          float scale, float *out, int num_threads, int bf16, int dot, int amx) {
   const int64_t L = Lp + Ls, sbias_d = (R / rows_per_bias) * Ls;
   if (Lp > 0)
     for (int64_t d = 0; d < D; d++)
@@ -1063,21 +1303,30 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
       runs[2 * num_runs + 1] = start[g] - i < chunk ? start[g] - i : chunk;
       num_runs++;
     }
-  const int64_t rows = chunk * R, Lpad = (Lp + 15) / 16 * 16;
+  // rows16: an item's rows padded to whole tiles (the AMX path's q, scores and outputs)
+  const int64_t rows = chunk * R, rows16 = (rows + 15) / 16 * 16, Lpad = (Lp + 15) / 16 * 16;
+  const int64_t Lp32 = (Lp + 31) / 32 * 32;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
   {
     group_buffers b = {0};
-    const size_t floats = (size_t)(rows * Dh + Dh * Lpad + Lpad + (rows + 1) * (Lpad + 16) +
-                                   rows * Ls + rows * Dh + rows + rows * (Dh / 2));
-    float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls));
+    const size_t floats =
+        (size_t)(rows16 * Dh + Dh * Lpad + Lpad + (rows16 + 1) * (Lpad + 16) + rows * Ls +
+                 rows16 * Dh + rows + rows16 * (Dh / 2) + rows16 * Lp32 / 2 + Lp32 / 2 * Dh);
+    float *buf = (float *)malloc(sizeof(float) * floats + (size_t)(Lpad + Ls + Lp32 / 32));
     failed = buf == NULL;
     if (buf != NULL) {
-      b.q = buf, b.kt = b.q + rows * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
-      b.lsp = Lpad + 16, b.ss = b.sp + (rows + 1) * b.lsp, b.o = b.ss + rows * Ls;
-      b.inv = b.o + rows * Dh;
+      b.q = buf, b.kt = b.q + rows16 * Dh, b.pb = b.kt + Dh * Lpad, b.sp = b.pb + Lpad;
+      b.lsp = Lpad + 16, b.ss = b.sp + (rows16 + 1) * b.lsp, b.o = b.ss + rows * Ls;
+      b.inv = b.o + rows16 * Dh;
       b.qp = (uint32_t *)(b.inv + rows);
-      b.vis = (unsigned char *)(b.qp + rows * (Dh / 2));
+      b.pw = (uint16_t *)(b.qp + rows16 * (Dh / 2));
+      b.vw = (uint32_t *)(b.pw + rows16 * Lp32);
+      b.vis = (unsigned char *)(b.vw + Lp32 / 2 * Dh);
+      b.vis32 = b.vis + Lpad + Ls;
     }
+#if HAVE_AMX
+    if (amx) amx_configure();
+#endif
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < num_runs * Hkv; it++) {
       if (buf == NULL) continue;
@@ -1086,12 +1335,16 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
       const void *pki = kv_at(pk, h * p_h + g * p_g, bf16);
       const void *pvi = kv_at(pv, h * p_h + g * p_g, bf16), *next_pk = NULL;
       const float *pb = pbias + g * Lp;
+      // the tiles for a group of at least AMX_MIN_ROWS rows: decided by the group's size and
+      // the call's prefix, not the run's size (which depends on the number of threads)
+      const int amx_g = amx && (start[g] - (g > 0 ? start[g - 1] : 0)) * R >= AMX_MIN_ROWS &&
+                        Lp >= AMX_MIN_PREFIX;
       if (it + 1 < num_runs * Hkv)
         next_pk = kv_at(pk, ((it + 1) % Hkv) * p_h +
                                 group_of[order[runs[2 * ((it + 1) / Hkv)]]] * p_g, bf16);
 #define GROUP_ITEM(DH, BF16)                                                                  \
   group_item(DH, R, rows_per_bias, q, q_d, mem, n, h, pki, pvi, Lp, Lpad, pb, sk, sv, s_h, s_d, \
-             Ls, sbias, sbias_d, Hkv, scale, out, &b, next_pk, BF16, dot)
+             Ls, sbias, sbias_d, Hkv, scale, out, &b, next_pk, BF16, dot, amx_g)
       if (bf16) switch (Dh) {  // as in `item`
           case 32: GROUP_ITEM(32, 1); break;
           case 64: GROUP_ITEM(64, 1); break;
@@ -1106,6 +1359,9 @@ static int cascade_decode(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t
         }
 #undef GROUP_ITEM
     }
+#if HAVE_AMX
+    if (amx) _tile_release();
+#endif
     free(buf);
   }
   free(start), free(order), free(runs);
@@ -1120,7 +1376,8 @@ int cascade_decode_f32(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t ro
                        const int64_t *group_of, int64_t num_groups, float scale, float *out,
                        int num_threads) {
   return cascade_decode(D, Hkv, R, Dh, rows_per_bias, q, q_d, sk, sv, s_h, s_d, Ls, sbias, pk, pv,
-                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 0, 0);
+                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 0, 0,
+                        0);
 }
 
 int cascade_decode_bf16(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t rows_per_bias,
@@ -1129,20 +1386,26 @@ int cascade_decode_bf16(int64_t D, int64_t Hkv, int64_t R, int64_t Dh, int64_t r
                         const uint16_t *pk, const uint16_t *pv, int64_t p_h, int64_t p_g,
                         int64_t Lp, const float *pbias, const int64_t *group_of,
                         int64_t num_groups, float scale, float *out, int num_threads) {
-  // the prefix scores through bfloat16 dot products where that changes no product: every q
-  // value a bfloat16 (a bfloat16 model's q, widened); decided once per call, so a row's result
-  // never depends on how rows are blocked (the number of threads)
-  int dot = HAVE_BF16_DOT && Dh % 2 == 0 && Lp > 0;
-  for (int64_t d = 0; dot && d < D; d++) {
+  // the prefix scores through bfloat16 dot products or AMX tiles where that changes no
+  // product: every q value a bfloat16 (a bfloat16 model's q, widened); decided once per call,
+  // so a row's result never depends on how rows are blocked (the number of threads)
+  // (scanned only where a path needs it: q may be cold, and the check reads all of it)
+  int q_bf16 = (USE_BF16_DOT && Dh % 2 == 0 && Lp > 0) ||
+               (HAVE_AMX && Dh % 32 == 0 && Dh <= 128 && Lp >= AMX_MIN_PREFIX &&
+                cascade_decode_has_amx());
+  for (int64_t d = 0; q_bf16 && d < D; d++) {
+    uint32_t low = 0;  // a sequence's rows at a time, no early exit inside: a vector loop
     for (int64_t e = 0; e < Hkv * R * Dh; e++) {
       uint32_t w;
       memcpy(&w, q + d * q_d + e, sizeof w);
-      if (w & 0xFFFFu) {
-        dot = 0;
-        break;
-      }
+      low |= w & 0xFFFFu;
     }
+    q_bf16 = low == 0;
   }
+  const int dot = USE_BF16_DOT && Dh % 2 == 0 && q_bf16;
+  const int amx =
+      q_bf16 && Dh % 32 == 0 && Dh <= 128 && Lp >= AMX_MIN_PREFIX && cascade_decode_has_amx();
   return cascade_decode(D, Hkv, R, Dh, rows_per_bias, q, q_d, sk, sv, s_h, s_d, Ls, sbias, pk, pv,
-                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 1, dot);
+                        p_h, p_g, Lp, pbias, group_of, num_groups, scale, out, num_threads, 1, dot,
+                        amx);
 }

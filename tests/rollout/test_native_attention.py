@@ -1,5 +1,6 @@
 """The C decode-attention kernel (`rollout.native`) against the float64 matmul reference
-(`cascade_decode_attention_matmul`): its vector (AVX2) build and its portable build, head sizes
+(`cascade_decode_attention_matmul`): its vector (AVX2) build, the same without AMX tiles (on a
+CPU that has them) and its portable build, head sizes
 with and without an unrolled path, groups with and without a shared prefix, several queries per
 sequence, the suffix read in place from a strided view (as the suffix lanes give it), float32
 and bfloat16 K/V."""
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 BUILDS = builds(native.attention)
+if BUILDS["native"].cascade_decode_has_amx():
+    BUILDS["no_amx"] = native.attention.build(native.NO_AMX_FLAGS)
 
 
 def _gathered(k_cache, v_cache, meta, page_size, as_stored=False):
@@ -47,6 +50,34 @@ def _reference(q, k_cache, v_cache, meta, page_size):
     return cascade_decode_attention_matmul(q.double(), meta, suffix, prefix)
 
 
+AMX_MIN_ROWS, AMX_MIN_PREFIX = 16, 256  # cascade_decode.c's thresholds for the AMX prefix path
+
+
+def _on_amx(lib, head_dim: int, meta) -> bool:
+    """Whether `lib` runs a bfloat16 model's groups of at least AMX_MIN_ROWS rows a KV head on
+    AMX tiles (the prefix probabilities rounded to bfloat16) at this head size and prefix."""
+    return (
+        head_dim % 32 == 0
+        and head_dim <= 128
+        and meta.prefix_bias.shape[1] >= AMX_MIN_PREFIX
+        and bool(lib.cascade_decode_has_amx())
+    )
+
+
+def _check_amx(got, q, k_cache, v_cache, meta, page_size):
+    """The AMX prefix path against the float64 reference (exact probabilities p_t). Its prefix
+    weights are r_t = bfloat16(e_t) (e_t = e^(s_t - m), rounded to nearest: |r_t - e_t| <=
+    2^-8 e_t, bfloat16 keeping 8 significant bits) over S' = sum of the r_t and the suffix's
+    float32 e_t, so S' = S (1 + D) with |D| <= 2^-8, and each weight r_t / S' = p_t (1 + d_t) /
+    (1 + D) lies within 2 * 2^-8 / (1 - 2^-8) p_t < 1.01 * 2^-7 p_t of p_t (a suffix weight
+    within 1.01 * 2^-8 p_t): |got - want| <= 1.01 * 2^-7 sum_t p_t |v_t|, plus float32
+    rounding (the float32 tests' 2e-6)."""
+    want = _reference(q, k_cache, v_cache, meta, page_size)
+    scale = _reference(q, k_cache, v_cache.abs(), meta, page_size)  # sum_t p_t |v_t|
+    err = (got.double() - want).abs()
+    assert (err <= 1.01 * 2.0**-7 * scale + 2e-6 * want.abs() + 2e-6).all(), err.max().item()
+
+
 def test_the_builds_differ_in_their_vector_path():
     """Guards the test below: the portable build really runs the plain loops."""
     assert BUILDS["native"].cascade_decode_has_avx2() == int("avx2" in open("/proc/cpuinfo").read())
@@ -56,9 +87,15 @@ def test_the_builds_differ_in_their_vector_path():
     assert BUILDS["native"].cascade_decode_has_bf16_dot() == int(
         "avx512_bf16" in flags and not {"amx_tile", "amx_bf16"} <= set(flags)
     )
+    if "amx_bf16" not in flags:
+        assert BUILDS["native"].cascade_decode_has_amx() == 0
+    if "no_amx" in BUILDS:  # this CPU has AMX: the no_amx build runs its AVX-512 paths on it
+        assert BUILDS["no_amx"].cascade_decode_has_amx() == 0
+        assert BUILDS["no_amx"].cascade_decode_has_bf16_dot() == int("avx512_bf16" in flags)
     if "portable" in BUILDS:
         assert BUILDS["portable"].cascade_decode_has_avx2() == 0
         assert BUILDS["portable"].cascade_decode_has_bf16_dot() == 0
+        assert BUILDS["portable"].cascade_decode_has_amx() == 0
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
@@ -182,7 +219,14 @@ def test_a_bfloat16_pool_is_gathered_as_stored_for_the_kernel():
     assert torch.equal(got, direct)
     want = _reference(q.float(), k_cache.float(), v_cache.float(), meta, 4)
     err = (got.double() - want).abs()
-    assert (err <= want.abs() * 2.0**-8 + 1e-6).all(), err.max().item()
+    bound = want.abs() * 2.0**-8 + 1e-6  # the output rounded once to bfloat16
+    if _on_amx(
+        native.attention(), 32, meta
+    ):  # and the probabilities (_check_amx): 1.01 * 2^-7 each
+        bound += (
+            1.01 * 2.0**-7 * _reference(q.float(), k_cache.float(), v_cache.float().abs(), meta, 4)
+        )
+    assert (err <= bound).all(), err.max().item()
 
 
 def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -333,8 +377,9 @@ def test_a_bfloat16_models_q_scores_the_prefix_through_bfloat16_dot_products(
     where the build uses them (AVX-512 BF16, no AMX) the prefix scores are bfloat16 dot
     products, each product the float32 kernel's exact one and only the summation order
     different (elsewhere the float32 kernel's FMAs over the widened K), so the output stays
-    within float32 rounding of the float64 reference (the float32 tests' bound), is bitwise the
-    same for any number of threads, and stale K under masked keys never matters."""
+    within float32 rounding of the float64 reference (the float32 tests' bound); with AMX, groups
+    of 16 rows or more take the tiles (_check_amx's bound). Either way bitwise the same for any
+    number of threads, and stale K under masked keys never matters."""
     q, k_cache, v_cache, meta = _group_case(head_dim, page_size, seed=head_dim + page_size)
     q = q.bfloat16().float()
     k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
@@ -348,12 +393,16 @@ def test_a_bfloat16_models_q_scores_the_prefix_through_bfloat16_dot_products(
         torch.set_num_threads(before)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
-    want = _reference(q, k_cache.float(), v_cache.float(), meta, page_size)
-    torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-6)
+    if _on_amx(lib, head_dim, meta):  # the group of 8 (and of 5) on AMX tiles
+        _check_amx(outs[0], q, k_cache.float(), v_cache.float(), meta, page_size)
+    else:
+        want = _reference(q, k_cache.float(), v_cache.float(), meta, page_size)
+        torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-6)
     widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
     float32_kernel = cascade_decode_attention_native(lib, q, meta, *widened)
-    # the dot path really ran where the CPU has it: another summation order, other last bits
-    assert torch.equal(outs[0], float32_kernel) != bool(lib.cascade_decode_has_bf16_dot())
+    # the dot path (or the tiles) really ran where the CPU has it: other last bits
+    differs = bool(lib.cascade_decode_has_bf16_dot()) or _on_amx(lib, head_dim, meta)
+    assert torch.equal(outs[0], float32_kernel) != differs
     pk = prefix[0].clone()
     masked = torch.isneginf(meta.prefix_bias)
     assert masked.any()
@@ -384,3 +433,71 @@ def test_stale_values_under_masked_keys_never_matter(build, head_dim):
         t[:, masked] = huge
     dirty = cascade_decode_attention_native(BUILDS[build], q, meta, (sk, sv), (pk, pv))
     assert torch.equal(dirty, clean)
+
+
+def _threshold_case(head_dim: int, page_size: int, seed: int):
+    """A bfloat16 model's decode step (1 query, 4 q heads a KV head: 4 rows a sequence) with
+    groups around the AMX threshold of 16 rows a KV head: 3 members (12 rows, the FMA tile), 4
+    (16), 8 (32), 10 (40: a padded tile) and 4 with no prefix at all (every prefix key masked);
+    prefixes of different lengths (shorter ones masked to the longest, which is past
+    AMX_MIN_PREFIX), key counts not multiples of 32. Returns q, the bfloat16 pool, meta and the
+    token rows of the small group."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = random_pool(2, 400, page_size, head_dim, torch.float32, g)
+    keys = [180, 100, 300, 0, 140]  # prefix keys a group, rounded up to whole pages
+    sizes = [(-(-n // page_size), m) for n, m in zip(keys, [3, 4, 8, 4, 10])]
+    groups = [
+        (pages, torch.randint(0, 3 * page_size, (n,), generator=g).tolist()) for pages, n in sizes
+    ]
+    meta = cascade_metadata(groups, page_size, 400, g)
+    assert meta.prefix_bias.shape[1] >= AMX_MIN_PREFIX
+    q = torch.randn(meta.num_tokens, 8, head_dim, generator=g).bfloat16().float()
+    small = meta.query_index[: sizes[0][1]]  # sequences in group order, one query each
+    return q, k_cache.bfloat16(), v_cache.bfloat16(), meta, small
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_bfloat16_groups_of_16_rows_or_more_take_the_amx_tiles(build, head_dim, page_size):
+    """Where the build and CPU have AMX, a bfloat16 model's groups of at least 16 rows a KV head
+    compute the prefix part on tiles (probabilities rounded to bfloat16: _check_amx's bound
+    against the float64 reference) and smaller groups on the FMA tile (bitwise the float32
+    kernel on the widened values); elsewhere (no AMX: the fallback) every group is within
+    float32 rounding. Either way bitwise the same for any number of threads (runs of a group
+    are cut differently; the path is the group's, not the run's), and stale K / V under masked
+    prefix keys (huge values whose products overflow) never matter."""
+    q, k_cache, v_cache, meta, small = _threshold_case(head_dim, page_size, seed=head_dim)
+    lib, before, outs = BUILDS[build], torch.get_num_threads(), []
+    suffix, prefix = _gathered(k_cache, v_cache, meta, page_size, as_stored=True)
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            outs.append(cascade_decode_attention_native(lib, q, meta, suffix, prefix))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    got = outs[0]
+    widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
+    float32_kernel = cascade_decode_attention_native(lib, q, meta, *widened)
+    if _on_amx(lib, head_dim, meta):
+        path = "AMX tiles (groups >= 16 rows), FMA tile (the 12-row group)"
+        _check_amx(got, q, k_cache.float(), v_cache.float(), meta, page_size)
+        assert torch.equal(got[small], float32_kernel[small])
+        big = torch.ones(got.shape[0], dtype=torch.bool)
+        big[small] = False
+        assert not torch.equal(got[big], float32_kernel[big])  # the tiles really ran
+    else:
+        path = "fallback without AMX (FMA tile or bfloat16 dots)"
+        want = _reference(q, k_cache.float(), v_cache.float(), meta, page_size)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+        if not lib.cascade_decode_has_bf16_dot():
+            assert torch.equal(got, float32_kernel)
+    print(f"{build} build, head_dim {head_dim}: {path}")
+    pk, pv = (t.clone() for t in prefix)
+    masked = torch.isneginf(meta.prefix_bias)
+    assert masked.any()
+    huge = torch.tensor([3e38, -3e38]).repeat(head_dim // 2).bfloat16()
+    pk[:, masked], pv[:, masked] = huge, huge
+    assert torch.equal(cascade_decode_attention_native(lib, q, meta, suffix, (pk, pv)), got)
