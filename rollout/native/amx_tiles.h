@@ -46,6 +46,15 @@ static void amx_configure(void) {
   for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
 }
+
+/* Applies F(j) for the C tiles j < NC (NC <= 4), with j an immediate (tile numbers are). */
+#define FOR_TILES(NC, F) \
+  do {                   \
+    F(0);                \
+    if ((NC) > 1) F(1);  \
+    if ((NC) > 2) F(2);  \
+    if ((NC) > 3) F(3);  \
+  } while (0)
 #endif
 
 #endif

@@ -52,7 +52,7 @@
 #define HAVE_BF16_DOT 0
 #endif
 
-#include "amx_tiles.h"  // HAVE_AMX, amx_usable, amx_configure
+#include "amx_tiles.h"  // HAVE_AMX, amx_usable, amx_configure, FOR_TILES
 
 /* vdpbf16ps (two bfloat16 products a float32 lane, products exact) for a bfloat16 model's prefix
    scores, rather than FMAs over the widened K, only on cores where it is the faster of the two.
@@ -803,15 +803,6 @@ static inline __attribute__((always_inline)) void pv_prefix16(
 #endif
 
 #if HAVE_AMX
-/* Applies F(j) for the C tiles j < NC (NC <= 4), with j an immediate (tile numbers are). */
-#define FOR_TILES(NC, F) \
-  do {                   \
-    F(0);                \
-    if ((NC) > 1) F(1);  \
-    if ((NC) > 2) F(2);  \
-    if ((NC) > 3) F(3);  \
-  } while (0)
-
 /* ---- The prefix part on AMX tiles (bfloat16 K / V, q of bfloat16 values, Dh % 32 == 0, at
    most 128). S = Q K^T and O = P V are tile products (_tile_dpbf16ps: bfloat16 pairs, float32
    sums); the scale, bias, mask and softmax stay in float32 AVX-512 between them. Tiles as

@@ -46,7 +46,7 @@
 #define HAVE_BF16_DOT 0
 #endif
 
-#include "amx_tiles.h"  // HAVE_AMX, amx_usable, amx_configure
+#include "amx_tiles.h"  // HAVE_AMX, amx_usable, amx_configure, FOR_TILES
 
 int prefill_attention_has_avx512(void) { return HAVE_AVX512; }
 
@@ -492,15 +492,6 @@ static inline __attribute__((always_inline)) void item(
 
    Where the process may not use the tiles (amx_tiles.h: amx_usable) the AVX-512 path runs.
    Tile numbers are immediates: C tiles 0-3, A 4, B 5. */
-
-/* Applies F(j) for the C tiles j < NC (NC <= 4), with j an immediate. */
-#define FOR_TILES(NC, F) \
-  do {                   \
-    F(0);                \
-    if ((NC) > 1) F(1);  \
-    if ((NC) > 2) F(2);  \
-    if ((NC) > 3) F(3);  \
-  } while (0)
 
 /* s[0 .. Rp)[0 .. NC * 16) = <q_r, key t> (unscaled) for the block's first NC * 16 keys. */
 static inline __attribute__((always_inline)) void amx_scores(const int64_t Dh, int64_t Rp, int NC,
