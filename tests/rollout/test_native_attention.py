@@ -342,6 +342,21 @@ def test_no_shared_prefix_at_all_matches_the_reference(build):
     )
 
 
+def _same_for_any_thread_count(lib, q, meta, suffix, prefix) -> torch.Tensor:
+    """The kernel's output at 1, 2, 3 and 8 threads, asserted bitwise the same (each output
+    element is computed the same way whichever thread computes it); returns it."""
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            outs.append(cascade_decode_attention_native(lib, q, meta, suffix, prefix))
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        assert torch.equal(other, outs[0])
+    return outs[0]
+
+
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_a_large_group_is_split_over_threads_with_bitwise_equal_results(build):
     """One group of 24 members: with more threads its members are cut into shorter runs (work
@@ -353,17 +368,10 @@ def test_a_large_group_is_split_over_threads_with_bitwise_equal_results(build):
     )
     q = torch.randn(meta.num_tokens, 6, 32, generator=g)
     suffix, prefix = _gathered(k_cache, v_cache, meta, 4)
-    lib, before, outs = BUILDS[build], torch.get_num_threads(), []
-    try:
-        for threads in (1, 2, 3, 8):
-            torch.set_num_threads(threads)
-            outs.append(cascade_decode_attention_native(lib, q, meta, suffix, prefix))
-    finally:
-        torch.set_num_threads(before)
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
+    lib = BUILDS[build]
+    out = _same_for_any_thread_count(lib, q, meta, suffix, prefix)
     torch.testing.assert_close(
-        outs[0].double(), _reference(q, k_cache, v_cache, meta, 4), atol=2e-6, rtol=2e-6
+        out.double(), _reference(q, k_cache, v_cache, meta, 4), atol=2e-6, rtol=2e-6
     )
 
 
@@ -383,32 +391,25 @@ def test_a_bfloat16_models_q_scores_the_prefix_through_bfloat16_dot_products(
     q, k_cache, v_cache, meta = _group_case(head_dim, page_size, seed=head_dim + page_size)
     q = q.bfloat16().float()
     k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
-    lib, before, outs = BUILDS[build], torch.get_num_threads(), []
+    lib = BUILDS[build]
     suffix, prefix = _gathered(k_cache, v_cache, meta, page_size, as_stored=True)
-    try:
-        for threads in (1, 2, 3, 8):
-            torch.set_num_threads(threads)
-            outs.append(cascade_decode_attention_native(lib, q, meta, suffix, prefix))
-    finally:
-        torch.set_num_threads(before)
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
+    out = _same_for_any_thread_count(lib, q, meta, suffix, prefix)
     if _on_amx(lib, head_dim, meta):  # the group of 8 (and of 5) on AMX tiles
-        _check_amx(outs[0], q, k_cache.float(), v_cache.float(), meta, page_size)
+        _check_amx(out, q, k_cache.float(), v_cache.float(), meta, page_size)
     else:
         want = _reference(q, k_cache.float(), v_cache.float(), meta, page_size)
-        torch.testing.assert_close(outs[0].double(), want, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
     widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
     float32_kernel = cascade_decode_attention_native(lib, q, meta, *widened)
     # the dot path (or the tiles) really ran where the CPU has it: other last bits
     differs = bool(lib.cascade_decode_has_bf16_dot()) or _on_amx(lib, head_dim, meta)
-    assert torch.equal(outs[0], float32_kernel) != differs
+    assert torch.equal(out, float32_kernel) != differs
     pk = prefix[0].clone()
     masked = torch.isneginf(meta.prefix_bias)
     assert masked.any()
     pk[:, masked] = torch.tensor([3e38, -3e38]).repeat(head_dim // 2).bfloat16()
     dirty = cascade_decode_attention_native(lib, q, meta, suffix, (pk, prefix[1]))
-    assert torch.equal(dirty, outs[0])
+    assert torch.equal(dirty, out)
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
@@ -468,17 +469,9 @@ def test_bfloat16_groups_of_16_rows_or_more_take_the_amx_tiles(build, head_dim, 
     are cut differently; the path is the group's, not the run's), and stale K / V under masked
     prefix keys (huge values whose products overflow) never matter."""
     q, k_cache, v_cache, meta, small = _threshold_case(head_dim, page_size, seed=head_dim)
-    lib, before, outs = BUILDS[build], torch.get_num_threads(), []
+    lib = BUILDS[build]
     suffix, prefix = _gathered(k_cache, v_cache, meta, page_size, as_stored=True)
-    try:
-        for threads in (1, 2, 3, 8):
-            torch.set_num_threads(threads)
-            outs.append(cascade_decode_attention_native(lib, q, meta, suffix, prefix))
-    finally:
-        torch.set_num_threads(before)
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-    got = outs[0]
+    got = _same_for_any_thread_count(lib, q, meta, suffix, prefix)
     widened = _gathered(k_cache.float(), v_cache.float(), meta, page_size)
     float32_kernel = cascade_decode_attention_native(lib, q, meta, *widened)
     if _on_amx(lib, head_dim, meta):
