@@ -31,8 +31,8 @@
 * The same with `partial: in_place`: a carried sample's continuation goes to its decode replica
   directly (no prefill replica, nothing re-sent), which adopts the K/V it parked: the parked
   tokens reused (`rollout/in_place_reused_tokens`) equal the run without's, and are not zero.
-* The prefill replica killed after the first step and a decode replica killed mid-rollout (no
-  answer to a probe while it generates long samples): both are replaced (two restarts counted),
+* The prefill replica killed after the first step and a decode replica killed mid-rollout (right
+  after a later step's decode call is sent to it): both are replaced (two restarts counted),
   the run completes and every step trains every prompt's whole group once.
 """
 
@@ -52,6 +52,7 @@ from test_oversampling_e2e import MOE
 from test_resume_e2e import RECIPE, is_timing, rows_of
 
 from miles_like.recipe.cli import main
+from miles_like.rollouts.prefill_then_decode import PrefillDecode
 from miles_like.run.loop import run
 
 pytestmark = pytest.mark.slow
@@ -266,14 +267,26 @@ def test_over_sampled_in_place_partial_rollouts_in_pd_mode_are_the_run_without(
     assert_each_group_trained_once(pd)
 
 
-def kill_prefill_then_decode(out: Path, known: set[str], done: threading.Event) -> list[str]:
+def kill_prefill_then_decode(
+    out: Path, known: set[str], done: threading.Event, monkeypatch
+) -> list[str]:
     """engine 0 (the prefill replica) once the first step's row is logged; engine 1 (a decode
-    replica) once a later row is and it does not answer a probe within 0.2 s (generating: right
-    after a row the next step's rollout runs, and the weight push comes only after it; probed
-    for up to 1 s, as its batch is prefilled first)."""
+    replica) in a later step's rollout, right after a `decode` call is sent to it: the call is
+    queued or running when the actor dies. (A probe of the actor cannot tell its decode from
+    the weight push that follows a short rollout, and an engine dying during a push ends the
+    run by design; so the decode kill rides on the call itself.)"""
     prefill, decode = new_actor(".engine.0", known), new_actor(".engine.1", known)
-    metrics, killed, seen = out / "metrics.jsonl", [], 0
-    while not done.is_set() and len(killed) < 2:
+    metrics, killed, armed, seen = out / "metrics.jsonl", [], threading.Event(), 0
+    send = PrefillDecode._wait
+
+    async def wait_killing_decode(self, ref, actor: str, method: str):
+        if armed.is_set() and (actor, method) == ("engine 1", "decode") and len(killed) == 1:
+            ray.kill(decode)
+            killed.append("decode")
+        return await send(self, ref, actor, method)
+
+    monkeypatch.setattr(PrefillDecode, "_wait", wait_killing_decode)
+    while not done.is_set() and not armed.is_set():
         rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         if rows == seen:
             time.sleep(0.005)
@@ -282,21 +295,17 @@ def kill_prefill_then_decode(out: Path, known: set[str], done: threading.Event) 
         if not killed:
             ray.kill(prefill)
             killed.append("prefill")
-            continue
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            answered, _ = ray.wait([decode.stats.remote()], timeout=0.2)
-            if not answered:
-                ray.kill(decode)
-                killed.append("decode")
-                break
-            time.sleep(0.02)
+        else:
+            armed.set()
+    done.wait()
     return killed
 
 
-def test_a_killed_prefill_and_decode_replica_are_replaced(ray_four, cache, tmp_path, capsys):
+def test_a_killed_prefill_and_decode_replica_are_replaced(
+    ray_four, cache, tmp_path, capsys, monkeypatch
+):
     out, known, done = tmp_path / "run", set(ray.util.list_named_actors()), threading.Event()
-    thread, killer = in_background(lambda: kill_prefill_then_decode(out, known, done))
+    thread, killer = in_background(lambda: kill_prefill_then_decode(out, known, done, monkeypatch))
     try:
         overrides = [o for o in FEW_LONG_SAMPLES if not o.startswith("steps=")]
         rows = run_in_process(out, "steps=5", *overrides, *ONE_PREFILL_TWO_DECODE)
