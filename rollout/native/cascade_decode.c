@@ -680,15 +680,18 @@ static inline __attribute__((always_inline)) void pv_cols(
 #endif
 
 #if HAVE_AVX512
-/* pv_block in 16-lane registers: RB rows of NV * 16 columns. Each output element is the same
-   FMA chain over the keys in order as in pv_block, so the results are bitwise the same. */
+/* pv_block in 16-lane registers: RB rows of NV * 16 columns, p(r, 16 c + u) at
+   p[c * cs + r * rs + u]: row-major probabilities (rows ldp apart) are (cs, rs) = (16, ldp);
+   by key blocks (block c at p + c * ldc, each key's RB probabilities at constant offsets from
+   one pointer) (ldc, 16). Each output element is the same FMA chain over the keys in order as
+   in pv_block, whatever the layout or blocking, so the results are bitwise the same. */
 static inline __attribute__((always_inline)) void pv_block16(
-    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldp, const void *V,
-    int64_t n, const unsigned char *vis, float *o, int64_t ldo, prefetcher *pf, int64_t per_key,
-    const int bf16) {
-  __m512 acc[6][2];
+    const int RB, const int NV, const int64_t Dh, const float *p, const int64_t cs,
+    const int64_t rs, const void *V, int64_t n, const unsigned char *vis, float *o,
+    prefetcher *pf, int64_t per_key, const int bf16) {
+  __m512 acc[12][2];
   for (int r = 0; r < RB; r++)
-    for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * ldo + v * 16);
+    for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * Dh + v * 16);
   for (int64_t t = 0; t < n; t++) {
     pf_issue(pf, per_key);
     if (!vis[t]) continue;  // masked for every row: V[t] is never read
@@ -696,13 +699,14 @@ static inline __attribute__((always_inline)) void pv_block16(
     for (int v = 0; v < NV; v++)
       vv[v] = bf16 ? bf16_load16((const uint16_t *)V + t * Dh + v * 16)
                    : _mm512_loadu_ps((const float *)V + t * Dh + v * 16);
+    const float *pt = cs == 16 ? p + t : p + (t >> 4) * cs + (t & 15);  // p(0, t)
     for (int r = 0; r < RB; r++) {
-      const __m512 b = _mm512_set1_ps(p[r * ldp + t]);
+      const __m512 b = _mm512_set1_ps(pt[r * rs]);
       for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(b, vv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < RB; r++)
-    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + r * ldo + v * 16, acc[r][v]);
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + r * Dh + v * 16, acc[r][v]);
 }
 
 /* pv_block16 over n_rows rows for the NV * 16 columns at V, o: blocks of 6 rows, then one
@@ -713,77 +717,38 @@ static inline __attribute__((always_inline)) void pv_cols16(
     const int bf16) {
   int64_t i = 0;
   for (; i + 6 <= n_rows; i += 6)
-    pv_block16(6, NV, Dh, p + i * ldp, ldp, V, n, vis, o + i * Dh, Dh, pf, per_key, bf16);
+    pv_block16(6, NV, Dh, p + i * ldp, 16, ldp, V, n, vis, o + i * Dh, pf, per_key, bf16);
   const float *pr = p + i * ldp;
   float *orr = o + i * Dh;
   switch (n_rows - i) {
-    case 5: pv_block16(5, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
-    case 4: pv_block16(4, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
-    case 3: pv_block16(3, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
-    case 2: pv_block16(2, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
-    case 1: pv_block16(1, NV, Dh, pr, ldp, V, n, vis, orr, Dh, pf, per_key, bf16); break;
+#define REST(k)                                                                   \
+  case k: pv_block16(k, NV, Dh, pr, 16, ldp, V, n, vis, orr, pf, per_key, bf16); break;
+    REST(5) REST(4) REST(3) REST(2) REST(1)
+#undef REST
   }
 }
 #endif
 
 #if HAVE_AVX512
-/* pv_block16 with p by key blocks: p(r, 16 c + u) at p[c * ldc + r * 16 + u], so each key's RB
-   probabilities sit at constant offsets from one pointer (with rows ldp apart the compiler
-   kept the row offsets on the stack and reloaded them for every key, and more than 6 rows a
-   block did not fit). Each output element is the same FMA chain over the keys in order as in
-   pv_block16: bitwise the same results. */
-static inline __attribute__((always_inline)) void pv_prefix_block16(
-    const int RB, const int NV, const int64_t Dh, const float *p, int64_t ldc, const void *V,
-    int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
-    const int bf16) {
-  __m512 acc[12][2];
-  for (int r = 0; r < RB; r++)
-    for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(o + r * Dh + v * 16);
-  for (int64_t c = 0; c * 16 < n; c++) {
-    const float *pc = p + c * ldc;
-    const int64_t un = n - c * 16 < 16 ? n - c * 16 : 16;
-    for (int64_t u = 0; u < un; u++) {
-      const int64_t t = c * 16 + u;
-      pf_issue(pf, per_key);
-      if (!vis[t]) continue;  // masked for every row: V[t] is never read
-      __m512 vv[2];
-      for (int v = 0; v < NV; v++)
-        vv[v] = bf16 ? bf16_load16((const uint16_t *)V + t * Dh + v * 16)
-                     : _mm512_loadu_ps((const float *)V + t * Dh + v * 16);
-      for (int r = 0; r < RB; r++) {
-        const __m512 b = _mm512_set1_ps(pc[r * 16 + u]);
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(b, vv[v], acc[r][v]);
-      }
-    }
-  }
-  for (int r = 0; r < RB; r++)
-    for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + r * Dh + v * 16, acc[r][v]);
-}
-
-/* pv_prefix_block16 over N rows for the NV * 16 columns at V, o: blocks of 12 rows (24
-   accumulators at NV = 2: per key NV V loads and 12 probabilities feed 24 FMAs, and V is read
-   half as often as with the 6-row blocks the row stride forced), then one block of the rest. */
+/* pv_block16 over N rows of probabilities by key blocks for the NV * 16 columns at V, o:
+   blocks of 12 rows (24 accumulators at NV = 2: per key NV V loads and 12 probabilities feed
+   24 FMAs, and V is read half as often as with 6-row blocks), then one block of the rest. With
+   rows ldp apart (pv_cols16) the compiler kept the row offsets on the stack and reloaded them
+   for every key, and more than 6 rows a block did not fit: hence the key-block layout. */
 static inline __attribute__((always_inline)) void pv_prefix_cols16(
     const int NV, const int64_t Dh, const float *p, int64_t ldc, int64_t N, const void *V,
     int64_t n, const unsigned char *vis, float *o, prefetcher *pf, int64_t per_key,
     const int bf16) {
   int64_t i = 0;
   for (; i + 12 <= N; i += 12)
-    pv_prefix_block16(12, NV, Dh, p + i * 16, ldc, V, n, vis, o + i * Dh, pf, per_key, bf16);
+    pv_block16(12, NV, Dh, p + i * 16, ldc, 16, V, n, vis, o + i * Dh, pf, per_key, bf16);
   const float *pr = p + i * 16;
   float *orr = o + i * Dh;
   switch (N - i) {  // the last rows: one block of a constant size
-    case 11: pv_prefix_block16(11, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 10: pv_prefix_block16(10, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 9: pv_prefix_block16(9, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 8: pv_prefix_block16(8, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 7: pv_prefix_block16(7, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 6: pv_prefix_block16(6, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 5: pv_prefix_block16(5, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 4: pv_prefix_block16(4, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 3: pv_prefix_block16(3, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 2: pv_prefix_block16(2, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
-    case 1: pv_prefix_block16(1, NV, Dh, pr, ldc, V, n, vis, orr, pf, per_key, bf16); break;
+#define REST(k)                                                                   \
+  case k: pv_block16(k, NV, Dh, pr, ldc, 16, V, n, vis, orr, pf, per_key, bf16); break;
+    REST(11) REST(10) REST(9) REST(8) REST(7) REST(6) REST(5) REST(4) REST(3) REST(2) REST(1)
+#undef REST
   }
 }
 
