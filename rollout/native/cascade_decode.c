@@ -904,17 +904,9 @@ static inline __attribute__((always_inline)) void amx_pv(const int64_t Dh, int64
         pf_issue(pf, per_block);
         if (!vis32[u]) continue;
         _tile_loadd(4, p + u * Npad * 32 + i * 32, 64);
-#define DOT(j)                                                    \
-  do {                                                            \
-    _tile_loadd(5, vw + 16 * u * Dh + c + 16 * (j), Dh * 4);      \
-    _tile_dpbf16ps(j, 4, 5);                                      \
-  } while (0)
-        FOR_TILES(NC, DOT);
-#undef DOT
+        amx_dot_values(NC, vw, u, c, Dh);
       }
-#define STORE(j) _tile_stored(j, oc + 16 * (j), Dh * 4)
-      FOR_TILES(NC, STORE);
-#undef STORE
+      amx_store_c(NC, oc, Dh);
     }
 }
 #endif

@@ -533,17 +533,9 @@ static inline __attribute__((always_inline)) void amx_weighted_values(const int6
 #undef LOAD
       for (int64_t u = 0; u < KS; u++) {
         _tile_loadd(4, p + i * BK + 32 * u, BK * 2);
-#define DOT(j)                                                    \
-  do {                                                            \
-    _tile_loadd(5, vw + 16 * u * Dh + c + 16 * (j), Dh * 4);      \
-    _tile_dpbf16ps(j, 4, 5);                                      \
-  } while (0)
-        FOR_TILES(NC, DOT);
-#undef DOT
+        amx_dot_values(NC, vw, u, c, Dh);
       }
-#define STORE(j) _tile_stored(j, oc + 16 * (j), Dh * 4)
-      FOR_TILES(NC, STORE);
-#undef STORE
+      amx_store_c(NC, oc, Dh);
     }
 }
 
