@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, NamedTuple
 
 import httpx
@@ -254,6 +255,26 @@ async def proxy(front: RouterFront, path: str, request: Request):
     return out
 
 
+_SSE_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream: ended by CRLF, LF or CR only, as the format
+    defines them. (httpx's `aiter_lines` also ends a line at U+0085, U+2028 and U+2029, which a
+    JSON string carries unescaped: an event whose text holds one would be cut in two.) A CR at
+    a chunk's end waits for the next chunk: it may be half of a CRLF."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        whole = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+        *lines, rest = _SSE_LINE_END.split(pending[:whole])
+        pending = rest + pending[whole:]
+        for line in lines:
+            yield line.decode()
+    if pending:
+        yield pending.removesuffix(b"\r").decode()
+
+
 async def relay_stream(front: RouterFront, path: str, body: dict[str, Any]):
     """A streamed request sent to the chosen replica, its events relayed as they come; the
     router's tree learns the prompt and the streamed token ids."""
@@ -284,7 +305,7 @@ async def relay_stream(front: RouterFront, path: str, body: dict[str, Any]):
     async def events():
         sampled: dict[int, list[int]] = {}
         try:
-            async for line in upstream.aiter_lines():
+            async for line in sse_lines(upstream.aiter_bytes()):
                 if line.startswith("data: {"):
                     for choice in json.loads(line[6:]).get("choices", ()):
                         sampled.setdefault(choice["index"], []).extend(choice.get("token_ids", ()))
