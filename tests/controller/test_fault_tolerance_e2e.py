@@ -8,6 +8,7 @@ in it; the run's actors are found by their names (`miles_like.{run tag}.{role}.{
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles_like.recipe.cli import main
+from miles_like.rollouts.replica_batcher import ReplicaBatcher
 from miles_like.run import checkpoint
 from miles_like.run.calls import ActorDied, CallTimeout, start_call, wait_all
 from miles_like.run.loop import run
@@ -129,23 +131,34 @@ def test_trainer_death_stops_the_run_cleanly(ray_local, cache, tmp_path, capsys)
     assert not [n for n in ray.util.list_named_actors() if n not in known]
 
 
-def kill_engine_mid_rollout(out: Path, known: set[str], done: threading.Event) -> None:
-    """Right after a step's row is logged the controller waits for the next rollout (off-policy:
-    launched earlier, overlapping the training); an engine that cannot answer a probe within
-    0.2 s then is generating it: kill it there, once."""
+def kill_engine_mid_rollout(out: Path, known: set[str], done: threading.Event, monkeypatch) -> None:
+    """Engine 0 killed once, in a rollout after the first step's row is logged, right after a
+    `generate` call is sent to it: the call is queued or running when the actor dies. (A probe
+    of the actor cannot tell its rollout from the weight push that follows a short one, and an
+    engine dying during a push ends the run by design; so the kill rides on the call itself.)"""
     engine = new_actor(".engine.0", known)
-    metrics = out / "metrics.jsonl"
-    seen = 0
-    while not done.is_set():
-        rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-        if rows == seen:
-            time.sleep(0.005)
-            continue
-        seen = rows
-        answered, _ = ray.wait([engine.stats.remote()], timeout=0.2)
-        if not answered:
-            ray.kill(engine)
-            return
+    metrics, armed, killed = out / "metrics.jsonl", threading.Event(), []
+    replaced = ReplicaBatcher.with_replacement
+
+    async def with_a_kill(self, i: int, method: str, requests: int, attempt):
+        if not (armed.is_set() and (i, method) == (0, "generate") and not killed):
+            return await replaced(self, i, method, requests, attempt)
+
+        async def sent_then_killed():
+            call = asyncio.ensure_future(attempt())
+            await asyncio.sleep(0)  # the call is sent
+            if not killed:
+                ray.kill(engine)
+                killed.append(method)
+            return await call
+
+        return await replaced(self, i, method, requests, sent_then_killed)
+
+    monkeypatch.setattr(ReplicaBatcher, "with_replacement", with_a_kill)
+    while not done.is_set() and not armed.is_set():
+        if metrics.exists() and metrics.read_text().strip():
+            armed.set()
+        time.sleep(0.005)
 
 
 # Few, long samples: a rollout (256 decode steps) outlasts a training step by far, so a kill
@@ -170,11 +183,13 @@ FEW_LONG_SAMPLES = (
     ],
     ids=["colocated", "disaggregated-off-policy"],
 )
-def test_engine_killed_mid_rollout_is_replaced(ray_local, cache, tmp_path, capsys, placement):
+def test_engine_killed_mid_rollout_is_replaced(
+    ray_local, cache, tmp_path, capsys, monkeypatch, placement
+):
     """Few, long samples: a rollout (256 decode steps) outlasts a training step by far."""
     out = tmp_path / "run"
     known, done = set(ray.util.list_named_actors()), threading.Event()
-    thread, killer = in_background(lambda: kill_engine_mid_rollout(out, known, done))
+    thread, killer = in_background(lambda: kill_engine_mid_rollout(out, known, done, monkeypatch))
     code = main(
         [
             RECIPE,
@@ -200,12 +215,14 @@ def test_engine_killed_mid_rollout_is_replaced(ray_local, cache, tmp_path, capsy
         assert restarted["train/logprob_diff_max"] <= 1e-5
 
 
-def test_an_engine_death_past_the_restart_budget_stops_the_run(ray_local, cache, tmp_path, capsys):
+def test_an_engine_death_past_the_restart_budget_stops_the_run(
+    ray_local, cache, tmp_path, capsys, monkeypatch
+):
     """`cluster.max_engine_restarts=0`: the synchronous loop's first engine death stops the run
     with one line naming the field (the same budget bounds the fully asynchronous loop)."""
     out = tmp_path / "run"
     known, done = set(ray.util.list_named_actors()), threading.Event()
-    thread, killer = in_background(lambda: kill_engine_mid_rollout(out, known, done))
+    thread, killer = in_background(lambda: kill_engine_mid_rollout(out, known, done, monkeypatch))
     code = main(
         [
             RECIPE,
