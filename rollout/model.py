@@ -69,7 +69,9 @@ def _lay_out(linear: nn.Linear, column_major: bool) -> None:
 
 class LayerPieces(NamedTuple):
     attention_inputs: Callable  # (layer, x, positions, rotary) -> q, k, v
-    attention_outputs: Callable  # (layer, x, attention output) -> x after the layer
+    # (layer, x, attention output) -> x after the layer; may write over x (`CausalLM.forward`
+    # passes each layer's input, which nothing reads afterwards)
+    attention_outputs: Callable
     logits: Callable  # (model, hidden) -> logits in accum_dtype, this rank's vocabulary rows
 
 

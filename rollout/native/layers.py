@@ -6,7 +6,9 @@ reference), with
 * RMSNorm, rotary and SiLU * up each one pass (`pointwise.c`) instead of a chain of ops;
 * q and k rotated in place in the fused q/k/v projection's output;
 * in float32, the residual adds folded into the o_proj and down_proj matrix multiplies
-  (`addmm`, beta = 1): no separate pass over the hidden states. Not in bfloat16: addmm would add
+  (`addmm_`, beta = 1, into the residual itself: no separate pass over the hidden states, and
+  no copy of them into a new output; `attention_outputs` may write over its x, which
+  `CausalLM.forward` never reads again). Not in bfloat16: addmm would add
   the residual before rounding the product to bfloat16, where the reference rounds both; there
   the add before the post-attention norm goes into the norm's pass (`add_rms_norm_bf16`);
 * the kernels called through thin wrappers (`native.*_unchecked`): the layouts these pieces make
@@ -107,9 +109,13 @@ def _linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
+    overwrite_residual: bool = False,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual, added to the rounded product as `residual + ...`
-    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows."""
+    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows.
+    `overwrite_residual`: nothing reads the residual afterwards, so float32's multiply-add may
+    go into it (`addmm_`: the same GEMM with beta = 1 as addmm's, without addmm's copy of the
+    residual into a new output first)."""
     lib = _small_linear_kernel(x, weight, bias)
     if lib is not None and (
         residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)
@@ -118,6 +124,8 @@ def _linear(
     if residual is None:
         return F.linear(x, weight, bias)
     if bias is None and x.dtype == torch.float32:
+        if overwrite_residual:
+            return residual.addmm_(x, weight.t())
         return torch.addmm(residual, x, weight.t())
     return residual + F.linear(x, weight, bias)
 
@@ -209,10 +217,11 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, positions, rotary: Ro
 
 def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """x + linear(inputs), in one matrix multiply for a float32 linear without bias (and on the
-    small-batch kernel for few rows)."""
+    small-batch kernel for few rows). May write the sum over x: every caller's x is the
+    layer's own hidden state, read by nothing after this add."""
     dense = _dense(linear, inputs.dtype)  # not a tensor-parallel layer
     if dense is not None:
-        return _linear(inputs, *dense, residual=x)
+        return _linear(inputs, *dense, residual=x, overwrite_residual=True)
     return x + linear(inputs)
 
 
