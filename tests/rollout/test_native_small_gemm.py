@@ -253,6 +253,24 @@ def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
         assert ((got.double() - ref).abs() <= tol).all()
 
 
+def test_float32_residual_add_into_the_residual_is_addmm_bitwise():
+    """`layers._linear(..., overwrite_residual=True)` at torch-GEMM sizes (float32, no bias): the
+    sum lands in the residual's own storage and is bitwise torch.addmm's (the same GEMM with
+    beta = 1, minus addmm's copy of the residual); without the flag the residual is untouched."""
+    w = _randn(96, 64, seed=2)
+    for rows in (layers.SMALL_LINEAR_ROWS + 1, 128, 300):
+        x, residual = _randn(rows, 64, seed=rows), _randn(rows, 96, seed=9)
+        expected = torch.addmm(residual, x, w.t())
+        kept = residual.clone()
+        assert torch.equal(layers._linear(x, w, None, residual), expected)
+        assert torch.equal(residual, kept)
+        got = layers._linear(x, w, None, residual, overwrite_residual=True)
+        assert got.data_ptr() == residual.data_ptr()
+        assert torch.equal(got, expected)
+        ref = kept.double() + x.double() @ w.double().t()
+        assert ((got.double() - ref).abs() <= 1e-5 * (ref.abs() + 1)).all()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_decode_steps_run_on_the_kernel(tmp_path, monkeypatch, dtype):
     """A CPU engine on the native pieces sends its decode steps' linear layers (few rows) to the
