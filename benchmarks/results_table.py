@@ -344,7 +344,8 @@ def figures_of(name: str, record: dict) -> tuple[Figure, ...]:
 
 def rows(records: dict[str, dict]) -> list[list[str]]:
     """One row per figure of every record; a figure two records hold with the same value (the
-    same arm of two studies, say) is shown once, from the first."""
+    same arm of two studies, say) is shown once, from the first. The same value is the recorded
+    one, exactly: two runs whose figures only round alike (two A/Bs both at 1.013x) are two rows."""
     out, shown = [], set()
     for name, record in sorted(records.items()):
         result = record["result"]
@@ -361,10 +362,10 @@ def rows(records: dict[str, dict]) -> list[list[str]]:
         if not found:
             raise MissingFigures(f"benchmarks/results/{name}: holds none of its figures")
         for fig, value in found:
-            cell = (fig.label.format(**texts), fig.fmt.format(value))
-            if cell in shown:
+            figure = (fig.label.format(**texts), json.dumps(value))
+            if figure in shown:
                 continue
-            shown.add(cell)
+            shown.add(figure)
             out.append(
                 [
                     fig.label.format(**texts),

@@ -129,3 +129,9 @@ def test_a_figure_two_files_hold_with_the_same_value_is_shown_once():
         "[a.json](results/a.json)",
         "[b.json](results/b.json)",
     ]
+    # another run whose value only rounds to the same cell is another row, not hidden
+    bf16 = record["result"]["arms"]["bf16"]
+    again["result"]["arms"]["bf16"]["mismatch_kl_mean"] = bf16["mismatch_kl_mean"] * (1 + 1e-9)
+    rows = [r for r in results_table.rows({"a.json": record, "b.json": again}) if r[0] == label]
+    assert [r[1] for r in rows] == [rows[0][1]] * 2
+    assert [r[-1] for r in rows] == ["[a.json](results/a.json)", "[b.json](results/b.json)"]
