@@ -8,8 +8,8 @@ call runs in a worker process:
 * a call that outlives `timeout_s` has its worker killed and replaced: the caller gets `timeout`
   at its deadline, the replacement starts in the background;
 * a worker that dies during a call is that call's `crashed` (with its exit code) and is
-  replaced; one found dead while idle (killed from outside) is replaced before it takes a job,
-  at no call's expense;
+  replaced; one found dead while idle (killed from outside, or its pipe shut by the user code)
+  is replaced before it takes a job, at no call's expense;
 * an exception is the call's `raised` (with its message); the worker lives on;
 * only the handler's reply crosses back, and the handlers keep it small (a checked float, a
   capped text): an oversized output never leaves its worker.
@@ -229,9 +229,13 @@ class WorkerPool:
                 worker = self._idle.get(timeout=self.timeout_s + STARTUP_TIMEOUT_S)
             except queue.Empty:
                 return None
-            if worker.process.is_alive():
+            # An idle worker never writes, so anything readable on its pipe is the end of it: a
+            # killed worker's pipe closes as it exits, before `waitpid` can reap it (a
+            # multi-threaded process lingers as a zombie until its last thread is released), and
+            # user code may shut the worker's pipe and live on. Either way it cannot take a job.
+            if worker.process.is_alive() and not worker.conn.poll(0):
                 return worker
-            self._replace(worker)  # killed while idle: costs no call
+            self._replace(worker)  # killed (or hung up) while idle: costs no call
         return None
 
     def pids(self) -> list[int]:

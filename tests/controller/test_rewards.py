@@ -160,6 +160,20 @@ def test_workers_killed_while_idle_are_replaced():
     assert after.num_errors == 0
 
 
+def test_a_worker_whose_pipe_closed_while_idle_is_replaced_at_no_calls_expense():
+    """A worker process that lives on with its pipe to the pool shut (by user code; or a killed
+    worker between its exit and its reaping, the race that made the test above flaky) is
+    replaced when found idle, before it is handed a job: the next batch is scored in full.
+    Fails if the pool trusts `waitpid` alone."""
+    first, _ = misbehaving(["hang_up"], max_workers=1)  # the next call finds this worker again
+    (pid,) = reward_pool.current_pool().pids()
+    time.sleep(1.5)  # past the hang-up
+    assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # alive, pipe closed
+    after, _ = misbehaving(["ab", "abc"], max_workers=1)
+    assert first.scores == [7.0] and after.scores == [2.0, 3.0] and after.num_errors == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def test_scoring_runs_on_a_bounded_pool_of_worker_processes():
     workers = 3
     res = compute_rewards(

@@ -22,6 +22,8 @@ def by_response(prompt: str, response: str, answer: str) -> object:
         raise RuntimeError("boom")
     if response == "sys.exit":
         raise SystemExit(1)
+    if response == "hang_up":
+        _hang_up_after_reply()
     junk = {
         "nan": float("nan"),
         "inf": float("inf"),
@@ -35,6 +37,29 @@ def by_response(prompt: str, response: str, answer: str) -> object:
     if response in junk:
         return junk[response]
     return float(len(response))
+
+
+def _hang_up_after_reply() -> None:
+    """Shut this worker's end of its pipe to the pool once the reply is sent, and keep the
+    process alive (a non-daemon thread outlives the worker's loop): a worker the pool must not
+    hand another job, though `waitpid` says it lives, as in the moment a killed worker lingers
+    unreaped."""
+    import gc
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    (conn,) = [o for o in gc.get_objects() if isinstance(o, Connection)]
+    # shutdown, not close: the worker's loop is blocked reading the socket, and a read in
+    # progress keeps a closed descriptor's socket open
+    end = socket.socket(fileno=os.dup(conn.fileno()))
+
+    def hang_up() -> None:
+        time.sleep(0.5)  # the reply has gone by then
+        end.shutdown(socket.SHUT_RDWR)  # the pool reads end of file; the loop's read returns
+        time.sleep(HANG_S)
+
+    threading.Thread(target=hang_up).start()
 
 
 def pid_after(prompt: str, response: str, answer: str) -> float:
