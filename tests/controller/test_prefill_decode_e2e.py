@@ -68,7 +68,9 @@ BASE = (
     "reward.function=user_rewards:length_score",
     "sft.steps=10",
     "sft.batch_size=16",
-    "sft.cache=false",
+    # a test's runs start from one warm start (the `cache` fixture's MILES_LIKE_CACHE): the
+    # comparisons begin from the same weights, and the calc agent's 120 steps run once
+    "sft.cache=true",
     "trainer.lr=3e-3",
     "tracking.wandb_project=null",
     "cluster.colocate=false",
