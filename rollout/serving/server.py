@@ -15,7 +15,6 @@ needs torch alone).
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import threading
@@ -194,9 +193,6 @@ def main(argv: list[str] | None = None) -> None:
     # The step loop's thread is the server's critical path: between two torch ops it needs the
     # GIL back promptly, not after the event loop's thread has run for a whole switch interval.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    # Experiment: the event loop's thread (this one; the step loop's thread already runs) at
-    # SCHED_IDLE, so that the OpenMP worker never waits behind it for its core.
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
