@@ -105,6 +105,18 @@ def _stop(worker: _Worker, grace_s: float = 0.0) -> None:
     worker.process.join(timeout=10)
 
 
+def _hung_up(worker: _Worker) -> bool:
+    """Whether an idle worker's pipe can no longer carry a job. An idle worker never writes, so
+    anything readable is the end of it: a killed worker's pipe closes as it exits, before
+    `waitpid` can reap it (a multi-threaded process stays unreapable until its last thread is
+    released), and user code may shut the pipe and live on. A pipe closed here (the pool is
+    closing) counts too."""
+    try:
+        return worker.conn.poll(0)
+    except OSError:
+        return True
+
+
 def _stop_all(workers: set[_Worker]) -> None:
     for w in list(workers):
         _stop(w)
@@ -229,11 +241,7 @@ class WorkerPool:
                 worker = self._idle.get(timeout=self.timeout_s + STARTUP_TIMEOUT_S)
             except queue.Empty:
                 return None
-            # An idle worker never writes, so anything readable on its pipe is the end of it: a
-            # killed worker's pipe closes as it exits, before `waitpid` can reap it (a
-            # multi-threaded process lingers as a zombie until its last thread is released), and
-            # user code may shut the worker's pipe and live on. Either way it cannot take a job.
-            if worker.process.is_alive() and not worker.conn.poll(0):
+            if worker.process.is_alive() and not _hung_up(worker):
                 return worker
             self._replace(worker)  # killed (or hung up) while idle: costs no call
         return None

@@ -4,6 +4,7 @@ and takes bounded time."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from miles_like.scoring.rewards import (
     exact_match,
     resolve_reward,
 )
+from miles_like.worker_pool import _hung_up, _Worker
 
 import unruly_rewards
 import user_rewards
@@ -172,6 +174,19 @@ def test_a_worker_whose_pipe_closed_while_idle_is_replaced_at_no_calls_expense()
     after, _ = misbehaving(["ab", "abc"], max_workers=1)
     assert first.scores == [7.0] and after.scores == [2.0, 3.0] and after.num_errors == 0
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_idle_pipe_is_hung_up_only_once_its_peer_or_itself_is_closed():
+    """The pool's idle check on real pipes: an open, silent pipe can carry a job; one whose
+    worker end is gone, or whose pool end the closing pool has shut, cannot (and the check
+    does not raise)."""
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    worker = _Worker(process=None, conn=ours)
+    assert not _hung_up(worker)
+    theirs.close()
+    assert _hung_up(worker)
+    ours.close()
+    assert _hung_up(worker)
 
 
 def test_scoring_runs_on_a_bounded_pool_of_worker_processes():
