@@ -105,14 +105,14 @@ def _stop(worker: _Worker, grace_s: float = 0.0) -> None:
     worker.process.join(timeout=10)
 
 
-def _hung_up(worker: _Worker) -> bool:
-    """Whether an idle worker's pipe can no longer carry a job. An idle worker never writes, so
-    anything readable is the end of it: a killed worker's pipe closes as it exits, before
-    `waitpid` can reap it (a multi-threaded process stays unreapable until its last thread is
-    released), and user code may shut the pipe and live on. A pipe closed here (the pool is
-    closing) counts too."""
+def hung_up(conn: Connection) -> bool:
+    """Whether an idle worker's pipe (the pool's end, `conn`) can no longer carry a job. An idle
+    worker never writes, so anything readable is the end of it: a killed worker's pipe closes as
+    it exits, before `waitpid` can reap it (a multi-threaded process stays unreapable until its
+    last thread is released), and user code may shut the pipe and live on. A pipe closed here
+    (the pool is closing) counts too."""
     try:
-        return worker.conn.poll(0)
+        return conn.poll(0)
     except OSError:
         return True
 
@@ -241,7 +241,7 @@ class WorkerPool:
                 worker = self._idle.get(timeout=self.timeout_s + STARTUP_TIMEOUT_S)
             except queue.Empty:
                 return None
-            if worker.process.is_alive() and not _hung_up(worker):
+            if worker.process.is_alive() and not hung_up(worker.conn):
                 return worker
             self._replace(worker)  # killed (or hung up) while idle: costs no call
         return None

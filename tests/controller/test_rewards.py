@@ -20,7 +20,7 @@ from miles_like.scoring.rewards import (
     exact_match,
     resolve_reward,
 )
-from miles_like.worker_pool import _hung_up, _Worker
+from miles_like.worker_pool import hung_up
 
 import unruly_rewards
 import user_rewards
@@ -181,12 +181,11 @@ def test_an_idle_pipe_is_hung_up_only_once_its_peer_or_itself_is_closed():
     worker end is gone, or whose pool end the closing pool has shut, cannot (and the check
     does not raise)."""
     ours, theirs = multiprocessing.Pipe(duplex=True)
-    worker = _Worker(process=None, conn=ours)
-    assert not _hung_up(worker)
+    assert not hung_up(ours)
     theirs.close()
-    assert _hung_up(worker)
+    assert hung_up(ours)
     ours.close()
-    assert _hung_up(worker)
+    assert hung_up(ours)
 
 
 def test_scoring_runs_on_a_bounded_pool_of_worker_processes():
