@@ -125,7 +125,7 @@ def declare_small_gemm(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.small_gemm_prepared.restype = _INT
     lib.small_gemm_has_avx512.restype = lib.small_gemm_has_bf16_dot.restype = _INT
-    lib.small_gemm_has_amx.restype = _INT
+    lib.small_gemm_has_amx.restype = lib.small_gemm_cpu_is_intel.restype = _INT
     # the dtypes its vector code is built for here (AVX-512; AVX-512 BF16 for bfloat16): where
     # the engine uses it (the portable build is for tests and for correctness elsewhere)
     lib.vector_dtypes = (

@@ -64,15 +64,27 @@ def use_native_pieces(model: CausalLM) -> None:
 # linear layers on AMX tiles").
 SMALL_LINEAR_ROWS = 16
 SMALL_LINEAR_ROWS_AMX = 256
+# float32 from 17 rows on the kernel's outer-product path (small_gemm.c, fp32_gemm), up to this
+# many rows, on CPUs other than Intel's only. torch's float32 GEMM is MKL's, which dispatches its
+# fastest kernels by CPU vendor: on an Intel Xeon it outran the outer products from 48 rows
+# (0.88x at 256), on an AMD EPYC (Zen 4) it reached ~60 % of the FMA peak there and the outer
+# products beat it at 32..256 rows (RESULTS.md "float32 decode GEMMs on AMD").
+SMALL_LINEAR_ROWS_FP32_NOT_INTEL = 256
 
 
 def small_linear_rows(dtype: torch.dtype) -> int:
-    """The most rows of `dtype` that `_linear` sends to the small-batch kernel."""
+    """The most rows of `dtype` that `_linear` sends to the small-batch kernel (fixed for the
+    process: the same rows always take the same path)."""
     limit = _ROW_LIMITS.get(dtype)
     if limit is None:
         lib = _small_gemm(dtype)
-        amx = dtype == torch.bfloat16 and lib is not None and lib.small_gemm_has_amx()
-        limit = _ROW_LIMITS[dtype] = SMALL_LINEAR_ROWS_AMX if amx else SMALL_LINEAR_ROWS
+        if dtype == torch.bfloat16 and lib is not None and lib.small_gemm_has_amx():
+            limit = SMALL_LINEAR_ROWS_AMX
+        elif dtype == torch.float32 and lib is not None and not lib.small_gemm_cpu_is_intel():
+            limit = SMALL_LINEAR_ROWS_FP32_NOT_INTEL
+        else:
+            limit = SMALL_LINEAR_ROWS
+        _ROW_LIMITS[dtype] = limit
     return limit
 
 

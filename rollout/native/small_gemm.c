@@ -57,6 +57,16 @@
 int small_gemm_has_avx512(void) { return HAVE_AVX512; }
 int small_gemm_has_bf16_dot(void) { return HAVE_BF16_DOT; }
 
+/* Whether this CPU is Intel's: where torch's float32 GEMM (MKL's) takes its fastest kernels, and
+   the engine leaves it the float32 rows past the dot-product path's (rollout/native/layers.py). */
+int small_gemm_cpu_is_intel(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_is("intel");
+#else
+  return 0;
+#endif
+}
+
 /* The first row block of a tile prefetches the weight rows PREFETCH_TILES tiles ahead into L2
    (into L1 as well, _MM_HINT_T0, measured no better; without prefetch, slower). */
 #define PREFETCH_TILES 4
@@ -228,6 +238,196 @@ static inline __attribute__((always_inline)) void outputs(
         ((float *)(y + m * y_row))[n] = acc;
       }
     }
+}
+#endif
+
+#if HAVE_AVX512
+/* float32 from FP32_MIN_ROWS rows: outer products with the weight as the broadcast operand.
+   x^T is packed per call (into the calling thread's scratch) in groups of up to four 16-row
+   blocks, xt[g][k][16 v + i] = x[64 g + 16 v + i][k] (zero past M). A register tile of NR
+   outputs x V blocks (6 x 4 for whole 64-row groups; 8 x 3, 12 x 2, 14 x 1 for the remainder
+   group) keeps NR V accumulators, and each k step broadcasts the NR outputs' weights W[n + j][k]
+   (read in place, each weight row sequential in k) against the V vectors xt[g][k]. Each output's
+   sum is one chain of multiply-adds in k order whatever the thread count, so the threads'
+   results are bitwise those of one thread. The tile is transposed in registers at the end (16 x
+   16 per block) and finished as the dot-product path finishes: + bias, + residual. Threads pack
+   x^T's blocks between them, then split the outputs into contiguous ranges of 16 and each
+   streams its own part of the weight, prefetching the next tile's weight rows into L2. */
+/* From this many rows the outer products are faster than the dot products (benchmarks/
+   small_gemm.py; RESULTS.md "float32 linear layers at decode batches 17..256 on outer
+   products", "float32 decode GEMMs on AMD"). The engine sends float32 batches of more rows than
+   the dot products take here only where torch's own GEMM is the slower (layers.py). */
+enum { FP32_MIN_ROWS = 17 };
+
+/* The 16 x 16 float32 transpose of r in registers: r[j] lane i -> r[i] lane j. */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // rows i, i + 1 interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + q], 128-bit lane L: rows i..i+3 of column 4L + q
+    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int q = 0; q < 4; q++) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x44);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xEE);
+    r[q] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + q] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + q] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + q] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+/* Row blocks b of x^T packed: xt + b K 16, each 16 x 16 block of x transposed in registers. */
+static void fp32_pack(int64_t b0, int64_t b1, int64_t step, int64_t M, int64_t K,
+                      const char *x, int64_t x_row, float *xt) {
+  const int64_t blocks = (M + 15) / 16;
+  for (int64_t b = b0; b < b1; b += step)
+    for (int64_t k = 0; k < K; k += 16) {
+      const int64_t left = K - k;
+      const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+      __m512 r[16];
+      for (int i = 0; i < 16; i++)
+        r[i] = 16 * b + i < M ? _mm512_maskz_loadu_ps(m, x + (16 * b + i) * x_row + 4 * k)
+                              : _mm512_setzero_ps();
+      transpose16(r);
+      const int64_t g = b / 4, width = blocks - 4 * g < 4 ? blocks - 4 * g : 4;
+      float *out = xt + g * 64 * K + 16 * (b % 4) + 16 * width * k;
+      for (int i = 0; i < (left < 16 ? left : 16); i++)
+        _mm512_store_ps(out + 16 * width * i, r[i]);
+    }
+}
+
+/* Rows 16 b0 .. 16 (b0 + V) - 1 by outputs n..n+count-1 (count <= NR; NR x V accumulators, V
+   and NR constants at each call): the k chains, then the tile transposed 16 rows at a time into
+   y's rows (+ bias, + residual). `ahead`: the byte offset of the weight rows to prefetch (a
+   later tile's), 0 for none. */
+static inline __attribute__((always_inline)) void fp32_tile(
+    const int NR, const int V, int64_t b0, int64_t M, const float *xt, const char *w,
+    int64_t w_row, int64_t K, int64_t n, int64_t count, int64_t ahead, const float *bias, const char *res, int64_t res_row, char *y, int64_t y_row) {
+  const float *wj[16], *xv[4];
+  for (int j = 0; j < NR; j++)  // a missing output (count < NR) repeats the last one
+    wj[j] = (const float *)(w + (n + (j < count ? j : count - 1)) * w_row);
+  for (int v = 0; v < V; v++) xv[v] = xt + b0 * 16 * K + 16 * v;  // b0: a multiple of 4
+  __m512 acc[16][4];
+  for (int j = 0; j < NR; j++)
+    for (int v = 0; v < V; v++)
+      acc[j][v] = _mm512_setzero_ps();
+  int64_t k = 0;
+  if (ahead)
+    for (; k + 16 <= K; k += 16) {
+      for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(wj[j] + k) + ahead, _MM_HINT_T1);
+      for (int64_t kk = k; kk < k + 16; kk++) {
+        __m512 xk[4];
+        for (int v = 0; v < V; v++) xk[v] = _mm512_load_ps(xv[v] + 16 * V * kk);
+        for (int j = 0; j < NR; j++) {
+          const __m512 wk = _mm512_set1_ps(wj[j][kk]);
+          for (int v = 0; v < V; v++) acc[j][v] = _mm512_fmadd_ps(wk, xk[v], acc[j][v]);
+        }
+      }
+    }
+  for (; k < K; k++) {
+    __m512 xk[4];
+    for (int v = 0; v < V; v++) xk[v] = _mm512_load_ps(xv[v] + 16 * V * k);
+    for (int j = 0; j < NR; j++) {
+      const __m512 wk = _mm512_set1_ps(wj[j][k]);
+      for (int v = 0; v < V; v++) acc[j][v] = _mm512_fmadd_ps(wk, xk[v], acc[j][v]);
+    }
+  }
+  const __mmask16 out_mask = (__mmask16)((1u << count) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(out_mask, bias + n) : _mm512_setzero_ps();
+  for (int v = 0; v < V; v++) {
+    __m512 r[16];
+    for (int j = 0; j < 16; j++) r[j] = j < NR ? acc[j][v] : _mm512_setzero_ps();
+    transpose16(r);  // r[i]: row 16 (b0 + v) + i's outputs in lanes 0..NR-1
+    const int64_t m0 = 16 * (b0 + v), rows = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t i = 0; i < rows; i++) {
+      const int64_t m = m0 + i;
+      __m512 o = bias ? _mm512_add_ps(r[i], bv) : r[i];
+      if (res)
+        o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(out_mask, (const float *)(res + m * res_row) + n));
+      _mm512_mask_storeu_ps((float *)(y + m * y_row) + n, out_mask, o);
+    }
+  }
+}
+
+/* The rows of one group of V 16-row blocks (from block b0) by outputs [n0, n1), in tiles of NR
+   outputs. */
+static inline __attribute__((always_inline)) void fp32_group(
+    const int NR, const int V, int64_t b0, int64_t n0, int64_t n1, int64_t M, const float *xt,
+    const char *w, int64_t w_row, int64_t K, const float *bias, const char *res, int64_t res_row,
+    char *y, int64_t y_row) {
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t count = n1 - n < NR ? n1 - n : NR;
+    // the next tile's weight rows into L2 (within this range)
+    const int64_t ahead = n + 2 * NR <= n1 ? NR * w_row : 0;
+    fp32_tile(NR, V, b0, M, xt, w, w_row, K, n, count, ahead, bias, res, res_row, y, y_row);
+  }
+}
+
+/* Outputs [n0, n1) of all M rows from the packed x^T: 64 rows at a time on 6 x 4 tiles, the
+   rows past the last whole 64 on tiles as wide in outputs as the registers allow. */
+static void fp32_outputs(int64_t n0, int64_t n1, int64_t M, const float *xt, const char *w,
+                         int64_t w_row, int64_t K, const float *bias, const char *res,
+                         int64_t res_row, char *y, int64_t y_row) {
+  const int64_t blocks = (M + 15) / 16, whole = blocks / 4 * 4;
+  for (int64_t b = 0; b < whole; b += 4)
+    fp32_group(6, 4, b, n0, n1, M, xt, w, w_row, K, bias, res, res_row, y, y_row);
+  switch (blocks - whole) {
+    case 1: fp32_group(14, 1, whole, n0, n1, M, xt, w, w_row, K, bias, res, res_row, y, y_row); break;
+    case 2: fp32_group(12, 2, whole, n0, n1, M, xt, w, w_row, K, bias, res, res_row, y, y_row); break;
+    case 3: fp32_group(8, 3, whole, n0, n1, M, xt, w, w_row, K, bias, res, res_row, y, y_row); break;
+    default: break;
+  }
+}
+
+/* The calling thread's scratch of at least `bytes` (64-byte aligned), kept between calls and
+   grown when a call needs more: x^T is packed anew by every call, but allocating it anew would
+   map and fault in fresh pages each time (it is larger than malloc's mmap threshold). NULL where
+   it cannot be allocated. */
+static float *fp32_scratch(size_t bytes) {
+  static _Thread_local float *buffer = NULL;
+  static _Thread_local size_t capacity = 0;
+  if (bytes > capacity) {
+    free(buffer);
+    capacity = (bytes + 4095) / 4096 * 4096;
+    buffer = aligned_alloc(64, capacity);
+    if (!buffer) capacity = 0;
+  }
+  return buffer;
+}
+
+/* small_gemm for float32 from FP32_MIN_ROWS rows (byte strides): the threads pack x^T's row
+   blocks between them, then split the 16-output tiles into contiguous ranges. 0 (nothing done)
+   where the packed x^T cannot be allocated. */
+static int fp32_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
+                     const char *w, int64_t w_row, const float *bias, const char *res,
+                     int64_t res_row, char *y, int64_t y_row, int num_threads) {
+  const int64_t blocks = (M + 15) / 16, tiles = (N + 15) / 16;
+  float *xt = fp32_scratch((size_t)(blocks * K * 64));
+  if (!xt) return 0;  // the caller takes the dot-product path
+  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
+  if (num_threads > tiles) num_threads = (int)tiles;
+#pragma omp parallel num_threads(num_threads)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    const int t = 0, T = 1;
+#endif
+    fp32_pack(t, blocks, T, M, K, x, x_row, xt);
+#pragma omp barrier
+    const int64_t n0 = tiles * t / T * 16, n1_tiles = tiles * (t + 1) / T * 16;
+    fp32_outputs(n0, n1_tiles < N ? n1_tiles : N, M, xt, w, w_row, K, bias, res, res_row, y,
+                 y_row);
+  }
+  return 1;
 }
 #endif
 
@@ -555,6 +755,12 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
   if (bf16 && N >= 16 && M >= AMX_MIN_ROWS && amx_usable() &&
       amx_gemm(M, N, K, x, x_row * size, w, w_row * size, bias, res, res_row * size, y,
                y_row * size, num_threads))
+    return;
+#endif
+#if HAVE_AVX512
+  if (!bf16 && M >= FP32_MIN_ROWS &&
+      fp32_gemm(M, N, K, x, x_row * size, w, w_row * size, bias, res, res_row * size, y,
+                y_row * size, num_threads))
     return;
 #endif
   const int64_t tiles = (N + COLS - 1) / COLS;

@@ -177,6 +177,64 @@ def test_threads_split_the_rows_without_changing_them(build):
             torch.set_num_threads(before)
 
 
+def _cpu_vendor() -> str | None:
+    """The CPU's vendor as Linux reports it (None elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def test_cpu_vendor_is_the_kernels():
+    """small_gemm_cpu_is_intel (which routes float32's 17..256-row GEMMs) agrees with the vendor
+    the kernel of the OS reports."""
+    vendor = _cpu_vendor()
+    if vendor is None or native.small_gemm() is None:
+        pytest.skip("no /proc/cpuinfo or no kernel here")
+    assert bool(native.small_gemm().small_gemm_cpu_is_intel()) == (vendor == "GenuineIntel")
+
+
+# float32 outer products (small_gemm.c, fp32_gemm) from 17 rows: around the 16-row blocks and
+# the 64-row groups of 6 x 4 tiles (and each 1..3-block remainder group), up to past 256
+FP32_OUTER_ROWS = [17, 31, 32, 33, 48, 63, 64, 65, 127, 200, 256, 300]
+
+
+@pytest.mark.parametrize("rows", FP32_OUTER_ROWS)
+@pytest.mark.parametrize("outs,inner", [(1, 1), (5, 17), (37, 95), (131, 300), (256, 704)])
+def test_float32_outer_products_within_the_bound(rows, outs, inner):
+    """The outer-product path: each output one chain of K float32 multiply-adds in k order, then
+    the bias and residual adds (<= K + 2 roundings), so within (K + 8) u sum|terms| of the
+    float64 result as above; ragged outputs (not whole 6/8/12/14-output tiles, not whole
+    16-output thread ranges), K not a multiple of the 16-step packing, rows of x strided; one
+    and two threads bit for bit (the chain does not depend on who computes it)."""
+    lib = BUILDS["native"]
+    x = _strided(_randn(rows, inner, seed=11), 3)
+    w = _strided(_randn(outs, inner, seed=12), 5)
+    bias, residual = _randn(outs, seed=13), _randn(rows, outs, seed=14)
+    ref = x.double() @ w.double().t() + bias.double() + residual.double()
+    magnitude = (
+        x.double().abs() @ w.double().abs().t() + bias.double().abs() + residual.double().abs()
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native.small_linear(lib, x, w, bias, residual)
+        plain = native.small_linear(lib, x, w)
+        torch.set_num_threads(2)
+        split = native.small_linear(lib, x, w, bias, residual)
+    finally:
+        torch.set_num_threads(threads)
+    assert ((alone.double() - ref).abs() <= (inner + 8) * U32 * magnitude + 1e-37).all()
+    plain_ref = x.double() @ w.double().t()
+    plain_bound = (inner + 8) * U32 * (x.double().abs() @ w.double().abs().t()) + 1e-37
+    assert ((plain.double() - plain_ref).abs() <= plain_bound).all()
+    assert torch.equal(alone, split)
+
+
 @pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_views_are_read_in_place(build, dtype):
@@ -238,7 +296,15 @@ def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
     w, bias = _randn(96, 64, seed=2).to(dtype), _randn(96, seed=3).to(dtype)
     limit = layers.small_linear_rows(dtype)
     amx = dtype == torch.bfloat16 and native.small_gemm().small_gemm_has_amx()
-    assert limit == (layers.SMALL_LINEAR_ROWS_AMX if amx else layers.SMALL_LINEAR_ROWS)
+    fp32_not_intel = dtype == torch.float32 and _cpu_vendor() not in ("GenuineIntel", None)
+    expected = (
+        layers.SMALL_LINEAR_ROWS_AMX
+        if amx
+        else layers.SMALL_LINEAR_ROWS_FP32_NOT_INTEL
+        if fp32_not_intel
+        else layers.SMALL_LINEAR_ROWS
+    )
+    assert limit == expected
     for rows in (1, 5, limit, limit + 1):
         x, residual = _randn(rows, 64, seed=rows).to(dtype), _randn(rows, 96, seed=9).to(dtype)
         calls.clear()
@@ -258,7 +324,8 @@ def test_float32_residual_add_into_the_residual_is_addmm_bitwise():
     sum lands in the residual's own storage and is bitwise torch.addmm's (the same GEMM with
     beta = 1, minus addmm's copy of the residual); without the flag the residual is untouched."""
     w = _randn(96, 64, seed=2)
-    for rows in (layers.SMALL_LINEAR_ROWS + 1, 128, 300):
+    limit = layers.small_linear_rows(torch.float32)
+    for rows in (limit + 1, limit + 112, limit + 300):
         x, residual = _randn(rows, 64, seed=rows), _randn(rows, 96, seed=9)
         expected = torch.addmm(residual, x, w.t())
         kept = residual.clone()
