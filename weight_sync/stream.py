@@ -24,6 +24,7 @@ bytes never go through the socket.
 
 from __future__ import annotations
 
+import os
 import pickle
 import secrets
 import socket
@@ -35,12 +36,50 @@ from typing import NamedTuple
 from weight_sync.colocated import BucketReceiver, LoadAck
 from weight_sync.errors import WeightSyncError
 
-STREAM_BUCKET_BYTES = 16 << 20  # about the last-level cache: verified and copied out while cached
 # Buckets in flight on a stream: with three the sender may pack up to two buckets ahead of the
 # receiver, so the pipeline absorbs the sync's changing pace (the sender's reads of the trainer's
 # weights are slower where they come from memory, faster where the cache still holds them, while
 # the receiver's share is steadier) instead of each side waiting on the other bucket by bucket.
 STREAM_NUM_BUFFERS = 3
+# A stream's buckets are verified and copied out while the last-level cache still holds them:
+# all STREAM_NUM_BUFFERS in flight fit in half of it. Within these bounds (a power of two): below
+# them the per-bucket hand-off costs more than the cache saves, above them nothing more was gained.
+MIN_STREAM_BUCKET_BYTES, MAX_STREAM_BUCKET_BYTES = 4 << 20, 16 << 20
+
+
+def last_level_cache_bytes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size of the CPU's last-level cache as Linux reports it (its highest-level cache on
+    cpu0), None where it does not (another OS, a container hiding /sys)."""
+    sizes = {}
+    try:
+        for index in os.listdir(cpu_dir):
+            if not index.startswith("index"):
+                continue
+            with open(os.path.join(cpu_dir, index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(cpu_dir, index, "size")) as f:
+                text = f.read().strip()  # "32768K", "2048K", "1M"
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+            sizes[level] = max(size, sizes.get(level, 0))
+    except (OSError, ValueError):
+        return None
+    return sizes[max(sizes)] if sizes else None
+
+
+def stream_bucket_bytes(cache_bytes: int | None) -> int:
+    """The largest power of two with STREAM_NUM_BUFFERS buckets in half of `cache_bytes`, within
+    [MIN_STREAM_BUCKET_BYTES, MAX_STREAM_BUCKET_BYTES]; the maximum where the cache is unknown."""
+    if cache_bytes is None:
+        return MAX_STREAM_BUCKET_BYTES
+    fit = cache_bytes // (2 * STREAM_NUM_BUFFERS)
+    bucket = MIN_STREAM_BUCKET_BYTES
+    while bucket * 2 <= min(fit, MAX_STREAM_BUCKET_BYTES):
+        bucket *= 2
+    return bucket
+
+
+STREAM_BUCKET_BYTES = stream_bucket_bytes(last_level_cache_bytes())
 _HEADER = struct.Struct("<Q")  # the length of each pickled message
 _TOKEN_BYTES = 16
 

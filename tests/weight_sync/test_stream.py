@@ -30,6 +30,7 @@ from weight_sync import (
     WeightSyncError,
     receive_stream,
 )
+from weight_sync.stream import last_level_cache_bytes, stream_bucket_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
@@ -306,3 +307,28 @@ def test_only_a_receiver_with_the_token_is_accepted():
     assert intruder.recv(1) == b""  # closed by the sender
     intruder.close()
     stream.close()
+
+
+def _fake_caches(root, caches: list[tuple[int, str]]) -> str:
+    """A sysfs cache directory with one index per (level, size text)."""
+    for i, (level, size) in enumerate(caches):
+        (root / f"index{i}").mkdir(parents=True)
+        (root / f"index{i}" / "level").write_text(f"{level}\n")
+        (root / f"index{i}" / "size").write_text(f"{size}\n")
+    return str(root)
+
+
+def test_stream_buckets_fit_half_the_last_level_cache(tmp_path):
+    """The last-level cache read as Linux lays it out (the highest level's size, K/M suffixes),
+    and the bucket: the largest power of two with three in flight in half of it, 4..16 MiB; 16
+    MiB where /sys says nothing."""
+    amd = _fake_caches(tmp_path / "amd", [(1, "32K"), (1, "32K"), (2, "1024K"), (3, "32768K")])
+    intel = _fake_caches(tmp_path / "intel", [(1, "48K"), (2, "2M"), (3, "491520K")])
+    assert last_level_cache_bytes(amd) == 32 << 20
+    assert last_level_cache_bytes(intel) == 480 << 20
+    assert last_level_cache_bytes(str(tmp_path / "none")) is None
+    assert STREAM_NUM_BUFFERS == 3  # the sizes below assume three in flight
+    expected = {1: 4, 24: 4, 32: 4, 47: 4, 48: 8, 95: 8, 96: 16, 480: 16}  # cache MiB -> bucket
+    for cache_mib, bucket_mib in expected.items():
+        assert stream_bucket_bytes(cache_mib << 20) == bucket_mib << 20
+    assert stream_bucket_bytes(None) == 16 << 20
