@@ -91,6 +91,28 @@ def small_linear_rows(dtype: torch.dtype) -> int:
 _ROW_LIMITS: dict[torch.dtype, int] = {}
 
 
+def onednn_float32_gemm():
+    """oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU fusions
+    call) for the float32 batches past the kernel's rows (prefill) on CPUs other than Intel's,
+    else None (fixed for the process). Its AVX-512 kernels are chosen by the CPU's features, not
+    its vendor: on the AMD EPYC box it ran the prefill's linear layers faster than MKL (engine
+    prefill 1.08x, RESULTS.md "float32 decode GEMMs on AMD"); on Intel MKL keeps them."""
+    global _ONEDNN_FP32
+    if _ONEDNN_FP32 is None:
+        lib = _small_gemm(torch.float32)
+        usable = (
+            lib is not None  # an x86 build with AVX-512, where the vendor check means something
+            and not lib.small_gemm_cpu_is_intel()
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
+        _ONEDNN_FP32 = (torch.ops.mkldnn._linear_pointwise,) if usable else ()
+    return _ONEDNN_FP32[0] if _ONEDNN_FP32 else None
+
+
+_ONEDNN_FP32: tuple | None = None
+
+
 def _small_gemm(dtype: torch.dtype):
     """The small-batch linear kernel where it is built with the vector code it is fast with
     (AVX-512; AVX-512 BF16 for bfloat16), else None."""
@@ -124,15 +146,23 @@ def _linear(
     overwrite_residual: bool = False,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) (+ residual, added to the rounded product as `residual + ...`
-    adds it; in float32 as addmm adds it): on the small-batch kernel for few rows.
-    `overwrite_residual`: nothing reads the residual afterwards, so float32's multiply-add may
-    go into it (`addmm_`: the same GEMM with beta = 1 as addmm's, without addmm's copy of the
-    residual into a new output first)."""
+    adds it; in float32 through torch's GEMM as addmm adds it): on the small-batch kernel for few
+    rows; past those, float32 on oneDNN where `onednn_float32_gemm` says so.
+    `overwrite_residual`: nothing reads the residual afterwards, so float32's sum may go into it
+    (`addmm_`: the same GEMM with beta = 1 as addmm's, without addmm's copy of the residual into
+    a new output first; on oneDNN an in-place add)."""
     lib = _small_linear_kernel(x, weight, bias)
     if lib is not None and (
         residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)
     ):
         return native.small_linear_unchecked(lib, x, weight, bias, residual)
+    if x.dtype == torch.float32 and (onednn := onednn_float32_gemm()) is not None:
+        if x.dim() == 2 and weight.dtype == x.dtype and weight.is_contiguous():
+            product = onednn(x, weight, bias, "none", [], "")
+            if residual is None:
+                return product
+            # the rounded product, then the add: as `residual + linear(...)` rounds
+            return residual.add_(product) if overwrite_residual else residual + product
     if residual is None:
         return F.linear(x, weight, bias)
     if bias is None and x.dtype == torch.float32:

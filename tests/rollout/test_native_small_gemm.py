@@ -198,6 +198,41 @@ def test_cpu_vendor_is_the_kernels():
     assert bool(native.small_gemm().small_gemm_cpu_is_intel()) == (vendor == "GenuineIntel")
 
 
+def test_onednn_takes_float32_rows_past_the_kernel_where_the_cpu_is_not_intel(monkeypatch):
+    """Past the kernel's rows, float32 goes to oneDNN exactly where the CPU is not Intel's (and
+    torch has oneDNN): the same function as the reference `residual + F.linear(x, w, b)` within
+    float32's summation bound of the float64 result, with a bias, a residual, the residual
+    overwritten in place, K and N not multiples of any block."""
+    vendor = _cpu_vendor()
+    if vendor is None or layers._small_gemm(torch.float32) is None:
+        pytest.skip("no /proc/cpuinfo or no vector kernel here")
+    onednn = layers.onednn_float32_gemm()
+    expected_on = vendor != "GenuineIntel" and torch.backends.mkldnn.is_available()
+    assert (onednn is not None) == expected_on
+    calls = []
+    if onednn is not None:
+        monkeypatch.setattr(
+            layers, "_ONEDNN_FP32", (lambda *a: calls.append(a[0].shape) or onednn(*a),)
+        )
+    limit = layers.small_linear_rows(torch.float32)
+    w, bias = _randn(131, 300, seed=12), _randn(131, seed=13)
+    for rows in (limit + 1, limit + 733):
+        x, residual = _randn(rows, 300, seed=rows), _randn(rows, 131, seed=14)
+        ref = x.double() @ w.double().t() + bias.double() + residual.double()
+        magnitude = (
+            x.double().abs() @ w.double().abs().t() + bias.double().abs() + residual.double().abs()
+        )
+        kept = residual.clone()
+        got = layers._linear(x, w, bias, residual)
+        assert torch.equal(residual, kept)
+        assert ((got.double() - ref).abs() <= (300 + 8) * 2.0**-24 * magnitude).all()
+        inplace = layers._linear(x, w, bias, residual, overwrite_residual=True)
+        assert torch.equal(inplace, got)
+        if onednn is not None:
+            assert inplace.data_ptr() == residual.data_ptr()
+    assert len(calls) == (4 if onednn is not None else 0)
+
+
 # float32 outer products (small_gemm.c, fp32_gemm) from 17 rows: around the 16-row blocks and
 # the 64-row groups of 6 x 4 tiles (and each 1..3-block remainder group), up to past 256
 FP32_OUTER_ROWS = [17, 31, 32, 33, 48, 63, 64, 65, 127, 200, 256, 300]
@@ -322,12 +357,17 @@ def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
 def test_float32_residual_add_into_the_residual_is_addmm_bitwise():
     """`layers._linear(..., overwrite_residual=True)` at torch-GEMM sizes (float32, no bias): the
     sum lands in the residual's own storage and is bitwise torch.addmm's (the same GEMM with
-    beta = 1, minus addmm's copy of the residual); without the flag the residual is untouched."""
+    beta = 1, minus addmm's copy of the residual; on oneDNN, where it takes these rows, its
+    product plus the residual); without the flag the residual is untouched."""
     w = _randn(96, 64, seed=2)
     limit = layers.small_linear_rows(torch.float32)
+    onednn = layers.onednn_float32_gemm()
     for rows in (limit + 1, limit + 112, limit + 300):
         x, residual = _randn(rows, 64, seed=rows), _randn(rows, 96, seed=9)
-        expected = torch.addmm(residual, x, w.t())
+        if onednn is None:
+            expected = torch.addmm(residual, x, w.t())
+        else:  # oneDNN's rounded product, then the add
+            expected = residual + onednn(x, w, None, "none", [], "")
         kept = residual.clone()
         assert torch.equal(layers._linear(x, w, None, residual), expected)
         assert torch.equal(residual, kept)
