@@ -78,6 +78,20 @@ enum {
   PARALLEL_MACS = 1 << 15,   // below this many multiply-adds one thread does all
 };
 
+/* The team for a product of M x N x K split over `tiles` output tiles: one thread below
+   PARALLEL_MACS (the fork would cost more than it saves), never more threads than tiles. */
+static inline int team_size(int64_t M, int64_t N, int64_t K, int64_t tiles, int num_threads) {
+  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
+  return num_threads > tiles ? (int)tiles : num_threads;
+}
+
+/* This thread's number and the team's size inside a parallel region (0 of 1 without OpenMP). */
+#ifdef _OPENMP
+#define TEAM_MEMBER(t, T) const int t = omp_get_thread_num(), T = omp_get_num_threads()
+#else
+#define TEAM_MEMBER(t, T) const int t = 0, T = 1
+#endif
+
 /* The transforms small_gemm_prepared applies to x's rows (rollout.native.PREPARE_*). */
 enum { PREPARE_RMS_NORM = 1, PREPARE_SILU_MUL = 2 };
 /* Below this many transformed elements one thread prepares the rows on the AVX-512 path:
@@ -412,15 +426,10 @@ static int fp32_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_r
   const int64_t blocks = (M + 15) / 16, tiles = (N + 15) / 16;
   float *xt = fp32_scratch((size_t)(blocks * K * 64));
   if (!xt) return 0;  // the caller takes the dot-product path
-  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
-  if (num_threads > tiles) num_threads = (int)tiles;
+  num_threads = team_size(M, N, K, tiles, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-    const int t = 0, T = 1;
-#endif
+    TEAM_MEMBER(t, T);
     fp32_pack(t, blocks, T, M, K, x, x_row, xt);
 #pragma omp barrier
     const int64_t n0 = tiles * t / T * 16, n1_tiles = tiles * (t + 1) / T * 16;
@@ -702,15 +711,10 @@ static int amx_gemm_any(int prepare, int64_t M, int64_t N, int64_t K, const char
   const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = N / 16;
   uint32_t *xp = aligned_alloc(64, (size_t)(chunks * tiles_m * 1024));
   if (!xp) return 0;  // the caller takes the AVX-512 path
-  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
-  if (num_threads > tiles) num_threads = (int)tiles;
+  num_threads = team_size(M, N, K, tiles, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-    const int t = 0, T = 1;
-#endif
+    TEAM_MEMBER(t, T);
     amx_thread(t, T, prepare, M, N, K, x, x_row, norm_weight, eps, rows, xp, w, w_row, bias, res,
                res_row, y, y_row);
   }
@@ -764,15 +768,10 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
     return;
 #endif
   const int64_t tiles = (N + COLS - 1) / COLS;
-  if (M * N * K < PARALLEL_MACS || num_threads < 1) num_threads = 1;
-  if (num_threads > tiles) num_threads = (int)tiles;
+  num_threads = team_size(M, N, K, tiles, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-    const int t = 0, T = 1;
-#endif
+    TEAM_MEMBER(t, T);
     // contiguous ranges of whole tiles, one per thread
     const int64_t n0 = tiles * t / T * COLS, n1_tiles = tiles * (t + 1) / T * COLS;
     const int64_t n1 = n1_tiles < N ? n1_tiles : N;
