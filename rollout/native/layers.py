@@ -30,6 +30,8 @@ eagerly
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -91,26 +93,21 @@ def small_linear_rows(dtype: torch.dtype) -> int:
 _ROW_LIMITS: dict[torch.dtype, int] = {}
 
 
+@functools.cache
 def onednn_float32_gemm():
     """oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU fusions
     call) for the float32 batches past the kernel's rows (prefill) on CPUs other than Intel's,
     else None (fixed for the process). Its AVX-512 kernels are chosen by the CPU's features, not
     its vendor: on the AMD EPYC box it ran the prefill's linear layers faster than MKL (engine
-    prefill 1.08x, RESULTS.md "float32 decode GEMMs on AMD"); on Intel MKL keeps them."""
-    global _ONEDNN_FP32
-    if _ONEDNN_FP32 is None:
-        lib = _small_gemm(torch.float32)
-        usable = (
-            lib is not None  # an x86 build with AVX-512, where the vendor check means something
-            and not lib.small_gemm_cpu_is_intel()
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        )
-        _ONEDNN_FP32 = (torch.ops.mkldnn._linear_pointwise,) if usable else ()
-    return _ONEDNN_FP32[0] if _ONEDNN_FP32 else None
-
-
-_ONEDNN_FP32: tuple | None = None
+    prefill 1.30x, RESULTS.md "float32 decode GEMMs on AMD"); on Intel MKL keeps them."""
+    lib = _small_gemm(torch.float32)
+    usable = (
+        lib is not None  # an x86 build with AVX-512, where the vendor check means something
+        and not lib.small_gemm_cpu_is_intel()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+    return torch.ops.mkldnn._linear_pointwise if usable else None
 
 
 def _small_gemm(dtype: torch.dtype):

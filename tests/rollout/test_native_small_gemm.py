@@ -212,7 +212,7 @@ def test_onednn_takes_float32_rows_past_the_kernel_where_the_cpu_is_not_intel(mo
     calls = []
     if onednn is not None:
         monkeypatch.setattr(
-            layers, "_ONEDNN_FP32", (lambda *a: calls.append(a[0].shape) or onednn(*a),)
+            layers, "onednn_float32_gemm", lambda: lambda *a: calls.append(a[0].shape) or onednn(*a)
         )
     limit = layers.small_linear_rows(torch.float32)
     w, bias = _randn(131, 300, seed=12), _randn(131, seed=13)
