@@ -47,6 +47,9 @@ STREAM_NUM_BUFFERS = 3
 MIN_STREAM_BUCKET_BYTES, MAX_STREAM_BUCKET_BYTES = 4 << 20, 16 << 20
 
 
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "32768K"
+
+
 def last_level_cache_bytes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     """The size of the CPU's last-level cache as Linux reports it (its highest-level cache on
     cpu0), None where it does not (another OS, a container hiding /sys)."""
@@ -59,8 +62,8 @@ def last_level_cache_bytes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") 
                 level = int(f.read())
             with open(os.path.join(cpu_dir, index, "size")) as f:
                 text = f.read().strip()  # "32768K", "2048K", "1M"
-            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-            size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+            unit = _SIZE_UNITS.get(text[-1])
+            size = int(text[:-1]) * unit if unit else int(text)
             sizes[level] = max(size, sizes.get(level, 0))
     except (OSError, ValueError):
         return None
