@@ -72,6 +72,11 @@ SMALL_LINEAR_ROWS_AMX = 256
 # (0.88x at 256), on an AMD EPYC (Zen 4) it reached ~60 % of the FMA peak there and the outer
 # products beat it at 32..256 rows (RESULTS.md "float32 decode GEMMs on AMD").
 SMALL_LINEAR_ROWS_FP32_NOT_INTEL = 256
+# bfloat16 from 17 rows on the kernel's vdpbf16ps outer products (small_gemm.c, bf16_outer_gemm),
+# up to this many rows, where the CPU has no AMX tiles and is not Intel's: on the AMD EPYC box
+# torch's bfloat16 GEMM (oneDNN's) ran 1.2-1.9x slower at 17..128 rows and level at 256
+# (RESULTS.md "bfloat16 decode GEMMs on AMD").
+SMALL_LINEAR_ROWS_BF16_NOT_INTEL = 128
 
 
 def small_linear_rows(dtype: torch.dtype) -> int:
@@ -82,6 +87,8 @@ def small_linear_rows(dtype: torch.dtype) -> int:
         lib = _small_gemm(dtype)
         if dtype == torch.bfloat16 and lib is not None and lib.small_gemm_has_amx():
             limit = SMALL_LINEAR_ROWS_AMX
+        elif dtype == torch.bfloat16 and lib is not None and not lib.small_gemm_cpu_is_intel():
+            limit = SMALL_LINEAR_ROWS_BF16_NOT_INTEL
         elif dtype == torch.float32 and lib is not None and not lib.small_gemm_cpu_is_intel():
             limit = SMALL_LINEAR_ROWS_FP32_NOT_INTEL
         else:

@@ -438,28 +438,12 @@ static int fp32_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_r
   }
   return 1;
 }
-#endif
-
-
-#if HAVE_AMX
-/* bfloat16 on AMX tiles. Tiles are 16 rows x 64 bytes: the A tile 16 outputs x 32 K values,
-   loaded straight from the weight rows (stride: the weight's row stride); a B tile 16 pairs of K
-   x 16 rows of x in the pair layout B[k/2][m][2] = x[m][k], x[m][k + 1] (x^T packed per call,
-   zero past K and past M); a C tile C[n][m] = the 16 x 16 float32 sums, stored and read back
-   transposed into y's rows. Tile numbers are immediates: C tiles 0-3 (up to 64 rows of x at a
-   time), A 4, B 5. Outputs past the last whole 16 go to the AVX-512 path (`outputs`); the K
-   values past the last whole 32 of a tile's weight rows are copied, zero-padded, into a 16 x 32
-   staging tile (tileloadd would read past the rows' ends otherwise). Each thread configures its
-   tiles (amx_tiles.h: amx_configure) and releases them after. */
-/* From this many rows of x the tiles are faster than the AVX-512 path (benchmarks/small_gemm.py,
-   RESULTS.md "bfloat16 small-batch linear layers on AMX tiles"). */
-enum { AMX_MIN_ROWS = 8 };
 
 /* x^T in the pair layout: xp[c][j] (chunk c of 32 K values, tile j of 16 rows) a 16 x 16 array
    of uint32 pairs, xp[c][j][p][i] = the pair (x[16j + i][32c + 2p], x[16j + i][32c + 2p + 1]),
    zero past K and past M: each 16 x 16 block of x's pairs transposed in registers (unpacks of
    32- and 64-bit elements within 128-bit lanes, then a 4 x 4 transpose of the lanes). */
-static void amx_pack(int64_t M, int64_t K, const char *x, int64_t x_row, uint32_t *xp,
+static void pair_pack(int64_t M, int64_t K, const char *x, int64_t x_row, uint32_t *xp,
                      int64_t tiles_m, int64_t j0, int64_t j1) {  // row tiles [j0, j1)
   const int64_t chunks = (K + 31) / 32;
   for (int64_t c = 0; c < chunks; c++) {
@@ -494,6 +478,149 @@ static void amx_pack(int64_t M, int64_t K, const char *x, int64_t x_row, uint32_
     }
   }
 }
+
+/* bfloat16 from BF16_MIN_ROWS rows, with vdpbf16ps: the float32 path's outer products on
+   pairs. x^T is packed in the pair layout below (the AMX path's B operand), so one 64-byte
+   vector holds 16 rows' pairs (x[m][k], x[m][k + 1]); each output's weight pair
+   (W[n][k], W[n][k + 1]), read in place, is broadcast to all 16 lanes, and vdpbf16ps adds the
+   two exact products to each row's float32 sum. A register tile of NR outputs x V 16-row tiles
+   (6 x 4, and 8 x 3, 12 x 2, 14 x 1 for the rows past the last whole 64) keeps NR V sums; each
+   output's sum is one chain over k in order whatever the thread count (bitwise the same on 1
+   and 2 threads). The tile is transposed in registers and finished as the dot-product path
+   finishes it: + bias, rounded once to bfloat16, + residual, rounded again. Like every
+   vdpbf16ps path, denormal inputs and sums are flushed to zero. */
+#if HAVE_BF16_DOT
+/* From this many rows the outer products beat the dot products (benchmarks/small_gemm.py;
+   RESULTS.md "bfloat16 decode GEMMs on AMD"). The engine sends bfloat16 batches past the dot
+   products' rows here only where the CPU has no AMX tiles and is not Intel's (layers.py). */
+enum { BF16_MIN_ROWS = 32 };
+
+/* Row tiles j0 .. j0 + V - 1 by outputs n..n+count-1 (count <= NR). `ahead`: the byte offset of
+   the weight rows to prefetch (a later tile's), 0 for none. */
+static inline __attribute__((always_inline)) void bf16_outer_tile(
+    const int NR, const int V, int64_t j0, int64_t M, const uint32_t *xp, int64_t tiles_m,
+    const char *w, int64_t w_row, int64_t K, int64_t n, int64_t count, int64_t ahead,
+    const uint16_t *bias, const char *res, int64_t res_row, char *y, int64_t y_row) {
+  const uint16_t *wj[16];
+  for (int j = 0; j < NR; j++)  // a missing output (count < NR) repeats the last one
+    wj[j] = (const uint16_t *)(w + (n + (j < count ? j : count - 1)) * w_row);
+  __m512 acc[16][4];
+  for (int j = 0; j < NR; j++)
+    for (int v = 0; v < V; v++) acc[j][v] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;  // whole pairs; an odd K's last value is a pair with 0
+  for (int64_t q = 0; q < pairs; q++) {
+    const int64_t c = q / 16;
+    const uint32_t *xq = xp + (c * tiles_m + j0) * 256 + 16 * (q % 16);
+    if (ahead && q % 16 == 0)
+      for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(wj[j] + 32 * c) + ahead, PREFETCH_HINT);
+    __m512i xk[4];
+    for (int v = 0; v < V; v++) xk[v] = _mm512_load_si512(xq + 256 * v);
+    for (int j = 0; j < NR; j++) {
+      uint32_t pair;
+      memcpy(&pair, wj[j] + 2 * q, sizeof pair);
+      const __m512bh wk = (__m512bh)_mm512_set1_epi32((int)pair);
+      for (int v = 0; v < V; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], wk, (__m512bh)xk[v]);
+    }
+  }
+  if (K % 2) {  // x's pair there is (x[m][K - 1], 0): packed zero past K
+    const int64_t q = pairs, c = q / 16;
+    const uint32_t *xq = xp + (c * tiles_m + j0) * 256 + 16 * (q % 16);
+    for (int j = 0; j < NR; j++) {
+      const __m512bh wk = (__m512bh)_mm512_set1_epi32((int)wj[j][K - 1]);
+      for (int v = 0; v < V; v++)
+        acc[j][v] = _mm512_dpbf16_ps(acc[j][v], wk, (__m512bh)_mm512_load_si512(xq + 256 * v));
+    }
+  }
+  const __mmask16 out_mask = (__mmask16)((1u << count) - 1);
+  const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(out_mask, bias + n)), 16))
+                         : _mm512_setzero_ps();
+  for (int v = 0; v < V; v++) {
+    __m512 r[16];
+    for (int j = 0; j < 16; j++) r[j] = j < NR ? acc[j][v] : _mm512_setzero_ps();
+    transpose16(r);  // r[i]: row 16 (j0 + v) + i's outputs in lanes 0..NR-1
+    const int64_t m0 = 16 * (j0 + v), rows = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t i = 0; i < rows; i++) {
+      const int64_t m = m0 + i;
+      __m512 o = bias ? _mm512_add_ps(r[i], bv) : r[i];
+      if (res) {
+        const __m256i rv = _mm256_maskz_loadu_epi16(out_mask, (const uint16_t *)(res + m * res_row) + n);
+        o = _mm512_add_ps(bf16_rounded16(o), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rv), 16)));
+      }
+      const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(bf16_rounded16(o)), 16);
+      _mm256_mask_storeu_epi16((uint16_t *)(y + m * y_row) + n, out_mask, _mm512_cvtepi32_epi16(b));
+    }
+  }
+}
+
+/* The row tiles of one group of V (from j0) by outputs [n0, n1), in tiles of NR outputs. */
+static inline __attribute__((always_inline)) void bf16_outer_group(
+    const int NR, const int V, int64_t j0, int64_t n0, int64_t n1, int64_t M, const uint32_t *xp,
+    int64_t tiles_m, const char *w, int64_t w_row, int64_t K, const uint16_t *bias,
+    const char *res, int64_t res_row, char *y, int64_t y_row) {
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t count = n1 - n < NR ? n1 - n : NR;
+    const int64_t ahead = n + 2 * NR <= n1 ? NR * w_row : 0;  // the next tile's weight rows
+    bf16_outer_tile(NR, V, j0, M, xp, tiles_m, w, w_row, K, n, count, ahead, bias, res, res_row,
+                    y, y_row);
+  }
+}
+
+/* Outputs [n0, n1) of all M rows from the packed x^T: 64 rows at a time on 6 x 4 tiles, the
+   rows past the last whole 64 on tiles as wide in outputs as the registers allow. */
+static void bf16_outer_outputs(int64_t n0, int64_t n1, int64_t M, const uint32_t *xp,
+                               const char *w, int64_t w_row, int64_t K, const uint16_t *bias,
+                               const char *res, int64_t res_row, char *y, int64_t y_row) {
+  const int64_t tiles_m = (M + 15) / 16, whole = tiles_m / 4 * 4;
+  for (int64_t j = 0; j < whole; j += 4)
+    bf16_outer_group(6, 4, j, n0, n1, M, xp, tiles_m, w, w_row, K, bias, res, res_row, y, y_row);
+  switch (tiles_m - whole) {
+    case 1: bf16_outer_group(14, 1, whole, n0, n1, M, xp, tiles_m, w, w_row, K, bias, res, res_row, y, y_row); break;
+    case 2: bf16_outer_group(12, 2, whole, n0, n1, M, xp, tiles_m, w, w_row, K, bias, res, res_row, y, y_row); break;
+    case 3: bf16_outer_group(8, 3, whole, n0, n1, M, xp, tiles_m, w, w_row, K, bias, res, res_row, y, y_row); break;
+    default: break;
+  }
+}
+
+/* small_gemm for bfloat16 from BF16_MIN_ROWS rows (byte strides), on CPUs without AMX tiles:
+   the threads pack x^T's row tiles between them, then split the 16-output tiles into
+   contiguous ranges. 0 (nothing done) where the packed x^T cannot be allocated. */
+static int bf16_outer_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_row,
+                           const char *w, int64_t w_row, const uint16_t *bias, const char *res,
+                           int64_t res_row, char *y, int64_t y_row, int num_threads) {
+  const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = (N + 15) / 16;
+  uint32_t *xp = (uint32_t *)fp32_scratch((size_t)(chunks * tiles_m * 1024));
+  if (!xp) return 0;  // the caller takes the dot-product path
+  num_threads = team_size(M, N, K, tiles, num_threads);
+#pragma omp parallel num_threads(num_threads)
+  {
+    TEAM_MEMBER(t, T);
+    pair_pack(M, K, x, x_row, xp, tiles_m, tiles_m * t / T, tiles_m * (t + 1) / T);
+#pragma omp barrier
+    const int64_t n0 = tiles * t / T * 16, n1_tiles = tiles * (t + 1) / T * 16;
+    bf16_outer_outputs(n0, n1_tiles < N ? n1_tiles : N, M, xp, w, w_row, K, bias, res, res_row,
+                       y, y_row);
+  }
+  return 1;
+}
+#endif
+#endif
+
+
+#if HAVE_AMX
+/* bfloat16 on AMX tiles. Tiles are 16 rows x 64 bytes: the A tile 16 outputs x 32 K values,
+   loaded straight from the weight rows (stride: the weight's row stride); a B tile 16 pairs of K
+   x 16 rows of x in the pair layout B[k/2][m][2] = x[m][k], x[m][k + 1] (x^T packed per call,
+   zero past K and past M); a C tile C[n][m] = the 16 x 16 float32 sums, stored and read back
+   transposed into y's rows. Tile numbers are immediates: C tiles 0-3 (up to 64 rows of x at a
+   time), A 4, B 5. Outputs past the last whole 16 go to the AVX-512 path (`outputs`); the K
+   values past the last whole 32 of a tile's weight rows are copied, zero-padded, into a 16 x 32
+   staging tile (tileloadd would read past the rows' ends otherwise). Each thread configures its
+   tiles (amx_tiles.h: amx_configure) and releases them after. */
+/* From this many rows of x the tiles are faster than the AVX-512 path (benchmarks/small_gemm.py,
+   RESULTS.md "bfloat16 small-batch linear layers on AMX tiles"). */
+enum { AMX_MIN_ROWS = 8 };
+
 
 /* A C tile's outputs: c[o][i] the float32 sum of output n + o for row i (of `rows` <= 16), as
    _tile_stored wrote it. Each of C's rows (one output, 16 rows of x) gets its bias and is
@@ -676,7 +803,7 @@ static void amx_thread(int t, int T, int prepare, int64_t M, int64_t N, int64_t 
       prepare_row(prepare, x + m * x_row, K, norm_weight, eps, rows + m * K);
     x = (const char *)rows, x_row = 2 * K;
   }
-  amx_pack(M, K, x, x_row, xp, tiles_m, j0, j1);
+  pair_pack(M, K, x, x_row, xp, tiles_m, j0, j1);
   if (!split_rows) {
 #pragma omp barrier
   }
@@ -759,6 +886,12 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const void *x, int64_t x_row, c
   if (bf16 && N >= 16 && M >= AMX_MIN_ROWS && amx_usable() &&
       amx_gemm(M, N, K, x, x_row * size, w, w_row * size, bias, res, res_row * size, y,
                y_row * size, num_threads))
+    return;
+#endif
+#if HAVE_BF16_DOT
+  if (bf16 && M >= BF16_MIN_ROWS &&
+      bf16_outer_gemm(M, N, K, x, x_row * size, w, w_row * size, bias, res, res_row * size, y,
+                      y_row * size, num_threads))
     return;
 #endif
 #if HAVE_AVX512

@@ -270,6 +270,50 @@ def test_float32_outer_products_within_the_bound(rows, outs, inner):
     assert torch.equal(alone, split)
 
 
+# bfloat16 outer products (small_gemm.c, bf16_outer_gemm) from 32 rows where there are no AMX
+# tiles: around the 16-row tiles, the 64-row groups and each 1..3-tile remainder group, up to
+# past the engine's limit there (layers.SMALL_LINEAR_ROWS_BF16_NOT_INTEL)
+BF16_OUTER_ROWS = [31, 32, 33, 47, 48, 63, 64, 65, 127, 128, 129, 200]
+
+
+@pytest.mark.skipif(
+    not BUILDS["native"].small_gemm_has_bf16_dot() or BUILDS["native"].small_gemm_has_amx(),
+    reason="the bfloat16 outer products run where vdpbf16ps exists and AMX tiles do not",
+)
+@pytest.mark.parametrize("rows", BF16_OUTER_ROWS)
+@pytest.mark.parametrize("outs,inner", [(1, 1), (5, 17), (37, 95), (131, 300), (256, 704)])
+def test_bfloat16_outer_products_within_one_ulp(rows, outs, inner):
+    """The bfloat16 outer-product path: each output's float32 sum (+ bias) rounded once, so within
+    one bfloat16 ulp of the float64 result plus the float32 summation bound (each pair's two
+    exact products added in k order: <= K + 8 roundings); the residual added to that rounded
+    product and rounded again, exactly torch's `residual + product`; odd K (the last value a
+    pair with zero), ragged outputs (not whole 6/8/12/14-output tiles), rows of x and of the
+    weight strided; one and two threads bit for bit. Against torch's bfloat16 F.linear: bit for
+    bit almost everywhere (it rounds the same float32 sums, summed in another order)."""
+    lib = BUILDS["native"]
+    x = _strided(_randn(rows, inner, seed=21).bfloat16(), 3)
+    w = _strided(_randn(outs, inner, seed=22).bfloat16(), 5)
+    bias, residual = _randn(outs, seed=23).bfloat16(), _randn(rows, outs, seed=24).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native.small_linear(lib, x, w, bias)
+        plain = native.small_linear(lib, x, w)
+        with_residual = native.small_linear(lib, x, w, bias, residual)
+        torch.set_num_threads(2)
+        split = native.small_linear(lib, x, w, bias)
+    finally:
+        torch.set_num_threads(threads)
+    for got, b in ((alone, bias), (plain, None)):
+        ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+        magnitude = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+        bound = _bf16_ulp(ref.float()).double() + (inner + 8) * U32 * magnitude
+        assert ((got.double() - ref).abs() <= bound).all()
+        assert (got == F.linear(x, w, b)).float().mean() >= 0.98
+    assert torch.equal(with_residual, residual + alone)
+    assert torch.equal(alone, split)
+
+
 @pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_views_are_read_in_place(build, dtype):
@@ -331,12 +375,14 @@ def test_layers_use_the_kernel_up_to_the_threshold(monkeypatch, dtype):
     w, bias = _randn(96, 64, seed=2).to(dtype), _randn(96, seed=3).to(dtype)
     limit = layers.small_linear_rows(dtype)
     amx = dtype == torch.bfloat16 and native.small_gemm().small_gemm_has_amx()
-    fp32_not_intel = dtype == torch.float32 and _cpu_vendor() not in ("GenuineIntel", None)
+    not_intel = _cpu_vendor() not in ("GenuineIntel", None)
     expected = (
         layers.SMALL_LINEAR_ROWS_AMX
         if amx
         else layers.SMALL_LINEAR_ROWS_FP32_NOT_INTEL
-        if fp32_not_intel
+        if dtype == torch.float32 and not_intel
+        else layers.SMALL_LINEAR_ROWS_BF16_NOT_INTEL
+        if dtype == torch.bfloat16 and not_intel
         else layers.SMALL_LINEAR_ROWS
     )
     assert limit == expected
