@@ -89,6 +89,15 @@ void silu_mul_f32(const float *gate, int64_t gate_stride, const float *up, int64
     const float *g = gate + t * gate_stride, *u = up + t * up_stride;
     float *o = out + t * out_stride;
     int64_t i = 0;
+#if HAVE_AVX512
+    // exp16 is exp8's polynomial lane for lane: the same results as the 8-wide loop below
+    const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+    for (; i + 16 <= I; i += 16) {
+      __m512 vg = _mm512_loadu_ps(g + i);
+      __m512 silu = _mm512_div_ps(vg, _mm512_add_ps(one16, exp16(_mm512_sub_ps(zero16, vg))));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+    }
+#endif
 #if HAVE_AVX2
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
     for (; i + 8 <= I; i += 8) {
