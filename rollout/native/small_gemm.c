@@ -298,6 +298,49 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
   }
 }
 
+/* count (<= 16) elements of a row at p, widened to float32 (bfloat16: the top halves); 0 past
+   them. */
+static inline __attribute__((always_inline)) __m512 row_load(const void *p, __mmask16 mask,
+                                                            const int bf16) {
+  if (!bf16) return _mm512_maskz_loadu_ps(mask, p);
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* An outer-product tile's sums, acc[j][v] = output n + j of rows 16 (b0 + v) .. + 15 in lanes,
+   transposed in registers (16 x 16 per block) into y's rows and finished as the dot products
+   finish (`finish4`): + bias; float32 + residual; bfloat16 rounded once, + residual, rounded
+   again. count (<= NR) outputs are stored. */
+static inline __attribute__((always_inline)) void outer_tile_finish(
+    __m512 acc[16][4], const int NR, const int V, int64_t b0, int64_t M, int64_t n,
+    int64_t count, const void *bias, const char *res, int64_t res_row, char *y, int64_t y_row,
+    const int bf16) {
+  const int64_t size = bf16 ? 2 : 4;
+  const __mmask16 out_mask = (__mmask16)((1u << count) - 1);
+  const __m512 bv =
+      bias ? row_load((const char *)bias + n * size, out_mask, bf16) : _mm512_setzero_ps();
+  for (int v = 0; v < V; v++) {
+    __m512 r[16];
+    for (int j = 0; j < 16; j++) r[j] = j < NR ? acc[j][v] : _mm512_setzero_ps();
+    transpose16(r);  // r[i]: row 16 (b0 + v) + i's outputs in lanes 0..NR-1
+    const int64_t m0 = 16 * (b0 + v), rows = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t i = 0; i < rows; i++) {
+      const int64_t m = m0 + i;
+      __m512 o = bias ? _mm512_add_ps(r[i], bv) : r[i];
+      const char *rm = res ? res + m * res_row + n * size : NULL;
+      char *ym = y + m * y_row + n * size;
+      if (!bf16) {
+        if (res) o = _mm512_add_ps(o, row_load(rm, out_mask, 0));
+        _mm512_mask_storeu_ps((float *)ym, out_mask, o);
+        continue;
+      }
+      if (res) o = _mm512_add_ps(bf16_rounded16(o), row_load(rm, out_mask, 1));
+      const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(bf16_rounded16(o)), 16);
+      _mm256_mask_storeu_epi16((uint16_t *)ym, out_mask, _mm512_cvtepi32_epi16(b));
+    }
+  }
+}
+
 /* Row blocks b of x^T packed: xt + b K 16, each 16 x 16 block of x transposed in registers. */
 static void fp32_pack(int64_t b0, int64_t b1, int64_t step, int64_t M, int64_t K,
                       const char *x, int64_t x_row, float *xt) {
@@ -354,21 +397,7 @@ static inline __attribute__((always_inline)) void fp32_tile(
       for (int v = 0; v < V; v++) acc[j][v] = _mm512_fmadd_ps(wk, xk[v], acc[j][v]);
     }
   }
-  const __mmask16 out_mask = (__mmask16)((1u << count) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(out_mask, bias + n) : _mm512_setzero_ps();
-  for (int v = 0; v < V; v++) {
-    __m512 r[16];
-    for (int j = 0; j < 16; j++) r[j] = j < NR ? acc[j][v] : _mm512_setzero_ps();
-    transpose16(r);  // r[i]: row 16 (b0 + v) + i's outputs in lanes 0..NR-1
-    const int64_t m0 = 16 * (b0 + v), rows = M - m0 < 16 ? M - m0 : 16;
-    for (int64_t i = 0; i < rows; i++) {
-      const int64_t m = m0 + i;
-      __m512 o = bias ? _mm512_add_ps(r[i], bv) : r[i];
-      if (res)
-        o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(out_mask, (const float *)(res + m * res_row) + n));
-      _mm512_mask_storeu_ps((float *)(y + m * y_row) + n, out_mask, o);
-    }
-  }
+  outer_tile_finish(acc, NR, V, b0, M, n, count, bias, res, res_row, y, y_row, 0);
 }
 
 /* The rows of one group of V 16-row blocks (from block b0) by outputs [n0, n1), in tiles of NR
@@ -531,26 +560,7 @@ static inline __attribute__((always_inline)) void bf16_outer_tile(
         acc[j][v] = _mm512_dpbf16_ps(acc[j][v], wk, (__m512bh)_mm512_load_si512(xq + 256 * v));
     }
   }
-  const __mmask16 out_mask = (__mmask16)((1u << count) - 1);
-  const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(out_mask, bias + n)), 16))
-                         : _mm512_setzero_ps();
-  for (int v = 0; v < V; v++) {
-    __m512 r[16];
-    for (int j = 0; j < 16; j++) r[j] = j < NR ? acc[j][v] : _mm512_setzero_ps();
-    transpose16(r);  // r[i]: row 16 (j0 + v) + i's outputs in lanes 0..NR-1
-    const int64_t m0 = 16 * (j0 + v), rows = M - m0 < 16 ? M - m0 : 16;
-    for (int64_t i = 0; i < rows; i++) {
-      const int64_t m = m0 + i;
-      __m512 o = bias ? _mm512_add_ps(r[i], bv) : r[i];
-      if (res) {
-        const __m256i rv = _mm256_maskz_loadu_epi16(out_mask, (const uint16_t *)(res + m * res_row) + n);
-        o = _mm512_add_ps(bf16_rounded16(o), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rv), 16)));
-      }
-      const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(bf16_rounded16(o)), 16);
-      _mm256_mask_storeu_epi16((uint16_t *)(y + m * y_row) + n, out_mask, _mm512_cvtepi32_epi16(b));
-    }
-  }
+  outer_tile_finish(acc, NR, V, j0, M, n, count, bias, res, res_row, y, y_row, 1);
 }
 
 /* The row tiles of one group of V (from j0) by outputs [n0, n1), in tiles of NR outputs. */
