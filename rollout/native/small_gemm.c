@@ -468,7 +468,9 @@ static int fp32_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_r
   return 1;
 }
 
-/* x^T in the pair layout: xp[c][j] (chunk c of 32 K values, tile j of 16 rows) a 16 x 16 array
+#if HAVE_BF16_DOT || HAVE_AMX
+/* x^T in the pair layout (the bfloat16 outer products' and the AMX tiles' operand): xp[c][j]
+   (chunk c of 32 K values, tile j of 16 rows) a 16 x 16 array
    of uint32 pairs, xp[c][j][p][i] = the pair (x[16j + i][32c + 2p], x[16j + i][32c + 2p + 1]),
    zero past K and past M: each 16 x 16 block of x's pairs transposed in registers (unpacks of
    32- and 64-bit elements within 128-bit lanes, then a 4 x 4 transpose of the lanes). */
@@ -507,9 +509,10 @@ static void pair_pack(int64_t M, int64_t K, const char *x, int64_t x_row, uint32
     }
   }
 }
+#endif
 
 /* bfloat16 from BF16_MIN_ROWS rows, with vdpbf16ps: the float32 path's outer products on
-   pairs. x^T is packed in the pair layout below (the AMX path's B operand), so one 64-byte
+   pairs. x^T is packed in the pair layout (pair_pack above), so one 64-byte
    vector holds 16 rows' pairs (x[m][k], x[m][k + 1]); each output's weight pair
    (W[n][k], W[n][k + 1]), read in place, is broadcast to all 16 lanes, and vdpbf16ps adds the
    two exact products to each row's float32 sum. A register tile of NR outputs x V 16-row tiles
@@ -630,7 +633,6 @@ static int bf16_outer_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64
 /* From this many rows of x the tiles are faster than the AVX-512 path (benchmarks/small_gemm.py,
    RESULTS.md "bfloat16 small-batch linear layers on AMX tiles"). */
 enum { AMX_MIN_ROWS = 8 };
-
 
 /* A C tile's outputs: c[o][i] the float32 sum of output n + o for row i (of `rows` <= 16), as
    _tile_stored wrote it. Each of C's rows (one output, 16 rows of x) gets its bias and is
