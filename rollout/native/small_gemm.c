@@ -431,11 +431,11 @@ static void fp32_outputs(int64_t n0, int64_t n1, int64_t M, const float *xt, con
 }
 
 /* The calling thread's scratch of at least `bytes` (64-byte aligned), kept between calls and
-   grown when a call needs more: x^T is packed anew by every call, but allocating it anew would
-   map and fault in fresh pages each time (it is larger than malloc's mmap threshold). NULL where
-   it cannot be allocated. */
-static float *fp32_scratch(size_t bytes) {
-  static _Thread_local float *buffer = NULL;
+   grown when a call needs more: x^T is packed anew by every call (float32 blocks, or bfloat16
+   pairs), but allocating it anew would map and fault in fresh pages each time (it is larger than
+   malloc's mmap threshold). NULL where it cannot be allocated. */
+static void *pack_scratch(size_t bytes) {
+  static _Thread_local void *buffer = NULL;
   static _Thread_local size_t capacity = 0;
   if (bytes > capacity) {
     free(buffer);
@@ -453,7 +453,7 @@ static int fp32_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64_t x_r
                      const char *w, int64_t w_row, const float *bias, const char *res,
                      int64_t res_row, char *y, int64_t y_row, int num_threads) {
   const int64_t blocks = (M + 15) / 16, tiles = (N + 15) / 16;
-  float *xt = fp32_scratch((size_t)(blocks * K * 64));
+  float *xt = pack_scratch((size_t)(blocks * K * 64));
   if (!xt) return 0;  // the caller takes the dot-product path
   num_threads = team_size(M, N, K, tiles, num_threads);
 #pragma omp parallel num_threads(num_threads)
@@ -602,7 +602,7 @@ static int bf16_outer_gemm(int64_t M, int64_t N, int64_t K, const char *x, int64
                            const char *w, int64_t w_row, const uint16_t *bias, const char *res,
                            int64_t res_row, char *y, int64_t y_row, int num_threads) {
   const int64_t tiles_m = (M + 15) / 16, chunks = (K + 31) / 32, tiles = (N + 15) / 16;
-  uint32_t *xp = (uint32_t *)fp32_scratch((size_t)(chunks * tiles_m * 1024));
+  uint32_t *xp = pack_scratch((size_t)(chunks * tiles_m * 1024));
   if (!xp) return 0;  // the caller takes the dot-product path
   num_threads = team_size(M, N, K, tiles, num_threads);
 #pragma omp parallel num_threads(num_threads)
